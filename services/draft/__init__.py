@@ -1,0 +1,1 @@
+"""Draft worker: DFlash block proposals over gRPC."""

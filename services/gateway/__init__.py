@@ -1,0 +1,1 @@
+"""Gateway: public API, tokenization, tree building and the speculation loop."""

@@ -1,0 +1,1 @@
+"""Target worker: tree verification, KV cache and the decoding rule over gRPC."""

@@ -1,0 +1,41 @@
+"""Build hook: generate the protobuf/gRPC modules from protos/ at install time.
+
+protoc writes ``protos/splitspec/v1/*.proto`` to ``splitspec/v1/*_pb2*.py`` so that the proto package
+``splitspec.v1`` is also the Python package ``splitspec.v1``. The generated files are gitignored and
+never edited by hand. Regular installs get them in the wheel; editable installs in the source tree.
+"""
+
+from pathlib import Path
+
+from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
+
+ROOT = Path(__file__).resolve().parent
+
+
+def generate_protos() -> None:
+    import grpc_tools
+    from grpc_tools import protoc
+
+    protos = sorted(str(p.relative_to(ROOT / "protos")) for p in (ROOT / "protos").rglob("*.proto"))
+    include = str(Path(grpc_tools.__file__).parent / "_proto")
+    args = ["protoc", "-Iprotos", f"-I{include}", "--python_out=.", "--pyi_out=.", "--grpc_python_out=.", *protos]
+    if protoc.main(args) != 0:
+        raise RuntimeError("protoc failed on " + " ".join(protos))
+    (ROOT / "splitspec" / "v1" / "__init__.py").write_text('"""Generated from protos/ at install time."""\n')
+
+
+class BuildPyWithProtos(build_py):
+    def run(self) -> None:
+        generate_protos()
+        super().run()
+
+
+def packages() -> list[str]:
+    found = find_packages(include=["splitspec", "splitspec.*"]) + ["splitspec.v1"]
+    for prefix, folder in (("splitspec.services", "services"), ("splitspec.native", "native")):
+        found += [prefix] + [f"{prefix}.{sub}" for sub in find_packages(where=folder)]
+    return sorted(set(found))
+
+
+setup(packages=packages(), cmdclass={"build_py": BuildPyWithProtos})
