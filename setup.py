@@ -2,13 +2,13 @@
 
 protoc writes ``protos/splitspec/v1/*.proto`` to ``splitspec/v1/*_pb2*.py`` so that the proto package
 ``splitspec.v1`` is also the Python package ``splitspec.v1``. The generated files are gitignored and
-never edited by hand. Regular installs get them in the wheel; editable installs in the source tree.
+never edited by hand. They are written into the source tree before setuptools collects packages,
+so regular installs carry them in the wheel and editable installs find them in place.
 """
 
 from pathlib import Path
 
 from setuptools import find_packages, setup
-from setuptools.command.build_py import build_py
 
 ROOT = Path(__file__).resolve().parent
 
@@ -25,12 +25,6 @@ def generate_protos() -> None:
     (ROOT / "splitspec" / "v1" / "__init__.py").write_text('"""Generated from protos/ at install time."""\n')
 
 
-class BuildPyWithProtos(build_py):
-    def run(self) -> None:
-        generate_protos()
-        super().run()
-
-
 def packages() -> list[str]:
     found = find_packages(include=["splitspec", "splitspec.*"]) + ["splitspec.v1"]
     for prefix, folder in (("splitspec.services", "services"), ("splitspec.native", "native")):
@@ -38,4 +32,5 @@ def packages() -> list[str]:
     return sorted(set(found))
 
 
-setup(packages=packages(), cmdclass={"build_py": BuildPyWithProtos})
+generate_protos()
+setup(packages=packages())

@@ -1,0 +1,161 @@
+"""Draft engine: per-sequence DFlash context caches and block proposals.
+
+Each sequence keeps, per draft layer, the RoPE'd keys and values of its projected context
+(``fc`` + ``hidden_norm`` of the target's tap features) for positions ``[ctx_start, ctx_end)``.
+A proposal appends the new features (positions ``ctx_end .. anchor_position - 1``), runs one
+non-causal pass over ``[anchor, MASK × (B-1)]`` at positions ``anchor_position + 0..B-1``, applies
+the target's LM head to rows 1..B-1, and returns per-depth top-K ids and log-probs.
+
+Not thread-safe: the service calls it from one worker thread.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from splitspec.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from splitspec.models.dflash import DFlashConfig, DFlashDraft
+
+
+class ContextCache:
+    """Growable per-layer K/V [H_kv, capacity, D] with amortised doubling and an optional window."""
+
+    def __init__(self, num_layers: int) -> None:
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self.num_layers = num_layers
+        self.size = 0  # filled positions
+
+    def append(self, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        m = kv[0][0].shape[1]
+        if not self.k:
+            self.k = [torch.empty(k.shape[0], max(m, 64), k.shape[2], dtype=k.dtype, device=k.device) for k, _ in kv]
+            self.v = [torch.empty_like(k) for k in self.k]
+        if self.size + m > self.k[0].shape[1]:
+            new_cap = max(2 * self.k[0].shape[1], self.size + m)
+            for i in range(self.num_layers):
+                for store in (self.k, self.v):
+                    grown = store[i].new_empty(store[i].shape[0], new_cap, store[i].shape[2])
+                    grown[:, : self.size] = store[i][:, : self.size]
+                    store[i] = grown
+        for i, (k, v) in enumerate(kv):
+            self.k[i][:, self.size : self.size + m] = k
+            self.v[i][:, self.size : self.size + m] = v
+        self.size += m
+
+    def drop_front(self, count: int) -> None:
+        """Forget the oldest ``count`` positions (draft window)."""
+        if count <= 0:
+            return
+        keep = self.size - count
+        for store in (self.k, self.v):
+            for i in range(self.num_layers):
+                store[i][:, :keep] = store[i][:, count : self.size].clone()
+        self.size = keep
+
+    def layers(self, window: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per-layer views of the filled positions, or of the last ``window`` of them."""
+        first = max(0, self.size - window) if window else 0
+        return [(k[:, first : self.size], v[:, first : self.size]) for k, v in zip(self.k, self.v)]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.k + self.v)
+
+
+@dataclass
+class DraftSequence:
+    cache: ContextCache
+    ctx_start: int  # absolute position of cache slot 0
+    ctx_end: int  # first position without features
+    last_used: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class Proposal:
+    top_ids: torch.Tensor  # [B-1, K] int32
+    top_logprobs: torch.Tensor  # [B-1, K] float32
+    forward_ns: int
+
+
+class DraftEngine:
+    def __init__(
+        self,
+        model: DFlashDraft,
+        embed: torch.Tensor,  # [vocab, hidden] the target's token embedding
+        lm_head: torch.Tensor,  # [vocab, hidden] the target's output projection
+        max_sequences: int = 256,
+        max_top_k: int = 64,
+    ) -> None:
+        self.model, self.config = model, model.config
+        self.embed, self.lm_head = embed, lm_head
+        self.vocab_size = embed.shape[0]
+        self.max_sequences, self.max_top_k = max_sequences, max_top_k
+        self.device, self.dtype = embed.device, next(model.parameters()).dtype
+        self.sequences: dict[str, DraftSequence] = {}
+
+    def propose(
+        self,
+        sequence_id: str,
+        anchor_token: int,
+        anchor_position: int,
+        features: torch.Tensor | None,  # [m, taps * hidden] for positions anchor_position - m ..
+        top_k: int,
+        window: int = 0,
+    ) -> Proposal:
+        c: DFlashConfig = self.config
+        if not sequence_id:
+            raise InvalidArgument("sequence_id must not be empty")
+        if not 0 <= anchor_token < self.vocab_size:
+            raise InvalidArgument(f"anchor_token: {anchor_token} is outside [0, {self.vocab_size})")
+        if not 1 <= top_k <= min(self.max_top_k, self.vocab_size):
+            raise InvalidArgument(f"top_k: {top_k} is outside [1, {min(self.max_top_k, self.vocab_size)}]")
+        if window < 0:
+            raise InvalidArgument(f"window: {window} must be >= 0")
+        m = 0 if features is None else features.shape[0]
+        width = c.num_taps * c.hidden_size
+        if features is not None and (features.dim() != 2 or features.shape[1] != width):
+            raise InvalidArgument(f"features: shape {tuple(features.shape)} is not [rows, {width}]")
+        seq = self.sequences.get(sequence_id)
+        if seq is None:
+            if len(self.sequences) >= self.max_sequences:
+                raise ResourceExhausted(f"{len(self.sequences)} draft contexts are live, the limit is {self.max_sequences}")
+            if m == 0:
+                raise FailedPrecondition(f"sequence_id {sequence_id!r} is new to the draft worker and carries no features")
+            seq = DraftSequence(ContextCache(c.num_layers), anchor_position - m, anchor_position - m)
+            self.sequences[sequence_id] = seq
+        if seq.ctx_end + m != anchor_position:
+            raise FailedPrecondition(
+                f"features: the draft context ends at position {seq.ctx_end} but {m} rows before "
+                f"anchor_position {anchor_position} start at {anchor_position - m}"
+            )
+        seq.last_used = time.monotonic()
+        t0 = time.perf_counter_ns()
+        dev = self.device
+        if m:
+            positions = torch.arange(seq.ctx_end, anchor_position, device=dev)
+            seq.cache.append(self.model.context_kv(features.to(device=dev, dtype=self.dtype), positions))
+            seq.ctx_end = anchor_position
+        if window and seq.cache.size > 2 * window:  # compact rarely; attention slices the window anyway
+            seq.ctx_start += seq.cache.size - window
+            seq.cache.drop_front(seq.cache.size - window)
+        block = torch.full((c.block_size,), c.mask_token_id, dtype=torch.int64, device=dev)
+        block[0] = anchor_token
+        positions = torch.arange(anchor_position, anchor_position + c.block_size, device=dev)
+        hidden = self.model(self.embed[block].to(self.dtype), positions, seq.cache.layers(window))
+        logprobs = torch.log_softmax((hidden[1:] @ self.lm_head.T.to(hidden.dtype)).float(), dim=-1)  # [B-1, vocab]
+        top = torch.topk(logprobs, top_k, dim=-1)
+        return Proposal(top.indices.to(torch.int32), top.values, time.perf_counter_ns() - t0)
+
+    def release(self, sequence_id: str) -> bool:
+        return self.sequences.pop(sequence_id, None) is not None
+
+    def expire_idle(self, max_idle_s: float) -> list[str]:
+        now = time.monotonic()
+        stale = [sid for sid, s in self.sequences.items() if now - s.last_used > max_idle_s]
+        for sid in stale:
+            del self.sequences[sid]
+        return stale

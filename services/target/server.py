@@ -1,0 +1,92 @@
+"""gRPC servicer for the target worker: thin conversion between protobuf and ``TargetEngine``."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import partial
+
+from splitspec.devices import DTYPES
+from splitspec.errors import InvalidArgument
+from splitspec.spec.sampling import SamplingParams
+from splitspec.v1 import common_pb2, target_pb2, target_pb2_grpc
+from splitspec.wire import tensor_to_pb
+from splitspec.services.target.engine import TargetEngine
+
+SERVICE = target_pb2.DESCRIPTOR.services_by_name["TargetWorker"].full_name
+FEATURE_DTYPES = ("", "float32", "float16", "bfloat16")
+
+
+def sampling_from_pb(msg: common_pb2.Sampling) -> SamplingParams:
+    if not msg.temperature >= 0.0:  # also rejects NaN
+        raise InvalidArgument(f"sampling.temperature: {msg.temperature} must be >= 0")
+    top_p = msg.top_p if msg.top_p else 1.0
+    if not 0.0 < top_p <= 1.0:
+        raise InvalidArgument(f"sampling.top_p: {msg.top_p} must be in (0, 1]")
+    if msg.top_k < 0:
+        raise InvalidArgument(f"sampling.top_k: {msg.top_k} must be >= 0")
+    return SamplingParams(temperature=msg.temperature, top_p=top_p, top_k=msg.top_k, seed=msg.seed)
+
+
+@dataclass
+class TargetDescription:
+    """Static facts the Info RPC reports."""
+
+    geometry: common_pb2.ModelGeometry
+    eos_token_ids: list[int]
+    tokenizer_path: str
+
+
+class TargetServicer(target_pb2_grpc.TargetWorkerServicer):
+    def __init__(self, engine: TargetEngine, description: TargetDescription) -> None:
+        self.engine = engine
+        self.description = description
+        # One thread: device work is serialised and the event loop stays free for health/Info.
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="target-engine")
+
+    async def _run(self, fn, *args, **kwargs):
+        return await asyncio.get_running_loop().run_in_executor(self.executor, partial(fn, *args, **kwargs))
+
+    async def Info(self, request, context):
+        d = self.description
+        return target_pb2.TargetInfo(
+            geometry=d.geometry,
+            eos_token_ids=d.eos_token_ids,
+            max_tree_nodes=self.engine.limits.max_tree_nodes,
+            live_sequences=len(self.engine.sequences),
+            tokenizer_path=d.tokenizer_path,
+        )
+
+    async def Prefill(self, request, context):
+        if request.feature_dtype not in FEATURE_DTYPES:
+            raise InvalidArgument(f"feature_dtype: {request.feature_dtype!r} is not one of {FEATURE_DTYPES[1:]}")
+        result = await self._run(
+            self.engine.prefill,
+            request.sequence_id,
+            list(request.tokens),
+            sampling_from_pb(request.sampling),
+            taps=list(request.tap_layer_ids),
+            reserve_tokens=request.reserve_tokens,
+            feature_rows=request.feature_rows,
+            feature_dtype=DTYPES[request.feature_dtype] if request.feature_dtype else None,
+        )
+        features = tensor_to_pb(result.features) if result.features is not None else None
+        return target_pb2.PrefillResponse(next_token=result.next_token, features=features, forward_ns=result.forward_ns)
+
+    async def Verify(self, request, context):
+        result = await self._run(
+            self.engine.verify, request.sequence_id, list(request.tokens), list(request.parents), request.return_features
+        )
+        return target_pb2.VerifyResponse(
+            committed_tokens=result.committed_tokens,
+            accepted_nodes=result.accepted_nodes,
+            next_token=result.next_token,
+            features=tensor_to_pb(result.features) if result.features is not None else None,
+            forward_ns=result.forward_ns,
+            committed_length=result.committed_length,
+        )
+
+    async def Release(self, request, context):
+        released = await self._run(self.engine.release, request.sequence_id)
+        return common_pb2.ReleaseResponse(released=released)

@@ -1,0 +1,3 @@
+from splitspec.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,92 @@
+"""The ``splitspec`` command: one subcommand per service, plus serve, generate and make-tiny."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from splitspec import __version__
+from splitspec.envs import apply_env_defaults
+
+DESCRIPTION = """\
+splitspec serves LLMs with DFlash block drafting and DDTree tree verification, split into three
+gRPC services: a gateway (public API), a draft worker and a target worker.
+
+Quick start:   splitspec serve            (tiny built-in models, all three services locally)
+               splitspec generate "def fib(n):" --max-tokens 64
+"""
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper()),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from splitspec import generate, serve
+    from splitspec.services.draft import main as draft_main
+    from splitspec.services.gateway import main as gateway_main
+    from splitspec.services.target import main as target_main
+
+    parser = argparse.ArgumentParser(prog="splitspec", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"splitspec {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    commands = {
+        "target": (target_main.add_arguments, "run the target worker (model, KV cache, tree verify)"),
+        "draft": (draft_main.add_arguments, "run the draft worker (DFlash block proposals)"),
+        "gateway": (gateway_main.add_arguments, "run the gateway (public API, speculation loop)"),
+        "serve": (serve.add_arguments, "run all three services locally, stopped together"),
+        "generate": (generate.add_arguments, "stream a completion from a gateway"),
+        "make-tiny": (_make_tiny_arguments, "write a tiny random Qwen3 target GGUF and a matching DFlash draft"),
+    }
+    for name, (add, help_text) in commands.items():
+        p = sub.add_parser(name, help=help_text, description=help_text, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        add(p)
+        p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log verbosity")
+        apply_env_defaults(p, name.replace("-", "_"))
+    return parser
+
+
+def _make_tiny_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("out_dir", help="folder to write target.gguf and draft/ into")
+    p.add_argument("--weight-type", choices=["f32", "f16", "bf16", "q8_0"], default="f32", help="GGUF type of the target's matrices")
+    p.add_argument("--seed", type=int, default=0, help="random seed of the weights")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _setup_logging(args.log_level)
+    log = logging.getLogger("splitspec")
+    from splitspec.errors import ServiceError
+    from splitspec.models.gguf_file import ModelFileError
+
+    try:
+        if args.command == "generate":
+            from splitspec.generate import run as run_generate
+
+            return run_generate(args)
+        if args.command == "serve":
+            from splitspec.serve import run as run_serve
+
+            return run_serve(args, ["--log-level", args.log_level])
+        if args.command == "make-tiny":
+            from splitspec.tiny import TinySpec, make_tiny
+
+            target, draft = make_tiny(args.out_dir, TinySpec(seed=args.seed), weight_type=args.weight_type)
+            print(f"wrote {target} and {draft}")
+            return 0
+        module = {"target": "target", "draft": "draft", "gateway": "gateway"}[args.command]
+        run = __import__(f"splitspec.services.{module}.main", fromlist=["run"]).run
+        asyncio.run(run(args))
+        return 0
+    except (ModelFileError, ServiceError, ValueError, OSError) as exc:
+        # One clear line instead of a traceback wall: the file and key, or the flag, at fault.
+        log.error("splitspec %s: %s", args.command, exc)
+        return 2
+    except KeyboardInterrupt:
+        return 130

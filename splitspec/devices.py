@@ -1,0 +1,34 @@
+"""Device and dtype flags shared by the workers (a ROCm build of torch also answers to ``cuda:N``)."""
+
+from __future__ import annotations
+
+import torch
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+
+def resolve_device(name: str) -> torch.device:
+    device = torch.device(name)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {name}: this torch build sees no CUDA/ROCm GPU")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"--device {name}: only {torch.cuda.device_count()} GPU(s) visible")
+    elif device.type != "cpu":
+        raise ValueError(f"--device {name}: use cpu or cuda:N")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``auto`` is bfloat16 on GPUs and float32 on the CPU."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise ValueError(f"--dtype {name}: choose auto or one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def backend_name(device: torch.device) -> str:
+    if device.type != "cuda":
+        return "cpu"
+    return "rocm" if torch.version.hip else "cuda"

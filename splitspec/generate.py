@@ -1,0 +1,64 @@
+"""``splitspec generate``: a gRPC client that streams a completion to stdout and reports usage."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+MODES = {"ddtree": 1, "chain": 2, "off": 3}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("prompt", help="prompt text")
+    p.add_argument("--address", default="127.0.0.1:50051", help="gateway address")
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="sampling seed: same seed, same output, whatever the speculation")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-sequence token")
+    p.add_argument("--mode", choices=list(MODES), default=None, help="speculation mode (default: the server's)")
+    p.add_argument("--budget", type=int, default=0, help="tree nodes per step (default: the server's)")
+    p.add_argument("--timeout", type=float, default=600.0, help="deadline for the whole request, seconds")
+
+
+def run(args: argparse.Namespace) -> int:
+    import grpc
+
+    from splitspec.rpc import CHANNEL_OPTIONS
+    from splitspec.v1 import gateway_pb2, gateway_pb2_grpc
+
+    request = gateway_pb2.GenerateRequest(
+        text=args.prompt, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+        top_k=args.top_k, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos,
+        speculation=gateway_pb2.Speculation(mode=MODES.get(args.mode, 0), budget=args.budget),
+    )
+    t0 = time.perf_counter()
+    first = None
+    with grpc.insecure_channel(args.address, options=CHANNEL_OPTIONS) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+        try:
+            for response in stub.Generate(request, timeout=args.timeout):
+                if response.text:
+                    first = first or time.perf_counter()
+                    sys.stdout.write(response.text)
+                    sys.stdout.flush()
+                if response.HasField("final"):
+                    final = response.final
+        except grpc.RpcError as exc:
+            print(f"\nsplitspec generate: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+    elapsed = time.perf_counter() - t0
+    u = final.usage
+    print(
+        f"\n[{gateway_pb2.FinishReason.Name(final.finish_reason).lower()}: {u.prompt_tokens} prompt + "
+        f"{u.completion_tokens} generated tokens in {u.steps} steps, mean acceptance length "
+        f"{u.mean_acceptance_length:.2f}, {u.completion_tokens / elapsed:.1f} tok/s"
+        + (f", first text after {first - t0:.3f} s" if first else "")
+        + (f", {u.draft_fallbacks} draft fallbacks" if u.draft_fallbacks else "")
+        + "]",
+        file=sys.stderr,
+    )
+    return 0

@@ -1,0 +1,166 @@
+"""DFlash block drafter (arXiv 2602.06036): config and model.
+
+The draft writes a whole block in one non-causal pass over ``[anchor, MASK × (B-1)]``. It is
+conditioned on *tap features*: the concatenated outputs of a few target layers for every
+committed position, projected once by ``fc`` + ``hidden_norm`` and injected as extra keys and
+values in every draft layer (no ``input_layernorm`` on them; ``k_norm`` and RoPE do apply).
+Row k of the block predicts the token at ``anchor_position + k``; row 0 is discarded. The
+draft borrows the target's embedding and LM head.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from splitspec.models.layers import QKVProjection, RMSNorm, SwiGLU, rope_cos_sin
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """The reference's tap choice: evenly spaced between layer 1 and ``num_target_layers - 3``."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    return [round(start + i * (end - start) / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+
+
+@dataclass(frozen=True)
+class DFlashConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: tuple[int, ...]
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    vocab_size: int | None = None
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any], source: str = "config.json") -> DFlashConfig:
+        """Parse a z-lab DFlash ``config.json`` (a Qwen3 config plus DFlash fields)."""
+
+        def need(key: str, where: Mapping[str, Any] = raw) -> Any:
+            if key not in where:
+                raise ValueError(f"{source}: missing key {key!r}")
+            return where[key]
+
+        dflash = need("dflash_config")
+        layer_types = raw.get("layer_types") or []
+        if any(t != "full_attention" for t in layer_types):
+            raise ValueError(f"{source}: layer_types {layer_types} include sliding-window layers, not supported yet")
+        num_layers = int(need("num_hidden_layers"))
+        heads = int(need("num_attention_heads"))
+        taps = dflash.get("target_layer_ids")
+        if taps is None:
+            taps = default_target_layer_ids(int(need("num_target_layers")), num_layers)
+        rope = raw.get("rope_parameters") or {}
+        config = cls(
+            hidden_size=int(need("hidden_size")),
+            intermediate_size=int(need("intermediate_size")),
+            num_layers=num_layers,
+            num_heads=heads,
+            num_kv_heads=int(raw.get("num_key_value_heads", heads)),
+            head_dim=int(raw.get("head_dim") or need("hidden_size") // heads),
+            block_size=int(need("block_size")),
+            mask_token_id=int(need("mask_token_id", dflash)),
+            target_layer_ids=tuple(int(t) for t in taps),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(raw.get("rope_theta", rope.get("rope_theta", 1_000_000.0))),
+            vocab_size=raw.get("vocab_size"),
+        )
+        if config.block_size < 2:
+            raise ValueError(f"{source}: block_size must be at least 2, got {config.block_size}")
+        return config
+
+    def to_dict(self, num_target_layers: int) -> dict[str, Any]:
+        """The ``config.json`` the reference code and ``from_dict`` read."""
+        return {
+            "architectures": ["DFlashDraftModel"],
+            "model_type": "qwen3",
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "vocab_size": self.vocab_size,
+            "attention_bias": False,
+            "tie_word_embeddings": False,
+            "layer_types": ["full_attention"] * self.num_layers,
+            "block_size": self.block_size,
+            "num_target_layers": num_target_layers,
+            "dflash_config": {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)},
+        }
+
+    @property
+    def num_taps(self) -> int:
+        return len(self.target_layer_ids)
+
+
+class DFlashLayer(nn.Module):
+    def __init__(self, config: DFlashConfig) -> None:
+        super().__init__()
+        c = config
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = QKVProjection(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = SwiGLU(c.hidden_size, c.intermediate_size)
+
+    def forward(
+        self,
+        h: torch.Tensor,  # [B, hidden] block rows
+        cos: torch.Tensor,  # [B, D] at the block positions
+        sin: torch.Tensor,
+        ctx_k: torch.Tensor,  # [H_kv, S, D] projected context keys of this layer
+        ctx_v: torch.Tensor,
+    ) -> torch.Tensor:
+        attn = self.self_attn
+        x = self.input_layernorm(h)
+        q = attn.query(x, cos, sin)
+        k, v = attn.key_value(x, cos, sin)
+        # Non-causal: every block row sees the whole context and the whole block.
+        h = h + attn.attend(q, torch.cat([ctx_k, k], dim=1), torch.cat([ctx_v, v], dim=1), None)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DFlashDraft(nn.Module):
+    def __init__(self, config: DFlashConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.fc = nn.Linear(config.num_taps * config.hidden_size, config.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(DFlashLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    @torch.inference_mode()
+    def context_kv(
+        self, features: torch.Tensor, positions: torch.Tensor
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Tap features [m, taps * hidden] at ``positions`` [m] -> per layer (k, v), each [H_kv, m, D]."""
+        c = self.hidden_norm(self.fc(features))
+        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, c.dtype)
+        return [layer.self_attn.key_value(c, cos, sin) for layer in self.layers]
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        noise: torch.Tensor,  # [B, hidden]: target embeddings of [anchor, MASK × (B-1)]
+        positions: torch.Tensor,  # [B] absolute positions anchor_position + 0..B-1
+        context: Sequence[tuple[torch.Tensor, torch.Tensor]],  # per layer (k, v) [H_kv, S, D]
+    ) -> torch.Tensor:
+        """Returns the normalised block hidden states [B, hidden]; apply the target LM head to rows 1..B-1."""
+        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, noise.dtype)
+        h = noise
+        for layer, (k, v) in zip(self.layers, context, strict=True):
+            h = layer(h, cos, sin, k, v)
+        return self.norm(h)

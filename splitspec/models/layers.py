@@ -1,0 +1,94 @@
+"""Building blocks shared by the Qwen3-style target and the DFlash draft: RMSNorm, RoPE, SwiGLU.
+
+Shapes use T for tokens in the current pass, S for key positions, D for head_dim.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+class RMSNorm(nn.Module):
+    """``x * rsqrt(mean(x^2) + eps) * w`` with a plain weight (Qwen3/Llama convention)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 like the reference implementations, then cast back.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * self.weight.float()).to(x.dtype)
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def rope_cos_sin(
+    positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables for absolute ``positions`` [T] -> two [T, D] tensors (rotate-half layout)."""
+    inv_freq = 1.0 / (
+        theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
+    )
+    freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
+    emb = torch.cat([freqs, freqs], dim=-1)  # [T, D]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` [..., T, D] by the tables [T, D] (NEOX / rotate-half convention)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class QKVProjection(nn.Module):
+    """q/k/v/o projections with per-head q/k RMSNorm, as in Qwen3 attention."""
+
+    def __init__(
+        self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, eps: float, qk_norm: bool = True
+    ) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.q_proj = nn.Linear(hidden, num_heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden, bias=False)
+        self.q_norm = RMSNorm(head_dim, eps) if qk_norm else nn.Identity()
+        self.k_norm = RMSNorm(head_dim, eps) if qk_norm else nn.Identity()
+
+    def query(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] -> RoPE'd queries [H, T, D]."""
+        q = self.q_norm(self.q_proj(x).view(x.shape[0], self.num_heads, self.head_dim))
+        return apply_rope(q.transpose(0, 1), cos, sin)
+
+    def key_value(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> RoPE'd keys and values, each [H_kv, T, D]."""
+        t = x.shape[0]
+        k = self.k_norm(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        return apply_rope(k.transpose(0, 1), cos, sin), v.transpose(0, 1)
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """q [H, T, D], k/v [H_kv, S, D], mask [T, S] bool (True = visible) or None -> [T, hidden]."""
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, enable_gqa=True
+        )  # [1, H, T, D]
+        return self.o_proj(out[0].transpose(0, 1).reshape(q.shape[1], -1))

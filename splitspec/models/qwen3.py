@@ -1,0 +1,124 @@
+"""Qwen3 dense decoder (the first target family): config, KV cache and a tree-capable forward.
+
+One forward serves prefill chunks, tree verification and single-token steps: the caller passes
+the tokens, their absolute positions, the KV slot where their keys start, and a boolean
+visibility mask over all key positions (causal for prefill, ancestor-only for a tree).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from splitspec.models.layers import QKVProjection, RMSNorm, SwiGLU, rope_cos_sin
+
+
+@dataclass(frozen=True)
+class Qwen3Config:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 1_000_000.0
+    rms_norm_eps: float = 1e-6
+    max_context: int = 40960
+    tie_word_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+
+
+class KVCache:
+    """Static KV storage for one sequence: ``k``, ``v`` [num_layers, H_kv, capacity, D].
+
+    Slots are absolute positions. A verify pass writes its tree rows after the committed
+    prefix; acceptance then compacts the accepted rows down (see ``spec.acceptance``).
+    """
+
+    def __init__(self, config: Qwen3Config, capacity: int, device: torch.device, dtype: torch.dtype) -> None:
+        shape = (config.num_layers, config.num_kv_heads, capacity, config.head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+
+class Qwen3DecoderLayer(nn.Module):
+    def __init__(self, config: Qwen3Config) -> None:
+        super().__init__()
+        c = config
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = QKVProjection(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = SwiGLU(c.hidden_size, c.intermediate_size)
+
+    def forward(
+        self,
+        h: torch.Tensor,  # [T, hidden]
+        cos: torch.Tensor,  # [T, D]
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,  # [H_kv, capacity, D] of this layer
+        v_cache: torch.Tensor,
+        start: int,
+        mask: torch.Tensor,  # [T, start + T] bool
+    ) -> torch.Tensor:
+        attn = self.self_attn
+        x = self.input_layernorm(h)
+        q = attn.query(x, cos, sin)
+        k, v = attn.key_value(x, cos, sin)
+        end = start + h.shape[0]
+        k_cache[:, start:end] = k
+        v_cache[:, start:end] = v
+        h = h + attn.attend(q, k_cache[:, :end], v_cache[:, :end], mask)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Qwen3ForCausalLM(nn.Module):
+    def __init__(self, config: Qwen3Config) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        tokens: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64, absolute
+        cache: KVCache,
+        start: int,  # KV slot of tokens[0]
+        mask: torch.Tensor,  # [T, start + T] bool, True = visible
+        taps: Sequence[int] = (),
+        logit_rows: torch.Tensor | None = None,  # [R] rows to project to logits; None = all
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Returns logits [R, vocab] (float32) and tap features [T, len(taps) * hidden] or None.
+
+        Tap ``i`` is the output of decoder layer ``i`` (the residual stream after its MLP), the
+        ``hidden_states[i + 1]`` of Hugging Face's numbering, concatenated in ``taps`` order.
+        """
+        h = self.embed_tokens(tokens)
+        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, h.dtype)
+        tapped: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, cache.k[i], cache.v[i], start, mask)
+            if i in taps:
+                tapped[i] = h
+        features = torch.cat([tapped[i] for i in taps], dim=-1) if taps else None
+        if logit_rows is not None:
+            h = h[logit_rows]
+        return self.lm_head(self.norm(h)).float(), features

@@ -1,0 +1,122 @@
+"""``splitspec serve``: run target, draft and gateway as three local processes, stopped together.
+
+The workers listen on Unix sockets in a private directory (no ports to collide, and cheaper
+than TCP loopback); the gateway listens on ``--listen``. Without ``--target-model`` the
+built-in tiny pair is written to ``--work-dir`` and served.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_WORK_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "splitspec"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target-model", default="", help="target GGUF file (default: the built-in tiny pair)")
+    p.add_argument("--draft-model", default="", help="DFlash draft directory (default: the tiny pair's; 'none' = no draft)")
+    p.add_argument("--listen", default="127.0.0.1:50051", help="public gateway address")
+    p.add_argument("--device", default="cpu", help="target device (cpu or cuda:N)")
+    p.add_argument("--draft-device", default="", help="draft device (default: same as --device)")
+    p.add_argument("--dtype", default="auto", help="compute dtype of both workers")
+    p.add_argument("--mode", choices=["ddtree", "chain", "off"], default="ddtree", help="default speculation mode")
+    p.add_argument("--budget", type=int, default=22, help="default tree nodes per step")
+    p.add_argument("--work-dir", default=str(DEFAULT_WORK_DIR), help="where the tiny pair is written")
+    p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for the gateway to be ready")
+
+
+def _wait_ready(address: str, procs: list[subprocess.Popen], timeout: float) -> None:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(address) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        while time.monotonic() < deadline:
+            for p in procs:
+                if p.poll() is not None:
+                    raise RuntimeError(f"{p.args[3]} exited with code {p.returncode} during start-up")
+            try:
+                status = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0).status
+                if status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.2)
+    raise TimeoutError(f"gateway at {address} not ready after {timeout:.0f} s")
+
+
+def run(args: argparse.Namespace, log_args: list[str]) -> int:
+    target_model, draft_model = args.target_model, args.draft_model
+    if not target_model:
+        from splitspec.tiny import DRAFT_DIR, TARGET_FILE, make_tiny
+
+        tiny = Path(args.work_dir) / "tiny"
+        if not (tiny / TARGET_FILE).exists():
+            logger.info("writing the built-in tiny pair to %s", tiny)
+            make_tiny(tiny)
+        target_model = str(tiny / TARGET_FILE)
+        draft_model = draft_model or str(tiny / DRAFT_DIR)
+    sockets = Path(tempfile.mkdtemp(prefix="splitspec-"))
+    target_addr, draft_addr = f"unix:{sockets / 'target.sock'}", f"unix:{sockets / 'draft.sock'}"
+    base = [sys.executable, "-m", "splitspec"]
+    commands = [
+        [*base, "target", *log_args, "--model", target_model, "--listen", target_addr, "--device", args.device, "--dtype", args.dtype],
+    ]
+    use_draft = draft_model and draft_model != "none"
+    if use_draft:
+        commands.append([
+            *base, "draft", *log_args, "--model", draft_model, "--target-model", target_model, "--listen", draft_addr,
+            "--device", args.draft_device or args.device, "--dtype", args.dtype,
+        ])
+    commands.append([
+        *base, "gateway", *log_args, "--listen", args.listen, "--target", target_addr,
+        "--draft", draft_addr if use_draft else "", "--mode", args.mode, "--budget", str(args.budget),
+    ])
+    procs: list[subprocess.Popen] = []
+    stopping = False
+
+    def stop(*_):
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    code = 0
+    try:
+        procs = [subprocess.Popen(c) for c in commands]
+        _wait_ready(args.listen, procs, args.ready_timeout)
+        print(f"splitspec serve: ready on {args.listen} (target {target_model}, draft {draft_model or 'none'})", file=sys.stderr, flush=True)
+        while not stopping:
+            dead = [p for p in procs if p.poll() is not None]
+            if dead:
+                logger.error("%s exited with code %d; stopping the others", dead[0].args[3], dead[0].returncode)
+                code = 1
+                break
+            time.sleep(0.2)
+    except (RuntimeError, TimeoutError) as exc:
+        logger.error("%s", exc)
+        code = 1
+    finally:
+        for p in reversed(procs):
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        for sock in sockets.iterdir():
+            sock.unlink()
+        sockets.rmdir()
+    return code

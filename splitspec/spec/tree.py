@@ -1,0 +1,260 @@
+"""DDTree draft trees: construction, attention mask and validation (numpy only).
+
+Terms
+-----
+root (anchor)
+    The pending token from the previous step (the last step's bonus token). It is row 0 of every
+    verify block, sits at depth 0 and is not stored in :class:`DraftTree`; it is always committed.
+node
+    A drafted token hanging below the root. Node ``j`` (1-based, ``j = i + 1``) is stored at index
+    ``i`` of the ``DraftTree`` arrays, and is row ``j`` of the verify block.
+depth
+    Distance from the root: the root has depth 0 and a node at depth ``d`` proposes the token at
+    draft block row ``d`` (``1 <= d <= L``, ``L = block_size - 1``). Siblings share a depth and
+    hence a position id (``start + depth``).
+budget
+    The maximum number of non-root nodes in the tree.
+chain seed
+    The lucebox variant: the full top-1 spine (the chain DFlash would propose) is inserted first,
+    then the remaining budget is spent best-first as usual.
+bonus token
+    The target's own token after the last accepted node; it becomes the next step's root.
+accepted path
+    The root plus the nodes whose tokens match the target's tokens along one root-to-node path
+    (see :mod:`splitspec.spec.acceptance`).
+acceptance length (AL)
+    The number of tokens committed per step, root included: ``len(accepted path incl. root)``.
+
+Tree construction (DDTree, best-first): for depths ``d = 1..L`` the draft gives the top-K token ids
+and log-probs. The score of a path is the sum of the log-probs of its ranks, one per depth. A
+max-heap pops the best frontier path; each popped node pushes its next sibling (same parent and
+depth, rank + 1) and its first child (depth + 1, rank 0). Since neither push can score above the
+popped node, pops come out in non-increasing score order and the tree is a prefix-closed top-budget
+set of paths.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = [
+    "DraftTree",
+    "build_chain",
+    "build_ddtree",
+    "node_depths",
+    "tree_attention_mask",
+    "validate_tree",
+]
+
+
+@dataclass(frozen=True, eq=False)
+class DraftTree:
+    """A draft tree without its root; node ``i + 1`` is stored at index ``i``."""
+
+    tokens: np.ndarray  # [num_nodes] int32: token of node i+1 (the root is not stored)
+    parents: np.ndarray  # [num_nodes] int32: parent of node i+1; 0 = root, j > 0 = node j; parents[i] <= i
+    depths: np.ndarray  # [num_nodes] int32: depth of node i+1 (root = 0, so depths >= 1)
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.tokens)
+
+    @classmethod
+    def empty(cls) -> DraftTree:
+        """The root-only tree."""
+        none = np.zeros(0, dtype=np.int32)
+        return cls(tokens=none, parents=none.copy(), depths=none.copy())
+
+
+def _from_lists(tokens: list[int], parents: list[int], depths: list[int]) -> DraftTree:
+    return DraftTree(
+        tokens=np.asarray(tokens, dtype=np.int32),
+        parents=np.asarray(parents, dtype=np.int32),
+        depths=np.asarray(depths, dtype=np.int32),
+    )
+
+
+def _check_top_ids(top_ids: np.ndarray) -> np.ndarray:
+    top_ids = np.asarray(top_ids)
+    if top_ids.ndim != 2 or top_ids.shape[0] < 1 or top_ids.shape[1] < 1:
+        raise ValueError(f"top_ids must have shape [L, K] with L, K >= 1, got {top_ids.shape}")
+    if not np.issubdtype(top_ids.dtype, np.integer):
+        raise ValueError(f"top_ids must be integers, got dtype {top_ids.dtype}")
+    return top_ids
+
+
+def build_ddtree(
+    top_ids: np.ndarray,
+    top_logprobs: np.ndarray,
+    budget: int,
+    *,
+    chain_seed: bool = False,
+    max_depth: int | None = None,
+) -> DraftTree:
+    """Build the DDTree of at most ``budget`` nodes (reference ``build_ddtree_tree``, spec 2.2).
+
+    Args:
+        top_ids: ``[L, K]`` int, row ``d - 1`` holds the top-K token ids at depth ``d``, best first;
+            ids within a row must be distinct.
+        top_logprobs: ``[L, K]`` float, the matching log-probs, sorted descending per row.
+        budget: maximum number of non-root nodes (0 gives the root-only tree).
+        chain_seed: insert the top-1 spine of depth ``min(L, budget, max_depth)`` first (nodes
+            ``1..D``), pushing the rank-1 sibling of each spine node, then continue best-first.
+        max_depth: deepest depth allowed (near ``max_tokens`` or the context end); default ``L``.
+
+    Node order is insertion order: pop order, preceded by the spine when ``chain_seed``. Ties in
+    score pop in push order, so the result is deterministic. A pushed score is the parent's path
+    score plus one log-prob (the same value as the reference's sibling update, without its rounding
+    drift), so equal paths tie exactly.
+    """
+    top_ids = _check_top_ids(top_ids)
+    top_logprobs = np.asarray(top_logprobs)
+    if top_logprobs.shape != top_ids.shape:
+        raise ValueError(f"top_logprobs shape {top_logprobs.shape} != top_ids shape {top_ids.shape}")
+    if np.isnan(top_logprobs).any():
+        raise ValueError("top_logprobs contains NaN")
+    if (np.diff(top_logprobs, axis=1) > 0).any():
+        raise ValueError("top_logprobs rows must be sorted in descending order")
+    if (np.diff(np.sort(top_ids, axis=1), axis=1) == 0).any():
+        raise ValueError("top_ids rows must hold distinct token ids")
+    if budget < 0:
+        raise ValueError(f"budget must be >= 0, got {budget}")
+    num_depths, k = top_ids.shape
+    if max_depth is None:
+        max_depth = num_depths
+    elif max_depth < 0:
+        raise ValueError(f"max_depth must be >= 0, got {max_depth}")
+    max_depth = min(max_depth, num_depths)
+    if budget == 0 or max_depth == 0:
+        return DraftTree.empty()
+
+    ids = top_ids.tolist()  # [L][K]
+    lps = top_logprobs.astype(np.float64).tolist()  # [L][K]
+    tokens: list[int] = []
+    parents: list[int] = []
+    depths: list[int] = []
+    scores = [0.0]  # [1 + num_nodes] path score of each row, root first
+    heap: list[tuple[float, int, int, int, int]] = []  # (-score, push counter, parent, depth, rank)
+    counter = 0
+
+    def push(parent: int, depth: int, rank: int) -> None:
+        nonlocal counter
+        heapq.heappush(heap, (-(scores[parent] + lps[depth - 1][rank]), counter, parent, depth, rank))
+        counter += 1
+
+    def insert(parent: int, depth: int, rank: int, score: float) -> int:
+        """Append a node and push its next sibling; return its node index."""
+        tokens.append(ids[depth - 1][rank])
+        parents.append(parent)
+        depths.append(depth)
+        scores.append(score)
+        if rank + 1 < k:
+            push(parent, depth, rank + 1)
+        return len(tokens)
+
+    if chain_seed:
+        # Spine node d is row d (depth d). Its first child is the next spine node, so only siblings are
+        # pushed; the last spine node is either at max_depth or has used up the whole budget.
+        node = 0
+        for depth in range(1, min(budget, max_depth) + 1):
+            node = insert(node, depth, 0, scores[node] + lps[depth - 1][0])
+    else:
+        push(0, 1, 0)
+
+    while heap and len(tokens) < budget:
+        neg_score, _, parent, depth, rank = heapq.heappop(heap)
+        node = insert(parent, depth, rank, -neg_score)
+        if depth < max_depth:
+            push(node, depth + 1, 0)
+    return _from_lists(tokens, parents, depths)
+
+
+def build_chain(top_ids: np.ndarray, depth: int) -> DraftTree:
+    """The top-1 spine of ``min(depth, L)`` nodes: node ``d`` is ``top_ids[d - 1, 0]``, child of ``d - 1``.
+
+    ``top_ids`` is ``[L, K]`` as for :func:`build_ddtree`.
+    """
+    top_ids = _check_top_ids(top_ids)
+    if depth < 0:
+        raise ValueError(f"depth must be >= 0, got {depth}")
+    n = min(depth, top_ids.shape[0])
+    return DraftTree(
+        tokens=top_ids[:n, 0].astype(np.int32),
+        parents=np.arange(n, dtype=np.int32),
+        depths=np.arange(1, n + 1, dtype=np.int32),
+    )
+
+
+def _check_parents(parents: np.ndarray) -> np.ndarray:
+    """Return ``parents`` as a 1-D int array; raise unless ``0 <= parents[i] <= i`` for all i."""
+    parents = np.asarray(parents)
+    if parents.ndim != 1:
+        raise ValueError(f"parents must be 1-D, got shape {parents.shape}")
+    if parents.size == 0:
+        return parents.astype(np.int64)
+    if not np.issubdtype(parents.dtype, np.integer):
+        raise ValueError(f"parents must be integers, got dtype {parents.dtype}")
+    bad = np.flatnonzero((parents < 0) | (parents > np.arange(len(parents))))
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"parents[{i}] = {int(parents[i])} is not in [0, {i}]")
+    return parents
+
+
+def node_depths(parents: np.ndarray) -> np.ndarray:
+    """Depths ``[n]`` (int32, >= 1) of the nodes described by ``parents`` ``[n]``."""
+    parents = _check_parents(parents).tolist()
+    depths = [0]  # [1 + n] root first
+    for p in parents:
+        depths.append(depths[p] + 1)
+    return np.asarray(depths[1:], dtype=np.int32)
+
+
+def tree_attention_mask(parents: np.ndarray) -> np.ndarray:
+    """Ancestor-or-self visibility ``[n + 1, n + 1]`` bool, root at row/column 0.
+
+    ``mask[i, j]`` is True iff row ``j`` is row ``i`` or one of its ancestors; the root sees only
+    itself. ``parents`` is ``[n]`` as in :class:`DraftTree`.
+    """
+    parents = _check_parents(parents).tolist()
+    n = len(parents)
+    mask = np.zeros((n + 1, n + 1), dtype=bool)  # [n + 1, n + 1]
+    mask[0, 0] = True
+    for i, p in enumerate(parents, start=1):
+        mask[i] = mask[p]
+        mask[i, i] = True
+    return mask
+
+
+def validate_tree(tokens: np.ndarray, parents: np.ndarray, vocab_size: int, max_nodes: int) -> None:
+    """Check an untrusted tree; raise ValueError naming the field and offending index/value.
+
+    ``tokens`` and ``parents`` are ``[n]`` as in :class:`DraftTree`. Requires equal lengths,
+    ``n <= max_nodes``, tokens in ``[0, vocab_size)``, ``0 <= parents[i] <= i``, and distinct tokens
+    among the children of each parent (the acceptance walk needs an unambiguous child).
+    """
+    tokens = np.asarray(tokens)
+    if tokens.ndim != 1:
+        raise ValueError(f"tokens must be 1-D, got shape {tokens.shape}")
+    if tokens.size and not np.issubdtype(tokens.dtype, np.integer):
+        raise ValueError(f"tokens must be integers, got dtype {tokens.dtype}")
+    if np.ndim(parents) != 1 or len(parents) != len(tokens):
+        raise ValueError(f"tokens has {len(tokens)} entries but parents has shape {np.shape(parents)}")
+    if len(tokens) > max_nodes:
+        raise ValueError(f"tokens has {len(tokens)} nodes, more than max_nodes = {max_nodes}")
+    bad = np.flatnonzero((tokens < 0) | (tokens >= vocab_size))
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"tokens[{i}] = {int(tokens[i])} is not in [0, {vocab_size})")
+    parents = _check_parents(parents)
+    seen: dict[tuple[int, int], int] = {}  # (parent, token) -> index of the first such node
+    for i, key in enumerate(zip(parents.tolist(), tokens.tolist())):
+        first = seen.setdefault(key, i)
+        if first != i:
+            raise ValueError(
+                f"tokens[{first}] and tokens[{i}] (nodes {first + 1} and {i + 1}) are both children "
+                f"of parent {key[0]} with token {key[1]}"
+            )

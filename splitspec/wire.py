@@ -1,0 +1,78 @@
+"""Tensors on the wire: dtype name + shape + raw little-endian bytes (``splitspec.v1.Tensor``).
+
+The numpy half is used by the gateway, which never imports torch; the torch half by the
+workers. Tap features pass through the gateway as opaque messages, never decoded there.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from splitspec.v1 import common_pb2
+
+if TYPE_CHECKING:
+    import torch
+
+if sys.byteorder != "little":  # pragma: no cover - every supported host is little-endian
+    raise ImportError("splitspec's wire format assumes a little-endian host")
+
+_NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "int32": np.int32, "int64": np.int64}
+ITEM_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "int32": 4, "int64": 8}
+
+
+class WireError(ValueError):
+    """A tensor message whose dtype, shape and byte count do not agree."""
+
+
+def _check(msg: common_pb2.Tensor) -> tuple[int, ...]:
+    if msg.dtype not in ITEM_SIZES:
+        raise WireError(f"unknown tensor dtype {msg.dtype!r} (allowed: {', '.join(ITEM_SIZES)})")
+    shape = tuple(int(d) for d in msg.shape)
+    if any(d < 0 for d in shape):
+        raise WireError(f"negative dimension in tensor shape {shape}")
+    expected = int(np.prod(shape, dtype=np.int64)) * ITEM_SIZES[msg.dtype]
+    if len(msg.data) != expected:
+        raise WireError(f"tensor of dtype {msg.dtype} and shape {shape} needs {expected} bytes, got {len(msg.data)}")
+    return shape
+
+
+def array_to_pb(array: np.ndarray) -> common_pb2.Tensor:
+    name = np.dtype(array.dtype).name
+    if name not in _NUMPY_DTYPES:
+        raise WireError(f"cannot send numpy dtype {name}")
+    return common_pb2.Tensor(dtype=name, shape=list(array.shape), data=np.ascontiguousarray(array).tobytes())
+
+
+def array_from_pb(msg: common_pb2.Tensor) -> np.ndarray:
+    shape = _check(msg)
+    if msg.dtype == "bfloat16":
+        raise WireError("bfloat16 tensors cannot be decoded without torch")
+    return np.frombuffer(msg.data, dtype=_NUMPY_DTYPES[msg.dtype]).reshape(shape)
+
+
+def tensor_to_pb(tensor: torch.Tensor, dtype: str | None = None) -> common_pb2.Tensor:
+    """Serialise a torch tensor, optionally cast to the wire ``dtype`` name first."""
+    import torch
+
+    if dtype:
+        tensor = tensor.to(getattr(torch, dtype))
+    name = str(tensor.dtype).removeprefix("torch.")
+    if name not in ITEM_SIZES:
+        raise WireError(f"cannot send torch dtype {name}")
+    flat = tensor.detach().contiguous().cpu()
+    if name == "bfloat16":
+        flat = flat.view(torch.int16)
+    return common_pb2.Tensor(dtype=name, shape=list(tensor.shape), data=flat.numpy().tobytes())
+
+
+def tensor_from_pb(msg: common_pb2.Tensor, device: torch.device | str = "cpu") -> torch.Tensor:
+    import torch
+
+    shape = _check(msg)
+    if msg.dtype == "bfloat16":
+        array = np.frombuffer(msg.data, dtype=np.int16).reshape(shape)
+        return torch.from_numpy(array.copy()).view(torch.bfloat16).to(device)
+    return torch.from_numpy(array_from_pb(msg).copy()).to(device)
