@@ -98,7 +98,7 @@ def write_target_gguf(path: Path, config: Qwen3Config, weights: dict[str, np.nda
         elif qtype == GGMLQuantizationType.F16:
             writer.add_tensor(name, array.astype(np.float16))
         else:
-            writer.add_tensor(name, quantize(array, qtype), raw_shape=array.shape, raw_dtype=qtype)
+            writer.add_tensor(name, quantize(array, qtype), raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

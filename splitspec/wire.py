@@ -19,8 +19,8 @@ if TYPE_CHECKING:
 if sys.byteorder != "little":  # pragma: no cover - every supported host is little-endian
     raise ImportError("splitspec's wire format assumes a little-endian host")
 
-_NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "int32": np.int32, "int64": np.int64}
-ITEM_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "int32": 4, "int64": 8}
+_NUMPY_DTYPES = {"float64": np.float64, "float32": np.float32, "float16": np.float16, "int32": np.int32, "int64": np.int64}
+ITEM_SIZES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int32": 4, "int64": 8}
 
 
 class WireError(ValueError):

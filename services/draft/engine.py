@@ -97,6 +97,22 @@ class DraftEngine:
         self.device, self.dtype = embed.device, next(model.parameters()).dtype
         self.sequences: dict[str, DraftSequence] = {}
 
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    @property
+    def mask_token_id(self) -> int:
+        return self.config.mask_token_id
+
+    @property
+    def target_layer_ids(self) -> tuple[int, ...]:
+        return self.config.target_layer_ids
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_layers
+
     def propose(
         self,
         sequence_id: str,
@@ -105,6 +121,7 @@ class DraftEngine:
         features: torch.Tensor | None,  # [m, taps * hidden] for positions anchor_position - m ..
         top_k: int,
         window: int = 0,
+        tokens=(),  # token ids of the new positions; DFlash conditions on features only
     ) -> Proposal:
         c: DFlashConfig = self.config
         if not sequence_id:

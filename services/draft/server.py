@@ -10,12 +10,13 @@ from splitspec.errors import InvalidArgument
 from splitspec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from splitspec.wire import WireError, tensor_from_pb, tensor_to_pb
 from splitspec.services.draft.engine import DraftEngine
+from splitspec.services.draft.replay import ReplayDrafter
 
 SERVICE = draft_pb2.DESCRIPTOR.services_by_name["DraftWorker"].full_name
 
 
 class DraftServicer(draft_pb2_grpc.DraftWorkerServicer):
-    def __init__(self, engine: DraftEngine, target_geometry: common_pb2.ModelGeometry, path: str) -> None:
+    def __init__(self, engine: DraftEngine | ReplayDrafter, target_geometry: common_pb2.ModelGeometry, path: str) -> None:
         self.engine = engine
         self.target_geometry = target_geometry
         self.path = path
@@ -25,13 +26,13 @@ class DraftServicer(draft_pb2_grpc.DraftWorkerServicer):
         return await asyncio.get_running_loop().run_in_executor(self.executor, partial(fn, *args, **kwargs))
 
     async def Info(self, request, context):
-        c = self.engine.config
+        e = self.engine
         return draft_pb2.DraftInfo(
             target_geometry=self.target_geometry,
-            block_size=c.block_size,
-            mask_token_id=c.mask_token_id,
-            target_layer_ids=list(c.target_layer_ids),
-            num_layers=c.num_layers,
+            block_size=e.block_size,
+            mask_token_id=e.mask_token_id,
+            target_layer_ids=list(e.target_layer_ids),
+            num_layers=e.num_layers,
             path=self.path,
             live_sequences=len(self.engine.sequences),
             max_top_k=self.engine.max_top_k,
@@ -52,6 +53,7 @@ class DraftServicer(draft_pb2_grpc.DraftWorkerServicer):
             features,
             request.top_k,
             request.window,
+            list(request.tokens),
         )
         return draft_pb2.ProposeResponse(
             top_ids=tensor_to_pb(proposal.top_ids),

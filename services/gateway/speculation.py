@@ -109,15 +109,19 @@ class SpeculativeSequence:
             timeout=self._timeout(),
         )
         generated, anchor, start, features = 1, prefilled.next_token, len(self.prompt), prefilled.features
+        history = self.prompt  # tokens of positions the draft has not been sent yet
         yield [anchor]
         while generated < self.max_new_tokens:
             # The tree's depth is bounded by the tokens still wanted and by the reserved positions.
             max_depth = min(self.max_new_tokens - generated - 1, self.capacity - start - 1)
             if max_depth < 0:
                 return
-            tree = await self._draft_tree(anchor, start, features, max_depth) if self.speculating else DraftTree.empty()
+            tree = DraftTree.empty()
+            if self.speculating:
+                tree = await self._draft_tree(anchor, start, history, features, max_depth)
             verified = await self.target.verify(
-                self.sequence_id, tree.tokens, tree.parents, self.speculating, timeout=self._timeout()
+                self.sequence_id, tree.tokens, tree.parents, self.speculating and bool(self.shape.taps),
+                timeout=self._timeout(),
             )
             self.stats.steps += 1
             self.stats.committed += len(verified.committed_tokens)
@@ -127,25 +131,25 @@ class SpeculativeSequence:
             new = verified.committed_tokens[1:] + [verified.next_token]
             generated += len(new)
             anchor, start, features = verified.next_token, verified.committed_length, verified.features
+            history = verified.committed_tokens
             yield new
 
-    async def _draft_tree(self, anchor: int, start: int, features, max_depth: int) -> DraftTree:
+    async def _draft_tree(self, anchor: int, start: int, history: list[int], features, max_depth: int) -> DraftTree:
         opts = self.options
-        if max_depth == 0:
+        if max_depth == 0:  # the last step: only the bonus token is still wanted
             return DraftTree.empty()
+        self._draft_touched = True  # from here on the draft may hold state for this sequence
         try:
             top_ids, top_logprobs = await self.draft.propose(
-                self.sequence_id, anchor, start, features, opts.top_k, opts.draft_window,
+                self.sequence_id, anchor, start, history, features, opts.top_k, opts.draft_window,
                 timeout=self._timeout(opts.draft_timeout_s),
             )
-            self._draft_touched = True
         except grpc.aio.AioRpcError as exc:
             logger.warning(
                 "sequence %s: draft failed (%s: %s); continuing target-only",
                 self.sequence_id, exc.code().name, exc.details(),
             )
             self.speculating = False
-            self._draft_touched = True  # it may hold partial state; release it at the end
             return DraftTree.empty()
         if opts.mode is Mode.CHAIN:
             return build_chain(top_ids, min(opts.budget, max_depth))

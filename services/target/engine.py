@@ -152,16 +152,10 @@ class TargetEngine:
                 f"tokens: a tree of {n} nodes needs {start + n + 1} positions, sequence reserved {state.cache.capacity}"
             )
         t0 = time.perf_counter_ns()
-        dev = self.device
-        ids = torch.tensor([state.pending_token, *tokens_np.tolist()], device=dev, dtype=torch.int64)  # [n+1]
-        depths = torch.from_numpy(np.concatenate([[0], node_depths(parents_np)])).to(dev)  # [n+1]
-        positions = start + depths
-        tree_mask = torch.from_numpy(tree_attention_mask(parents_np)).to(dev)  # [n+1, n+1]
-        mask = torch.cat([torch.ones(n + 1, start, dtype=torch.bool, device=dev), tree_mask], dim=1)
-        logits, features = self.model(ids, positions, state.cache, start, mask, state.taps)
+        logits, features, positions = self.tree_forward(state, tokens_np, parents_np)
         target_tokens = draw_tokens(logits, positions, state.sampling).cpu().numpy()  # [n+1]
         accepted, next_token = accept_path(tokens_np, parents_np, target_tokens)
-        index = torch.tensor(accepted, device=dev, dtype=torch.int64)
+        index = torch.tensor(accepted, device=self.device, dtype=torch.int64)
         compact_rows(state.cache.k, start, index)
         compact_rows(state.cache.v, start, index)
         committed = [state.pending_token] + [int(tokens_np[a - 1]) for a in accepted[1:]]
@@ -171,6 +165,22 @@ class TargetEngine:
         if return_features and features is not None:
             out_features = features.index_select(0, index).to(state.feature_dtype or self.dtype)
         return VerifyResult(committed, accepted[1:], int(next_token), out_features, state.length, time.perf_counter_ns() - t0)
+
+    def tree_forward(
+        self, state: SequenceState, tokens: np.ndarray, parents: np.ndarray
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """One pass over ``[root, nodes]``: logits [n+1, vocab], features [n+1, taps*hidden], positions [n+1].
+
+        Writes the rows' K/V to slots ``length .. length + n`` (compaction happens after the walk).
+        """
+        n, start, dev = len(tokens), state.length, self.device
+        ids = torch.tensor([state.pending_token, *tokens.tolist()], device=dev, dtype=torch.int64)  # [n+1]
+        depths = torch.from_numpy(np.concatenate([[0], node_depths(parents)])).to(dev)  # [n+1]
+        positions = start + depths  # siblings share a position
+        tree_mask = torch.from_numpy(tree_attention_mask(parents)).to(dev)  # [n+1, n+1] ancestor-only
+        mask = torch.cat([torch.ones(n + 1, start, dtype=torch.bool, device=dev), tree_mask], dim=1)
+        logits, features = self.model(ids, positions, state.cache, start, mask, state.taps)
+        return logits, features, positions
 
     def release(self, sequence_id: str) -> bool:
         return self.sequences.pop(sequence_id, None) is not None

@@ -1,0 +1,107 @@
+"""ReplayDrafter — FOR BENCHMARKS AND TESTS ONLY, never for serving users.
+
+It proposes continuations it was told in advance: a JSONL table whose lines are
+``{"tokens": [prompt..., continuation...]}``, usually the target's own output recorded with
+speculation off. Each depth's true token is corrupted with probability ``corruption``: it is
+replaced at rank 0 by another token and either moved to rank 1 (a DDTree branch can still find
+it) or dropped. That drives the whole gateway -> draft -> target path at a chosen acceptance
+length, and exercises acceptance, rejection and branching deterministically.
+
+The table is re-read when its file changes, so a harness can record references first and then
+replay them without restarting the worker.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from splitspec.errors import InvalidArgument
+from splitspec.services.draft.engine import Proposal
+
+
+class ReplayTable:
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        self._mtime: float | None = None
+        self._sequences: list[list[int]] = []
+
+    def _refresh(self) -> None:
+        mtime = self.path.stat().st_mtime if self.path.exists() else None
+        if mtime != self._mtime:
+            text = self.path.read_text() if mtime is not None else ""
+            self._sequences = [json.loads(line)["tokens"] for line in text.splitlines() if line.strip()]
+            self._mtime = mtime
+
+    def continuation(self, history: list[int]) -> list[int]:
+        """Tokens that followed ``history`` in the first recorded sequence extending it, or []."""
+        self._refresh()
+        n = len(history)
+        for seq in self._sequences:
+            if len(seq) > n and seq[:n] == history:
+                return seq[n:]
+        return []
+
+
+@dataclass
+class _History:
+    tokens: list[int]
+    last_used: float = field(default_factory=time.monotonic)
+
+
+class ReplayDrafter:
+    """Same interface as ``DraftEngine``; needs token ids, not tap features."""
+
+    target_layer_ids: tuple[int, ...] = ()  # asks the target for no features
+    mask_token_id = 0
+    num_layers = 0
+
+    def __init__(self, table: ReplayTable, vocab_size: int, block_size: int = 16, corruption: float = 0.0, max_top_k: int = 64) -> None:
+        if not 0.0 <= corruption <= 1.0:
+            raise ValueError(f"--replay-corruption {corruption} must be in [0, 1]")
+        self.table, self.vocab_size, self.block_size = table, vocab_size, block_size
+        self.corruption, self.max_top_k = corruption, max_top_k
+        self.sequences: dict[str, _History] = {}
+
+    def propose(
+        self, sequence_id: str, anchor_token: int, anchor_position: int, features, top_k: int, window: int = 0, tokens=()
+    ) -> Proposal:
+        t0 = time.perf_counter_ns()
+        if not 1 <= top_k <= min(self.max_top_k, self.vocab_size - 1):
+            raise InvalidArgument(f"top_k: {top_k} is outside [1, {min(self.max_top_k, self.vocab_size - 1)}]")
+        state = self.sequences.setdefault(sequence_id, _History([]))
+        state.tokens.extend(tokens)
+        state.last_used = time.monotonic()
+        if len(state.tokens) != anchor_position:
+            raise InvalidArgument(f"tokens: history has {len(state.tokens)} positions, anchor_position is {anchor_position}")
+        depth = self.block_size - 1
+        truth = self.table.continuation(state.tokens + [anchor_token])[:depth]
+        rng = np.random.default_rng([anchor_position, len(truth), anchor_token])
+        ids = np.empty((depth, top_k), dtype=np.int32)
+        for d in range(depth):
+            true = truth[d] if d < len(truth) else int(rng.integers(self.vocab_size))
+            ranked = [true]
+            if rng.random() < self.corruption:
+                wrong = (true + 1 + int(rng.integers(self.vocab_size - 1))) % self.vocab_size
+                ranked = [wrong, true] if rng.random() < 0.5 else [wrong]
+            others = (true + 1 + np.arange(self.vocab_size)) % self.vocab_size
+            ranked += [int(t) for t in others if t not in ranked][: top_k - len(ranked)]
+            ids[d] = ranked[:top_k]
+        logprobs = np.tile(-np.arange(top_k, dtype=np.float32) - 0.1, (depth, 1))
+        return Proposal(torch.from_numpy(ids), torch.from_numpy(logprobs), time.perf_counter_ns() - t0)
+
+    def release(self, sequence_id: str) -> bool:
+        return self.sequences.pop(sequence_id, None) is not None
+
+    def expire_idle(self, max_idle_s: float) -> list[str]:
+        now = time.monotonic()
+        stale = [sid for sid, s in self.sequences.items() if now - s.last_used > max_idle_s]
+        for sid in stale:
+            del self.sequences[sid]
+        return stale

@@ -1,0 +1,303 @@
+"""Tokenizers for the gateway, built from a GGUF file's metadata or from a ``tokenizer.json``.
+
+Only the ``tokenizers`` library and ``gguf`` are used here (no torch), so the CPU-only gateway can
+tokenize prompts and detokenize streamed output. GGUF files describe byte-level BPE vocabularies
+("gpt2" tokenizer model, as in Qwen and Llama-3) with llama.cpp's metadata keys; this module turns
+them into the equivalent ``tokenizers.Tokenizer``. It also writes such metadata, for tiny test and
+demo models.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import gguf
+import tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+
+__all__ = ["ByteLevelVocab", "Tokenizer", "byte_level_vocab", "write_gguf_tokenizer"]
+
+# Pre-tokenizer split patterns, keyed by llama.cpp's `tokenizer.ggml.pre` names.
+_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_SPLITS = {
+    "default": _GPT2_SPLIT,
+    "gpt-2": _GPT2_SPLIT,
+    "gpt2": _GPT2_SPLIT,
+    "qwen2": _QWEN2_SPLIT,
+    "deepseek-r1-qwen": _QWEN2_SPLIT,
+    "llama3": _LLAMA3_SPLIT,
+    "llama-v3": _LLAMA3_SPLIT,
+    "llama-bpe": _LLAMA3_SPLIT,
+}
+# llama.cpp takes a Llama-3 pre-token that is itself in the vocabulary whole ("ignore merges") and
+# adds BOS by default for these.
+_LLAMA3_PRES = frozenset({"llama3", "llama-v3", "llama-bpe"})
+
+_CONTROL = int(gguf.TokenType.CONTROL)
+_USER_DEFINED = int(gguf.TokenType.USER_DEFINED)
+_NORMAL = int(gguf.TokenType.NORMAL)
+
+
+@cache
+def _byte_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map used to spell byte-level tokens."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = (b for b in range(256) if b not in printable)
+    mapping = {b: chr(b) for b in printable}
+    mapping.update((b, chr(256 + n)) for n, b in enumerate(others))
+    return dict(sorted(mapping.items()))
+
+
+@cache
+def _byte_alphabet() -> frozenset[str]:
+    return frozenset(_byte_to_unicode().values())
+
+
+def _byte_level_spelling(token: str) -> str:
+    """``token`` in the byte-level alphabet: unchanged if already spelled in it, else its UTF-8 bytes mapped."""
+    if set(token) <= _byte_alphabet():
+        return token
+    return "".join(_byte_to_unicode()[b] for b in token.encode("utf-8"))
+
+
+def _pre_tokenizer(split: str) -> pre_tokenizers.PreTokenizer:
+    return pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(split), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+
+
+class Tokenizer:
+    """Encode/decode text for one model; wraps a ``tokenizers.Tokenizer``.
+
+    Build it with :meth:`load` (or :meth:`from_gguf` / :meth:`from_file`). ``special_ids`` are the ids
+    that ``decode(..., skip_special_tokens=True)`` leaves out.
+    """
+
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        *,
+        vocab_size: int,
+        bos_token_id: int | None = None,
+        eos_token_ids: Sequence[int] = (),
+        chat_template: str | None = None,
+    ) -> None:
+        self._backend = backend
+        self.vocab_size = vocab_size
+        self.bos_token_id = bos_token_id
+        self.eos_token_ids = tuple(dict.fromkeys(eos_token_ids))
+        self.chat_template = chat_template
+        self.special_ids = frozenset(i for i, t in backend.get_added_tokens_decoder().items() if t.special)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Tokenizer:
+        """A ``*.gguf`` file, a ``tokenizer.json`` file, or a directory holding a ``tokenizer.json``."""
+        path = Path(path)
+        if path.is_dir():
+            return cls.from_file(path / "tokenizer.json")
+        if path.suffix == ".gguf":
+            return cls.from_gguf(path)
+        return cls.from_file(path)
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike) -> Tokenizer:
+        """A ``tokenizer.json``; BOS/EOS and the chat template come from ``tokenizer_config.json``
+        (and EOS also from ``generation_config.json``) next to it when present."""
+        path = Path(path)
+        backend = tokenizers.Tokenizer.from_file(str(path))
+        config = _read_json(path.with_name("tokenizer_config.json"))
+        generation = _read_json(path.with_name("generation_config.json"))
+
+        def token_id(value: str | dict | None) -> int | None:
+            content = value.get("content") if isinstance(value, dict) else value
+            return backend.token_to_id(content) if content else None
+
+        eos = [token_id(config.get("eos_token"))]
+        extra = generation.get("eos_token_id")
+        eos += extra if isinstance(extra, list) else [extra]
+        template = config.get("chat_template")
+        template_file = path.with_name("chat_template.jinja")
+        if template is None and template_file.is_file():
+            template = template_file.read_text(encoding="utf-8")
+        return cls(
+            backend,
+            vocab_size=backend.get_vocab_size(with_added_tokens=True),
+            bos_token_id=token_id(config.get("bos_token")),
+            eos_token_ids=[i for i in eos if i is not None],
+            chat_template=template if isinstance(template, str) else None,
+        )
+
+    @classmethod
+    def from_gguf(cls, path: str | os.PathLike) -> Tokenizer:
+        """The tokenizer a GGUF file's ``tokenizer.*`` metadata describes (byte-level BPE only).
+
+        CONTROL tokens become special tokens and USER_DEFINED ones plain added tokens, so both are
+        matched whole in the text. Tokens not spelled in the byte-level alphabet are respelled into
+        it; the added ones among them are not matched whole (as transformers does).
+        """
+        reader = gguf.GGUFReader(path)
+
+        def get(key: str, required: bool = False):
+            field = reader.get_field(key)
+            if field is None and required:
+                raise ValueError(f"{path}: missing GGUF metadata key {key!r}")
+            return None if field is None else field.contents()
+
+        model = get("tokenizer.ggml.model", required=True)
+        if model != "gpt2":
+            kind = " (SentencePiece)" if model == "llama" else ""
+            raise ValueError(
+                f"{path}: tokenizer.ggml.model {model!r}{kind} is not supported yet; only 'gpt2' (byte-level BPE) is"
+            )
+        pre = get("tokenizer.ggml.pre") or "default"
+        if pre not in _SPLITS:
+            raise ValueError(f"{path}: tokenizer.ggml.pre {pre!r} is not supported; known: {sorted(_SPLITS)}")
+        tokens = get("tokenizer.ggml.tokens", required=True)
+        merges = get("tokenizer.ggml.merges") or []  # GGUF cannot store an empty array
+        token_types = get("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
+
+        vocab = {_byte_level_spelling(token): i for i, token in enumerate(tokens)}
+        bpe = models.BPE(vocab, [tuple(m.split(" ", 1)) for m in merges], ignore_merges=pre in _LLAMA3_PRES)
+        backend = tokenizers.Tokenizer(bpe)
+        backend.pre_tokenizer = _pre_tokenizer(_SPLITS[pre])
+        backend.decoder = decoders.ByteLevel()
+        added = [(t, k) for t, k in zip(tokens, token_types) if k in (_CONTROL, _USER_DEFINED) and t in vocab]
+        backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, k in added if k == _CONTROL])
+        backend.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in added if k == _USER_DEFINED])
+
+        bos = get("tokenizer.ggml.bos_token_id")
+        add_bos = get("tokenizer.ggml.add_bos_token")
+        if add_bos is None:
+            add_bos = pre in _LLAMA3_PRES
+        if add_bos:
+            if bos is None:
+                raise ValueError(f"{path}: BOS is to be added but 'tokenizer.ggml.bos_token_id' is missing")
+            backend.post_processor = processors.TemplateProcessing(
+                single=[tokens[bos], "$A"], special_tokens=[(tokens[bos], bos)]
+            )
+        eos = [get("tokenizer.ggml.eos_token_id"), get("tokenizer.ggml.eot_token_id")]
+        return cls(
+            backend,
+            vocab_size=len(tokens),
+            bos_token_id=bos,
+            eos_token_ids=[i for i in eos if i is not None],
+            chat_template=get("tokenizer.chat_template"),
+        )
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; special tokens written in it (e.g. ``<|im_start|>``) map to their ids.
+        ``add_special_tokens`` adds BOS where the model asks for it."""
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        """Text of ``ids``; invalid or incomplete UTF-8 comes out as U+FFFD."""
+        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        """Id of a token as spelled in the vocabulary (or an added token's text), else None."""
+        return self._backend.token_to_id(token)
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+
+
+@dataclass
+class ByteLevelVocab:
+    """A byte-level BPE vocabulary as GGUF stores it: token strings in GPT-2's byte alphabet,
+    ``"a b"`` merges, llama.cpp token types, and the ids of the special tokens by text."""
+
+    tokens: list[str]
+    merges: list[str]
+    token_types: list[int]
+    special_ids: dict[str, int]
+
+
+def byte_level_vocab(
+    extra_merges_text: str | None = None,
+    num_merges: int = 0,
+    special_tokens: Sequence[str] = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"),
+) -> ByteLevelVocab:
+    """A tiny deterministic vocabulary: the 256 byte tokens (ids 0..255 in byte order), up to
+    ``num_merges`` merges learned from ``extra_merges_text`` (pre-tokenized as Qwen2 does), then
+    ``special_tokens`` as CONTROL tokens.
+
+    Merges are learned greedily: the most frequent adjacent pair, ties broken by the pair's text.
+    """
+    tokens = list(_byte_to_unicode().values())
+    merges: list[str] = []
+    if num_merges > 0 and extra_merges_text:
+        pieces = _pre_tokenizer(_QWEN2_SPLIT).pre_tokenize_str(extra_merges_text)
+        words = Counter(tuple(piece) for piece, _ in pieces)
+        known = set(tokens)
+        while len(merges) < num_merges:
+            pairs: Counter[tuple[str, str]] = Counter()
+            for word, count in words.items():
+                for pair in zip(word, word[1:]):
+                    pairs[pair] += count
+            if not pairs:
+                break
+            best = min(pairs, key=lambda p: (-pairs[p], p))
+            merges.append(f"{best[0]} {best[1]}")
+            if (merged := best[0] + best[1]) not in known:
+                known.add(merged)
+                tokens.append(merged)
+            words = Counter({_merge_pair(word, best): count for word, count in words.items()})
+    special_ids = {}
+    for text in special_tokens:
+        special_ids[text] = len(tokens)
+        tokens.append(text)
+    types = [_NORMAL] * (len(tokens) - len(special_ids)) + [_CONTROL] * len(special_ids)
+    return ByteLevelVocab(tokens=tokens, merges=merges, token_types=types, special_ids=special_ids)
+
+
+def _merge_pair(word: tuple[str, ...], pair: tuple[str, str]) -> tuple[str, ...]:
+    """``word`` with every non-overlapping occurrence of ``pair`` (left to right) joined."""
+    out: list[str] = []
+    i = 0
+    while i < len(word):
+        if i + 1 < len(word) and (word[i], word[i + 1]) == pair:
+            out.append(word[i] + word[i + 1])
+            i += 2
+        else:
+            out.append(word[i])
+            i += 1
+    return tuple(out)
+
+
+def write_gguf_tokenizer(
+    writer: gguf.GGUFWriter,
+    vocab: ByteLevelVocab,
+    *,
+    eos: str = "<|im_end|>",
+    bos: str = "<|endoftext|>",
+    pre: str = "qwen2",
+    chat_template: str | None = None,
+) -> None:
+    """Add ``vocab`` to ``writer`` as llama.cpp's "gpt2" tokenizer metadata; ``eos``/``bos`` name special tokens."""
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(vocab.tokens)
+    writer.add_token_merges(vocab.merges)
+    writer.add_token_types(vocab.token_types)
+    writer.add_eos_token_id(vocab.special_ids[eos])
+    writer.add_bos_token_id(vocab.special_ids[bos])
+    if chat_template is not None:
+        writer.add_chat_template(chat_template)

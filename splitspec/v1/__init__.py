@@ -1,0 +1,1 @@
+"""Generated from protos/ at install time."""

@@ -1,0 +1,110 @@
+"""Shared fixtures: tiny random checkpoints in the real formats, and real service processes."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from splitspec.tiny import TinySpec, make_tiny
+
+
+@dataclass(frozen=True)
+class TinyPair:
+    target: Path  # GGUF file
+    draft: Path  # DFlash directory
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(tmp_path_factory) -> TinyPair:
+    target, draft = make_tiny(tmp_path_factory.mktemp("tiny"), TinySpec(seed=1))
+    return TinyPair(target, draft)
+
+
+@dataclass
+class Services:
+    """Real worker/gateway processes on Unix sockets, stopped when the fixture ends."""
+
+    root: Path
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+
+    def address(self, name: str) -> str:
+        return f"unix:{self.root / (name + '.sock')}"
+
+    def start(self, name: str, command: str, *args: str, wait: bool = True) -> str:
+        address = self.address(name)
+        log = open(self.root / f"{name}.log", "ab")
+        cmd = [sys.executable, "-m", "splitspec", command, "--listen", address, *args]
+        self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        if wait:
+            self.wait_serving(name)
+        return address
+
+    def wait_serving(self, name: str, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        with grpc.insecure_channel(self.address(name)) as ch:
+            stub = health_pb2_grpc.HealthStub(ch)
+            while time.monotonic() < deadline:
+                if self.procs[name].poll() is not None:
+                    raise RuntimeError(f"{name} exited with {self.procs[name].returncode}:\n{self.log(name)}")
+                try:
+                    if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+                except grpc.RpcError:
+                    time.sleep(0.1)
+        raise TimeoutError(f"{name} not serving after {timeout} s:\n{self.log(name)}")
+
+    def log(self, name: str) -> str:
+        return (self.root / f"{name}.log").read_text(errors="replace")
+
+    def stop(self, name: str, sig: int = signal.SIGTERM) -> int:
+        proc = self.procs.pop(name)
+        if proc.poll() is None:
+            proc.send_signal(sig)
+        try:
+            return proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            return proc.wait()
+
+    def stop_all(self) -> None:
+        for name in list(self.procs):
+            self.stop(name)
+
+
+@contextmanager
+def _running_services() -> Iterator[Services]:
+    # Unix socket paths must stay short (108 bytes), so they live in their own short temp dir.
+    root = Path(tempfile.mkdtemp(prefix="ss-"))
+    s = Services(root)
+    try:
+        yield s
+    finally:
+        s.stop_all()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def services() -> Iterator[Services]:
+    with _running_services() as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def module_services() -> Iterator[Services]:
+    with _running_services() as s:
+        yield s
+
+# Test helpers (tests/client.py) import as plain modules.
+sys.path.insert(0, str(Path(__file__).parent))

@@ -1,0 +1,98 @@
+"""The draft engine's incremental proposals against a from-scratch implementation of the DFlash equations."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from splitspec.errors import FailedPrecondition, InvalidArgument
+from splitspec.models.loader import load_dflash_draft, load_target_head
+from splitspec.services.draft.engine import DraftEngine
+
+
+def _rms(x, w, eps=1e-6):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def _rope(x, positions, theta):
+    """x [n, heads, d] rotated at positions [n]: pairs (i, i + d/2) by angle pos * theta^(-2i/d)."""
+    d = x.shape[-1]
+    angle = positions[:, None].double() * theta ** (-torch.arange(0, d, 2).double() / d)  # [n, d/2]
+    cos, sin = angle.cos()[:, None, :], angle.sin()[:, None, :]
+    a, b = x[..., : d // 2].double(), x[..., d // 2 :].double()
+    return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1).to(x.dtype)
+
+
+def reference_block(w, cfg, embed, head, features, ctx_positions, anchor, anchor_position):
+    """Spec §1.2, written out: returns log-probs [B-1, vocab] for depths 1..B-1."""
+    B, H, Hkv, D = cfg.block_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    c = _rms(features @ w["fc.weight"].T, w["hidden_norm.weight"])  # once, shared by all layers
+    block = torch.tensor([anchor] + [cfg.mask_token_id] * (B - 1))
+    h = embed[block]
+    block_positions = torch.arange(anchor_position, anchor_position + B)
+    for i in range(cfg.num_layers):
+        p = f"layers.{i}."
+        hn = _rms(h, w[p + "input_layernorm.weight"])
+        q = _rms((hn @ w[p + "self_attn.q_proj.weight"].T).view(B, H, D), w[p + "self_attn.q_norm.weight"])
+        kin = torch.cat([c, hn])  # context features skip input_layernorm
+        k = _rms((kin @ w[p + "self_attn.k_proj.weight"].T).view(-1, Hkv, D), w[p + "self_attn.k_norm.weight"])
+        v = (kin @ w[p + "self_attn.v_proj.weight"].T).view(-1, Hkv, D)
+        q = _rope(q, block_positions, cfg.rope_theta)
+        k = _rope(k, torch.cat([ctx_positions, block_positions]), cfg.rope_theta)
+        out = torch.empty(B, H, D)
+        for head_i in range(H):
+            kv_i = head_i // (H // Hkv)
+            scores = q[:, head_i] @ k[:, kv_i].T / math.sqrt(D)  # [B, S + B], no mask at all
+            out[:, head_i] = torch.softmax(scores, -1) @ v[:, kv_i]
+        h = h + out.reshape(B, H * D) @ w[p + "self_attn.o_proj.weight"].T
+        x = _rms(h, w[p + "post_attention_layernorm.weight"])
+        gate, up = x @ w[p + "mlp.gate_proj.weight"].T, x @ w[p + "mlp.up_proj.weight"].T
+        h = h + (torch.nn.functional.silu(gate) * up) @ w[p + "mlp.down_proj.weight"].T
+    out = _rms(h, w["norm.weight"])
+    return torch.log_softmax(out[1:] @ head.T, -1)
+
+
+@pytest.fixture(scope="module")
+def draft(tiny_pair):
+    model, cfg = load_dflash_draft(tiny_pair.draft)
+    embed, head, _ = load_target_head(tiny_pair.target)
+    weights = load_file(str(tiny_pair.draft / "model.safetensors"))
+    return model, cfg, embed, head, weights
+
+
+@pytest.mark.parametrize("window", [0, 5])
+def test_incremental_proposals_match_reference(draft, window):
+    model, cfg, embed, head, w = draft
+    engine = DraftEngine(model, embed, head)
+    g = torch.Generator().manual_seed(window)
+    features = torch.randn(40, cfg.num_taps * cfg.hidden_size, generator=g)
+    # Committed positions arrive in pieces: a prompt of 9, then steps of 1, 4 and 7.
+    for end, anchor in [(9, 17), (10, 3), (14, 200), (21, 64)]:
+        prev = max((s.ctx_end for s in engine.sequences.values()), default=0)
+        proposal = engine.propose("s", anchor, end, features[prev:end], top_k=5, window=window)
+        first = max(0, end - window) if window else 0
+        ref = reference_block(w, cfg, embed, head, features[first:end], torch.arange(first, end), anchor, end)
+        top = torch.topk(ref, 5, dim=-1)
+        assert torch.equal(proposal.top_ids.long(), top.indices)
+        assert torch.allclose(proposal.top_logprobs, top.values, atol=1e-5)
+
+
+def test_refuses_gaps_and_bad_arguments(draft):
+    model, cfg, embed, head, _ = draft
+    engine = DraftEngine(model, embed, head)
+    width = cfg.num_taps * cfg.hidden_size
+    with pytest.raises(FailedPrecondition, match="carries no features"):
+        engine.propose("s", 1, 4, None, top_k=2)
+    engine.propose("s", 1, 4, torch.zeros(4, width), top_k=2)
+    with pytest.raises(FailedPrecondition, match="context ends at position 4"):
+        engine.propose("s", 1, 9, torch.zeros(2, width), top_k=2)
+    with pytest.raises(InvalidArgument, match="features: shape"):
+        engine.propose("s", 1, 5, torch.zeros(1, width + 1), top_k=2)
+    with pytest.raises(InvalidArgument, match="top_k"):
+        engine.propose("s", 1, 4, None, top_k=0)
+    with pytest.raises(InvalidArgument, match="anchor_token"):
+        engine.propose("s", 10**6, 4, None, top_k=2)
+    assert engine.release("s") and not engine.release("s")
