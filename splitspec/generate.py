@@ -40,7 +40,8 @@ def run(args: argparse.Namespace) -> int:
     with grpc.insecure_channel(args.address, options=CHANNEL_OPTIONS) as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
         try:
-            for response in stub.Generate(request, timeout=args.timeout):
+            # wait_for_ready: `splitspec serve & splitspec generate ...` works while the server starts.
+            for response in stub.Generate(request, timeout=args.timeout, wait_for_ready=True):
                 if response.text:
                     first = first or time.perf_counter()
                     sys.stdout.write(response.text)
@@ -56,6 +57,7 @@ def run(args: argparse.Namespace) -> int:
         f"\n[{gateway_pb2.FinishReason.Name(final.finish_reason).lower()}: {u.prompt_tokens} prompt + "
         f"{u.completion_tokens} generated tokens in {u.steps} steps, mean acceptance length "
         f"{u.mean_acceptance_length:.2f}, {u.completion_tokens / elapsed:.1f} tok/s"
+        + (f", {1000 * elapsed / u.steps:.1f} ms/step" if u.steps else "")
         + (f", first text after {first - t0:.3f} s" if first else "")
         + (f", {u.draft_fallbacks} draft fallbacks" if u.draft_fallbacks else "")
         + "]",

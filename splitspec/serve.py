@@ -35,7 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for the gateway to be ready")
 
 
-def _wait_ready(address: str, procs: list[subprocess.Popen], timeout: float) -> None:
+def wait_ready(address: str, procs: list[subprocess.Popen], timeout: float) -> None:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -70,14 +70,17 @@ def run(args: argparse.Namespace, log_args: list[str]) -> int:
     sockets = Path(tempfile.mkdtemp(prefix="splitspec-"))
     target_addr, draft_addr = f"unix:{sockets / 'target.sock'}", f"unix:{sockets / 'draft.sock'}"
     base = [sys.executable, "-m", "splitspec"]
+    # Two CPU workers that each spin all cores slow each other down; split the cores between them.
+    both_cpu = args.device == "cpu" and (args.draft_device or args.device) == "cpu"
+    threads = ["--threads", str(max(1, (os.cpu_count() or 2) // 2))] if both_cpu else []
     commands = [
-        [*base, "target", *log_args, "--model", target_model, "--listen", target_addr, "--device", args.device, "--dtype", args.dtype],
+        [*base, "target", *log_args, "--model", target_model, "--listen", target_addr, "--device", args.device, "--dtype", args.dtype, *threads],
     ]
     use_draft = draft_model and draft_model != "none"
     if use_draft:
         commands.append([
             *base, "draft", *log_args, "--model", draft_model, "--target-model", target_model, "--listen", draft_addr,
-            "--device", args.draft_device or args.device, "--dtype", args.dtype,
+            "--device", args.draft_device or args.device, "--dtype", args.dtype, *threads,
         ])
     commands.append([
         *base, "gateway", *log_args, "--listen", args.listen, "--target", target_addr,
@@ -95,7 +98,7 @@ def run(args: argparse.Namespace, log_args: list[str]) -> int:
     code = 0
     try:
         procs = [subprocess.Popen(c) for c in commands]
-        _wait_ready(args.listen, procs, args.ready_timeout)
+        wait_ready(args.listen, procs, args.ready_timeout)
         print(f"splitspec serve: ready on {args.listen} (target {target_model}, draft {draft_model or 'none'})", file=sys.stderr, flush=True)
         while not stopping:
             dead = [p for p in procs if p.poll() is not None]

@@ -17,11 +17,12 @@ class Completion:
     final: gateway_pb2.Final
 
 
-def generate(address: str, timeout: float = 60.0, **fields) -> Completion:
+def generate(address: str, timeout: float = 60.0, wait: bool = False, **fields) -> Completion:
+    """``wait`` blocks until the gateway accepts connections (for a server still starting)."""
     with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as ch:
         stub = gateway_pb2_grpc.GatewayStub(ch)
         text, tokens, final = [], [], None
-        for r in stub.Generate(gateway_pb2.GenerateRequest(**fields), timeout=timeout):
+        for r in stub.Generate(gateway_pb2.GenerateRequest(**fields), timeout=timeout, wait_for_ready=wait):
             text.append(r.text)
             tokens.extend(r.token_ids)
             if r.HasField("final"):

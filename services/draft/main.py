@@ -19,6 +19,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda:N")
     p.add_argument("--dtype", default="auto", help="auto (bfloat16 on GPU, float32 on CPU), float32, float16, bfloat16")
     p.add_argument("--max-sequences", type=int, default=256, help="live draft contexts at most")
+    p.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0 = torch's default)")
     p.add_argument("--sequence-ttl", type=float, default=600.0, help="release contexts idle this many seconds")
     p.add_argument(
         "--replay", default="",
@@ -29,6 +30,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 async def run(args: argparse.Namespace) -> None:
+    import torch
+
     from splitspec.devices import resolve_device, resolve_dtype
     from splitspec.models.gguf_file import GGUFFile, ModelFileError
     from splitspec.models.loader import load_dflash_draft, load_target_head, qwen3_config_from_gguf
@@ -37,6 +40,8 @@ async def run(args: argparse.Namespace) -> None:
     from splitspec.services.draft.replay import ReplayDrafter, ReplayTable
     from splitspec.services.draft.server import SERVICE, DraftServicer
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if bool(args.model) == bool(args.replay):
         raise ValueError("give exactly one of --model (a DFlash draft) or --replay (benchmark/test only)")
     if args.replay:

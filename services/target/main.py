@@ -20,10 +20,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-sequences", type=int, default=64, help="live sequences at most")
     p.add_argument("--max-kv-tokens", type=int, default=1 << 20, help="KV positions reserved over all sequences at most")
     p.add_argument("--max-tree-nodes", type=int, default=256, help="largest tree a Verify accepts")
+    p.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0 = torch's default)")
     p.add_argument("--sequence-ttl", type=float, default=600.0, help="release sequences idle this many seconds")
 
 
 async def run(args: argparse.Namespace) -> None:
+    import torch
+
     from splitspec.devices import backend_name, resolve_device, resolve_dtype
     from splitspec.models.loader import load_target
     from splitspec.tokenizer import Tokenizer
@@ -31,6 +34,8 @@ async def run(args: argparse.Namespace) -> None:
     from splitspec.services.target.engine import TargetEngine, TargetLimits
     from splitspec.services.target.server import SERVICE, TargetDescription, TargetServicer
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     t0 = time.perf_counter()
