@@ -30,3 +30,19 @@ class ResourceExhausted(ServiceError):
 
 class Unavailable(ServiceError):
     code = "UNAVAILABLE"
+
+
+class DeadlineExceeded(ServiceError):
+    code = "DEADLINE_EXCEEDED"
+
+
+class Unauthenticated(ServiceError):
+    code = "UNAUTHENTICATED"
+
+
+class UpstreamError(ServiceError):
+    """A worker's failure passed on to the gateway's client with the worker's own status code."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code

@@ -6,6 +6,8 @@ import argparse
 import sys
 import time
 
+from splitspec.security import add_client_arguments, client_security
+
 MODES = {"ddtree": 1, "chain": 2, "off": 3}
 
 
@@ -22,6 +24,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", choices=list(MODES), default=None, help="speculation mode (default: the server's)")
     p.add_argument("--budget", type=int, default=0, help="tree nodes per step (default: the server's)")
     p.add_argument("--timeout", type=float, default=600.0, help="deadline for the whole request, seconds")
+    add_client_arguments(p, "", "gateway")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -35,13 +38,18 @@ def run(args: argparse.Namespace) -> int:
         top_k=args.top_k, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos,
         speculation=gateway_pb2.Speculation(mode=MODES.get(args.mode, 0), budget=args.budget),
     )
+    security = client_security(args, "")
+    credentials = security.channel_credentials()
+    options = CHANNEL_OPTIONS + ([("grpc.ssl_target_name_override", security.server_name)] if security.server_name else [])
     t0 = time.perf_counter()
     first = None
-    with grpc.insecure_channel(args.address, options=CHANNEL_OPTIONS) as channel:
+    channel = grpc.secure_channel(args.address, credentials, options) if credentials else grpc.insecure_channel(args.address, options)
+    with channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
         try:
             # wait_for_ready: `splitspec serve & splitspec generate ...` works while the server starts.
-            for response in stub.Generate(request, timeout=args.timeout, wait_for_ready=True):
+            responses = stub.Generate(request, timeout=args.timeout, wait_for_ready=True, metadata=security.metadata())
+            for response in responses:
                 if response.text:
                     first = first or time.perf_counter()
                     sys.stdout.write(response.text)

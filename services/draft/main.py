@@ -8,6 +8,7 @@ import logging
 import time
 
 from splitspec import rpc
+from splitspec.security import ServerSecurity, add_server_arguments
 
 logger = logging.getLogger(__name__)
 
@@ -21,63 +22,74 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-sequences", type=int, default=256, help="live draft contexts at most")
     p.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0 = torch's default)")
     p.add_argument("--sequence-ttl", type=float, default=600.0, help="release contexts idle this many seconds")
+    p.add_argument("--shutdown-grace", type=float, default=10.0, help="seconds in-flight calls may finish after SIGTERM")
     p.add_argument(
         "--replay", default="",
         help="BENCHMARK/TEST ONLY: instead of a model, replay the continuations in this JSONL table "
         "({\"tokens\": [...]} per line), corrupted at --replay-corruption",
     )
     p.add_argument("--replay-corruption", type=float, default=0.0, help="BENCHMARK/TEST ONLY: per-depth corruption rate of the replay drafter")
+    add_server_arguments(p)
+
+
+def _load_engine(args: argparse.Namespace):
+    """Build the engine named by the flags; returns (engine, target config, dtype name, device name)."""
+    from splitspec.devices import resolve_device, resolve_dtype
+    from splitspec.models.gguf_file import GGUFFile, ModelFileError
+    from splitspec.models.loader import load_dflash_draft, load_target_head, qwen3_config_from_gguf
+    from splitspec.services.draft.engine import DraftEngine
+    from splitspec.services.draft.replay import ReplayDrafter, ReplayTable
+
+    if args.replay:
+        target_config = qwen3_config_from_gguf(GGUFFile(args.target_model))
+        engine = ReplayDrafter(ReplayTable(args.replay), target_config.vocab_size, corruption=args.replay_corruption)
+        logger.warning("REPLAY drafter (benchmark/test only): %s, corruption %.2f", args.replay, args.replay_corruption)
+        return engine, target_config, "n/a", "cpu"
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    t0 = time.perf_counter()
+    model, config = load_dflash_draft(args.model, device, dtype)
+    embed, head, target_config = load_target_head(args.target_model, device, dtype)
+    if config.hidden_size != target_config.hidden_size:
+        raise ModelFileError(f"{args.model}: draft hidden_size {config.hidden_size} != target hidden_size {target_config.hidden_size}")
+    if not 0 <= config.mask_token_id < target_config.vocab_size:
+        raise ModelFileError(f"{args.model}: mask_token_id {config.mask_token_id} outside the target vocabulary of {target_config.vocab_size}")
+    logger.info(
+        "loaded draft %s: %d layers, block %d, taps %s, on %s in %.1f s",
+        args.model, config.num_layers, config.block_size, list(config.target_layer_ids), device, time.perf_counter() - t0,
+    )
+    return DraftEngine(model, embed, head, max_sequences=args.max_sequences), target_config, str(dtype).removeprefix("torch."), str(device)
 
 
 async def run(args: argparse.Namespace) -> None:
     import torch
 
-    from splitspec.devices import resolve_device, resolve_dtype
-    from splitspec.models.gguf_file import GGUFFile, ModelFileError
-    from splitspec.models.loader import load_dflash_draft, load_target_head, qwen3_config_from_gguf
     from splitspec.v1 import common_pb2, draft_pb2_grpc
-    from splitspec.services.draft.engine import DraftEngine
-    from splitspec.services.draft.replay import ReplayDrafter, ReplayTable
     from splitspec.services.draft.server import SERVICE, DraftServicer
 
     if args.threads:
         torch.set_num_threads(args.threads)
     if bool(args.model) == bool(args.replay):
         raise ValueError("give exactly one of --model (a DFlash draft) or --replay (benchmark/test only)")
-    if args.replay:
-        target_config = qwen3_config_from_gguf(GGUFFile(args.target_model))
-        engine = ReplayDrafter(ReplayTable(args.replay), target_config.vocab_size, corruption=args.replay_corruption)
-        logger.warning("REPLAY drafter (benchmark/test only): %s, corruption %.2f", args.replay, args.replay_corruption)
-        dtype, device = "n/a", "cpu"
-    else:
-        device = resolve_device(args.device)
-        dtype = resolve_dtype(args.dtype, device)
-        t0 = time.perf_counter()
-        model, config = load_dflash_draft(args.model, device, dtype)
-        embed, head, target_config = load_target_head(args.target_model, device, dtype)
-        if config.hidden_size != target_config.hidden_size:
-            raise ModelFileError(f"{args.model}: draft hidden_size {config.hidden_size} != target hidden_size {target_config.hidden_size}")
-        if not 0 <= config.mask_token_id < target_config.vocab_size:
-            raise ModelFileError(f"{args.model}: mask_token_id {config.mask_token_id} outside the target vocabulary of {target_config.vocab_size}")
-        logger.info(
-            "loaded draft %s: %d layers, block %d, taps %s, on %s in %.1f s",
-            args.model, config.num_layers, config.block_size, list(config.target_layer_ids), device, time.perf_counter() - t0,
+    servicer = DraftServicer()
+    server, health = rpc.create_server(
+        "draft", [lambda s: draft_pb2_grpc.add_DraftWorkerServicer_to_server(servicer, s)], [SERVICE],
+        args.listen, ServerSecurity.from_args(args),
+    )
+
+    def load() -> None:
+        engine, target_config, dtype, device = _load_engine(args)
+        geometry = common_pb2.ModelGeometry(
+            architecture="qwen3", vocab_size=target_config.vocab_size, hidden_size=target_config.hidden_size,
+            num_layers=target_config.num_layers, max_context=target_config.max_context,
+            dtype=dtype, device=device, path=str(args.target_model),
         )
-        engine = DraftEngine(model, embed, head, max_sequences=args.max_sequences)
-    geometry = common_pb2.ModelGeometry(
-        architecture="qwen3", vocab_size=target_config.vocab_size, hidden_size=target_config.hidden_size,
-        num_layers=target_config.num_layers, max_context=target_config.max_context,
-        dtype=str(dtype).removeprefix("torch."), device=str(device), path=str(args.target_model),
+        servicer.host.attach(engine, (geometry, str(args.model or args.replay)))
+        logger.info("draft worker serving on %s", args.listen)
+
+    logger.info("draft worker listening on %s, loading %s", args.listen, args.model or args.replay)
+    loop = asyncio.get_running_loop()
+    await rpc.serve(
+        "draft", server, health, [SERVICE], lambda: loop.run_in_executor(servicer.host.executor, load),
+        args.shutdown_grace, [lambda: servicer.host.expire_periodically(args.sequence_ttl)],
     )
-    servicer = DraftServicer(engine, geometry, str(args.model or args.replay))
-    server, health, _ = rpc.create_server(
-        "draft", [lambda s: draft_pb2_grpc.add_DraftWorkerServicer_to_server(servicer, s)], [SERVICE], args.listen
-    )
-    await server.start()
-    await rpc.set_serving(health, [SERVICE], True)
-    logger.info("draft worker serving on %s", args.listen)
-    expiry = asyncio.create_task(rpc.expire_periodically(servicer.executor, engine.expire_idle, args.sequence_ttl, "draft"))
-    try:
-        await rpc.serve_until_terminated(server, health, [SERVICE])
-    finally:
-        expiry.cancel()

@@ -2,40 +2,35 @@
 
 from __future__ import annotations
 
-import asyncio
-from concurrent.futures import ThreadPoolExecutor
-from functools import partial
-
 from splitspec.errors import InvalidArgument
 from splitspec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from splitspec.wire import WireError, tensor_from_pb, tensor_to_pb
-from splitspec.services.draft.engine import DraftEngine
-from splitspec.services.draft.replay import ReplayDrafter
+from splitspec.services.hosting import EngineHost
 
 SERVICE = draft_pb2.DESCRIPTOR.services_by_name["DraftWorker"].full_name
 
 
 class DraftServicer(draft_pb2_grpc.DraftWorkerServicer):
-    def __init__(self, engine: DraftEngine | ReplayDrafter, target_geometry: common_pb2.ModelGeometry, path: str) -> None:
-        self.engine = engine
-        self.target_geometry = target_geometry
-        self.path = path
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft-engine")
+    """Serves before the model is loaded: every RPC answers UNAVAILABLE until the engine is attached.
 
-    async def _run(self, fn, *args, **kwargs):
-        return await asyncio.get_running_loop().run_in_executor(self.executor, partial(fn, *args, **kwargs))
+    The attached description is the geometry of the target the draft was built for, and a path.
+    """
+
+    def __init__(self) -> None:
+        self.host = EngineHost("draft")
 
     async def Info(self, request, context):
-        e = self.engine
+        e = self.host.require()
+        target_geometry, path = self.host.description
         return draft_pb2.DraftInfo(
-            target_geometry=self.target_geometry,
+            target_geometry=target_geometry,
             block_size=e.block_size,
             mask_token_id=e.mask_token_id,
             target_layer_ids=list(e.target_layer_ids),
             num_layers=e.num_layers,
-            path=self.path,
-            live_sequences=len(self.engine.sequences),
-            max_top_k=self.engine.max_top_k,
+            path=path,
+            live_sequences=len(e.sequences),
+            max_top_k=e.max_top_k,
         )
 
     async def Propose(self, request, context):
@@ -45,8 +40,8 @@ class DraftServicer(draft_pb2_grpc.DraftWorkerServicer):
                 features = tensor_from_pb(request.features)
             except WireError as exc:
                 raise InvalidArgument(f"features: {exc}") from exc
-        proposal = await self._run(
-            self.engine.propose,
+        proposal = await self.host.call(
+            "propose",
             request.sequence_id,
             request.anchor_token,
             request.anchor_position,
@@ -62,5 +57,5 @@ class DraftServicer(draft_pb2_grpc.DraftWorkerServicer):
         )
 
     async def Release(self, request, context):
-        released = await self._run(self.engine.release, request.sequence_id)
+        released = await self.host.call("release", request.sequence_id)
         return common_pb2.ReleaseResponse(released=released)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 
 from splitspec import rpc
+from splitspec.security import ServerSecurity, add_client_arguments, add_server_arguments, client_security
 
 logger = logging.getLogger(__name__)
 
@@ -22,42 +24,87 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-window", type=int, default=0, help="context positions the draft attends to (0 = all)")
     p.add_argument("--feature-dtype", choices=["", "float32", "float16", "bfloat16"], default="", help="wire dtype of tap features ('' = target compute dtype)")
     p.add_argument("--draft-timeout", type=float, default=5.0, help="seconds a Propose may take before the step falls back to target-only")
+    p.add_argument("--max-running", type=int, default=64, help="requests generating at once")
+    p.add_argument("--max-waiting", type=int, default=256, help="requests queued for a slot; more get RESOURCE_EXHAUSTED")
+    p.add_argument("--max-queue-wait", type=float, default=30.0, help="seconds a request may wait for a slot")
+    p.add_argument("--max-request-bytes", type=int, default=4 << 20, help="largest request message accepted")
+    p.add_argument("--health-interval", type=float, default=1.0, help="seconds between worker health checks")
     p.add_argument("--worker-wait", type=float, default=600.0, help="seconds to wait for the workers at start-up")
+    p.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds in-flight requests may finish after SIGTERM")
+    add_server_arguments(p)
+    add_client_arguments(p, "worker-", "workers")
+
+
+async def _wait_for(what: str, call, deadline: float):
+    """Call ``call()`` until it succeeds; retry while the worker is unreachable or still loading."""
+    import grpc
+
+    loop = asyncio.get_running_loop()
+    logger.info("waiting for the %s worker", what)
+    while True:
+        try:
+            return await call(timeout=max(1.0, min(10.0, deadline - loop.time())))
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) or loop.time() > deadline:
+                raise ConnectionError(f"{what} worker: {exc.code().name}: {exc.details()}") from exc
+        await asyncio.sleep(0.5)
 
 
 async def run(args: argparse.Namespace) -> None:
     from splitspec.errors import FailedPrecondition
     from splitspec.tokenizer import Tokenizer
     from splitspec.v1 import gateway_pb2_grpc
+    from splitspec.services.gateway.admission import Admission
+    from splitspec.services.gateway.monitor import WorkerMonitor
     from splitspec.services.gateway.server import SERVICE, GatewayServicer, GatewayState, check_compatible
-    from splitspec.services.gateway.speculation import DraftShape, Mode, SpeculationOptions
+    from splitspec.services.gateway.speculation import Mode, SpeculationOptions
     from splitspec.services.gateway.workers import DraftClient, TargetClient
 
-    target = TargetClient(args.target)
-    logger.info("waiting for the target worker at %s", args.target)
-    target_info = await target.info(timeout=args.worker_wait)
-    draft, shape = None, None
-    if args.draft:
-        draft = DraftClient(args.draft)
-        logger.info("waiting for the draft worker at %s", args.draft)
-        draft_info = await draft.info(timeout=args.worker_wait)
-        check_compatible(target_info, draft_info)
-        shape = DraftShape(draft_info.block_size, tuple(draft_info.target_layer_ids))
     if args.budget < 1:
         raise FailedPrecondition(f"--budget {args.budget} must be >= 1")
+    security = client_security(args, "worker-")
+    admission = Admission(args.max_running, args.max_waiting, args.max_queue_wait)
+    deadline = asyncio.get_running_loop().time() + args.worker_wait
+    target = TargetClient(args.target, security)
+    target_info = await _wait_for("target", target.info, deadline)
+    draft, draft_info = None, None
+    if args.draft:
+        draft = DraftClient(args.draft, security)
+        draft_info = await _wait_for("draft", draft.info, deadline)
+        check_compatible(target_info, draft_info)
     tokenizer = Tokenizer.load(args.tokenizer or target_info.tokenizer_path)
     defaults = SpeculationOptions(
         mode=Mode(args.mode), budget=args.budget, chain_seed=args.chain_seed, top_k=args.top_k,
         draft_window=args.draft_window, feature_dtype=args.feature_dtype, draft_timeout_s=args.draft_timeout,
     )
-    servicer = GatewayServicer(target, draft, GatewayState(target_info, shape, tokenizer), defaults)
-    server, health, _ = rpc.create_server(
-        "gateway", [lambda s: gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, s)], [SERVICE], args.listen
+    health_holder = {}
+
+    async def target_changed(up: bool) -> None:
+        await rpc.set_serving(health_holder["health"], [SERVICE], up)
+
+    async def draft_fits() -> bool:
+        try:
+            check_compatible(target_info, await draft.info(timeout=5))
+            return True
+        except Exception as exc:  # noqa: BLE001 - a draft that does not answer or fit stays down
+            logger.error("draft worker is not usable: %s", exc)
+            return False
+
+    monitor = WorkerMonitor(target.channel, draft.channel if draft else None, target_changed, draft_fits, args.health_interval)
+    servicer = GatewayServicer(target, draft, GatewayState(target_info, draft_info, tokenizer), defaults, admission, monitor)
+    server, health = rpc.create_server(
+        "gateway", [lambda s: gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, s)], [SERVICE],
+        args.listen, ServerSecurity.from_args(args), max_receive_bytes=args.max_request_bytes,
     )
-    await server.start()
-    await rpc.set_serving(health, [SERVICE], True)
-    logger.info(
-        "gateway serving on %s (target %s, draft %s, mode %s, budget %d)",
-        args.listen, args.target, args.draft or "none", args.mode, args.budget,
-    )
-    await rpc.serve_until_terminated(server, health, [SERVICE])
+    health_holder["health"] = health
+
+    async def ready() -> None:
+        logger.info(
+            "gateway serving on %s (target %s, draft %s, mode %s, budget %d)",
+            args.listen, args.target, args.draft or "none", args.mode, args.budget,
+        )
+
+    def drain() -> None:
+        admission.draining = True
+
+    await rpc.serve("gateway", server, health, [SERVICE], ready, args.shutdown_grace, [monitor.run], drain)

@@ -1,4 +1,4 @@
-"""Gateway servicer: validates the public request, runs the speculation loop, streams text.
+"""Gateway servicer: validates the public request, admits it, runs the speculation loop, streams text.
 
 The gateway needs no torch and no GPU: tokenizer, tree building on small numpy arrays and
 orchestration. It refuses to start when the draft does not fit the target.
@@ -12,11 +12,14 @@ import math
 import time
 from dataclasses import dataclass
 
-from splitspec.errors import FailedPrecondition, InvalidArgument
-from splitspec.rpc import new_request_id
+from splitspec import __version__
+from splitspec.errors import FailedPrecondition, InvalidArgument, Unavailable
+from splitspec.interceptors import request_id
 from splitspec.textstream import TextStream
 from splitspec.tokenizer import Tokenizer
 from splitspec.v1 import common_pb2, draft_pb2, gateway_pb2, gateway_pb2_grpc, target_pb2
+from splitspec.services.gateway.admission import Admission
+from splitspec.services.gateway.monitor import WorkerMonitor
 from splitspec.services.gateway.speculation import DraftShape, Mode, SpeculationOptions, SpeculativeSequence
 from splitspec.services.gateway.workers import DraftClient, TargetClient
 
@@ -28,7 +31,9 @@ _MODES = {
     gateway_pb2.Speculation.CHAIN: Mode.CHAIN,
     gateway_pb2.Speculation.OFF: Mode.OFF,
 }
+_MODE_PB = {mode: pb for pb, mode in _MODES.items()}
 MAX_BUDGET = 256
+MAX_STOP_STRINGS, MAX_STOP_LENGTH, MAX_STOP_TOKENS = 16, 256, 64
 
 
 def check_compatible(target: target_pb2.TargetInfo, draft: draft_pb2.DraftInfo) -> None:
@@ -51,29 +56,45 @@ class GatewayState:
     """What the gateway learned from its workers at start-up."""
 
     target_info: target_pb2.TargetInfo
-    draft_shape: DraftShape | None
+    draft_info: draft_pb2.DraftInfo | None
     tokenizer: Tokenizer
+
+    @property
+    def draft_shape(self) -> DraftShape | None:
+        d = self.draft_info
+        return DraftShape(d.block_size, tuple(d.target_layer_ids)) if d is not None else None
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def __init__(
-        self, target: TargetClient, draft: DraftClient | None, state: GatewayState, defaults: SpeculationOptions
+        self,
+        target: TargetClient,
+        draft: DraftClient | None,
+        state: GatewayState,
+        defaults: SpeculationOptions,
+        admission: Admission,
+        monitor: WorkerMonitor,
     ) -> None:
         self.target, self.draft, self.state, self.defaults = target, draft, state, defaults
+        self.admission, self.monitor = admission, monitor
+
+    @property
+    def max_budget(self) -> int:
+        return min(MAX_BUDGET, self.state.target_info.max_tree_nodes)
 
     def _options(self, spec: gateway_pb2.Speculation) -> SpeculationOptions:
         if spec.mode not in (gateway_pb2.Speculation.MODE_UNSPECIFIED, *_MODES):
-            raise InvalidArgument(f"speculation.mode: unknown value {spec.mode}")
-        mode = _MODES.get(spec.mode, self.defaults.mode)
+            raise InvalidArgument(f"speculation.mode: unknown value {spec.mode} (use DDTREE, CHAIN or OFF)")
         budget = spec.budget or self.defaults.budget
-        limit = min(MAX_BUDGET, self.state.target_info.max_tree_nodes)
-        if not 0 < budget <= limit:
-            raise InvalidArgument(f"speculation.budget: {spec.budget} is outside [1, {limit}]")
-        chain_seed = spec.chain_seed if spec.HasField("chain_seed") else self.defaults.chain_seed
-        top_k = min(self.defaults.top_k, budget)
+        if not 0 < budget <= self.max_budget:
+            raise InvalidArgument(f"speculation.budget: {spec.budget} is outside [1, {self.max_budget}]")
         return SpeculationOptions(
-            mode=mode, budget=budget, chain_seed=chain_seed, top_k=top_k,
-            draft_window=self.defaults.draft_window, feature_dtype=self.defaults.feature_dtype,
+            mode=_MODES.get(spec.mode, self.defaults.mode),
+            budget=budget,
+            chain_seed=spec.chain_seed if spec.HasField("chain_seed") else self.defaults.chain_seed,
+            top_k=min(self.defaults.top_k, budget),
+            draft_window=self.defaults.draft_window,
+            feature_dtype=self.defaults.feature_dtype,
             draft_timeout_s=self.defaults.draft_timeout_s,
         )
 
@@ -93,64 +114,102 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             raise InvalidArgument("prompt: empty after tokenization")
         if len(ids) >= geometry.max_context:
             raise InvalidArgument(f"prompt: {len(ids)} tokens leave no room in the context of {geometry.max_context}")
+        if request.max_tokens <= 0:
+            raise InvalidArgument(f"max_tokens: {request.max_tokens} must be >= 1")
+        if len(ids) + request.max_tokens > geometry.max_context:
+            raise InvalidArgument(
+                f"max_tokens: {request.max_tokens} beyond the context: the prompt has {len(ids)} tokens, "
+                f"so at most {geometry.max_context - len(ids)} fit in {geometry.max_context}"
+            )
         return ids
 
     @staticmethod
     def _sampling(request: gateway_pb2.GenerateRequest) -> common_pb2.Sampling:
-        if not (math.isfinite(request.temperature) and request.temperature >= 0):
-            raise InvalidArgument(f"temperature: {request.temperature} must be a finite number >= 0")
+        if not (math.isfinite(request.temperature) and 0 <= request.temperature <= 100):
+            raise InvalidArgument(f"temperature: {request.temperature} is outside [0, 100]")
         top_p = request.top_p if request.HasField("top_p") else 1.0
-        if not 0.0 < top_p <= 1.0:
-            raise InvalidArgument(f"top_p: {top_p} must be in (0, 1]")
+        if not 0.0 < top_p <= 1.0:  # also rejects NaN
+            raise InvalidArgument(f"top_p: {top_p} is outside (0, 1]")
         if request.top_k < 0:
-            raise InvalidArgument(f"top_k: {request.top_k} must be >= 0")
+            raise InvalidArgument(f"top_k: {request.top_k} must be >= 0 (0 disables top-k)")
         return common_pb2.Sampling(temperature=request.temperature, top_p=top_p, top_k=request.top_k, seed=request.seed)
+
+    def _stops(self, request: gateway_pb2.GenerateRequest) -> tuple[list[str], set[int]]:
+        stops = list(request.stop)
+        if len(stops) > MAX_STOP_STRINGS or any(not s or len(s) > MAX_STOP_LENGTH for s in stops):
+            raise InvalidArgument(f"stop: at most {MAX_STOP_STRINGS} non-empty strings of at most {MAX_STOP_LENGTH} characters")
+        vocab = self.state.target_info.geometry.vocab_size
+        ids = list(request.stop_token_ids)
+        if len(ids) > MAX_STOP_TOKENS or any(not 0 <= t < vocab for t in ids):
+            raise InvalidArgument(f"stop_token_ids: at most {MAX_STOP_TOKENS} ids, each in [0, {vocab})")
+        return stops, set(ids)
+
+    async def Info(self, request, context):
+        s = self.state
+        d = s.draft_info
+        return gateway_pb2.GatewayInfo(
+            version=__version__,
+            target=s.target_info.geometry,
+            draft_path=d.path if d else "",
+            draft_block_size=d.block_size if d else 0,
+            tap_layer_ids=list(d.target_layer_ids) if d else [],
+            default_speculation=gateway_pb2.Speculation(
+                mode=_MODE_PB[self.defaults.mode], budget=self.defaults.budget, chain_seed=self.defaults.chain_seed
+            ),
+            default_top_k=self.defaults.top_k,
+            max_budget=self.max_budget,
+            target_available=self.monitor.target_up,
+            draft_available=self.monitor.draft_up,
+            running_requests=self.admission.running,
+            waiting_requests=self.admission.waiting,
+            max_running_requests=self.admission.max_running,
+            max_waiting_requests=self.admission.max_waiting,
+        )
 
     async def Generate(self, request, context):
         t0 = time.perf_counter()
+        rid = request_id(context)
         prompt = self._prompt(request)
-        if request.max_tokens <= 0:
-            raise InvalidArgument(f"max_tokens: {request.max_tokens} must be >= 1")
         options = self._options(request.speculation)
         sampling = self._sampling(request)
+        stop_strings, stop_ids = self._stops(request)
+        if not self.monitor.target_up:
+            raise Unavailable(f"the target worker at {self.target.address} is unavailable")
         eos = set() if request.ignore_eos else set(self.state.target_info.eos_token_ids)
-        stream = TextStream(
-            self.state.tokenizer,
-            stop_strings=[s for s in request.stop if s],
-            stop_token_ids=eos | set(request.stop_token_ids),
-            prompt_ids=prompt,
-        )
-        remaining = context.time_remaining()
-        loop = asyncio.get_running_loop()
-        seq = SpeculativeSequence(
-            sequence_id=new_request_id(),
-            target=self.target,
-            draft=self.draft,
-            draft_shape=self.state.draft_shape,
-            options=options,
-            prompt=prompt,
-            sampling=sampling,
-            max_new_tokens=request.max_tokens,
-            max_context=self.state.target_info.geometry.max_context,
-            deadline=None if remaining is None else loop.time() + remaining,
-        )
-        finish = gateway_pb2.CONTEXT
-        try:
-            async for new_tokens in seq.run():
-                new_tokens = new_tokens[: request.max_tokens - stream.num_tokens]
-                delta = stream.push(new_tokens)
-                if delta.text or delta.token_ids:
-                    yield gateway_pb2.GenerateResponse(text=delta.text, token_ids=delta.token_ids)
-                if delta.finished:
-                    last = delta.token_ids[-1] if delta.token_ids else None
-                    is_eos = delta.stop_reason == "stop_token" and last in eos and last not in request.stop_token_ids
-                    finish = gateway_pb2.EOS if is_eos else gateway_pb2.STOP
-                    break
-                if stream.num_tokens >= request.max_tokens:
-                    finish = gateway_pb2.LENGTH
-                    break
-        finally:
-            await seq.release()
+        async with self.admission.slot() as queued_s:
+            remaining = context.time_remaining()
+            loop = asyncio.get_running_loop()
+            seq = SpeculativeSequence(
+                sequence_id=rid,
+                target=self.target,
+                draft=self.draft,
+                draft_shape=self.state.draft_shape,
+                options=options,
+                prompt=prompt,
+                sampling=sampling,
+                max_new_tokens=request.max_tokens,
+                max_context=self.state.target_info.geometry.max_context,
+                deadline=None if remaining is None else loop.time() + remaining,
+                draft_available=lambda: self.monitor.draft_up,
+                on_draft_failure=self.monitor.mark_draft_down,
+            )
+            stream = TextStream(self.state.tokenizer, stop_strings=stop_strings, stop_token_ids=eos | stop_ids, prompt_ids=prompt)
+            finish = gateway_pb2.CONTEXT
+            try:
+                async for new_tokens in seq.run():
+                    delta = stream.push(new_tokens[: request.max_tokens - stream.num_tokens])
+                    if delta.text or delta.token_ids:
+                        yield gateway_pb2.GenerateResponse(text=delta.text, token_ids=delta.token_ids)
+                    if delta.finished:
+                        last = delta.token_ids[-1] if delta.token_ids else None
+                        is_eos = delta.stop_reason == "stop_token" and last in eos and last not in stop_ids
+                        finish = gateway_pb2.EOS if is_eos else gateway_pb2.STOP
+                        break
+                    if stream.num_tokens >= request.max_tokens:
+                        finish = gateway_pb2.LENGTH
+                        break
+            finally:
+                await seq.release()
         if finish in (gateway_pb2.LENGTH, gateway_pb2.CONTEXT):
             tail = stream.flush()
             if tail.text or tail.token_ids:
@@ -164,8 +223,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             draft_fallbacks=stats.fallbacks,
         )
         logger.info(
-            "request %s done: %s, %d prompt + %d generated tokens, %d steps, AL %.2f, %d fallbacks, %.3f s",
-            seq.sequence_id, gateway_pb2.FinishReason.Name(finish), len(prompt), stream.num_tokens,
-            stats.steps, stats.mean_acceptance_length, stats.fallbacks, time.perf_counter() - t0,
+            "request %s done: %s, %d prompt + %d generated tokens, %d steps, AL %.2f, %d fallbacks %s, "
+            "%d recoveries, queued %.3f s, total %.3f s",
+            rid, gateway_pb2.FinishReason.Name(finish), len(prompt), stream.num_tokens, stats.steps,
+            stats.mean_acceptance_length, stats.fallbacks, stats.fallback_reasons or "", stats.recoveries,
+            queued_s, time.perf_counter() - t0,
         )
         yield gateway_pb2.GenerateResponse(final=gateway_pb2.Final(finish_reason=finish, usage=usage))

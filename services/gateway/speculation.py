@@ -1,13 +1,18 @@
 """The speculation loop for one sequence: prefill, then Propose -> build tree -> Verify, repeated.
 
-Per step the gateway sends the draft the *anchor* (the target's pending token) and the tap
-features of the tokens committed since the last call, builds a DDTree (or a chain, or nothing)
-from the returned per-depth top-K, and has the target verify it. Each step commits the root plus
-the accepted nodes and yields the *new* tokens: the accepted nodes' tokens and the bonus (the root
-itself was yielded the step before, as that step's bonus).
+Per step the gateway sends the draft the *anchor* (the target's pending token), the token ids and
+tap features of the positions committed since the last call, builds a DDTree (or a chain, or
+nothing) from the returned per-depth top-K, and has the target verify it. Each step commits the
+root plus the accepted nodes and yields the *new* tokens: the accepted nodes' tokens and the bonus
+(the root itself was yielded the step before, as that step's bonus).
 
-If the draft fails or misses its deadline, the sequence continues target-only (a root-only tree)
-and the fallback is counted: the output is unchanged, because the target's rule picks every token.
+Faults never change the output, because the target's rule picks every token:
+- the draft fails or misses its deadline: the sequence continues target-only (a root-only tree),
+  counted as a fallback; when the draft answers again the sequence resumes speculating with a
+  fresh draft context that starts at the current position;
+- the target answers NOT_FOUND (it restarted and lost the sequence): the gateway prefills the
+  prompt plus everything generated so far and carries on;
+- any other target failure ends the request with the target's status.
 """
 
 from __future__ import annotations
@@ -15,14 +20,15 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 
 import grpc
 
+from splitspec.errors import UpstreamError
 from splitspec.spec.tree import DraftTree, build_chain, build_ddtree
 from splitspec.v1 import common_pb2, target_pb2
-from splitspec.services.gateway.workers import DraftClient, TargetClient
+from splitspec.services.gateway.workers import DraftClient, Prefilled, TargetClient
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +55,9 @@ class SequenceStats:
     steps: int = 0  # verify passes
     committed: int = 0  # tokens committed by verifies (root + accepted nodes)
     tree_nodes: int = 0  # drafted nodes sent to verification
-    fallbacks: int = 0  # steps run target-only because the draft failed
+    fallbacks: int = 0  # steps run target-only because the draft failed or was down
+    fallback_reasons: dict[str, int] = field(default_factory=dict)
+    recoveries: int = 0  # re-prefills after the target lost the sequence
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -62,7 +70,14 @@ class DraftShape:
     taps: tuple[int, ...]
 
 
+def upstream(worker: str, exc: grpc.aio.AioRpcError) -> UpstreamError:
+    """A worker's RPC error as the gateway's own, keeping its status code."""
+    return UpstreamError(exc.code().name, f"{worker} worker: {exc.details()}")
+
+
 class SpeculativeSequence:
+    MAX_DRAFT_RESUMES = 3  # a draft that keeps failing for this sequence is given up on
+
     def __init__(
         self,
         sequence_id: str,
@@ -75,6 +90,8 @@ class SpeculativeSequence:
         max_new_tokens: int,
         max_context: int,
         deadline: float | None = None,  # event-loop time by which everything must end
+        draft_available: Callable[[], bool] = lambda: True,
+        on_draft_failure: Callable[[], None] = lambda: None,
     ) -> None:
         self.sequence_id = sequence_id
         self.target, self.draft, self.shape = target, draft, draft_shape
@@ -83,9 +100,18 @@ class SpeculativeSequence:
         self.max_new_tokens = max_new_tokens
         self.capacity = min(max_context, len(prompt) + max_new_tokens + options.budget + 1)
         self.deadline = deadline
+        self.draft_available, self.on_draft_failure = draft_available, on_draft_failure
         self.stats = SequenceStats()
-        self.speculating = options.mode is not Mode.OFF and draft is not None and draft_shape is not None
-        self._draft_touched = False
+        self.wants_draft = options.mode is not Mode.OFF and draft is not None and draft_shape is not None
+        self.draft_live = False  # the draft holds a context for this sequence, in sync with the target
+        self.draft_synced = 0  # positions whose token ids the draft has been sent
+        self.resumes = 0
+        self.generated: list[int] = []  # every token yielded so far
+
+    def _tokens(self, begin: int, end: int) -> list[int]:
+        """Token ids of positions [begin, end) (prompt, then generated) without joining the lists."""
+        p = len(self.prompt)
+        return self.prompt[begin:min(end, p)] + self.generated[max(0, begin - p) : max(0, end - p)]
 
     def _timeout(self, cap: float | None = None) -> float | None:
         if self.deadline is None:
@@ -93,73 +119,125 @@ class SpeculativeSequence:
         left = max(0.001, self.deadline - asyncio.get_running_loop().time())
         return left if cap is None else min(left, cap)
 
+    def _speculating(self) -> bool:
+        return self.wants_draft and (self.draft_live or (self.draft_available() and self.resumes < self.MAX_DRAFT_RESUMES))
+
+    async def _prefill(self, tokens: list[int]) -> Prefilled:
+        speculating = self._speculating()
+        try:
+            return await self.target.prefill(
+                target_pb2.PrefillRequest(
+                    sequence_id=self.sequence_id,
+                    tokens=tokens,
+                    sampling=self.sampling,
+                    tap_layer_ids=list(self.shape.taps) if speculating else [],
+                    reserve_tokens=max(self.capacity, len(tokens) + 1),
+                    feature_rows=self.options.draft_window,
+                    feature_dtype=self.options.feature_dtype,
+                ),
+                timeout=self._timeout(),
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise upstream("target", exc) from exc
+
     async def run(self) -> AsyncIterator[list[int]]:
         """Yield newly committed tokens after prefill and after every step, until ``max_new_tokens``."""
-        opts = self.options
-        prefilled = await self.target.prefill(
-            target_pb2.PrefillRequest(
-                sequence_id=self.sequence_id,
-                tokens=self.prompt,
-                sampling=self.sampling,
-                tap_layer_ids=list(self.shape.taps) if self.speculating else [],
-                reserve_tokens=self.capacity,
-                feature_rows=opts.draft_window,
-                feature_dtype=opts.feature_dtype,
-            ),
-            timeout=self._timeout(),
-        )
-        generated, anchor, start, features = 1, prefilled.next_token, len(self.prompt), prefilled.features
-        history = self.prompt  # tokens of positions the draft has not been sent yet
+        prefilled = await self._prefill(self.prompt)
+        anchor, features = prefilled.next_token, prefilled.features
+        self.generated.append(anchor)
         yield [anchor]
-        while generated < self.max_new_tokens:
+        while len(self.generated) < self.max_new_tokens:
+            start = len(self.prompt) + len(self.generated) - 1  # positions in the target's KV cache
             # The tree's depth is bounded by the tokens still wanted and by the reserved positions.
-            max_depth = min(self.max_new_tokens - generated - 1, self.capacity - start - 1)
+            max_depth = min(self.max_new_tokens - len(self.generated) - 1, self.capacity - start - 1)
             if max_depth < 0:
                 return
             tree = DraftTree.empty()
-            if self.speculating:
-                tree = await self._draft_tree(anchor, start, history, features, max_depth)
-            verified = await self.target.verify(
-                self.sequence_id, tree.tokens, tree.parents, self.speculating and bool(self.shape.taps),
-                timeout=self._timeout(),
-            )
+            # Features are missing after steps run without the draft; a resumed draft needs them.
+            if self._speculating() and (features is not None or not self.shape.taps):
+                tree = await self._draft_tree(anchor, start, features, max_depth)
+            elif self.wants_draft:
+                self._count_fallback("draft_down")
+            try:
+                verified = await self.target.verify(
+                    self.sequence_id, tree.tokens, tree.parents, self._speculating() and bool(self.shape.taps),
+                    timeout=self._timeout(),
+                )
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.NOT_FOUND:
+                    raise upstream("target", exc) from exc
+                prefilled = await self._recover()
+                anchor, features = prefilled.next_token, prefilled.features
+                yield [anchor]
+                continue
             self.stats.steps += 1
             self.stats.committed += len(verified.committed_tokens)
             self.stats.tree_nodes += tree.num_nodes
-            if not self.speculating and opts.mode is not Mode.OFF:
-                self.stats.fallbacks += 1
             new = verified.committed_tokens[1:] + [verified.next_token]
-            generated += len(new)
-            anchor, start, features = verified.next_token, verified.committed_length, verified.features
-            history = verified.committed_tokens
+            self.generated.extend(new)
+            anchor, features = verified.next_token, verified.features
             yield new
 
-    async def _draft_tree(self, anchor: int, start: int, history: list[int], features, max_depth: int) -> DraftTree:
+    async def _recover(self) -> Prefilled:
+        """The target lost the sequence: prefill everything generated so far and go on from there."""
+        self.stats.recoveries += 1
+        tokens = self._tokens(0, len(self.prompt) + len(self.generated))
+        logger.warning("sequence %s: the target lost it; re-prefilling %d tokens", self.sequence_id, len(tokens))
+        await self._forget_draft()
+        prefilled = await self._prefill(tokens)
+        self.generated.append(prefilled.next_token)
+        return prefilled
+
+    async def _forget_draft(self) -> None:
+        self.draft_synced = 0
+        if self.draft_live:
+            self.draft_live = False
+            try:
+                await self.draft.release(self.sequence_id)
+            except grpc.aio.AioRpcError:
+                pass  # a draft that cannot be reached holds nothing we can free now; its TTL will
+
+    def _count_fallback(self, reason: str) -> None:
+        self.stats.fallbacks += 1
+        self.stats.fallback_reasons[reason] = self.stats.fallback_reasons.get(reason, 0) + 1
+
+    async def _draft_tree(self, anchor: int, start: int, features, max_depth: int) -> DraftTree:
+        """Propose from the draft and build the tree. ``features`` are the rows ending at ``start``;
+        the token ids sent are those of every position the draft has not seen (all of them when a
+        fresh context starts: token-based drafters need the whole history)."""
         opts = self.options
         if max_depth == 0:  # the last step: only the bonus token is still wanted
             return DraftTree.empty()
-        self._draft_touched = True  # from here on the draft may hold state for this sequence
+        if not self.draft_live:
+            self.resumes += self.stats.steps > 0  # the first context is a start, not a resume
+        self.draft_live = True
+        history = self._tokens(self.draft_synced, start)
         try:
             top_ids, top_logprobs = await self.draft.propose(
                 self.sequence_id, anchor, start, history, features, opts.top_k, opts.draft_window,
                 timeout=self._timeout(opts.draft_timeout_s),
             )
+            self.draft_synced = start
         except grpc.aio.AioRpcError as exc:
             logger.warning(
                 "sequence %s: draft failed (%s: %s); continuing target-only",
                 self.sequence_id, exc.code().name, exc.details(),
             )
-            self.speculating = False
+            self._count_fallback(exc.code().name.lower())
+            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                self.on_draft_failure()
+            await self._forget_draft()
             return DraftTree.empty()
         if opts.mode is Mode.CHAIN:
             return build_chain(top_ids, min(opts.budget, max_depth))
         return build_ddtree(top_ids, top_logprobs, opts.budget, chain_seed=opts.chain_seed, max_depth=max_depth)
 
     async def release(self) -> None:
-        """Free the sequence on both workers; errors are logged, never raised."""
+        """Free the sequence on both workers; errors are logged, never raised. Survives cancellation."""
         calls = [self.target.release(self.sequence_id)]
-        if self._draft_touched and self.draft is not None:
+        if self.draft_live:
             calls.append(self.draft.release(self.sequence_id))
-        for result in await asyncio.gather(*calls, return_exceptions=True):
+        results = await asyncio.shield(asyncio.gather(*calls, return_exceptions=True))
+        for result in results:
             if isinstance(result, Exception):
                 logger.warning("sequence %s: release failed: %s", self.sequence_id, result)

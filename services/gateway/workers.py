@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import grpc
 import numpy as np
 
 from splitspec import rpc
+from splitspec.security import ClientSecurity
 from splitspec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from splitspec.wire import array_from_pb
 
@@ -31,13 +31,13 @@ class Verified:
 
 
 class TargetClient:
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, security: ClientSecurity = ClientSecurity()) -> None:
         self.address = address
-        self.channel = rpc.channel(address)
+        self.channel = rpc.channel(address, security)
         self.stub = target_pb2_grpc.TargetWorkerStub(self.channel)
 
     async def info(self, timeout: float | None = None) -> target_pb2.TargetInfo:
-        return await self.stub.Info(common_pb2.InfoRequest(), timeout=timeout, wait_for_ready=True)
+        return await self.stub.Info(common_pb2.InfoRequest(), timeout=timeout)
 
     async def prefill(self, request: target_pb2.PrefillRequest, timeout: float | None) -> Prefilled:
         r = await self.stub.Prefill(request, timeout=timeout)
@@ -62,13 +62,13 @@ class TargetClient:
 
 
 class DraftClient:
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, security: ClientSecurity = ClientSecurity()) -> None:
         self.address = address
-        self.channel = rpc.channel(address)
+        self.channel = rpc.channel(address, security)
         self.stub = draft_pb2_grpc.DraftWorkerStub(self.channel)
 
     async def info(self, timeout: float | None = None) -> draft_pb2.DraftInfo:
-        return await self.stub.Info(common_pb2.InfoRequest(), timeout=timeout, wait_for_ready=True)
+        return await self.stub.Info(common_pb2.InfoRequest(), timeout=timeout)
 
     async def propose(
         self,
@@ -101,7 +101,3 @@ class DraftClient:
 
     async def close(self) -> None:
         await self.channel.close()
-
-
-def is_rpc_error(exc: BaseException) -> bool:
-    return isinstance(exc, grpc.aio.AioRpcError)

@@ -1,4 +1,4 @@
-"""``splitspec target``: load a target model and serve the TargetWorker API."""
+"""``splitspec target``: serve the TargetWorker API, loading the target model after binding."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import logging
 import time
 
 from splitspec import rpc
+from splitspec.security import ServerSecurity, add_server_arguments
 
 logger = logging.getLogger(__name__)
 
@@ -22,6 +23,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tree-nodes", type=int, default=256, help="largest tree a Verify accepts")
     p.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0 = torch's default)")
     p.add_argument("--sequence-ttl", type=float, default=600.0, help="release sequences idle this many seconds")
+    p.add_argument("--shutdown-grace", type=float, default=10.0, help="seconds in-flight calls may finish after SIGTERM")
+    add_server_arguments(p)
 
 
 async def run(args: argparse.Namespace) -> None:
@@ -38,30 +41,32 @@ async def run(args: argparse.Namespace) -> None:
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
-    t0 = time.perf_counter()
-    model, config = load_target(args.model, device, dtype)
-    tokenizer = Tokenizer.load(args.model)
-    logger.info(
-        "loaded target %s: %d layers, hidden %d, vocab %d, on %s (%s, %s) in %.1f s",
-        args.model, config.num_layers, config.hidden_size, config.vocab_size, device, backend_name(device),
-        str(dtype).removeprefix("torch."), time.perf_counter() - t0,
+    servicer = TargetServicer()
+    server, health = rpc.create_server(
+        "target", [lambda s: target_pb2_grpc.add_TargetWorkerServicer_to_server(servicer, s)], [SERVICE],
+        args.listen, ServerSecurity.from_args(args),
     )
-    limits = TargetLimits(max_sequences=args.max_sequences, max_kv_tokens=args.max_kv_tokens, max_tree_nodes=args.max_tree_nodes)
-    engine = TargetEngine(model, limits)
-    geometry = common_pb2.ModelGeometry(
-        architecture="qwen3", vocab_size=config.vocab_size, hidden_size=config.hidden_size,
-        num_layers=config.num_layers, max_context=config.max_context,
-        dtype=str(dtype).removeprefix("torch."), device=str(device), path=str(args.model),
+
+    def load() -> None:
+        t0 = time.perf_counter()
+        model, config = load_target(args.model, device, dtype)
+        tokenizer = Tokenizer.load(args.model)
+        limits = TargetLimits(max_sequences=args.max_sequences, max_kv_tokens=args.max_kv_tokens, max_tree_nodes=args.max_tree_nodes)
+        geometry = common_pb2.ModelGeometry(
+            architecture="qwen3", vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+            num_layers=config.num_layers, max_context=config.max_context,
+            dtype=str(dtype).removeprefix("torch."), device=str(device), path=str(args.model),
+        )
+        servicer.host.attach(TargetEngine(model, limits), TargetDescription(geometry, list(tokenizer.eos_token_ids), str(args.model)))
+        logger.info(
+            "loaded target %s: %d layers, hidden %d, vocab %d, on %s (%s, %s) in %.1f s; serving on %s",
+            args.model, config.num_layers, config.hidden_size, config.vocab_size, device, backend_name(device),
+            str(dtype).removeprefix("torch."), time.perf_counter() - t0, args.listen,
+        )
+
+    logger.info("target worker listening on %s, loading %s", args.listen, args.model)
+    loop = asyncio.get_running_loop()
+    await rpc.serve(
+        "target", server, health, [SERVICE], lambda: loop.run_in_executor(servicer.host.executor, load),
+        args.shutdown_grace, [lambda: servicer.host.expire_periodically(args.sequence_ttl)],
     )
-    servicer = TargetServicer(engine, TargetDescription(geometry, list(tokenizer.eos_token_ids), str(args.model)))
-    server, health, _ = rpc.create_server(
-        "target", [lambda s: target_pb2_grpc.add_TargetWorkerServicer_to_server(servicer, s)], [SERVICE], args.listen
-    )
-    await server.start()
-    await rpc.set_serving(health, [SERVICE], True)
-    logger.info("target worker serving on %s", args.listen)
-    expiry = asyncio.create_task(rpc.expire_periodically(servicer.executor, engine.expire_idle, args.sequence_ttl, "target"))
-    try:
-        await rpc.serve_until_terminated(server, health, [SERVICE])
-    finally:
-        expiry.cancel()

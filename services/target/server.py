@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import asyncio
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from functools import partial
 
 from splitspec.devices import DTYPES
 from splitspec.errors import InvalidArgument
 from splitspec.spec.sampling import SamplingParams
 from splitspec.v1 import common_pb2, target_pb2, target_pb2_grpc
 from splitspec.wire import tensor_to_pb
+from splitspec.services.hosting import EngineHost
 from splitspec.services.target.engine import TargetEngine
 
 SERVICE = target_pb2.DESCRIPTOR.services_by_name["TargetWorker"].full_name
@@ -39,30 +37,27 @@ class TargetDescription:
 
 
 class TargetServicer(target_pb2_grpc.TargetWorkerServicer):
-    def __init__(self, engine: TargetEngine, description: TargetDescription) -> None:
-        self.engine = engine
-        self.description = description
-        # One thread: device work is serialised and the event loop stays free for health/Info.
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="target-engine")
+    """Serves before the model is loaded: every RPC answers UNAVAILABLE until the engine is attached."""
 
-    async def _run(self, fn, *args, **kwargs):
-        return await asyncio.get_running_loop().run_in_executor(self.executor, partial(fn, *args, **kwargs))
+    def __init__(self) -> None:
+        self.host = EngineHost("target")
 
     async def Info(self, request, context):
-        d = self.description
+        engine: TargetEngine = self.host.require()
+        d: TargetDescription = self.host.description
         return target_pb2.TargetInfo(
             geometry=d.geometry,
             eos_token_ids=d.eos_token_ids,
-            max_tree_nodes=self.engine.limits.max_tree_nodes,
-            live_sequences=len(self.engine.sequences),
+            max_tree_nodes=engine.limits.max_tree_nodes,
+            live_sequences=len(engine.sequences),
             tokenizer_path=d.tokenizer_path,
         )
 
     async def Prefill(self, request, context):
         if request.feature_dtype not in FEATURE_DTYPES:
             raise InvalidArgument(f"feature_dtype: {request.feature_dtype!r} is not one of {FEATURE_DTYPES[1:]}")
-        result = await self._run(
-            self.engine.prefill,
+        result = await self.host.call(
+            "prefill",
             request.sequence_id,
             list(request.tokens),
             sampling_from_pb(request.sampling),
@@ -75,8 +70,8 @@ class TargetServicer(target_pb2_grpc.TargetWorkerServicer):
         return target_pb2.PrefillResponse(next_token=result.next_token, features=features, forward_ns=result.forward_ns)
 
     async def Verify(self, request, context):
-        result = await self._run(
-            self.engine.verify, request.sequence_id, list(request.tokens), list(request.parents), request.return_features
+        result = await self.host.call(
+            "verify", request.sequence_id, list(request.tokens), list(request.parents), request.return_features
         )
         return target_pb2.VerifyResponse(
             committed_tokens=result.committed_tokens,
@@ -88,5 +83,5 @@ class TargetServicer(target_pb2_grpc.TargetWorkerServicer):
         )
 
     async def Release(self, request, context):
-        released = await self._run(self.engine.release, request.sequence_id)
+        released = await self.host.call("release", request.sequence_id)
         return common_pb2.ReleaseResponse(released=released)

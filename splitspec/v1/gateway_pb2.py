@@ -22,31 +22,34 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from splitspec.v1 import common_pb2 as splitspec_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1asplitspec/v1/gateway.proto\x12\x0csplitspec.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xb1\x01\n\x0bSpeculation\x12,\n\x04mode\x18\x01 \x01(\x0e\x32\x1e.splitspec.v1.Speculation.Mode\x12\x0e\n\x06\x62udget\x18\x02 \x01(\x05\x12\x17\n\nchain_seed\x18\x03 \x01(\x08H\x00\x88\x01\x01\"<\n\x04Mode\x12\x14\n\x10MODE_UNSPECIFIED\x10\x00\x12\n\n\x06\x44\x44TREE\x10\x01\x12\t\n\x05\x43HAIN\x10\x02\x12\x07\n\x03OFF\x10\x03\x42\r\n\x0b_chain_seed\"\xa3\x02\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12(\n\x06tokens\x18\x02 \x01(\x0b\x32\x16.splitspec.v1.TokenIdsH\x00\x12\x12\n\nmax_tokens\x18\x03 \x01(\x05\x12\x13\n\x0btemperature\x18\x04 \x01(\x02\x12\x12\n\x05top_p\x18\x05 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x06 \x01(\x05\x12\x0c\n\x04seed\x18\x07 \x01(\x04\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x16\n\x0estop_token_ids\x18\t \x03(\x05\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12.\n\x0bspeculation\x18\x0b \x01(\x0b\x32\x19.splitspec.v1.SpeculationB\x08\n\x06promptB\x08\n\x06_top_p\"\x81\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\r\n\x05steps\x18\x03 \x01(\x05\x12\x1e\n\x16mean_acceptance_length\x18\x04 \x01(\x02\x12\x17\n\x0f\x64raft_fallbacks\x18\x05 \x01(\x05\"^\n\x05\x46inal\x12\x31\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1a.splitspec.v1.FinishReason\x12\"\n\x05usage\x18\x02 \x01(\x0b\x32\x13.splitspec.v1.Usage\"W\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\"\n\x05\x66inal\x18\x03 \x01(\x0b\x32\x13.splitspec.v1.Final*Y\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\n\n\x06LENGTH\x10\x01\x12\x08\n\x04STOP\x10\x02\x12\x07\n\x03\x45OS\x10\x03\x12\x0b\n\x07\x43ONTEXT\x10\x04\x32V\n\x07Gateway\x12K\n\x08Generate\x12\x1d.splitspec.v1.GenerateRequest\x1a\x1e.splitspec.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1asplitspec/v1/gateway.proto\x12\x0csplitspec.v1\x1a\x19splitspec/v1/common.proto\"\x96\x03\n\x0bGatewayInfo\x12\x0f\n\x07version\x18\x01 \x01(\t\x12+\n\x06target\x18\x02 \x01(\x0b\x32\x1b.splitspec.v1.ModelGeometry\x12\x12\n\ndraft_path\x18\x03 \x01(\t\x12\x18\n\x10\x64raft_block_size\x18\x04 \x01(\x05\x12\x15\n\rtap_layer_ids\x18\x05 \x03(\x05\x12\x36\n\x13\x64\x65\x66\x61ult_speculation\x18\x06 \x01(\x0b\x32\x19.splitspec.v1.Speculation\x12\x15\n\rdefault_top_k\x18\x07 \x01(\x05\x12\x12\n\nmax_budget\x18\x08 \x01(\x05\x12\x18\n\x10target_available\x18\t \x01(\x08\x12\x17\n\x0f\x64raft_available\x18\n \x01(\x08\x12\x18\n\x10running_requests\x18\x0b \x01(\x05\x12\x18\n\x10waiting_requests\x18\x0c \x01(\x05\x12\x1c\n\x14max_running_requests\x18\r \x01(\x05\x12\x1c\n\x14max_waiting_requests\x18\x0e \x01(\x05\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xb1\x01\n\x0bSpeculation\x12,\n\x04mode\x18\x01 \x01(\x0e\x32\x1e.splitspec.v1.Speculation.Mode\x12\x0e\n\x06\x62udget\x18\x02 \x01(\x05\x12\x17\n\nchain_seed\x18\x03 \x01(\x08H\x00\x88\x01\x01\"<\n\x04Mode\x12\x14\n\x10MODE_UNSPECIFIED\x10\x00\x12\n\n\x06\x44\x44TREE\x10\x01\x12\t\n\x05\x43HAIN\x10\x02\x12\x07\n\x03OFF\x10\x03\x42\r\n\x0b_chain_seed\"\xa3\x02\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12(\n\x06tokens\x18\x02 \x01(\x0b\x32\x16.splitspec.v1.TokenIdsH\x00\x12\x12\n\nmax_tokens\x18\x03 \x01(\x05\x12\x13\n\x0btemperature\x18\x04 \x01(\x02\x12\x12\n\x05top_p\x18\x05 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x06 \x01(\x05\x12\x0c\n\x04seed\x18\x07 \x01(\x04\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x16\n\x0estop_token_ids\x18\t \x03(\x05\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12.\n\x0bspeculation\x18\x0b \x01(\x0b\x32\x19.splitspec.v1.SpeculationB\x08\n\x06promptB\x08\n\x06_top_p\"\x81\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\r\n\x05steps\x18\x03 \x01(\x05\x12\x1e\n\x16mean_acceptance_length\x18\x04 \x01(\x02\x12\x17\n\x0f\x64raft_fallbacks\x18\x05 \x01(\x05\"^\n\x05\x46inal\x12\x31\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1a.splitspec.v1.FinishReason\x12\"\n\x05usage\x18\x02 \x01(\x0b\x32\x13.splitspec.v1.Usage\"W\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\"\n\x05\x66inal\x18\x03 \x01(\x0b\x32\x13.splitspec.v1.Final*Y\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\n\n\x06LENGTH\x10\x01\x12\x08\n\x04STOP\x10\x02\x12\x07\n\x03\x45OS\x10\x03\x12\x0b\n\x07\x43ONTEXT\x10\x04\x32\x94\x01\n\x07Gateway\x12K\n\x08Generate\x12\x1d.splitspec.v1.GenerateRequest\x1a\x1e.splitspec.v1.GenerateResponse0\x01\x12<\n\x04Info\x12\x19.splitspec.v1.InfoRequest\x1a\x19.splitspec.v1.GatewayInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'splitspec.v1.gateway_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=860
-  _globals['_FINISHREASON']._serialized_end=949
-  _globals['_TOKENIDS']._serialized_start=44
-  _globals['_TOKENIDS']._serialized_end=67
-  _globals['_SPECULATION']._serialized_start=70
-  _globals['_SPECULATION']._serialized_end=247
-  _globals['_SPECULATION_MODE']._serialized_start=172
-  _globals['_SPECULATION_MODE']._serialized_end=232
-  _globals['_GENERATEREQUEST']._serialized_start=250
-  _globals['_GENERATEREQUEST']._serialized_end=541
-  _globals['_USAGE']._serialized_start=544
-  _globals['_USAGE']._serialized_end=673
-  _globals['_FINAL']._serialized_start=675
-  _globals['_FINAL']._serialized_end=769
-  _globals['_GENERATERESPONSE']._serialized_start=771
-  _globals['_GENERATERESPONSE']._serialized_end=858
-  _globals['_GATEWAY']._serialized_start=951
-  _globals['_GATEWAY']._serialized_end=1037
+  _globals['_FINISHREASON']._serialized_start=1296
+  _globals['_FINISHREASON']._serialized_end=1385
+  _globals['_GATEWAYINFO']._serialized_start=72
+  _globals['_GATEWAYINFO']._serialized_end=478
+  _globals['_TOKENIDS']._serialized_start=480
+  _globals['_TOKENIDS']._serialized_end=503
+  _globals['_SPECULATION']._serialized_start=506
+  _globals['_SPECULATION']._serialized_end=683
+  _globals['_SPECULATION_MODE']._serialized_start=608
+  _globals['_SPECULATION_MODE']._serialized_end=668
+  _globals['_GENERATEREQUEST']._serialized_start=686
+  _globals['_GENERATEREQUEST']._serialized_end=977
+  _globals['_USAGE']._serialized_start=980
+  _globals['_USAGE']._serialized_end=1109
+  _globals['_FINAL']._serialized_start=1111
+  _globals['_FINAL']._serialized_end=1205
+  _globals['_GENERATERESPONSE']._serialized_start=1207
+  _globals['_GENERATERESPONSE']._serialized_end=1294
+  _globals['_GATEWAY']._serialized_start=1388
+  _globals['_GATEWAY']._serialized_end=1536
 # @@protoc_insertion_point(module_scope)

@@ -1,3 +1,4 @@
+from splitspec.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -19,6 +20,38 @@ LENGTH: FinishReason
 STOP: FinishReason
 EOS: FinishReason
 CONTEXT: FinishReason
+
+class GatewayInfo(_message.Message):
+    __slots__ = ("version", "target", "draft_path", "draft_block_size", "tap_layer_ids", "default_speculation", "default_top_k", "max_budget", "target_available", "draft_available", "running_requests", "waiting_requests", "max_running_requests", "max_waiting_requests")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_PATH_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TAP_LAYER_IDS_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_SPECULATION_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_TOP_K_FIELD_NUMBER: _ClassVar[int]
+    MAX_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    TARGET_AVAILABLE_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_AVAILABLE_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    MAX_RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    MAX_WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    version: str
+    target: _common_pb2.ModelGeometry
+    draft_path: str
+    draft_block_size: int
+    tap_layer_ids: _containers.RepeatedScalarFieldContainer[int]
+    default_speculation: Speculation
+    default_top_k: int
+    max_budget: int
+    target_available: bool
+    draft_available: bool
+    running_requests: int
+    waiting_requests: int
+    max_running_requests: int
+    max_waiting_requests: int
+    def __init__(self, version: _Optional[str] = ..., target: _Optional[_Union[_common_pb2.ModelGeometry, _Mapping]] = ..., draft_path: _Optional[str] = ..., draft_block_size: _Optional[int] = ..., tap_layer_ids: _Optional[_Iterable[int]] = ..., default_speculation: _Optional[_Union[Speculation, _Mapping]] = ..., default_top_k: _Optional[int] = ..., max_budget: _Optional[int] = ..., target_available: _Optional[bool] = ..., draft_available: _Optional[bool] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., max_running_requests: _Optional[int] = ..., max_waiting_requests: _Optional[int] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)

@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from splitspec.v1 import common_pb2 as splitspec_dot_v1_dot_common__pb2
 from splitspec.v1 import gateway_pb2 as splitspec_dot_v1_dot_gateway__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -40,6 +41,11 @@ class GatewayStub:
                 request_serializer=splitspec_dot_v1_dot_gateway__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=splitspec_dot_v1_dot_gateway__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.Info = channel.unary_unary(
+                '/splitspec.v1.Gateway/Info',
+                request_serializer=splitspec_dot_v1_dot_common__pb2.InfoRequest.SerializeToString,
+                response_deserializer=splitspec_dot_v1_dot_gateway__pb2.GatewayInfo.FromString,
+                _registered_method=True)
 
 
 class GatewayServicer:
@@ -53,6 +59,13 @@ class GatewayServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Info(self, request, context):
+        """Models, geometry, speculation defaults, limits and the state of the workers.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GatewayServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -60,6 +73,11 @@ def add_GatewayServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=splitspec_dot_v1_dot_gateway__pb2.GenerateRequest.FromString,
                     response_serializer=splitspec_dot_v1_dot_gateway__pb2.GenerateResponse.SerializeToString,
+            ),
+            'Info': grpc.unary_unary_rpc_method_handler(
+                    servicer.Info,
+                    request_deserializer=splitspec_dot_v1_dot_common__pb2.InfoRequest.FromString,
+                    response_serializer=splitspec_dot_v1_dot_gateway__pb2.GatewayInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -90,6 +108,33 @@ class Gateway:
             '/splitspec.v1.Gateway/Generate',
             splitspec_dot_v1_dot_gateway__pb2.GenerateRequest.SerializeToString,
             splitspec_dot_v1_dot_gateway__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Info(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitspec.v1.Gateway/Info',
+            splitspec_dot_v1_dot_common__pb2.InfoRequest.SerializeToString,
+            splitspec_dot_v1_dot_gateway__pb2.GatewayInfo.FromString,
             options,
             channel_credentials,
             insecure,
