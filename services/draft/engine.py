@@ -113,6 +113,10 @@ class DraftEngine:
     def num_layers(self) -> int:
         return self.config.num_layers
 
+    @property
+    def context_bytes(self) -> int:
+        return sum(s.cache.nbytes for s in self.sequences.values())
+
     def propose(
         self,
         sequence_id: str,

@@ -69,6 +69,10 @@ class ReplayDrafter:
         self.corruption, self.max_top_k = corruption, max_top_k
         self.sequences: dict[str, _History] = {}
 
+    @property
+    def context_bytes(self) -> int:
+        return sum(8 * len(s.tokens) for s in self.sequences.values())  # what the histories hold, roughly
+
     def propose(
         self, sequence_id: str, anchor_token: int, anchor_position: int, features, top_k: int, window: int = 0, tokens=()
     ) -> Proposal:

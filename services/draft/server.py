@@ -31,6 +31,7 @@ class DraftServicer(draft_pb2_grpc.DraftWorkerServicer):
             path=path,
             live_sequences=len(e.sequences),
             max_top_k=e.max_top_k,
+            context_bytes=e.context_bytes,
         )
 
     async def Propose(self, request, context):

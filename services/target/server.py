@@ -51,6 +51,8 @@ class TargetServicer(target_pb2_grpc.TargetWorkerServicer):
             max_tree_nodes=engine.limits.max_tree_nodes,
             live_sequences=len(engine.sequences),
             tokenizer_path=d.tokenizer_path,
+            kv_reserved_tokens=engine.reserved_tokens,
+            kv_capacity_tokens=engine.limits.max_kv_tokens,
         )
 
     async def Prefill(self, request, context):

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from splitspec.v1 import common_pb2 as splitspec_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18splitspec/v1/draft.proto\x12\x0csplitspec.v1\x1a\x19splitspec/v1/common.proto\"\xd3\x01\n\tDraftInfo\x12\x34\n\x0ftarget_geometry\x18\x01 \x01(\x0b\x32\x1b.splitspec.v1.ModelGeometry\x12\x12\n\nblock_size\x18\x02 \x01(\x05\x12\x15\n\rmask_token_id\x18\x03 \x01(\x05\x12\x18\n\x10target_layer_ids\x18\x04 \x03(\x05\x12\x12\n\nnum_layers\x18\x05 \x01(\x05\x12\x0c\n\x04path\x18\x06 \x01(\t\x12\x16\n\x0elive_sequences\x18\x07 \x01(\x05\x12\x11\n\tmax_top_k\x18\x08 \x01(\x05\"\xab\x01\n\x0eProposeRequest\x12\x13\n\x0bsequence_id\x18\x01 \x01(\t\x12\x14\n\x0c\x61nchor_token\x18\x02 \x01(\x05\x12\x17\n\x0f\x61nchor_position\x18\x03 \x01(\x03\x12&\n\x08\x66\x65\x61tures\x18\x04 \x01(\x0b\x32\x14.splitspec.v1.Tensor\x12\r\n\x05top_k\x18\x05 \x01(\x05\x12\x0e\n\x06window\x18\x06 \x01(\x05\x12\x0e\n\x06tokens\x18\x07 \x03(\x05\"x\n\x0fProposeResponse\x12%\n\x07top_ids\x18\x01 \x01(\x0b\x32\x14.splitspec.v1.Tensor\x12*\n\x0ctop_logprobs\x18\x02 \x01(\x0b\x32\x14.splitspec.v1.Tensor\x12\x12\n\nforward_ns\x18\x03 \x01(\x03\x32\xd9\x01\n\x0b\x44raftWorker\x12:\n\x04Info\x12\x19.splitspec.v1.InfoRequest\x1a\x17.splitspec.v1.DraftInfo\x12\x46\n\x07Propose\x12\x1c.splitspec.v1.ProposeRequest\x1a\x1d.splitspec.v1.ProposeResponse\x12\x46\n\x07Release\x12\x1c.splitspec.v1.ReleaseRequest\x1a\x1d.splitspec.v1.ReleaseResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18splitspec/v1/draft.proto\x12\x0csplitspec.v1\x1a\x19splitspec/v1/common.proto\"\xea\x01\n\tDraftInfo\x12\x34\n\x0ftarget_geometry\x18\x01 \x01(\x0b\x32\x1b.splitspec.v1.ModelGeometry\x12\x12\n\nblock_size\x18\x02 \x01(\x05\x12\x15\n\rmask_token_id\x18\x03 \x01(\x05\x12\x18\n\x10target_layer_ids\x18\x04 \x03(\x05\x12\x12\n\nnum_layers\x18\x05 \x01(\x05\x12\x0c\n\x04path\x18\x06 \x01(\t\x12\x16\n\x0elive_sequences\x18\x07 \x01(\x05\x12\x11\n\tmax_top_k\x18\x08 \x01(\x05\x12\x15\n\rcontext_bytes\x18\t \x01(\x03\"\xab\x01\n\x0eProposeRequest\x12\x13\n\x0bsequence_id\x18\x01 \x01(\t\x12\x14\n\x0c\x61nchor_token\x18\x02 \x01(\x05\x12\x17\n\x0f\x61nchor_position\x18\x03 \x01(\x03\x12&\n\x08\x66\x65\x61tures\x18\x04 \x01(\x0b\x32\x14.splitspec.v1.Tensor\x12\r\n\x05top_k\x18\x05 \x01(\x05\x12\x0e\n\x06window\x18\x06 \x01(\x05\x12\x0e\n\x06tokens\x18\x07 \x03(\x05\"x\n\x0fProposeResponse\x12%\n\x07top_ids\x18\x01 \x01(\x0b\x32\x14.splitspec.v1.Tensor\x12*\n\x0ctop_logprobs\x18\x02 \x01(\x0b\x32\x14.splitspec.v1.Tensor\x12\x12\n\nforward_ns\x18\x03 \x01(\x03\x32\xd9\x01\n\x0b\x44raftWorker\x12:\n\x04Info\x12\x19.splitspec.v1.InfoRequest\x1a\x17.splitspec.v1.DraftInfo\x12\x46\n\x07Propose\x12\x1c.splitspec.v1.ProposeRequest\x1a\x1d.splitspec.v1.ProposeResponse\x12\x46\n\x07Release\x12\x1c.splitspec.v1.ReleaseRequest\x1a\x1d.splitspec.v1.ReleaseResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,11 +33,11 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'splitspec.v1.draft_pb2', _g
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_DRAFTINFO']._serialized_start=70
-  _globals['_DRAFTINFO']._serialized_end=281
-  _globals['_PROPOSEREQUEST']._serialized_start=284
-  _globals['_PROPOSEREQUEST']._serialized_end=455
-  _globals['_PROPOSERESPONSE']._serialized_start=457
-  _globals['_PROPOSERESPONSE']._serialized_end=577
-  _globals['_DRAFTWORKER']._serialized_start=580
-  _globals['_DRAFTWORKER']._serialized_end=797
+  _globals['_DRAFTINFO']._serialized_end=304
+  _globals['_PROPOSEREQUEST']._serialized_start=307
+  _globals['_PROPOSEREQUEST']._serialized_end=478
+  _globals['_PROPOSERESPONSE']._serialized_start=480
+  _globals['_PROPOSERESPONSE']._serialized_end=600
+  _globals['_DRAFTWORKER']._serialized_start=603
+  _globals['_DRAFTWORKER']._serialized_end=820
 # @@protoc_insertion_point(module_scope)

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DraftInfo(_message.Message):
-    __slots__ = ("target_geometry", "block_size", "mask_token_id", "target_layer_ids", "num_layers", "path", "live_sequences", "max_top_k")
+    __slots__ = ("target_geometry", "block_size", "mask_token_id", "target_layer_ids", "num_layers", "path", "live_sequences", "max_top_k", "context_bytes")
     TARGET_GEOMETRY_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     MASK_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,7 @@ class DraftInfo(_message.Message):
     PATH_FIELD_NUMBER: _ClassVar[int]
     LIVE_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     MAX_TOP_K_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_BYTES_FIELD_NUMBER: _ClassVar[int]
     target_geometry: _common_pb2.ModelGeometry
     block_size: int
     mask_token_id: int
@@ -25,7 +26,8 @@ class DraftInfo(_message.Message):
     path: str
     live_sequences: int
     max_top_k: int
-    def __init__(self, target_geometry: _Optional[_Union[_common_pb2.ModelGeometry, _Mapping]] = ..., block_size: _Optional[int] = ..., mask_token_id: _Optional[int] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., num_layers: _Optional[int] = ..., path: _Optional[str] = ..., live_sequences: _Optional[int] = ..., max_top_k: _Optional[int] = ...) -> None: ...
+    context_bytes: int
+    def __init__(self, target_geometry: _Optional[_Union[_common_pb2.ModelGeometry, _Mapping]] = ..., block_size: _Optional[int] = ..., mask_token_id: _Optional[int] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., num_layers: _Optional[int] = ..., path: _Optional[str] = ..., live_sequences: _Optional[int] = ..., max_top_k: _Optional[int] = ..., context_bytes: _Optional[int] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
     __slots__ = ("sequence_id", "anchor_token", "anchor_position", "features", "top_k", "window", "tokens")

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from splitspec.v1 import common_pb2 as splitspec_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19splitspec/v1/target.proto\x12\x0csplitspec.v1\x1a\x19splitspec/v1/common.proto\"\x9a\x01\n\nTargetInfo\x12-\n\x08geometry\x18\x01 \x01(\x0b\x32\x1b.splitspec.v1.ModelGeometry\x12\x15\n\reos_token_ids\x18\x02 \x03(\x05\x12\x16\n\x0emax_tree_nodes\x18\x03 \x01(\x05\x12\x16\n\x0elive_sequences\x18\x04 \x01(\x05\x12\x16\n\x0etokenizer_path\x18\x05 \x01(\t\"\xbb\x01\n\x0ePrefillRequest\x12\x13\n\x0bsequence_id\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x03(\x05\x12(\n\x08sampling\x18\x03 \x01(\x0b\x32\x16.splitspec.v1.Sampling\x12\x15\n\rtap_layer_ids\x18\x04 \x03(\x05\x12\x16\n\x0ereserve_tokens\x18\x05 \x01(\x05\x12\x14\n\x0c\x66\x65\x61ture_rows\x18\x06 \x01(\x05\x12\x15\n\rfeature_dtype\x18\x07 \x01(\t\"a\n\x0fPrefillResponse\x12\x12\n\nnext_token\x18\x01 \x01(\x05\x12&\n\x08\x66\x65\x61tures\x18\x02 \x01(\x0b\x32\x14.splitspec.v1.Tensor\x12\x12\n\nforward_ns\x18\x03 \x01(\x03\"^\n\rVerifyRequest\x12\x13\n\x0bsequence_id\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x03(\x05\x12\x0f\n\x07parents\x18\x03 \x03(\x05\x12\x17\n\x0freturn_features\x18\x04 \x01(\x08\"\xac\x01\n\x0eVerifyResponse\x12\x18\n\x10\x63ommitted_tokens\x18\x01 \x03(\x05\x12\x16\n\x0e\x61\x63\x63\x65pted_nodes\x18\x02 \x03(\x05\x12\x12\n\nnext_token\x18\x03 \x01(\x05\x12&\n\x08\x66\x65\x61tures\x18\x04 \x01(\x0b\x32\x14.splitspec.v1.Tensor\x12\x12\n\nforward_ns\x18\x05 \x01(\x03\x12\x18\n\x10\x63ommitted_length\x18\x06 \x01(\x03\x32\xa0\x02\n\x0cTargetWorker\x12;\n\x04Info\x12\x19.splitspec.v1.InfoRequest\x1a\x18.splitspec.v1.TargetInfo\x12\x46\n\x07Prefill\x12\x1c.splitspec.v1.PrefillRequest\x1a\x1d.splitspec.v1.PrefillResponse\x12\x43\n\x06Verify\x12\x1b.splitspec.v1.VerifyRequest\x1a\x1c.splitspec.v1.VerifyResponse\x12\x46\n\x07Release\x12\x1c.splitspec.v1.ReleaseRequest\x1a\x1d.splitspec.v1.ReleaseResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19splitspec/v1/target.proto\x12\x0csplitspec.v1\x1a\x19splitspec/v1/common.proto\"\xd2\x01\n\nTargetInfo\x12-\n\x08geometry\x18\x01 \x01(\x0b\x32\x1b.splitspec.v1.ModelGeometry\x12\x15\n\reos_token_ids\x18\x02 \x03(\x05\x12\x16\n\x0emax_tree_nodes\x18\x03 \x01(\x05\x12\x16\n\x0elive_sequences\x18\x04 \x01(\x05\x12\x16\n\x0etokenizer_path\x18\x05 \x01(\t\x12\x1a\n\x12kv_reserved_tokens\x18\x06 \x01(\x03\x12\x1a\n\x12kv_capacity_tokens\x18\x07 \x01(\x03\"\xbb\x01\n\x0ePrefillRequest\x12\x13\n\x0bsequence_id\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x03(\x05\x12(\n\x08sampling\x18\x03 \x01(\x0b\x32\x16.splitspec.v1.Sampling\x12\x15\n\rtap_layer_ids\x18\x04 \x03(\x05\x12\x16\n\x0ereserve_tokens\x18\x05 \x01(\x05\x12\x14\n\x0c\x66\x65\x61ture_rows\x18\x06 \x01(\x05\x12\x15\n\rfeature_dtype\x18\x07 \x01(\t\"a\n\x0fPrefillResponse\x12\x12\n\nnext_token\x18\x01 \x01(\x05\x12&\n\x08\x66\x65\x61tures\x18\x02 \x01(\x0b\x32\x14.splitspec.v1.Tensor\x12\x12\n\nforward_ns\x18\x03 \x01(\x03\"^\n\rVerifyRequest\x12\x13\n\x0bsequence_id\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x03(\x05\x12\x0f\n\x07parents\x18\x03 \x03(\x05\x12\x17\n\x0freturn_features\x18\x04 \x01(\x08\"\xac\x01\n\x0eVerifyResponse\x12\x18\n\x10\x63ommitted_tokens\x18\x01 \x03(\x05\x12\x16\n\x0e\x61\x63\x63\x65pted_nodes\x18\x02 \x03(\x05\x12\x12\n\nnext_token\x18\x03 \x01(\x05\x12&\n\x08\x66\x65\x61tures\x18\x04 \x01(\x0b\x32\x14.splitspec.v1.Tensor\x12\x12\n\nforward_ns\x18\x05 \x01(\x03\x12\x18\n\x10\x63ommitted_length\x18\x06 \x01(\x03\x32\xa0\x02\n\x0cTargetWorker\x12;\n\x04Info\x12\x19.splitspec.v1.InfoRequest\x1a\x18.splitspec.v1.TargetInfo\x12\x46\n\x07Prefill\x12\x1c.splitspec.v1.PrefillRequest\x1a\x1d.splitspec.v1.PrefillResponse\x12\x43\n\x06Verify\x12\x1b.splitspec.v1.VerifyRequest\x1a\x1c.splitspec.v1.VerifyResponse\x12\x46\n\x07Release\x12\x1c.splitspec.v1.ReleaseRequest\x1a\x1d.splitspec.v1.ReleaseResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,15 +33,15 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'splitspec.v1.target_pb2', _
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_TARGETINFO']._serialized_start=71
-  _globals['_TARGETINFO']._serialized_end=225
-  _globals['_PREFILLREQUEST']._serialized_start=228
-  _globals['_PREFILLREQUEST']._serialized_end=415
-  _globals['_PREFILLRESPONSE']._serialized_start=417
-  _globals['_PREFILLRESPONSE']._serialized_end=514
-  _globals['_VERIFYREQUEST']._serialized_start=516
-  _globals['_VERIFYREQUEST']._serialized_end=610
-  _globals['_VERIFYRESPONSE']._serialized_start=613
-  _globals['_VERIFYRESPONSE']._serialized_end=785
-  _globals['_TARGETWORKER']._serialized_start=788
-  _globals['_TARGETWORKER']._serialized_end=1076
+  _globals['_TARGETINFO']._serialized_end=281
+  _globals['_PREFILLREQUEST']._serialized_start=284
+  _globals['_PREFILLREQUEST']._serialized_end=471
+  _globals['_PREFILLRESPONSE']._serialized_start=473
+  _globals['_PREFILLRESPONSE']._serialized_end=570
+  _globals['_VERIFYREQUEST']._serialized_start=572
+  _globals['_VERIFYREQUEST']._serialized_end=666
+  _globals['_VERIFYRESPONSE']._serialized_start=669
+  _globals['_VERIFYRESPONSE']._serialized_end=841
+  _globals['_TARGETWORKER']._serialized_start=844
+  _globals['_TARGETWORKER']._serialized_end=1132
 # @@protoc_insertion_point(module_scope)

@@ -8,18 +8,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class TargetInfo(_message.Message):
-    __slots__ = ("geometry", "eos_token_ids", "max_tree_nodes", "live_sequences", "tokenizer_path")
+    __slots__ = ("geometry", "eos_token_ids", "max_tree_nodes", "live_sequences", "tokenizer_path", "kv_reserved_tokens", "kv_capacity_tokens")
     GEOMETRY_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_TREE_NODES_FIELD_NUMBER: _ClassVar[int]
     LIVE_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_PATH_FIELD_NUMBER: _ClassVar[int]
+    KV_RESERVED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_CAPACITY_TOKENS_FIELD_NUMBER: _ClassVar[int]
     geometry: _common_pb2.ModelGeometry
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     max_tree_nodes: int
     live_sequences: int
     tokenizer_path: str
-    def __init__(self, geometry: _Optional[_Union[_common_pb2.ModelGeometry, _Mapping]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_tree_nodes: _Optional[int] = ..., live_sequences: _Optional[int] = ..., tokenizer_path: _Optional[str] = ...) -> None: ...
+    kv_reserved_tokens: int
+    kv_capacity_tokens: int
+    def __init__(self, geometry: _Optional[_Union[_common_pb2.ModelGeometry, _Mapping]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_tree_nodes: _Optional[int] = ..., live_sequences: _Optional[int] = ..., tokenizer_path: _Optional[str] = ..., kv_reserved_tokens: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("sequence_id", "tokens", "sampling", "tap_layer_ids", "reserve_tokens", "feature_rows", "feature_dtype")

@@ -1,0 +1,187 @@
+"""Faults with real processes: a draft killed mid-stream, a target killed or losing a sequence,
+client cancellation and deadlines, SIGTERM draining, idle expiry. Output never changes, and no
+state is left on the workers afterwards."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+
+import grpc
+import pytest
+
+from client import generate, worker_state
+from splitspec.rpc import CHANNEL_OPTIONS
+from splitspec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, target_pb2, target_pb2_grpc
+
+pytestmark = pytest.mark.slow
+Spec = gateway_pb2.Speculation
+PROMPT = gateway_pb2.TokenIds(ids=[11, 22, 33, 44, 55])
+LONG = 800  # tokens: long enough to act while the stream is still running
+
+
+def wait_until(condition, timeout: float = 15.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.05)
+    raise TimeoutError(what)
+
+
+def gateway_info(address: str) -> gateway_pb2.GatewayInfo:
+    with grpc.insecure_channel(address) as ch:
+        return gateway_pb2_grpc.GatewayStub(ch).Info(common_pb2.InfoRequest(), timeout=5)
+
+
+def start_system(services, tiny_pair, table, *gateway_args):
+    target = services.start("target", "target", "--model", str(tiny_pair.target), "--dtype", "float64", "--sequence-ttl", "60")
+    draft = services.start("draft", "draft", "--replay", str(table), "--replay-corruption", "0.2", "--target-model", str(tiny_pair.target))
+    gateway = services.start("gateway", "gateway", "--target", target, "--draft", draft, "--health-interval", "0.2", *gateway_args)
+    return target, draft, gateway
+
+
+def record_reference(gateway: str, table, max_tokens: int = LONG) -> list[int]:
+    ref = generate(gateway, tokens=PROMPT, max_tokens=max_tokens, ignore_eos=True, speculation=Spec(mode=Spec.OFF))
+    table.write_text(json.dumps({"tokens": list(PROMPT.ids) + ref.tokens}) + "\n")
+    return ref.tokens
+
+
+def open_stream(channel, metadata=(), **fields):
+    stub = gateway_pb2_grpc.GatewayStub(channel)
+    return stub.Generate(gateway_pb2.GenerateRequest(**fields), timeout=120, metadata=metadata)
+
+
+def collect(stream, tokens: list[int]) -> gateway_pb2.Final | None:
+    final = None
+    for r in stream:
+        tokens.extend(r.token_ids)
+        if r.HasField("final"):
+            final = r.final
+    return final
+
+
+def test_draft_killed_mid_stream_then_back(services, tiny_pair, tmp_path):
+    table = tmp_path / "table.jsonl"
+    target, draft, gateway = start_system(services, tiny_pair, table)
+    reference = record_reference(gateway, table)
+    with grpc.insecure_channel(gateway, options=CHANNEL_OPTIONS) as ch:
+        stream = open_stream(ch, tokens=PROMPT, max_tokens=LONG, ignore_eos=True)
+        tokens = list(next(stream).token_ids)
+        services.stop("draft", signal.SIGKILL)
+        final = collect(stream, tokens)
+    assert tokens == reference
+    assert final.usage.draft_fallbacks > 0
+    assert not gateway_info(gateway).draft_available
+
+    services.start("draft", "draft", "--replay", str(table), "--replay-corruption", "0.2", "--target-model", str(tiny_pair.target))
+    wait_until(lambda: gateway_info(gateway).draft_available, what="draft back")
+    again = generate(gateway, tokens=PROMPT, max_tokens=LONG, ignore_eos=True)
+    assert again.tokens == reference
+    assert again.final.usage.draft_fallbacks == 0 and again.final.usage.mean_acceptance_length > 2
+    wait_until(lambda: worker_state(target, services.address("draft")).empty, what="state released")
+
+
+def test_running_sequence_resumes_speculation_when_the_draft_returns(services, tiny_pair, tmp_path):
+    """The draft restarts (losing every context) while a sequence runs: the sequence falls back,
+    then starts a fresh draft context and speculates again, with unchanged output."""
+    table = tmp_path / "table.jsonl"
+    target, draft, gateway = start_system(services, tiny_pair, table)
+    reference = record_reference(gateway, table, max_tokens=1600)
+    with grpc.insecure_channel(gateway, options=CHANNEL_OPTIONS) as ch:
+        stream = open_stream(ch, tokens=PROMPT, max_tokens=1600, ignore_eos=True)
+        tokens = list(next(stream).token_ids)
+        services.stop("draft", signal.SIGKILL)
+        services.start("draft", "draft", "--replay", str(table), "--replay-corruption", "0.2", "--target-model", str(tiny_pair.target))
+        final = collect(stream, tokens)
+    assert tokens == reference
+    usage = final.usage
+    assert usage.draft_fallbacks > 0
+    # Had it stayed target-only after the kill, AL would be close to 1.
+    assert usage.mean_acceptance_length > 1.5, usage
+
+
+def test_target_killed_mid_stream_then_back(services, tiny_pair, tmp_path):
+    table = tmp_path / "table.jsonl"
+    target, draft, gateway = start_system(services, tiny_pair, table)
+    reference = record_reference(gateway, table)
+    with grpc.insecure_channel(gateway, options=CHANNEL_OPTIONS) as ch:
+        stream = open_stream(ch, tokens=PROMPT, max_tokens=LONG, ignore_eos=True)
+        next(stream)
+        services.stop("target", signal.SIGKILL)
+        with pytest.raises(grpc.RpcError) as failed:
+            collect(stream, [])
+    assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
+    wait_until(lambda: not gateway_info(gateway).target_available, what="target marked down")
+    with pytest.raises(grpc.RpcError) as refused:
+        generate(gateway, tokens=PROMPT, max_tokens=4)
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and "unavailable" in refused.value.details()
+
+    target = services.start("target", "target", "--model", str(tiny_pair.target), "--dtype", "float64")
+    wait_until(lambda: gateway_info(gateway).target_available, what="target back")
+    assert generate(gateway, tokens=PROMPT, max_tokens=LONG, ignore_eos=True).tokens == reference
+    wait_until(lambda: worker_state(target, draft).empty, what="state released")
+
+
+def test_gateway_recovers_a_sequence_the_target_lost(services, tiny_pair, tmp_path):
+    table = tmp_path / "table.jsonl"
+    target, draft, gateway = start_system(services, tiny_pair, table)
+    reference = record_reference(gateway, table)
+    with grpc.insecure_channel(gateway, options=CHANNEL_OPTIONS) as ch, grpc.insecure_channel(target) as tch:
+        stream = open_stream(ch, tokens=PROMPT, max_tokens=LONG, ignore_eos=True, metadata=(("x-request-id", "lost-1"),))
+        tokens = list(next(stream).token_ids)
+        released = target_pb2_grpc.TargetWorkerStub(tch).Release(common_pb2.ReleaseRequest(sequence_id="lost-1"), timeout=5)
+        final = collect(stream, tokens)
+    assert released.released
+    assert tokens == reference and final.finish_reason == gateway_pb2.LENGTH
+    assert "re-prefilling" in services.log("gateway")
+    wait_until(lambda: worker_state(target, draft).empty, what="state released")
+
+
+def test_cancel_and_deadline_release_everything(services, tiny_pair, tmp_path):
+    table = tmp_path / "table.jsonl"
+    target, draft, gateway = start_system(services, tiny_pair, table)
+    record_reference(gateway, table)
+    with grpc.insecure_channel(gateway, options=CHANNEL_OPTIONS) as ch:
+        stream = open_stream(ch, tokens=PROMPT, max_tokens=LONG, ignore_eos=True)
+        next(stream)
+        assert worker_state(target, draft).target_sequences == 1
+        stream.cancel()
+    wait_until(lambda: worker_state(target, draft).empty, what="released after cancel")
+    with pytest.raises(grpc.RpcError) as late:
+        generate(gateway, timeout=0.3, tokens=PROMPT, max_tokens=LONG, ignore_eos=True, speculation=Spec(mode=Spec.OFF))
+    assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    wait_until(lambda: worker_state(target, draft).empty, what="released after deadline")
+
+
+def test_sigterm_drains_in_flight_requests(services, tiny_pair, tmp_path):
+    table = tmp_path / "table.jsonl"
+    target, draft, gateway = start_system(services, tiny_pair, table, "--shutdown-grace", "60")
+    reference = record_reference(gateway, table)
+    with grpc.insecure_channel(gateway, options=CHANNEL_OPTIONS) as ch:
+        stream = open_stream(ch, tokens=PROMPT, max_tokens=LONG, ignore_eos=True, speculation=Spec(mode=Spec.OFF))
+        tokens = list(next(stream).token_ids)
+        services.procs["gateway"].send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        with pytest.raises(grpc.RpcError) as refused:
+            generate(gateway, tokens=PROMPT, max_tokens=4)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        final = collect(stream, tokens)
+    assert tokens == reference and final.finish_reason == gateway_pb2.LENGTH
+    assert services.procs["gateway"].wait(timeout=30) == 0
+
+
+def test_workers_expire_idle_sequences(services, tiny_pair):
+    target = services.start("target", "target", "--model", str(tiny_pair.target), "--sequence-ttl", "0.4")
+    with grpc.insecure_channel(target) as ch:
+        stub = target_pb2_grpc.TargetWorkerStub(ch)
+        stub.Prefill(target_pb2.PrefillRequest(sequence_id="forgotten", tokens=[1, 2, 3]), timeout=10)
+        assert worker_state(target).target_sequences == 1
+        wait_until(lambda: worker_state(target).empty, timeout=5, what="expiry")
+        with pytest.raises(grpc.RpcError) as gone:
+            stub.Verify(target_pb2.VerifyRequest(sequence_id="forgotten"), timeout=5)
+        assert gone.value.code() == grpc.StatusCode.NOT_FOUND
+        # Release is idempotent.
+        assert not stub.Release(common_pb2.ReleaseRequest(sequence_id="forgotten"), timeout=5).released
+    assert "after 0 s idle" in services.log("target") or "idle" in services.log("target")
