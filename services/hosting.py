@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any
 
 from splitspec.errors import Unavailable
+
+logger = logging.getLogger(__name__)
 
 
 class EngineHost:
@@ -33,7 +38,62 @@ class EngineHost:
         fn = partial(getattr(self.require(), method), *args, **kwargs)
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn)
 
-    async def expire_periodically(self, ttl_s: float) -> None:
-        from splitspec.rpc import expire_periodically
+    def release(self, sequence_id: str) -> bool:
+        """Release at once, on the calling thread (see ``SequenceTable``)."""
+        return self.require().sequences.pop(sequence_id)
 
-        await expire_periodically(self.executor, lambda ttl: self.require().expire_idle(ttl), ttl_s, self.what)
+    async def expire_periodically(self, ttl_s: float) -> None:
+        """Release sequences idle for ``ttl_s`` seconds, checking every ttl/4 (capped at 30 s)."""
+        sequences = self.require().sequences
+        while True:
+            await asyncio.sleep(min(30.0, ttl_s / 4))
+            for sid in sequences.expire(ttl_s):
+                logger.warning("released %s sequence %s after %.0f s idle", self.what, sid, ttl_s)
+
+
+class SequenceTable:
+    """Live sequences by id, with their last use. Safe to read and release from the event loop
+    while the engine thread works: a release must not queue behind other sequences' forward passes,
+    or a busy worker would hold finished sequences (and their KV) long after their clients left."""
+
+    def __init__(self) -> None:
+        self._items: dict[str, Any] = {}
+        self._last_used: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __contains__(self, sequence_id: str) -> bool:
+        return sequence_id in self._items
+
+    def get(self, sequence_id: str) -> Any | None:
+        """The sequence's state (marking it used), or None."""
+        with self._lock:
+            item = self._items.get(sequence_id)
+            if item is not None:
+                self._last_used[sequence_id] = time.monotonic()
+            return item
+
+    def add(self, sequence_id: str, item: Any) -> None:
+        with self._lock:
+            self._items[sequence_id] = item
+            self._last_used[sequence_id] = time.monotonic()
+
+    def pop(self, sequence_id: str) -> bool:
+        with self._lock:
+            self._last_used.pop(sequence_id, None)
+            return self._items.pop(sequence_id, None) is not None
+
+    def values(self) -> list[Any]:
+        with self._lock:
+            return list(self._items.values())
+
+    def expire(self, max_idle_s: float) -> list[str]:
+        """Drop sequences unused for ``max_idle_s`` seconds; returns their ids."""
+        now = time.monotonic()
+        with self._lock:
+            stale = [sid for sid, t in self._last_used.items() if now - t > max_idle_s]
+            for sid in stale:
+                del self._items[sid], self._last_used[sid]
+        return stale

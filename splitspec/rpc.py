@@ -110,16 +110,6 @@ async def drain_and_stop(server: grpc.aio.Server, health_servicer: health.aio.He
     await server.stop(grace_s)
 
 
-async def expire_periodically(executor, expire: Callable[[float], list[str]], ttl_s: float, what: str) -> None:
-    """Release sequences idle for ``ttl_s`` seconds, checking every ttl/4 (capped at 30 s)."""
-    loop = asyncio.get_running_loop()
-    while True:
-        await asyncio.sleep(min(30.0, ttl_s / 4))
-        stale = await loop.run_in_executor(executor, expire, ttl_s)
-        for sid in stale:
-            logger.warning("released %s sequence %s after %.0f s idle", what, sid, ttl_s)
-
-
 async def serve(
     name: str,
     server: grpc.aio.Server,

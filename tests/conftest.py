@@ -42,18 +42,24 @@ class Services:
     def address(self, name: str) -> str:
         return f"unix:{self.root / (name + '.sock')}"
 
-    def start(self, name: str, command: str, *args: str, wait: bool = True) -> str:
-        address = self.address(name)
+    def start(self, name: str, command: str, *args: str, wait: bool = True, address: str = "", credentials=None) -> str:
+        """Start ``splitspec COMMAND --listen ADDRESS *args``; by default on a Unix socket named after it.
+
+        ``credentials`` (grpc.ChannelCredentials) are used for the readiness check of a TLS server.
+        """
+        address = address or self.address(name)
         log = open(self.root / f"{name}.log", "ab")
         cmd = [sys.executable, "-m", "splitspec", command, "--listen", address, *args]
         self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         if wait:
-            self.wait_serving(name)
+            self.wait_serving(name, address, credentials)
         return address
 
-    def wait_serving(self, name: str, timeout: float = 60.0) -> None:
+    def wait_serving(self, name: str, address: str = "", credentials=None, timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout
-        with grpc.insecure_channel(self.address(name)) as ch:
+        address = address or self.address(name)
+        ch = grpc.secure_channel(address, credentials) if credentials else grpc.insecure_channel(address)
+        with ch:
             stub = health_pb2_grpc.HealthStub(ch)
             while time.monotonic() < deadline:
                 if self.procs[name].poll() is not None:

@@ -12,12 +12,13 @@ Not thread-safe: the service calls it from one worker thread.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from splitspec.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from splitspec.models.dflash import DFlashConfig, DFlashDraft
+from splitspec.services.hosting import SequenceTable
 
 
 class ContextCache:
@@ -71,7 +72,6 @@ class DraftSequence:
     cache: ContextCache
     ctx_start: int  # absolute position of cache slot 0
     ctx_end: int  # first position without features
-    last_used: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -95,7 +95,7 @@ class DraftEngine:
         self.vocab_size = embed.shape[0]
         self.max_sequences, self.max_top_k = max_sequences, max_top_k
         self.device, self.dtype = embed.device, next(model.parameters()).dtype
-        self.sequences: dict[str, DraftSequence] = {}
+        self.sequences = SequenceTable()  # of DraftSequence
 
     @property
     def block_size(self) -> int:
@@ -147,13 +147,12 @@ class DraftEngine:
             if m == 0:
                 raise FailedPrecondition(f"sequence_id {sequence_id!r} is new to the draft worker and carries no features")
             seq = DraftSequence(ContextCache(c.num_layers), anchor_position - m, anchor_position - m)
-            self.sequences[sequence_id] = seq
+            self.sequences.add(sequence_id, seq)
         if seq.ctx_end + m != anchor_position:
             raise FailedPrecondition(
                 f"features: the draft context ends at position {seq.ctx_end} but {m} rows before "
                 f"anchor_position {anchor_position} start at {anchor_position - m}"
             )
-        seq.last_used = time.monotonic()
         t0 = time.perf_counter_ns()
         dev = self.device
         if m:
@@ -170,13 +169,3 @@ class DraftEngine:
         logprobs = torch.log_softmax((hidden[1:] @ self.lm_head.T.to(hidden.dtype)).float(), dim=-1)  # [B-1, vocab]
         top = torch.topk(logprobs, top_k, dim=-1)
         return Proposal(top.indices.to(torch.int32), top.values, time.perf_counter_ns() - t0)
-
-    def release(self, sequence_id: str) -> bool:
-        return self.sequences.pop(sequence_id, None) is not None
-
-    def expire_idle(self, max_idle_s: float) -> list[str]:
-        now = time.monotonic()
-        stale = [sid for sid, s in self.sequences.items() if now - s.last_used > max_idle_s]
-        for sid in stale:
-            del self.sequences[sid]
-        return stale

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +23,7 @@ import torch
 
 from splitspec.errors import InvalidArgument
 from splitspec.services.draft.engine import Proposal
+from splitspec.services.hosting import SequenceTable
 
 
 class ReplayTable:
@@ -49,12 +49,6 @@ class ReplayTable:
         return []
 
 
-@dataclass
-class _History:
-    tokens: list[int]
-    last_used: float = field(default_factory=time.monotonic)
-
-
 class ReplayDrafter:
     """Same interface as ``DraftEngine``; needs token ids, not tap features."""
 
@@ -67,11 +61,11 @@ class ReplayDrafter:
             raise ValueError(f"--replay-corruption {corruption} must be in [0, 1]")
         self.table, self.vocab_size, self.block_size = table, vocab_size, block_size
         self.corruption, self.max_top_k = corruption, max_top_k
-        self.sequences: dict[str, _History] = {}
+        self.sequences = SequenceTable()  # of token histories
 
     @property
     def context_bytes(self) -> int:
-        return sum(8 * len(s.tokens) for s in self.sequences.values())  # what the histories hold, roughly
+        return sum(8 * len(h) for h in self.sequences.values())  # what the histories hold, roughly
 
     def propose(
         self, sequence_id: str, anchor_token: int, anchor_position: int, features, top_k: int, window: int = 0, tokens=()
@@ -79,13 +73,15 @@ class ReplayDrafter:
         t0 = time.perf_counter_ns()
         if not 1 <= top_k <= min(self.max_top_k, self.vocab_size - 1):
             raise InvalidArgument(f"top_k: {top_k} is outside [1, {min(self.max_top_k, self.vocab_size - 1)}]")
-        state = self.sequences.setdefault(sequence_id, _History([]))
-        state.tokens.extend(tokens)
-        state.last_used = time.monotonic()
-        if len(state.tokens) != anchor_position:
-            raise InvalidArgument(f"tokens: history has {len(state.tokens)} positions, anchor_position is {anchor_position}")
+        history = self.sequences.get(sequence_id)
+        if history is None:
+            history = []
+            self.sequences.add(sequence_id, history)
+        history.extend(tokens)
+        if len(history) != anchor_position:
+            raise InvalidArgument(f"tokens: history has {len(history)} positions, anchor_position is {anchor_position}")
         depth = self.block_size - 1
-        truth = self.table.continuation(state.tokens + [anchor_token])[:depth]
+        truth = self.table.continuation(history + [anchor_token])[:depth]
         rng = np.random.default_rng([anchor_position, len(truth), anchor_token])
         ids = np.empty((depth, top_k), dtype=np.int32)
         for d in range(depth):
@@ -99,13 +95,3 @@ class ReplayDrafter:
             ids[d] = ranked[:top_k]
         logprobs = np.tile(-np.arange(top_k, dtype=np.float32) - 0.1, (depth, 1))
         return Proposal(torch.from_numpy(ids), torch.from_numpy(logprobs), time.perf_counter_ns() - t0)
-
-    def release(self, sequence_id: str) -> bool:
-        return self.sequences.pop(sequence_id, None) is not None
-
-    def expire_idle(self, max_idle_s: float) -> list[str]:
-        now = time.monotonic()
-        stale = [sid for sid, s in self.sequences.items() if now - s.last_used > max_idle_s]
-        for sid in stale:
-            del self.sequences[sid]
-        return stale

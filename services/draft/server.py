@@ -58,5 +58,5 @@ class DraftServicer(draft_pb2_grpc.DraftWorkerServicer):
         )
 
     async def Release(self, request, context):
-        released = await self.host.call("release", request.sequence_id)
+        released = self.host.release(request.sequence_id)
         return common_pb2.ReleaseResponse(released=released)

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from splitspec.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from splitspec.services.hosting import SequenceTable
 from splitspec.models.qwen3 import KVCache, Qwen3Config, Qwen3ForCausalLM
 from splitspec.spec.acceptance import accept_path, compact_rows
 from splitspec.spec.sampling import SamplingParams, draw_tokens
@@ -41,7 +42,6 @@ class SequenceState:
     sampling: SamplingParams
     taps: tuple[int, ...]
     feature_dtype: torch.dtype | None  # wire dtype of returned features (None = compute dtype)
-    last_used: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -68,7 +68,7 @@ class TargetEngine:
         self.limits = limits or TargetLimits()
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
-        self.sequences: dict[str, SequenceState] = {}
+        self.sequences = SequenceTable()  # of SequenceState
 
     @property
     def reserved_tokens(self) -> int:
@@ -78,7 +78,6 @@ class TargetEngine:
         state = self.sequences.get(sequence_id)
         if state is None:
             raise NotFound(f"sequence_id {sequence_id!r} is not live on this target worker")
-        state.last_used = time.monotonic()
         return state
 
     def _check_taps(self, taps: Sequence[int]) -> tuple[int, ...]:
@@ -133,7 +132,7 @@ class TargetEngine:
                 feature_chunks.append(features[max(0, n - rows - begin) :])
         next_token = int(draw_tokens(logits, torch.tensor([n], device=self.device), sampling)[0])
         features = torch.cat(feature_chunks).to(feature_dtype or self.dtype) if feature_chunks else None
-        self.sequences[sequence_id] = SequenceState(cache, n, next_token, sampling, taps, feature_dtype)
+        self.sequences.add(sequence_id, SequenceState(cache, n, next_token, sampling, taps, feature_dtype))
         return PrefillResult(next_token, features, time.perf_counter_ns() - t0)
 
     def verify(
@@ -181,14 +180,3 @@ class TargetEngine:
         mask = torch.cat([torch.ones(n + 1, start, dtype=torch.bool, device=dev), tree_mask], dim=1)
         logits, features = self.model(ids, positions, state.cache, start, mask, state.taps)
         return logits, features, positions
-
-    def release(self, sequence_id: str) -> bool:
-        return self.sequences.pop(sequence_id, None) is not None
-
-    def expire_idle(self, max_idle_s: float) -> list[str]:
-        """Release sequences nobody touched for ``max_idle_s`` seconds; returns their ids."""
-        now = time.monotonic()
-        stale = [sid for sid, s in self.sequences.items() if now - s.last_used > max_idle_s]
-        for sid in stale:
-            del self.sequences[sid]
-        return stale

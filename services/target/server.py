@@ -85,5 +85,5 @@ class TargetServicer(target_pb2_grpc.TargetWorkerServicer):
         )
 
     async def Release(self, request, context):
-        released = await self.host.call("release", request.sequence_id)
+        released = self.host.release(request.sequence_id)
         return common_pb2.ReleaseResponse(released=released)

@@ -95,4 +95,4 @@ def test_refuses_gaps_and_bad_arguments(draft):
         engine.propose("s", 1, 4, None, top_k=0)
     with pytest.raises(InvalidArgument, match="anchor_token"):
         engine.propose("s", 10**6, 4, None, top_k=2)
-    assert engine.release("s") and not engine.release("s")
+    assert engine.sequences.pop("s") and not engine.sequences.pop("s")

@@ -35,7 +35,7 @@ def test_every_tree_row_equals_sequential_decoding_of_its_path(model):
     vocab = model.config.vocab_size
     prompt = rng.integers(0, vocab, 7).tolist()
     engine.prefill("tree", prompt, GREEDY, reserve_tokens=64)
-    state = engine.sequences["tree"]
+    state = engine.sequences.get("tree")
     tree = random_tree(rng, vocab, budget=12)
     logits, _, positions = engine.tree_forward(state, tree.tokens.astype(np.int64), tree.parents.astype(np.int64))
     for row in range(tree.num_nodes + 1):
@@ -58,7 +58,7 @@ def test_verify_commits_target_tokens_and_compacts_kv(model):
     prompt = [5, 9, 33, 120, 7]
     # The target's own greedy continuation, one token at a time.
     engine.prefill("ar", prompt, GREEDY, reserve_tokens=64)
-    greedy = [engine.sequences["ar"].pending_token]
+    greedy = [engine.sequences.get("ar").pending_token]
     for _ in range(6):
         greedy.append(engine.verify("ar", [], []).next_token)
     # A tree whose second branch follows the continuation for 3 nodes, beside wrong siblings.
@@ -73,7 +73,7 @@ def test_verify_commits_target_tokens_and_compacts_kv(model):
     assert result.features.shape == (4, 2 * model.config.hidden_size)
 
     engine.prefill("seq", prompt + greedy[:4], GREEDY, taps=(1, 2), reserve_tokens=64)
-    tree_state, seq_state = engine.sequences["tree"], engine.sequences["seq"]
+    tree_state, seq_state = engine.sequences.get("tree"), engine.sequences.get("seq")
     n = len(prompt) + 4
     assert tree_state.length == seq_state.length == n
     assert tree_state.pending_token == seq_state.pending_token
@@ -92,7 +92,7 @@ def test_chunked_prefill_equals_one_pass(model):
     assert a.next_token == b.next_token
     assert a.features.shape == (4, 2 * model.config.hidden_size)
     assert torch.allclose(a.features, b.features, atol=1e-10)
-    assert torch.allclose(one.sequences["a"].cache.k[:, :, :11], chunked.sequences["a"].cache.k[:, :, :11], atol=1e-10)
+    assert torch.allclose(one.sequences.get("a").cache.k[:, :, :11], chunked.sequences.get("a").cache.k[:, :, :11], atol=1e-10)
 
 
 def test_errors_name_the_field(model):
@@ -116,4 +116,4 @@ def test_errors_name_the_field(model):
         engine.verify("x", [1, 2, 3, 4, 5], [0, 1, 2, 3, 4])  # more nodes than max_tree_nodes
     with pytest.raises(FailedPrecondition, match="reserved 4"):
         engine.verify("x", [1, 2], [0, 1])
-    assert engine.release("x") and not engine.release("x")
+    assert engine.sequences.pop("x") and not engine.sequences.pop("x")

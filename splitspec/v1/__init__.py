@@ -1,1 +1,0 @@
-"""Generated from protos/ at install time."""
