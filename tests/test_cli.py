@@ -38,12 +38,14 @@ def _wait_for(pattern: str, path, proc, timeout: float = 90.0) -> None:
 
 
 @contextmanager
-def _serve(tmp_path, *args: str) -> Iterator[str]:
+def _serve(tmp_path, *args: str, env: dict[str, str] | None = None) -> Iterator[str]:
     """``splitspec serve`` on a free port until the block ends; yields the gateway address."""
     address = f"127.0.0.1:{_free_port()}"
     log = tmp_path / "serve.log"
     with log.open("wb") as out:
-        serve = subprocess.Popen([*CLI, "serve", "--listen", address, *args], stdout=out, stderr=subprocess.STDOUT)
+        serve = subprocess.Popen(
+            [*CLI, "serve", "--listen", address, *args], stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+        )
     try:
         _wait_for("ready on", log, serve)
         yield address
@@ -69,12 +71,14 @@ def test_serve_and_generate_from_the_command_line(tmp_path):
 
 def test_make_tiny_qwen35_and_serve_it(tmp_path):
     """A tiny Qwen3.5 hybrid GGUF from ``make-tiny --arch qwen35``, served with its draft: every
-    speculation mode gives the target-only output, greedy and sampled."""
+    speculation mode gives the target-only output, greedy and sampled, also with the recurrent
+    states stored in bfloat16 (the target worker's ``--state-dtype``, set through its env var)."""
     made = subprocess.run([*CLI, "make-tiny", str(tmp_path / "q35"), "--arch", "qwen35"], capture_output=True, text=True, timeout=120)
     assert made.returncode == 0, made.stderr
     target, draft = tmp_path / "q35" / "target.gguf", tmp_path / "q35" / "draft"
     Spec = gateway_pb2.Speculation
-    with _serve(tmp_path, "--target-model", str(target), "--draft-model", str(draft)) as address:
+    env = {"SPLITSPEC_TARGET_STATE_DTYPE": "bfloat16"}
+    with _serve(tmp_path, "--target-model", str(target), "--draft-model", str(draft), env=env) as address:
         for sampling in ({"temperature": 0.0}, {"temperature": 0.8, "seed": 7}):
             request = {"text": "def fib(n):", "max_tokens": 48, "ignore_eos": True, **sampling}
             off = generate(address, speculation=Spec(mode=Spec.OFF), **request)
@@ -83,6 +87,7 @@ def test_make_tiny_qwen35_and_serve_it(tmp_path):
                 out = generate(address, speculation=spec, **request)
                 assert out.tokens == off.tokens and out.text == off.text
                 assert out.final.usage.draft_fallbacks == 0
+    assert "recurrent state 0.00614 MB" in (tmp_path / "serve.log").read_text()  # 3 layers x 4 heads x 16 x 16 x 2 bytes
 
 
 def test_gateway_refuses_a_draft_built_for_another_target(services, tiny_pair, tmp_path):

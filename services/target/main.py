@@ -58,8 +58,8 @@ async def run(args: argparse.Namespace) -> None:
     if isinstance(config, Qwen35Config):
         node = tree_node_bytes(config, dtype, model.recurrent_dtype(dtype))
         logger.info(
-            "hybrid target: %d DeltaNet + %d attention layers; a verify pass holds %.2f MB per tree node "
-            "(recurrent state %.2f MB, conv inputs %.3f MB, K/V %.3f MB)",
+            "hybrid target: %d DeltaNet + %d attention layers; a verify pass holds %.3g MB per tree node "
+            "(recurrent state %.3g MB, conv inputs %.3g MB, K/V %.3g MB)",
             config.num_linear_layers, config.num_full_layers, node.total / 1e6, node.recurrent / 1e6, node.conv / 1e6, node.kv / 1e6,
         )
     limits = TargetLimits(max_sequences=args.max_sequences, max_kv_tokens=args.max_kv_tokens, max_tree_nodes=args.max_tree_nodes)

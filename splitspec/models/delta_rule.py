@@ -115,20 +115,21 @@ def gated_delta_tree(
     """The recurrent form over a tree: outputs ``[T, H, Dv]`` and the state after every row
     ``[T, H, Dk, Dv]`` (in ``store_dtype``). A chain is the tree with ``chain_parents``."""
     dt = _math_dtype(v.dtype)
-    q, k, v, g, beta = (x.to(dt) for x in (q, k, v, g, beta))
-    states = torch.empty((v.shape[0], *state.shape), dtype=store_dtype, device=v.device)  # [T, H, Dk, Dv]
+    q, k, v, beta = (x.to(dt) for x in (q, k, v, beta))
+    decay = g.to(dt).exp()[..., None, None]  # [T, H, 1, 1]
+    # Slot 0 holds the state before the block, slot t + 1 the state after row t: a row's starting
+    # state is slot parents + 1, one gather for the whole level.
+    slots = torch.empty((v.shape[0] + 1, *state.shape), dtype=store_dtype, device=v.device)  # [T+1, H, Dk, Dv]
+    slots[0] = state
     out = torch.empty_like(v)  # [T, H, Dv]
     for rows in depth_levels(parents):
-        par = parents[rows]  # [R]
-        start = state.to(dt).expand(len(rows), *state.shape)
-        s = torch.where((par < 0)[:, None, None, None], start, states[par.clamp(min=0)].to(dt))  # [R, H, Dk, Dv]
-        s = s * g[rows].exp()[..., None, None]
-        kr = k[rows]  # [R, H, Dk]
-        predicted = (s * kr[..., None]).sum(-2)  # [R, H, Dv]  S^T k
-        s = s + kr[..., None] * ((v[rows] - predicted) * beta[rows][..., None])[..., None, :]
+        s = slots[parents[rows] + 1].to(dt) * decay[rows]  # [R, H, Dk, Dv]
+        kr = k[rows][..., None]  # [R, H, Dk, 1]
+        predicted = (s * kr).sum(-2)  # [R, H, Dv]  S^T k
+        s = s + kr * ((v[rows] - predicted) * beta[rows][..., None])[..., None, :]
         out[rows] = (s * q[rows][..., None]).sum(-2)
-        states[rows] = s.to(store_dtype)
-    return out, states
+        slots[rows + 1] = s.to(store_dtype)
+    return out, slots[1:]
 
 
 def gated_delta_chunked(
