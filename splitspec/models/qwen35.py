@@ -199,6 +199,8 @@ class GatedAttention(QKVProjection):
 
 
 class GatedDeltaNet(nn.Module):
+    """The linear-attention mixer: conv over ``[q | k | v]``, delta rule, gated RMSNorm (module docstring)."""
+
     def __init__(self, c: Qwen35Config) -> None:
         super().__init__()
         self.config = c
