@@ -32,6 +32,13 @@ def tiny_pair(tmp_path_factory) -> TinyPair:
     return TinyPair(target, draft)
 
 
+@pytest.fixture(scope="session")
+def tiny_qwen35_pair(tmp_path_factory) -> TinyPair:
+    """A tiny Qwen3.5 hybrid target (3 Gated DeltaNet layers, 1 gated attention layer) + DFlash draft."""
+    target, draft = make_tiny(tmp_path_factory.mktemp("tiny-qwen35"), TinySpec(arch="qwen35", seed=1))
+    return TinyPair(target, draft)
+
+
 @dataclass
 class Services:
     """Real worker/gateway processes on Unix sockets, stopped when the fixture ends."""

@@ -8,6 +8,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 
@@ -35,13 +37,26 @@ def _wait_for(pattern: str, path, proc, timeout: float = 90.0) -> None:
     raise TimeoutError(path.read_text())
 
 
-def test_serve_and_generate_from_the_command_line(tmp_path):
+@contextmanager
+def _serve(tmp_path, *args: str, env: dict[str, str] | None = None) -> Iterator[str]:
+    """``splitspec serve`` on a free port until the block ends; yields the gateway address."""
     address = f"127.0.0.1:{_free_port()}"
     log = tmp_path / "serve.log"
     with log.open("wb") as out:
-        serve = subprocess.Popen([*CLI, "serve", "--listen", address, "--work-dir", str(tmp_path)], stdout=out, stderr=subprocess.STDOUT)
+        serve = subprocess.Popen(
+            [*CLI, "serve", "--listen", address, *args], stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+        )
     try:
         _wait_for("ready on", log, serve)
+        yield address
+    finally:
+        serve.send_signal(signal.SIGTERM)
+        assert serve.wait(timeout=30) == 0
+    assert "gateway serving" in log.read_text()
+
+
+def test_serve_and_generate_from_the_command_line(tmp_path):
+    with _serve(tmp_path, "--work-dir", str(tmp_path)) as address:
         done = subprocess.run(
             [*CLI, "generate", "def fib(n):", "--address", address, "--max-tokens", "64", "--ignore-eos"],
             capture_output=True, text=True, timeout=120,
@@ -52,10 +67,27 @@ def test_serve_and_generate_from_the_command_line(tmp_path):
         # The same request through the API: target-only decoding gives the same text.
         off = generate(address, text="def fib(n):", max_tokens=64, ignore_eos=True, speculation=gateway_pb2.Speculation(mode=gateway_pb2.Speculation.OFF))
         assert done.stdout.rstrip("\n") == off.text.rstrip("\n")
-    finally:
-        serve.send_signal(signal.SIGTERM)
-        assert serve.wait(timeout=30) == 0
-    assert "gateway serving" in log.read_text()
+
+
+def test_make_tiny_qwen35_and_serve_it(tmp_path):
+    """A tiny Qwen3.5 hybrid GGUF from ``make-tiny --arch qwen35``, served with its draft: every
+    speculation mode gives the target-only output, greedy and sampled, also with the recurrent
+    states stored in bfloat16 (the target worker's ``--state-dtype``, set through its env var)."""
+    made = subprocess.run([*CLI, "make-tiny", str(tmp_path / "q35"), "--arch", "qwen35"], capture_output=True, text=True, timeout=120)
+    assert made.returncode == 0, made.stderr
+    target, draft = tmp_path / "q35" / "target.gguf", tmp_path / "q35" / "draft"
+    Spec = gateway_pb2.Speculation
+    env = {"SPLITSPEC_TARGET_STATE_DTYPE": "bfloat16"}
+    with _serve(tmp_path, "--target-model", str(target), "--draft-model", str(draft), env=env) as address:
+        for sampling in ({"temperature": 0.0}, {"temperature": 0.8, "seed": 7}):
+            request = {"text": "def fib(n):", "max_tokens": 48, "ignore_eos": True, **sampling}
+            off = generate(address, speculation=Spec(mode=Spec.OFF), **request)
+            assert len(off.tokens) == 48
+            for spec in (Spec(mode=Spec.CHAIN, budget=15), Spec(mode=Spec.DDTREE, budget=22, chain_seed=True), Spec(mode=Spec.DDTREE, budget=8)):
+                out = generate(address, speculation=spec, **request)
+                assert out.tokens == off.tokens and out.text == off.text
+                assert out.final.usage.draft_fallbacks == 0
+    assert "recurrent state 0.00614 MB" in (tmp_path / "serve.log").read_text()  # 3 layers x 4 heads x 16 x 16 x 2 bytes
 
 
 def test_gateway_refuses_a_draft_built_for_another_target(services, tiny_pair, tmp_path):

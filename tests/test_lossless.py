@@ -1,7 +1,8 @@
 """Losslessness through the three real services: speculative output == target-only output.
 
-The target runs in float64 so that batching a tree differently from a single token cannot flip a
-near-tie. Two drafts are used: the real DFlash draft of the tiny pair (random, so it rarely hits)
+Both target families run: dense Qwen3 and the Qwen3.5 hybrid, whose Gated DeltaNet state follows
+each tree row's parent chain and is committed from the deepest accepted row. The target runs in
+float64 so that batching a tree differently from a single token cannot flip a near-tie. Two drafts are used: the real DFlash draft of the tiny pair (random, so it rarely hits)
 and the benchmark/test-only ReplayDrafter, which proposes the recorded target-only output
 corrupted at 30% per depth. The replay drives long acceptances, rejections and branch
 acceptances through every mode, so equality is tested where it is hard, not only where it is easy.
@@ -46,26 +47,31 @@ def _cases(vocab: int) -> list[dict]:
     return cases
 
 
-@pytest.fixture(scope="module")
-def system(module_services, tiny_pair, tmp_path_factory):
-    s = module_services
-    table = tmp_path_factory.mktemp("replay") / "table.jsonl"
-    target = s.start("target", "target", "--model", str(tiny_pair.target), "--dtype", "float64")
-    replay = s.start("replay", "draft", "--replay", str(table), "--replay-corruption", "0.3", "--target-model", str(tiny_pair.target))
-    dflash = s.start("dflash", "draft", "--model", str(tiny_pair.draft), "--target-model", str(tiny_pair.target))
-    gw_replay = s.start("gw-replay", "gateway", "--target", target, "--draft", replay)
-    gw_dflash = s.start("gw-dflash", "gateway", "--target", target, "--draft", dflash)
-    from splitspec.models.loader import qwen3_config_from_gguf
-    from splitspec.models.gguf_file import GGUFFile
+@pytest.fixture(scope="module", params=["qwen3", "qwen35"])
+def system(request, module_services, tiny_pair, tiny_qwen35_pair, tmp_path_factory):
+    from splitspec.models.loader import read_target_config
 
-    cases = _cases(qwen3_config_from_gguf(GGUFFile(tiny_pair.target)).vocab_size)
+    s, arch = module_services, request.param
+    pair = tiny_pair if arch == "qwen3" else tiny_qwen35_pair
+    model = str(pair.target)
+    table = tmp_path_factory.mktemp(f"replay-{arch}") / "table.jsonl"
+    # One torch thread per worker: two workers spinning all cores of a small CI machine stall each other.
+    target = s.start(f"{arch}-target", "target", "--model", model, "--dtype", "float64", "--threads", "1")
+    replay = s.start(f"{arch}-replay", "draft", "--replay", str(table), "--replay-corruption", "0.3", "--target-model", model)
+    dflash = s.start(f"{arch}-dflash", "draft", "--model", str(pair.draft), "--target-model", model, "--threads", "1")
+    gw_replay = s.start(f"{arch}-gw-replay", "gateway", "--target", target, "--draft", replay)
+    gw_dflash = s.start(f"{arch}-gw-dflash", "gateway", "--target", target, "--draft", dflash)
+
+    cases = _cases(read_target_config(model).vocab_size)
     references = [generate(gw_replay, speculation=Spec(mode=Spec.OFF), **case) for case in cases]
     with table.open("w") as f:
         for case, ref in zip(cases, references):
             assert ref.final.usage.mean_acceptance_length == 1.0 and len(ref.tokens) == 40
             f.write(json.dumps({"tokens": list(case["tokens"].ids) + ref.tokens}) + "\n")
-    return {"target": target, "replay": replay, "dflash": dflash, "gw_replay": gw_replay, "gw_dflash": gw_dflash,
-            "cases": cases, "references": references}
+    yield {"arch": arch, "target": target, "replay": replay, "dflash": dflash, "gw_replay": gw_replay, "gw_dflash": gw_dflash,
+           "cases": cases, "references": references}
+    for name in ("gw-dflash", "gw-replay", "dflash", "replay", "target"):
+        s.stop(f"{arch}-{name}")
 
 
 @pytest.mark.parametrize("name,spec", MODES, ids=[m[0] for m in MODES])

@@ -35,13 +35,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _load_engine(args: argparse.Namespace):
     """Build the engine named by the flags; returns (engine, target config, dtype name, device name)."""
     from splitspec.devices import resolve_device, resolve_dtype
-    from splitspec.models.gguf_file import GGUFFile, ModelFileError
-    from splitspec.models.loader import load_dflash_draft, load_target_head, qwen3_config_from_gguf
+    from splitspec.models.gguf_file import ModelFileError
+    from splitspec.models.loader import load_dflash_draft, load_target_head, read_target_config
     from splitspec.services.draft.engine import DraftEngine
     from splitspec.services.draft.replay import ReplayDrafter, ReplayTable
 
     if args.replay:
-        target_config = qwen3_config_from_gguf(GGUFFile(args.target_model))
+        target_config = read_target_config(args.target_model)
         engine = ReplayDrafter(ReplayTable(args.replay), target_config.vocab_size, corruption=args.replay_corruption)
         logger.warning("REPLAY drafter (benchmark/test only): %s, corruption %.2f", args.replay, args.replay_corruption)
         return engine, target_config, "n/a", "cpu"
@@ -80,7 +80,7 @@ async def run(args: argparse.Namespace) -> None:
     def load() -> None:
         engine, target_config, dtype, device = _load_engine(args)
         geometry = common_pb2.ModelGeometry(
-            architecture="qwen3", vocab_size=target_config.vocab_size, hidden_size=target_config.hidden_size,
+            architecture=target_config.architecture, vocab_size=target_config.vocab_size, hidden_size=target_config.hidden_size,
             num_layers=target_config.num_layers, max_context=target_config.max_context,
             dtype=dtype, device=device, path=str(args.target_model),
         )

@@ -1,10 +1,13 @@
-"""Target engine: per-sequence KV caches, prefill, one-pass tree verify, acceptance, compaction.
+"""Target engine: per-sequence model state, prefill, one-pass tree verify, acceptance, commit.
 
 Terms (see ``splitspec.spec.tree``): the *root* is the pending token drawn last step (not yet in
 the KV cache); a verify pass runs ``[root, nodes]`` at positions ``length + depth`` with an
-ancestor-only mask, draws the target's own token at every row, walks the tree, compacts the
-accepted rows' K/V down to ``length ..``, and returns the *committed* tokens (root + accepted
-nodes) and the *bonus* (the target's token after the last accepted node: the next root).
+ancestor-only mask and the rows' parents, draws the target's own token at every row, walks the
+tree, commits the accepted rows (K/V compacted down to ``length ..``; for hybrid models also the
+deepest accepted row's recurrent and conv state), and returns the *committed* tokens (root +
+accepted nodes) and the *bonus* (the target's token after the last accepted node: the next root).
+
+The engine knows model families only through :class:`TargetModel` and :class:`SequenceCache`.
 
 Not thread-safe: the service calls it from one worker thread, which serialises device work.
 """
@@ -14,16 +17,46 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
 from splitspec.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from splitspec.services.hosting import SequenceTable
-from splitspec.models.qwen3 import KVCache, Qwen3Config, Qwen3ForCausalLM
-from splitspec.spec.acceptance import accept_path, compact_rows
+from splitspec.spec.acceptance import accept_path
 from splitspec.spec.sampling import SamplingParams, draw_tokens
 from splitspec.spec.tree import node_depths, tree_attention_mask, validate_tree
+
+
+class SequenceCache(Protocol):
+    """One sequence's model state: K/V slots for ``capacity`` positions (plus recurrent state)."""
+
+    @property
+    def capacity(self) -> int: ...
+
+    def commit(self, start: int, accepted: Sequence[int]) -> None:
+        """Keep the accepted rows ``[AL]`` (root row 0 first) of the verify block written at ``start``."""
+
+
+class TargetModel(Protocol):
+    """A target family: ``Qwen3ForCausalLM``, ``Qwen35ForCausalLM``."""
+
+    config: Any  # vocab_size, num_layers, max_context
+
+    def new_cache(self, capacity: int, device: torch.device, dtype: torch.dtype) -> SequenceCache: ...
+
+    def __call__(
+        self,
+        tokens: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        cache: SequenceCache,
+        start: int,
+        mask: torch.Tensor,  # [T, start + T] bool
+        taps: Sequence[int] = (),
+        logit_rows: torch.Tensor | None = None,  # [R]
+        parents: torch.Tensor | None = None,  # [T] parent rows of a tree (-1 = committed state); None = a chain
+    ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
 
 
 @dataclass
@@ -36,7 +69,7 @@ class TargetLimits:
 
 @dataclass
 class SequenceState:
-    cache: KVCache
+    cache: SequenceCache
     length: int  # positions in the KV cache (committed)
     pending_token: int  # the root of the next verify
     sampling: SamplingParams
@@ -62,9 +95,9 @@ class VerifyResult:
 
 
 class TargetEngine:
-    def __init__(self, model: Qwen3ForCausalLM, limits: TargetLimits | None = None) -> None:
+    def __init__(self, model: TargetModel, limits: TargetLimits | None = None) -> None:
         self.model = model
-        self.config: Qwen3Config = model.config
+        self.config = model.config
         self.limits = limits or TargetLimits()
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
@@ -117,7 +150,7 @@ class TargetEngine:
                 f"KV cache full: {self.reserved_tokens} of {self.limits.max_kv_tokens} positions reserved, {capacity} more asked"
             )
         t0 = time.perf_counter_ns()
-        cache = KVCache(self.config, capacity, self.device, self.dtype)
+        cache = self.model.new_cache(capacity, self.device, self.dtype)
         ids = torch.tensor(tokens, device=self.device, dtype=torch.int64)
         rows = n if feature_rows <= 0 else min(feature_rows, n)
         feature_chunks, logits = [], None
@@ -154,14 +187,13 @@ class TargetEngine:
         logits, features, positions = self.tree_forward(state, tokens_np, parents_np)
         target_tokens = draw_tokens(logits, positions, state.sampling).cpu().numpy()  # [n+1]
         accepted, next_token = accept_path(tokens_np, parents_np, target_tokens)
-        index = torch.tensor(accepted, device=self.device, dtype=torch.int64)
-        compact_rows(state.cache.k, start, index)
-        compact_rows(state.cache.v, start, index)
+        state.cache.commit(start, accepted)
         committed = [state.pending_token] + [int(tokens_np[a - 1]) for a in accepted[1:]]
         state.length = start + len(accepted)
         state.pending_token = int(next_token)
         out_features = None
         if return_features and features is not None:
+            index = torch.tensor(accepted, device=self.device, dtype=torch.int64)
             out_features = features.index_select(0, index).to(state.feature_dtype or self.dtype)
         return VerifyResult(committed, accepted[1:], int(next_token), out_features, state.length, time.perf_counter_ns() - t0)
 
@@ -170,13 +202,15 @@ class TargetEngine:
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """One pass over ``[root, nodes]``: logits [n+1, vocab], features [n+1, taps*hidden], positions [n+1].
 
-        Writes the rows' K/V to slots ``length .. length + n`` (compaction happens after the walk).
+        Writes the rows' K/V to slots ``length .. length + n`` and keeps every row's recurrent state
+        candidate; ``cache.commit`` after the walk keeps the accepted ones.
         """
         n, start, dev = len(tokens), state.length, self.device
         ids = torch.tensor([state.pending_token, *tokens.tolist()], device=dev, dtype=torch.int64)  # [n+1]
+        row_parents = torch.from_numpy(np.concatenate([[-1], parents])).to(dev)  # [n+1], node j is row j
         depths = torch.from_numpy(np.concatenate([[0], node_depths(parents)])).to(dev)  # [n+1]
         positions = start + depths  # siblings share a position
         tree_mask = torch.from_numpy(tree_attention_mask(parents)).to(dev)  # [n+1, n+1] ancestor-only
         mask = torch.cat([torch.ones(n + 1, start, dtype=torch.bool, device=dev), tree_mask], dim=1)
-        logits, features = self.model(ids, positions, state.cache, start, mask, state.taps)
+        logits, features = self.model(ids, positions, state.cache, start, mask, state.taps, parents=row_parents)
         return logits, features, positions

@@ -14,10 +14,15 @@ logger = logging.getLogger(__name__)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="target model: a GGUF file (architecture qwen3)")
+    p.add_argument("--model", required=True, help="target model: a GGUF file (architecture qwen3 or qwen35) or a Qwen3.5 Hugging Face directory")
     p.add_argument("--listen", default="127.0.0.1:50052", help="address to serve on (host:port or unix:PATH)")
     p.add_argument("--device", default="cpu", help="cpu or cuda:N (ROCm builds of torch answer to cuda:N too)")
     p.add_argument("--dtype", default="auto", help="compute dtype: auto (bfloat16 on GPU, float32 on CPU), float32, float16, bfloat16, float64")
+    p.add_argument(
+        "--state-dtype", default="auto",
+        help="hybrid (qwen35) targets: storage of recurrent states, per sequence and per tree node: "
+        "auto (float32; float64 with --dtype float64), float32, bfloat16, float16",
+    )
     p.add_argument("--max-sequences", type=int, default=64, help="live sequences at most")
     p.add_argument("--max-kv-tokens", type=int, default=1 << 20, help="KV positions reserved over all sequences at most")
     p.add_argument("--max-tree-nodes", type=int, default=256, help="largest tree a Verify accepts")
@@ -30,8 +35,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 async def run(args: argparse.Namespace) -> None:
     import torch
 
-    from splitspec.devices import backend_name, resolve_device, resolve_dtype
+    from splitspec.devices import DTYPES, backend_name, resolve_device, resolve_dtype
     from splitspec.models.loader import load_target
+    from splitspec.models.qwen35 import Qwen35Config, tree_node_bytes
     from splitspec.tokenizer import Tokenizer
     from splitspec.v1 import common_pb2, target_pb2_grpc
     from splitspec.services.target.engine import TargetEngine, TargetLimits
@@ -41,6 +47,9 @@ async def run(args: argparse.Namespace) -> None:
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
+    if args.state_dtype not in ("auto", "float32", "bfloat16", "float16"):
+        raise ValueError(f"--state-dtype {args.state_dtype}: choose auto, float32, bfloat16 or float16")
+    state_dtype = None if args.state_dtype == "auto" else DTYPES[args.state_dtype]
     servicer = TargetServicer()
     server, health = rpc.create_server(
         "target", [lambda s: target_pb2_grpc.add_TargetWorkerServicer_to_server(servicer, s)], [SERVICE],
@@ -49,11 +58,18 @@ async def run(args: argparse.Namespace) -> None:
 
     def load() -> None:
         t0 = time.perf_counter()
-        model, config = load_target(args.model, device, dtype)
+        model, config = load_target(args.model, device, dtype, state_dtype)
         tokenizer = Tokenizer.load(args.model)
+        if isinstance(config, Qwen35Config):
+            node = tree_node_bytes(config, dtype, model.recurrent_dtype(dtype))
+            logger.info(
+                "hybrid target: %d DeltaNet + %d attention layers; a verify pass holds %.3g MB per tree node "
+                "(recurrent state %.3g MB, conv inputs %.3g MB, K/V %.3g MB)",
+                config.num_linear_layers, config.num_full_layers, node.total / 1e6, node.recurrent / 1e6, node.conv / 1e6, node.kv / 1e6,
+            )
         limits = TargetLimits(max_sequences=args.max_sequences, max_kv_tokens=args.max_kv_tokens, max_tree_nodes=args.max_tree_nodes)
         geometry = common_pb2.ModelGeometry(
-            architecture="qwen3", vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+            architecture=config.architecture, vocab_size=config.vocab_size, hidden_size=config.hidden_size,
             num_layers=config.num_layers, max_context=config.max_context,
             dtype=str(dtype).removeprefix("torch."), device=str(device), path=str(args.model),
         )

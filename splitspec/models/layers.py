@@ -49,7 +49,13 @@ def rope_cos_sin(
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` [..., T, D] by the tables [T, D] (NEOX / rotate-half convention)."""
+    """Rotate ``x`` [..., T, D] by the tables [T, R] (NEOX / rotate-half convention).
+
+    With ``R < D`` (partial RoPE, as in Qwen3.5) only the first ``R`` dims rotate, the rest pass.
+    """
+    rotary = cos.shape[-1]
+    if rotary < x.shape[-1]:
+        return torch.cat([apply_rope(x[..., :rotary], cos, sin), x[..., rotary:]], dim=-1)
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
@@ -85,10 +91,40 @@ class QKVProjection(nn.Module):
         return apply_rope(k.transpose(0, 1), cos, sin), v.transpose(0, 1)
 
     def attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: torch.Tensor | None,
+        gate: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """q [H, T, D], k/v [H_kv, S, D], mask [T, S] bool (True = visible) or None -> [T, hidden]."""
+        """q [H, T, D], k/v [H_kv, S, D], mask [T, S] bool (True = visible) or None -> [T, hidden].
+
+        ``gate`` [T, H * D] (Qwen3.5's output gate) scales the heads by ``sigmoid(gate)`` before ``o_proj``.
+        """
         out = F.scaled_dot_product_attention(
             q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, enable_gqa=True
         )  # [1, H, T, D]
-        return self.o_proj(out[0].transpose(0, 1).reshape(q.shape[1], -1))
+        out = out[0].transpose(0, 1).reshape(q.shape[1], -1)  # [T, H * D]
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return self.o_proj(out)
+
+    def attend_cached(
+        self,
+        x: torch.Tensor,  # [T, hidden] normed input of this pass
+        q: torch.Tensor,  # [H, T, D] its queries
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,  # [H_kv, capacity, D] of this layer
+        v_cache: torch.Tensor,
+        start: int,  # cache slot of x[0]
+        mask: torch.Tensor,  # [T, start + T] bool
+        gate: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Write this pass's K/V to slots ``start ..`` and attend over slots ``.. start + T``."""
+        k, v = self.key_value(x, cos, sin)
+        end = start + x.shape[0]
+        k_cache[:, start:end] = k
+        v_cache[:, start:end] = v
+        return self.attend(q, k_cache[:, :end], v_cache[:, :end], mask, gate)

@@ -3,17 +3,23 @@
 One forward serves prefill chunks, tree verification and single-token steps: the caller passes
 the tokens, their absolute positions, the KV slot where their keys start, and a boolean
 visibility mask over all key positions (causal for prefill, ancestor-only for a tree).
+
+The target engine drives every family through the same *sequence state* interface:
+``model.new_cache(capacity, device, dtype)`` makes a sequence's state, the forward fills it, and
+``cache.commit(start, accepted)`` keeps the accepted rows of a verify block (here: KV compaction).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
 
 from splitspec.models.layers import QKVProjection, RMSNorm, SwiGLU, rope_cos_sin
+from splitspec.spec.acceptance import compact_rows
 
 
 @dataclass(frozen=True)
@@ -29,6 +35,7 @@ class Qwen3Config:
     rms_norm_eps: float = 1e-6
     max_context: int = 40960
     tie_word_embeddings: bool = False
+    architecture: ClassVar[str] = "qwen3"
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -55,6 +62,12 @@ class KVCache:
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
 
+    def commit(self, start: int, accepted: Sequence[int]) -> None:
+        """Keep the accepted rows (``[AL]``, root row 0 first) of the verify block at ``start``."""
+        index = torch.as_tensor(accepted, dtype=torch.long, device=self.k.device)
+        compact_rows(self.k, start, index)
+        compact_rows(self.v, start, index)
+
 
 class Qwen3DecoderLayer(nn.Module):
     def __init__(self, config: Qwen3Config) -> None:
@@ -75,14 +88,8 @@ class Qwen3DecoderLayer(nn.Module):
         start: int,
         mask: torch.Tensor,  # [T, start + T] bool
     ) -> torch.Tensor:
-        attn = self.self_attn
         x = self.input_layernorm(h)
-        q = attn.query(x, cos, sin)
-        k, v = attn.key_value(x, cos, sin)
-        end = start + h.shape[0]
-        k_cache[:, start:end] = k
-        v_cache[:, start:end] = v
-        h = h + attn.attend(q, k_cache[:, :end], v_cache[:, :end], mask)
+        h = h + self.self_attn.attend_cached(x, self.self_attn.query(x, cos, sin), cos, sin, k_cache, v_cache, start, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -95,6 +102,9 @@ class Qwen3ForCausalLM(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
+    def new_cache(self, capacity: int, device: torch.device | str, dtype: torch.dtype) -> KVCache:
+        return KVCache(self.config, capacity, torch.device(device), dtype)
+
     @torch.inference_mode()
     def forward(
         self,
@@ -105,10 +115,12 @@ class Qwen3ForCausalLM(nn.Module):
         mask: torch.Tensor,  # [T, start + T] bool, True = visible
         taps: Sequence[int] = (),
         logit_rows: torch.Tensor | None = None,  # [R] rows to project to logits; None = all
+        parents: torch.Tensor | None = None,  # [T] a tree's parent rows; attention needs only the mask
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Returns logits [R, vocab] (float32) and tap features [T, len(taps) * hidden] or None.
 
-        Tap ``i`` is the output of decoder layer ``i`` (the residual stream after its MLP), the
+        ``parents`` is part of the common forward signature (recurrent families need it); for
+        attention the ``mask`` already says which rows each row sees. Tap ``i`` is the output of decoder layer ``i`` (the residual stream after its MLP), the
         ``hidden_states[i + 1]`` of Hugging Face's numbering, concatenated in ``taps`` order.
         """
         h = self.embed_tokens(tokens)

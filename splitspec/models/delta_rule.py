@@ -1,0 +1,174 @@
+"""Gated DeltaNet state math over a chain or a tree of rows: causal conv gather and delta rule.
+
+Terms
+-----
+block
+    The ``T`` rows of one forward pass: a prefill chunk (a chain) or a verify tree.
+parents
+    ``[T]`` int64: the row each row continues from. ``-1`` means the state before the block (the
+    sequence's committed state); otherwise ``parents[t] < t``. A chain has ``parents[t] = t - 1``.
+    Verify rows are ``[root, node 1..n]`` with the root at ``-1`` and node ``j``'s parent row as
+    in :mod:`splitspec.spec.tree`.
+history
+    ``[K - 1, C]``: the last ``K - 1`` conv inputs before the block, oldest first (``K`` is the
+    conv kernel width).
+ancestor table
+    ``[T, K]`` int64: column ``K - 1`` is the row itself, column ``j`` is ``K - 1 - j`` steps up
+    its parent chain. Steps past the block's start continue into the history as virtual rows
+    ``-1`` (the latest history input), ``-2``, ... E.g. with ``K = 4``, ``parents = [-1, 0, 0]``
+    gives ``[[-3, -2, -1, 0], [-2, -1, 0, 1], [-2, -1, 0, 2]]``: siblings 1 and 2 convolve over
+    their own lineage, not over each other (spec 3.3, ``ggml_ssm_conv_tree``).
+recurrent state
+    ``S`` ``[H, Dk, Dv]`` per value head. One token with query ``q``, key ``k`` (both
+    L2-normalised, ``q`` scaled by ``1/sqrt(Dk)``), value ``v``, log-decay ``g <= 0`` and
+    write strength ``beta`` in (0, 1) updates it as::
+
+        S = exp(g) * S
+        S = S + k ⊗ beta * (v - S^T k)       # the delta rule: write the correction only
+        o = S^T q
+
+    In a tree, each row starts from its parent row's state (the parent-chain recurrence of
+    spec 3.3), so every row's output equals that of decoding its root-to-row path one token at a
+    time. The state after every row is kept (``[T, H, Dk, Dv]``); after acceptance the deepest
+    accepted row's state becomes the sequence's state.
+
+The arithmetic runs in float32 (float64 when the inputs are); ``store_dtype`` is the dtype states
+are kept in between tokens. A row reads its parent's *stored* state, so a tree row and a
+sequential step compute the same thing for any ``store_dtype``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "ancestor_table",
+    "chain_parents",
+    "conv_windows",
+    "depth_levels",
+    "gated_delta_chunked",
+    "gated_delta_tree",
+    "l2_normalize",
+]
+
+
+def chain_parents(num_rows: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """``[T]`` parents of a causal chain: ``[-1, 0, 1, ..., T - 2]``."""
+    return torch.arange(-1, num_rows - 1, device=device)
+
+
+def ancestor_table(parents: torch.Tensor, width: int) -> torch.Tensor:
+    """``parents`` ``[T]`` -> the ancestor table ``[T, width]`` (see the module docstring)."""
+    num_rows = parents.shape[0]
+    table = torch.empty(num_rows, width, dtype=torch.int64, device=parents.device)
+    table[:, width - 1] = torch.arange(num_rows, device=parents.device)
+    for j in range(width - 2, -1, -1):
+        newer = table[:, j + 1]  # [T]
+        # Inside the block follow the parent; in the history, step one input further back.
+        table[:, j] = torch.where(newer >= 0, parents[newer.clamp(min=0)], newer - 1)
+    return table
+
+
+def conv_windows(history: torch.Tensor, inputs: torch.Tensor, ancestors: torch.Tensor) -> torch.Tensor:
+    """The ``K``-tap input window of every row along its parent chain, oldest first.
+
+    ``history`` [K-1, C], ``inputs`` [T, C], ``ancestors`` [T, K] -> ``[T, K, C]``. The conv
+    output of row ``t`` is ``sum_k windows[t, k] * weight[:, k]``, and the conv state after row
+    ``t`` (the history its children see) is ``windows[t, 1:]``.
+    """
+    sequence = torch.cat([history.to(inputs.dtype), inputs])  # [K-1+T, C]; virtual row -1 is index K-2
+    return sequence[ancestors + history.shape[0]]
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``x / sqrt(sum(x^2) + eps)`` over the last dimension (the FLA convention)."""
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
+
+
+def depth_levels(parents: torch.Tensor) -> list[torch.Tensor]:
+    """Rows grouped by depth below the block start: ``levels[d]`` holds the rows at depth ``d``.
+
+    Rows of one level depend only on earlier levels, so a level is computed in one batch; a tree
+    of depth ``D`` takes ``D + 1`` sequential steps whatever its width.
+    """
+    depth: list[int] = []
+    for p in parents.tolist():
+        depth.append(0 if p < 0 else depth[p] + 1)
+    depths = torch.tensor(depth, dtype=torch.int64)
+    return [torch.nonzero(depths == d).flatten().to(parents.device) for d in range(max(depth, default=-1) + 1)]
+
+
+def _math_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+def gated_delta_tree(
+    q: torch.Tensor,  # [T, H, Dk] normalised and scaled
+    k: torch.Tensor,  # [T, H, Dk] normalised
+    v: torch.Tensor,  # [T, H, Dv]
+    g: torch.Tensor,  # [T, H] log-decay
+    beta: torch.Tensor,  # [T, H]
+    state: torch.Tensor,  # [H, Dk, Dv] the state before the block
+    parents: torch.Tensor,  # [T]
+    store_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The recurrent form over a tree: outputs ``[T, H, Dv]`` and the state after every row
+    ``[T, H, Dk, Dv]`` (in ``store_dtype``). A chain is the tree with ``chain_parents``."""
+    dt = _math_dtype(v.dtype)
+    q, k, v, beta = (x.to(dt) for x in (q, k, v, beta))
+    decay = g.to(dt).exp()[..., None, None]  # [T, H, 1, 1]
+    # Slot 0 holds the state before the block, slot t + 1 the state after row t: a row's starting
+    # state is slot parents + 1, one gather for the whole level.
+    slots = torch.empty((v.shape[0] + 1, *state.shape), dtype=store_dtype, device=v.device)  # [T+1, H, Dk, Dv]
+    slots[0] = state
+    out = torch.empty_like(v)  # [T, H, Dv]
+    for rows in depth_levels(parents):
+        s = slots[parents[rows] + 1].to(dt) * decay[rows]  # [R, H, Dk, Dv]
+        kr = k[rows][..., None]  # [R, H, Dk, 1]
+        predicted = (s * kr).sum(-2)  # [R, H, Dv]  S^T k
+        s = s + kr * ((v[rows] - predicted) * beta[rows][..., None])[..., None, :]
+        out[rows] = (s * q[rows][..., None]).sum(-2)
+        slots[rows + 1] = s.to(store_dtype)
+    return out, slots[1:]
+
+
+def gated_delta_chunked(
+    q: torch.Tensor,  # [T, H, Dk] normalised and scaled
+    k: torch.Tensor,  # [T, H, Dk] normalised
+    v: torch.Tensor,  # [T, H, Dv]
+    g: torch.Tensor,  # [T, H] log-decay
+    beta: torch.Tensor,  # [T, H]
+    state: torch.Tensor,  # [H, Dk, Dv] the state before the chain
+    chunk: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunked form over a chain (prefill): outputs ``[T, H, Dv]`` and the final state
+    ``[H, Dk, Dv]`` (math dtype), equal to :func:`gated_delta_tree` up to rounding.
+
+    Within a chunk of ``L`` rows, with ``c_t`` the cumulative log-decay and ``S0`` the state at the
+    chunk start, unrolling the recurrence gives ``S_t = e^{c_t} S0 + sum_{s<=t} e^{c_t - c_s} k_s d_s^T``
+    where the written corrections ``d`` solve the unit lower-triangular system
+    ``(I + A) d = beta v - beta e^{c} (K S0)`` with ``A[t, s] = beta_t e^{c_t - c_s} k_t.k_s``
+    (``s < t``). Then ``o_t = e^{c_t} S0^T q_t + sum_{s<=t} e^{c_t - c_s} (q_t.k_s) d_s`` and the
+    next chunk starts from ``S_L``. Per chunk: two triangular solves and a few matmuls.
+    """
+    dt = _math_dtype(v.dtype)
+    # Heads first: [H, T, D].
+    q, k, v = (x.to(dt).transpose(0, 1) for x in (q, k, v))
+    g, beta = (x.to(dt).transpose(0, 1) for x in (g, beta))  # [H, T]
+    s = state.to(dt)  # [H, Dk, Dv]
+    out = torch.empty_like(v)
+    for begin in range(0, v.shape[1], chunk):
+        sl = slice(begin, min(begin + chunk, v.shape[1]))
+        qc, kc, vc, bc = q[:, sl], k[:, sl], v[:, sl], beta[:, sl, None]
+        c = g[:, sl].cumsum(-1)  # [H, L]
+        n = c.shape[1]
+        lower = torch.ones(n, n, dtype=torch.bool, device=v.device).tril()
+        # e^{c_t - c_s} for s <= t, 0 above the diagonal (masked before exp: no overflow).
+        decay = (c[:, :, None] - c[:, None, :]).masked_fill(~lower, float("-inf")).exp()  # [H, L, L]
+        a = (bc * kc) @ kc.transpose(-1, -2) * decay  # [H, L, L], lower triangle incl. diagonal
+        system = a.tril(-1) + torch.eye(n, dtype=dt, device=v.device)
+        rhs = bc * vc - (bc * c.exp()[..., None] * kc) @ s  # [H, L, Dv]
+        d = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+        out[:, sl] = c.exp()[..., None] * (qc @ s) + ((qc @ kc.transpose(-1, -2)) * decay) @ d
+        s = c[:, -1, None, None].exp() * s + ((c[:, -1:] - c).exp()[..., None] * kc).transpose(-1, -2) @ d
+    return out.transpose(0, 1), s
