@@ -1,4 +1,7 @@
-"""``splitspec make-tiny``: a tiny random Qwen3 target (GGUF, with tokenizer) and a matching DFlash draft.
+"""``splitspec make-tiny``: a tiny random dense target (GGUF, with tokenizer) and a matching DFlash draft.
+
+The target is a ``qwen3`` (q/k norms), ``qwen2`` (q/k/v biases) or ``llama`` (q/k rows permuted
+the way llama.cpp's converter stores them) GGUF; ``write_target_gguf`` is also the tests' writer.
 
 The pair exercises every code path in seconds on a CPU. Its weights are random, so the draft
 rarely guesses the target's tokens: expect an acceptance length near 1.
@@ -7,17 +10,18 @@ rarely guesses the target's tokens: expect an acceptance length near 1.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFWriter
+from gguf import GGMLQuantizationType, GGUFWriter, RopeScalingType
 from gguf.quants import quantize
 from safetensors.numpy import save_file
 
+from splitspec.models.dense import DenseConfig
 from splitspec.models.dflash import DFlashConfig
-from splitspec.models.loader import QWEN3_LAYER_NAMES
-from splitspec.models.qwen3 import Qwen3Config
+from splitspec.models.loader import GGUF_LAYER_NAMES
 from splitspec.tokenizer import byte_level_vocab, write_gguf_tokenizer
 
 TARGET_FILE = "target.gguf"
@@ -33,11 +37,19 @@ WEIGHT_TYPES = {
     "f16": GGMLQuantizationType.F16,
     "bf16": GGMLQuantizationType.BF16,
     "q8_0": GGMLQuantizationType.Q8_0,
+    "q4_0": GGMLQuantizationType.Q4_0,
+    "q4_1": GGMLQuantizationType.Q4_1,
+    "q5_0": GGMLQuantizationType.Q5_0,
+    "q5_1": GGMLQuantizationType.Q5_1,
 }
+# (GGUF tensor name, float32 array) -> (data as written, its GGUF type).
+Encoder = Callable[[str, np.ndarray], tuple[np.ndarray, GGMLQuantizationType]]
 
 
 @dataclass(frozen=True)
 class TinySpec:
+    architecture: str = "qwen3"  # qwen3 | qwen2 | llama
+    tie_embeddings: bool = False
     hidden_size: int = 64
     target_layers: int = 4
     draft_layers: int = 2
@@ -51,8 +63,10 @@ class TinySpec:
     seed: int = 0
 
 
-def _matrices(cfg, hidden_in: int, rng: np.random.Generator, scale: float) -> dict[str, np.ndarray]:
-    """Random attention + MLP weights of one layer, keyed by module name."""
+def _matrices(
+    cfg, hidden_in: int, rng: np.random.Generator, scale: float, qk_norm: bool = True, bias: bool = False
+) -> dict[str, np.ndarray]:
+    """Random attention + MLP weights of one layer, keyed by module parameter name."""
     h, q, kv, ff = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
 
     def mat(rows: int, cols: int) -> np.ndarray:
@@ -61,24 +75,78 @@ def _matrices(cfg, hidden_in: int, rng: np.random.Generator, scale: float) -> di
     def norm(dim: int) -> np.ndarray:
         return (1.0 + 0.1 * rng.standard_normal(dim)).astype(np.float32)
 
-    return {
-        "input_layernorm": norm(h),
-        "self_attn.q_proj": mat(q, hidden_in),
-        "self_attn.k_proj": mat(kv, hidden_in),
-        "self_attn.v_proj": mat(kv, hidden_in),
-        "self_attn.o_proj": mat(h, q),
-        "self_attn.q_norm": norm(cfg.head_dim),
-        "self_attn.k_norm": norm(cfg.head_dim),
-        "post_attention_layernorm": norm(h),
-        "mlp.gate_proj": mat(ff, h),
-        "mlp.up_proj": mat(ff, h),
-        "mlp.down_proj": mat(h, ff),
+    out = {
+        "input_layernorm.weight": norm(h),
+        "self_attn.q_proj.weight": mat(q, hidden_in),
+        "self_attn.k_proj.weight": mat(kv, hidden_in),
+        "self_attn.v_proj.weight": mat(kv, hidden_in),
+        "self_attn.o_proj.weight": mat(h, q),
     }
+    if qk_norm:
+        out["self_attn.q_norm.weight"] = norm(cfg.head_dim)
+        out["self_attn.k_norm.weight"] = norm(cfg.head_dim)
+    out["post_attention_layernorm.weight"] = norm(h)
+    out["mlp.gate_proj.weight"] = mat(ff, h)
+    out["mlp.up_proj.weight"] = mat(ff, h)
+    out["mlp.down_proj.weight"] = mat(h, ff)
+    if bias:
+        for name, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+            out[f"self_attn.{name}.bias"] = (rng.standard_normal(rows) * 0.5).astype(np.float32)
+    return out
 
 
-def write_target_gguf(path: Path, config: Qwen3Config, weights: dict[str, np.ndarray], vocab, weight_type: str) -> None:
-    """Write a ``qwen3`` GGUF. ``weights`` uses GGUF tensor names; 1-D tensors stay F32."""
-    writer = GGUFWriter(str(path), "qwen3")
+def llama_permute_rows(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's q/k row order for ``llama`` GGUFs: within each head, row (half, i) moves to (i, half)."""
+    per_head = w.shape[0] // heads
+    return w.reshape(heads, 2, per_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_weights(config: DenseConfig, state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Module-named float weights -> GGUF-named ones, permuting q/k rows for ``llama``."""
+    globals_ = {"embed_tokens.weight": "token_embd.weight", "norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
+    layer_names = {v: k for k, v in GGUF_LAYER_NAMES.items()}
+    out = {}
+    for name, array in state.items():
+        if name in globals_:
+            out[globals_[name]] = array
+            continue
+        _, i, rest = name.split(".", 2)
+        gguf_name = f"blk.{i}.{layer_names[rest]}"
+        if config.architecture == "llama" and rest.startswith(("self_attn.q_proj", "self_attn.k_proj")):
+            array = llama_permute_rows(array, config.num_heads if "q_proj" in rest else config.num_kv_heads)
+        out[gguf_name] = array
+    return out
+
+
+def encoder(weight_type: str) -> Encoder:
+    """The writer's encoding for ``--weight-type``: matrices in that type, 1-D tensors in F32."""
+    qtype = WEIGHT_TYPES[weight_type]
+
+    def encode(name: str, array: np.ndarray) -> tuple[np.ndarray, GGMLQuantizationType]:
+        if array.ndim == 1 or qtype == GGMLQuantizationType.F32:
+            return array, GGMLQuantizationType.F32
+        if qtype == GGMLQuantizationType.F16:
+            return array.astype(np.float16), qtype
+        return quantize(array, qtype), qtype
+
+    return encode
+
+
+def write_target_gguf(
+    path: Path,
+    config: DenseConfig,
+    weights: dict[str, np.ndarray],
+    vocab,
+    weight_type: str | Encoder = "f32",
+    *,
+    tokenizer_pre: str = "qwen2",
+    rope_scaling_factor: float | None = None,
+) -> None:
+    """Write a GGUF of ``config.architecture``. ``weights`` uses GGUF tensor names (llama.cpp's layout);
+    ``weight_type`` names a type or is an :data:`Encoder` choosing one per tensor.
+    ``rope_scaling_factor`` writes linear RoPE scaling metadata."""
+    encode = encoder(weight_type) if isinstance(weight_type, str) else weight_type
+    writer = GGUFWriter(str(path), config.architecture)
     writer.add_name("splitspec-tiny")
     writer.add_block_count(config.num_layers)
     writer.add_context_length(config.max_context)
@@ -90,28 +158,30 @@ def write_target_gguf(path: Path, config: Qwen3Config, weights: dict[str, np.nda
     writer.add_value_length(config.head_dim)
     writer.add_rope_freq_base(config.rope_theta)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    write_gguf_tokenizer(writer, vocab, chat_template=CHATML_TEMPLATE)
-    qtype = WEIGHT_TYPES[weight_type]
+    if rope_scaling_factor is not None:
+        writer.add_rope_scaling_type(RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope_scaling_factor)
+    write_gguf_tokenizer(writer, vocab, pre=tokenizer_pre, chat_template=CHATML_TEMPLATE)
     for name, array in weights.items():
-        if array.ndim == 1 or qtype == GGMLQuantizationType.F32:
-            writer.add_tensor(name, array)
-        elif qtype == GGMLQuantizationType.F16:
-            writer.add_tensor(name, array.astype(np.float16))
+        data, qtype = encode(name, array)
+        if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+            writer.add_tensor(name, data)
         else:
-            writer.add_tensor(name, quantize(array, qtype), raw_dtype=qtype)
+            writer.add_tensor(name, data, raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
 
 
-def make_tiny(out_dir: str | Path, spec: TinySpec = TinySpec(), weight_type: str = "f32") -> tuple[Path, Path]:
+def make_tiny(out_dir: str | Path, spec: TinySpec = TinySpec(), weight_type: str | Encoder = "f32") -> tuple[Path, Path]:
     """Write ``out_dir/target.gguf`` and ``out_dir/draft/`` and return their paths."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(spec.seed)
     vocab = byte_level_vocab()
-    target = Qwen3Config(
+    arch = spec.architecture
+    target = DenseConfig(
         vocab_size=len(vocab.tokens),
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
@@ -119,19 +189,25 @@ def make_tiny(out_dir: str | Path, spec: TinySpec = TinySpec(), weight_type: str
         num_heads=spec.num_heads,
         num_kv_heads=spec.num_kv_heads,
         head_dim=spec.head_dim,
+        rms_norm_eps=1e-6,
         max_context=spec.max_context,
+        tie_word_embeddings=spec.tie_embeddings,
+        qk_norm=arch == "qwen3",
+        attention_bias=arch == "qwen2",
+        architecture=arch,
     )
-    weights = {
-        "token_embd.weight": rng.standard_normal((target.vocab_size, target.hidden_size)).astype(np.float32),
-        "output_norm.weight": np.ones(target.hidden_size, np.float32),
-        "output.weight": (rng.standard_normal((target.vocab_size, target.hidden_size)) * 0.2).astype(np.float32),
+    state = {
+        "embed_tokens.weight": rng.standard_normal((target.vocab_size, target.hidden_size)).astype(np.float32),
+        "norm.weight": np.ones(target.hidden_size, np.float32),
     }
-    gguf_names = {dst: src for src, dst in QWEN3_LAYER_NAMES.items()}
+    if not spec.tie_embeddings:
+        state["lm_head.weight"] = (rng.standard_normal((target.vocab_size, target.hidden_size)) * 0.2).astype(np.float32)
     for i in range(target.num_layers):
-        for name, array in _matrices(target, target.hidden_size, rng, spec.weight_scale).items():
-            weights[f"blk.{i}.{gguf_names[name]}.weight"] = array
+        layer = _matrices(target, target.hidden_size, rng, spec.weight_scale, target.qk_norm, target.attention_bias)
+        state.update((f"layers.{i}.{name}", array) for name, array in layer.items())
     target_path = out / TARGET_FILE
-    write_target_gguf(target_path, target, weights, vocab, weight_type)
+    pre = "llama-bpe" if arch == "llama" else "qwen2"
+    write_target_gguf(target_path, target, gguf_weights(target, state), vocab, weight_type, tokenizer_pre=pre)
 
     draft = DFlashConfig(
         hidden_size=spec.hidden_size,
@@ -152,7 +228,7 @@ def make_tiny(out_dir: str | Path, spec: TinySpec = TinySpec(), weight_type: str
     }
     for i in range(draft.num_layers):
         for name, array in _matrices(draft, spec.hidden_size, rng, spec.weight_scale).items():
-            tensors[f"layers.{i}.{name}.weight"] = array
+            tensors[f"layers.{i}.{name}"] = array
     draft_dir = out / DRAFT_DIR
     draft_dir.mkdir(exist_ok=True)
     save_file(tensors, str(draft_dir / "model.safetensors"))

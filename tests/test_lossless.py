@@ -55,10 +55,9 @@ def system(module_services, tiny_pair, tmp_path_factory):
     dflash = s.start("dflash", "draft", "--model", str(tiny_pair.draft), "--target-model", str(tiny_pair.target))
     gw_replay = s.start("gw-replay", "gateway", "--target", target, "--draft", replay)
     gw_dflash = s.start("gw-dflash", "gateway", "--target", target, "--draft", dflash)
-    from splitspec.models.loader import qwen3_config_from_gguf
-    from splitspec.models.gguf_file import GGUFFile
+    from splitspec.models.loader import read_target_config
 
-    cases = _cases(qwen3_config_from_gguf(GGUFFile(tiny_pair.target)).vocab_size)
+    cases = _cases(read_target_config(tiny_pair.target).vocab_size)
     references = [generate(gw_replay, speculation=Spec(mode=Spec.OFF), **case) for case in cases]
     with table.open("w") as f:
         for case, ref in zip(cases, references):

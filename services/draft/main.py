@@ -13,8 +13,8 @@ logger = logging.getLogger(__name__)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="", help="DFlash draft directory (config.json + model.safetensors)")
-    p.add_argument("--target-model", required=True, help="the target's GGUF file: its embedding and LM head are read from it")
+    p.add_argument("--model", default="", help="DFlash draft: a z-lab directory (config.json + model.safetensors), its GGUF conversion, or hf://...")
+    p.add_argument("--target-model", required=True, help="the target model (GGUF, directory or hf://...): its embedding and LM head are read from it")
     p.add_argument("--listen", default="127.0.0.1:50053", help="address to serve on (host:port or unix:PATH)")
     p.add_argument("--device", default="cpu", help="cpu or cuda:N")
     p.add_argument("--dtype", default="auto", help="auto (bfloat16 on GPU, float32 on CPU), float32, float16, bfloat16")
@@ -33,8 +33,7 @@ async def run(args: argparse.Namespace) -> None:
     import torch
 
     from splitspec.devices import resolve_device, resolve_dtype
-    from splitspec.models.gguf_file import GGUFFile, ModelFileError
-    from splitspec.models.loader import load_dflash_draft, load_target_head, qwen3_config_from_gguf
+    from splitspec.models.loader import check_draft_fits, load_dflash_draft, load_target_head, read_target_config
     from splitspec.v1 import common_pb2, draft_pb2_grpc
     from splitspec.services.draft.engine import DraftEngine
     from splitspec.services.draft.replay import ReplayDrafter, ReplayTable
@@ -45,7 +44,7 @@ async def run(args: argparse.Namespace) -> None:
     if bool(args.model) == bool(args.replay):
         raise ValueError("give exactly one of --model (a DFlash draft) or --replay (benchmark/test only)")
     if args.replay:
-        target_config = qwen3_config_from_gguf(GGUFFile(args.target_model))
+        target_config = read_target_config(args.target_model)
         engine = ReplayDrafter(ReplayTable(args.replay), target_config.vocab_size, corruption=args.replay_corruption)
         logger.warning("REPLAY drafter (benchmark/test only): %s, corruption %.2f", args.replay, args.replay_corruption)
         dtype, device = "n/a", "cpu"
@@ -53,19 +52,17 @@ async def run(args: argparse.Namespace) -> None:
         device = resolve_device(args.device)
         dtype = resolve_dtype(args.dtype, device)
         t0 = time.perf_counter()
-        model, config = load_dflash_draft(args.model, device, dtype)
+        target_config = read_target_config(args.target_model)
+        model, config = load_dflash_draft(args.model, device, dtype, num_target_layers=target_config.num_layers)
+        check_draft_fits(config, target_config, str(args.model), str(args.target_model))
         embed, head, target_config = load_target_head(args.target_model, device, dtype)
-        if config.hidden_size != target_config.hidden_size:
-            raise ModelFileError(f"{args.model}: draft hidden_size {config.hidden_size} != target hidden_size {target_config.hidden_size}")
-        if not 0 <= config.mask_token_id < target_config.vocab_size:
-            raise ModelFileError(f"{args.model}: mask_token_id {config.mask_token_id} outside the target vocabulary of {target_config.vocab_size}")
         logger.info(
             "loaded draft %s: %d layers, block %d, taps %s, on %s in %.1f s",
             args.model, config.num_layers, config.block_size, list(config.target_layer_ids), device, time.perf_counter() - t0,
         )
         engine = DraftEngine(model, embed, head, max_sequences=args.max_sequences)
     geometry = common_pb2.ModelGeometry(
-        architecture="qwen3", vocab_size=target_config.vocab_size, hidden_size=target_config.hidden_size,
+        architecture=target_config.architecture, vocab_size=target_config.vocab_size, hidden_size=target_config.hidden_size,
         num_layers=target_config.num_layers, max_context=target_config.max_context,
         dtype=str(dtype).removeprefix("torch."), device=str(device), path=str(args.target_model),
     )

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from splitspec.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
-from splitspec.models.qwen3 import KVCache, Qwen3Config, Qwen3ForCausalLM
+from splitspec.models.dense import DenseConfig, DenseForCausalLM, KVCache
 from splitspec.spec.acceptance import accept_path, compact_rows
 from splitspec.spec.sampling import SamplingParams, draw_tokens
 from splitspec.spec.tree import node_depths, tree_attention_mask, validate_tree
@@ -62,9 +62,9 @@ class VerifyResult:
 
 
 class TargetEngine:
-    def __init__(self, model: Qwen3ForCausalLM, limits: TargetLimits | None = None) -> None:
+    def __init__(self, model: DenseForCausalLM, limits: TargetLimits | None = None) -> None:
         self.model = model
-        self.config: Qwen3Config = model.config
+        self.config: DenseConfig = model.config
         self.limits = limits or TargetLimits()
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype

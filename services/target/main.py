@@ -13,7 +13,11 @@ logger = logging.getLogger(__name__)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="target model: a GGUF file (architecture qwen3)")
+    p.add_argument(
+        "--model", required=True,
+        help="target model: a GGUF file (llama, qwen2, qwen3; a split GGUF by any part), a Hugging Face directory "
+        "(config.json + safetensors), or hf://OWNER/REPO[/FILE.gguf] resolved through the Hugging Face cache",
+    )
     p.add_argument("--listen", default="127.0.0.1:50052", help="address to serve on (host:port or unix:PATH)")
     p.add_argument("--device", default="cpu", help="cpu or cuda:N (ROCm builds of torch answer to cuda:N too)")
     p.add_argument("--dtype", default="auto", help="compute dtype: auto (bfloat16 on GPU, float32 on CPU), float32, float16, bfloat16, float64")
@@ -28,6 +32,7 @@ async def run(args: argparse.Namespace) -> None:
     import torch
 
     from splitspec.devices import backend_name, resolve_device, resolve_dtype
+    from splitspec.hub import resolve_model
     from splitspec.models.loader import load_target
     from splitspec.tokenizer import Tokenizer
     from splitspec.v1 import common_pb2, target_pb2_grpc
@@ -39,8 +44,9 @@ async def run(args: argparse.Namespace) -> None:
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     t0 = time.perf_counter()
-    model, config = load_target(args.model, device, dtype)
-    tokenizer = Tokenizer.load(args.model)
+    path = resolve_model(args.model)
+    model, config = load_target(path, device, dtype)
+    tokenizer = Tokenizer.load(path)
     logger.info(
         "loaded target %s: %d layers, hidden %d, vocab %d, on %s (%s, %s) in %.1f s",
         args.model, config.num_layers, config.hidden_size, config.vocab_size, device, backend_name(device),
@@ -49,11 +55,12 @@ async def run(args: argparse.Namespace) -> None:
     limits = TargetLimits(max_sequences=args.max_sequences, max_kv_tokens=args.max_kv_tokens, max_tree_nodes=args.max_tree_nodes)
     engine = TargetEngine(model, limits)
     geometry = common_pb2.ModelGeometry(
-        architecture="qwen3", vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+        architecture=config.architecture, vocab_size=config.vocab_size, hidden_size=config.hidden_size,
         num_layers=config.num_layers, max_context=config.max_context,
         dtype=str(dtype).removeprefix("torch."), device=str(device), path=str(args.model),
     )
-    servicer = TargetServicer(engine, TargetDescription(geometry, list(tokenizer.eos_token_ids), str(args.model)))
+    # The gateway reads the tokenizer from the resolved local path (the same host's Hub cache).
+    servicer = TargetServicer(engine, TargetDescription(geometry, list(tokenizer.eos_token_ids), str(path)))
     server, health, _ = rpc.create_server(
         "target", [lambda s: target_pb2_grpc.add_TargetWorkerServicer_to_server(servicer, s)], [SERVICE], args.listen
     )

@@ -1,65 +1,244 @@
 """Load targets and drafts from their on-disk formats into PyTorch modules.
 
-Target: GGUF (architecture ``qwen3``). Draft: the z-lab DFlash layout (``config.json`` +
-``model.safetensors``). The draft has no embedding or LM head of its own; it borrows the
-target's, read here from the target file (``load_target_head``).
+Targets (the dense family of ``models.dense``: Llama, Qwen2, Qwen3) come from a GGUF file (split
+or not; architectures ``llama``, ``qwen2``, ``qwen3``) or a Hugging Face directory (``config.json``
++ safetensors; ``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``). Drafts come from
+the z-lab DFlash directory layout or its GGUF conversion. The draft has no embedding or LM head of
+its own; it borrows the target's, read here from the target (``load_target_head``).
+
+Every path may also be a Hub reference (``hf://...``, see ``splitspec.hub``). A file that does
+not fit raises ``ModelFileError`` naming the file and the offending key or tensor.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
-from safetensors import SafetensorError
-from safetensors.numpy import load_file
 from tqdm import tqdm
 
-from splitspec.models.dflash import DFlashConfig, DFlashDraft
+from splitspec.hub import resolve_model
+from splitspec.models.dense import DenseConfig, DenseForCausalLM
+from splitspec.models.dflash import DFlashConfig, DFlashDraft, default_target_layer_ids
 from splitspec.models.gguf_file import GGUFFile, ModelFileError
-from splitspec.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
+from splitspec.models.hf_dir import HFDirectory
+from splitspec.models.layers import llama3_freq_factors
 
 logger = logging.getLogger(__name__)
 
-# GGUF tensor name -> module parameter name, for the dense Qwen3 family (llama.cpp naming).
-QWEN3_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
+# GGUF tensor name -> module parameter name inside one decoder layer (llama.cpp naming).
+GGUF_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
 }
-SUPPORTED_TARGET_ARCHS = ("qwen3",)
+GGUF_GLOBAL_NAMES = {"token_embd.weight": "embed_tokens.weight", "output_norm.weight": "norm.weight", "output.weight": "lm_head.weight"}
+SUPPORTED_TARGET_ARCHS = ("llama", "qwen2", "qwen3")
+HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+# Tensors a checkpoint may carry that the model recomputes.
+_IGNORED_HF_TENSORS = ("rotary_emb.inv_freq",)
 
 
-def qwen3_config_from_gguf(f: GGUFFile) -> Qwen3Config:
+class _Source(Protocol):
+    """A target checkpoint: its config, and its tensors by the names the model's parameters map to."""
+
+    config: DenseConfig
+    where: Path  # the file or directory, for messages
+
+    def names(self, model_names: Iterable[str]) -> dict[str, str]:
+        """Module parameter name -> checkpoint tensor name."""
+
+    def load(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """A checkpoint tensor in the model's layout, checked against ``shape``."""
+
+    def tensor_names(self) -> list[str]:
+        """Every tensor the checkpoint holds that the model must consume."""
+
+
+# ---------------------------------------------------------------------------------------------- GGUF
+
+
+def _unpermute_rows(w: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation for its interleaved RoPE.
+
+    llama.cpp's converter stores each head's rows as (pair index, half) instead of (half, pair
+    index), so that adjacent rows form rotation pairs; rotate-half RoPE wants the halves apart.
+    """
+    per_head = w.shape[0] // heads
+    return w.reshape(heads, per_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+class _GGUFSource:
+    def __init__(self, f: GGUFFile) -> None:
+        self.file, self.where = f, f.path
+        self.config = dense_config_from_gguf(f)
+
+    def names(self, model_names):
+        reverse = {v: k for k, v in GGUF_GLOBAL_NAMES.items()}
+        layer_reverse = {v: k for k, v in GGUF_LAYER_NAMES.items()}
+        out = {}
+        for name in model_names:
+            if name in reverse:
+                out[name] = reverse[name]
+            else:
+                _, i, rest = name.split(".", 2)  # layers.{i}.{rest}
+                out[name] = f"blk.{i}.{layer_reverse[rest]}"
+        return out
+
+    def load(self, name, shape):
+        array = self.file.tensor(name, shape)
+        c = self.config
+        if c.architecture == "llama" and (".attn_q." in name or ".attn_k." in name):
+            array = _unpermute_rows(array, c.num_heads if ".attn_q." in name else c.num_kv_heads)
+        return torch.from_numpy(array)
+
+    def tensor_names(self):
+        return [n for n in self.file.tensor_names() if n != "rope_freqs.weight"]
+
+
+def dense_config_from_gguf(f: GGUFFile) -> DenseConfig:
     arch = f.architecture
     if arch not in SUPPORTED_TARGET_ARCHS:
         raise ModelFileError(f"{f.path}: unsupported architecture {arch!r} (supported: {', '.join(SUPPORTED_TARGET_ARCHS)})")
     vocab_size, hidden = f.tensor_shape("token_embd.weight")
     heads = int(f.get(f"{arch}.attention.head_count"))
-    return Qwen3Config(
+    head_dim = int(f.get(f"{arch}.attention.key_length", hidden // heads))
+    return DenseConfig(
         vocab_size=vocab_size,
         hidden_size=int(f.get(f"{arch}.embedding_length")),
         intermediate_size=int(f.get(f"{arch}.feed_forward_length")),
         num_layers=int(f.get(f"{arch}.block_count")),
         num_heads=heads,
         num_kv_heads=int(f.get(f"{arch}.attention.head_count_kv", heads)),
-        head_dim=int(f.get(f"{arch}.attention.key_length", hidden // heads)),
-        rope_theta=float(f.get(f"{arch}.rope.freq_base", 1_000_000.0)),
-        rms_norm_eps=float(f.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
-        max_context=int(f.get(f"{arch}.context_length", 40960)),
+        head_dim=head_dim,
+        rope_theta=float(f.get(f"{arch}.rope.freq_base", 10_000.0)),
+        rms_norm_eps=float(f.get(f"{arch}.attention.layer_norm_rms_epsilon")),
+        max_context=int(f.get(f"{arch}.context_length")),
         tie_word_embeddings=not f.has_tensor("output.weight"),
+        qk_norm=arch == "qwen3",
+        attention_bias=f.has_tensor("blk.0.attn_q.bias"),
+        rope_freq_factors=_gguf_rope_factors(f, arch, head_dim),
+        architecture=arch,
     )
+
+
+def _gguf_rope_factors(f: GGUFFile, arch: str, head_dim: int) -> tuple[float, ...] | None:
+    """RoPE scaling: a ``rope_freqs`` tensor (how llama.cpp stores Llama 3.1 scaling) and/or
+    ``rope.scaling.type`` = linear with ``rope.scaling.factor``."""
+    factors = np.ones(head_dim // 2, np.float64)
+    scaled = False
+    if f.has_tensor("rope_freqs.weight"):
+        factors *= f.tensor("rope_freqs.weight", (head_dim // 2,))
+        scaled = True
+    kind = f.get(f"{arch}.rope.scaling.type", "none")
+    if kind == "linear":
+        factors *= float(f.get(f"{arch}.rope.scaling.factor"))
+        scaled = True
+    elif kind != "none":
+        raise ModelFileError(f"{f.path}: {arch}.rope.scaling.type {kind!r} is not supported (supported: none, linear)")
+    return tuple(float(x) for x in factors) if scaled else None
+
+
+# -------------------------------------------------------------------------------- Hugging Face dirs
+
+
+class _HFSource:
+    def __init__(self, d: HFDirectory) -> None:
+        self.dir, self.where = d, d.path
+        self.config = dense_config_from_hf(d)
+
+    def names(self, model_names):
+        return {name: name if name == "lm_head.weight" else f"model.{name}" for name in model_names}
+
+    def load(self, name, shape):
+        return self.dir.tensor(name, shape)
+
+    def tensor_names(self):
+        return [n for n in self.dir.tensor_names() if not n.endswith(_IGNORED_HF_TENSORS)]
+
+
+def dense_config_from_hf(d: HFDirectory) -> DenseConfig:
+    architectures = d.get("architectures")
+    known = [HF_ARCHITECTURES[a] for a in architectures or () if a in HF_ARCHITECTURES]
+    if not known:
+        raise ModelFileError(
+            f"{d.config_path}: unsupported architectures {architectures} (supported: {', '.join(HF_ARCHITECTURES)})"
+        )
+    arch = known[0]
+    heads = int(d.get("num_attention_heads"))
+    hidden = int(d.get("hidden_size"))
+    head_dim = int(d.get("head_dim", None) or hidden // heads)
+    # Qwen2 always has q/k/v biases; elsewhere `attention_bias` also puts one on o_proj, unsupported.
+    if arch != "qwen2" and d.get("attention_bias", False):
+        raise ModelFileError(f"{d.config_path}: attention_bias = true (a bias on o_proj) is not supported for {arch}")
+    # transformers 5 writes `rope_parameters` (theta included); older configs `rope_theta` + `rope_scaling`.
+    rope = d.get("rope_parameters", None) or d.get("rope_scaling", None) or {}
+    theta = float(d.get("rope_theta", None) or rope.get("rope_theta", 10_000.0))
+    return DenseConfig(
+        vocab_size=int(d.get("vocab_size")),
+        hidden_size=hidden,
+        intermediate_size=int(d.get("intermediate_size")),
+        num_layers=int(d.get("num_hidden_layers")),
+        num_heads=heads,
+        num_kv_heads=int(d.get("num_key_value_heads", heads)),
+        head_dim=head_dim,
+        rope_theta=theta,
+        rms_norm_eps=float(d.get("rms_norm_eps")),
+        max_context=int(d.get("max_position_embeddings")),
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+        qk_norm=arch == "qwen3",
+        attention_bias=arch == "qwen2",
+        rope_freq_factors=_hf_rope_factors(d, rope, head_dim, theta),
+        architecture=arch,
+    )
+
+
+def _hf_rope_factors(d: HFDirectory, rope: dict, head_dim: int, theta: float) -> tuple[float, ...] | None:
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind == "default":
+        return None
+    if kind == "linear":
+        return (float(rope["factor"]),) * (head_dim // 2)
+    if kind == "llama3":
+        try:
+            return tuple(llama3_freq_factors(
+                head_dim, theta, float(rope["factor"]), float(rope["low_freq_factor"]), float(rope["high_freq_factor"]),
+                int(rope["original_max_position_embeddings"]),
+            ))
+        except KeyError as exc:
+            raise ModelFileError(f"{d.config_path}: llama3 RoPE scaling is missing key {exc.args[0]!r}") from exc
+    raise ModelFileError(f"{d.config_path}: RoPE scaling type {kind!r} is not supported (supported: default, linear, llama3)")
+
+
+# ------------------------------------------------------------------------------------------ targets
+
+
+def _open_target(path: str | os.PathLike) -> _Source:
+    local = resolve_model(path)
+    if local.is_dir():
+        return _HFSource(HFDirectory(local))
+    return _GGUFSource(GGUFFile(local))
+
+
+def read_target_config(path: str | os.PathLike) -> DenseConfig:
+    """The geometry of a target checkpoint, without reading its weights."""
+    return _open_target(path).config
 
 
 def _progress(items: list, desc: str):
@@ -69,21 +248,21 @@ def _progress(items: list, desc: str):
 
 def load_target(
     path: str | os.PathLike, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
-) -> tuple[Qwen3ForCausalLM, Qwen3Config]:
-    f = GGUFFile(path)
-    config = qwen3_config_from_gguf(f)
+) -> tuple[DenseForCausalLM, DenseConfig]:
+    source = _open_target(path)
+    config = source.config
     with torch.device("meta"):
-        model = Qwen3ForCausalLM(config)
+        model = DenseForCausalLM(config)
     expected = {name: tuple(p.shape) for name, p in model.named_parameters()}
-    names = {"token_embd.weight": "embed_tokens.weight", "output_norm.weight": "norm.weight"}
-    if not config.tie_word_embeddings:
-        names["output.weight"] = "lm_head.weight"
-    for i in range(config.num_layers):
-        for src, dst in QWEN3_LAYER_NAMES.items():
-            names[f"blk.{i}.{src}.weight"] = f"layers.{i}.{dst}.weight"
+    if config.tie_word_embeddings:
+        del expected["lm_head.weight"]
+    names = source.names(expected)
+    unexpected = sorted(set(source.tensor_names()) - set(names.values()))
+    if unexpected:
+        raise ModelFileError(f"{source.where}: unexpected tensor {unexpected[0]!r} for a {config.architecture} model")
     state = {}
-    for src, dst in _progress(list(names.items()), f"loading {f.path.name}"):
-        state[dst] = torch.from_numpy(f.tensor(src, expected[dst])).to(device=device, dtype=dtype)
+    for dst, src in _progress(list(names.items()), f"loading {source.where.name}"):
+        state[dst] = source.load(src, expected[dst]).to(device=device, dtype=dtype)
     if config.tie_word_embeddings:
         state["lm_head.weight"] = state["embed_tokens.weight"]
     model.load_state_dict(state, assign=True, strict=True)
@@ -92,38 +271,117 @@ def load_target(
 
 def load_target_head(
     path: str | os.PathLike, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
-) -> tuple[torch.Tensor, torch.Tensor, Qwen3Config]:
+) -> tuple[torch.Tensor, torch.Tensor, DenseConfig]:
     """The target's token embedding [vocab, hidden] and LM head [vocab, hidden], for the draft."""
-    f = GGUFFile(path)
-    config = qwen3_config_from_gguf(f)
-    embed = torch.from_numpy(f.tensor("token_embd.weight")).to(device=device, dtype=dtype)
-    head = embed if config.tie_word_embeddings else torch.from_numpy(f.tensor("output.weight")).to(device=device, dtype=dtype)
+    source = _open_target(path)
+    config = source.config
+    shape = (config.vocab_size, config.hidden_size)
+    wanted = ["embed_tokens.weight"] + ([] if config.tie_word_embeddings else ["lm_head.weight"])
+    names = source.names(wanted)
+    embed = source.load(names["embed_tokens.weight"], shape).to(device=device, dtype=dtype)
+    head = embed if config.tie_word_embeddings else source.load(names["lm_head.weight"], shape).to(device=device, dtype=dtype)
     return embed, head, config
 
 
+# ------------------------------------------------------------------------------------------- drafts
+
+# GGUF draft tensor name -> DFlash module name (the lucebox conversion of the z-lab layout).
+GGUF_DRAFT_GLOBAL_NAMES = {"dflash.fc.weight": "fc.weight", "dflash.hidden_norm.weight": "hidden_norm.weight", "output_norm.weight": "norm.weight"}
+
+
 def load_dflash_draft(
-    directory: str | os.PathLike, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+    path: str | os.PathLike,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    num_target_layers: int | None = None,
 ) -> tuple[DFlashDraft, DFlashConfig]:
-    directory = Path(directory)
-    config_path, weights_path = directory / "config.json", directory / "model.safetensors"
-    try:
-        raw = json.loads(config_path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ModelFileError(f"{config_path}: cannot read draft config ({exc})") from exc
-    config = DFlashConfig.from_dict(raw, source=str(config_path))
-    try:
-        tensors = load_file(str(weights_path))
-    except (OSError, SafetensorError) as exc:
-        raise ModelFileError(f"{weights_path}: cannot read draft weights ({exc})") from exc
+    """A DFlash draft from a z-lab directory (``config.json`` + ``model.safetensors``) or a GGUF
+    file. ``num_target_layers`` picks the default taps when the file does not list them."""
+    local = resolve_model(path)
+    if local.is_dir():
+        d = HFDirectory(local)
+        try:
+            config = DFlashConfig.from_dict(d.config, source=str(d.config_path))
+        except ValueError as exc:
+            raise ModelFileError(str(exc)) from exc
+        names = {name: name for name in _draft_param_names(config)}
+        read = d.tensor
+        where, available = d.path, d.tensor_names()
+    else:
+        f = GGUFFile(local)
+        config = dflash_config_from_gguf(f, num_target_layers)
+        reverse = {v: k for k, v in GGUF_DRAFT_GLOBAL_NAMES.items()}
+        layer_reverse = {v: k for k, v in GGUF_LAYER_NAMES.items()}
+        names = {}
+        for name in _draft_param_names(config):
+            if name in reverse:
+                names[name] = reverse[name]
+            else:
+                _, i, rest = name.split(".", 2)
+                names[name] = f"blk.{i}.{layer_reverse[rest]}"
+
+        def read(name, shape):
+            return torch.from_numpy(f.tensor(name, shape))
+
+        where, available = f.path, f.tensor_names()
     with torch.device("meta"):
         model = DFlashDraft(config)
-    state = {}
-    for name, param in model.named_parameters():
-        if name not in tensors:
-            raise ModelFileError(f"{weights_path}: missing tensor {name!r}")
-        array = tensors[name]
-        if tuple(array.shape) != tuple(param.shape):
-            raise ModelFileError(f"{weights_path}: tensor {name!r} has shape {array.shape}, expected {tuple(param.shape)}")
-        state[name] = torch.from_numpy(np.ascontiguousarray(array)).to(device=device, dtype=dtype)
+    expected = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    unexpected = sorted(set(available) - set(names.values()))
+    if unexpected:
+        raise ModelFileError(f"{where}: unexpected tensor {unexpected[0]!r} for a DFlash draft")
+    state = {name: read(src, expected[name]).to(device=device, dtype=dtype) for name, src in names.items()}
     model.load_state_dict(state, assign=True, strict=True)
     return model.eval(), config
+
+
+def _draft_param_names(config: DFlashConfig) -> list[str]:
+    with torch.device("meta"):
+        return [name for name, _ in DFlashDraft(config).named_parameters()]
+
+
+def dflash_config_from_gguf(f: GGUFFile, num_target_layers: int | None) -> DFlashConfig:
+    arch = f.architecture
+    if not f.has_tensor("dflash.fc.weight"):
+        raise ModelFileError(f"{f.path}: architecture {arch!r} is not a DFlash draft (no tensor 'dflash.fc.weight')")
+    hidden = int(f.get(f"{arch}.embedding_length"))
+    heads = int(f.get(f"{arch}.attention.head_count"))
+    num_layers = int(f.get(f"{arch}.block_count"))
+    taps = f.get(f"{arch}.dflash.target_layer_ids", None)
+    if taps is None:
+        fc_in = f.tensor_shape("dflash.fc.weight")[1]
+        num_taps = int(f.get(f"{arch}.dflash.n_target_layers", fc_in // hidden))
+        if num_target_layers is None:
+            raise ModelFileError(f"{f.path}: no {arch}.dflash.target_layer_ids and the target's layer count is unknown")
+        taps = default_target_layer_ids(num_target_layers, num_taps)
+    vocab = f.get(f"{arch}.vocab_size", None)
+    return DFlashConfig(
+        hidden_size=hidden,
+        intermediate_size=int(f.get(f"{arch}.feed_forward_length")),
+        num_layers=num_layers,
+        num_heads=heads,
+        num_kv_heads=int(f.get(f"{arch}.attention.head_count_kv", heads)),
+        head_dim=int(f.get(f"{arch}.attention.key_length", hidden // heads)),
+        block_size=int(f.get(f"{arch}.dflash.block_size")),
+        mask_token_id=int(f.get(f"{arch}.dflash.mask_token_id")),
+        target_layer_ids=tuple(int(t) for t in taps),
+        rms_norm_eps=float(f.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(f.get(f"{arch}.rope.freq_base", 1_000_000.0)),
+        vocab_size=None if vocab is None else int(vocab),
+    )
+
+
+def check_draft_fits(draft: DFlashConfig, target: DenseConfig, draft_path: str, target_path: str) -> None:
+    """Refuse a draft built for another target, naming every mismatch."""
+    problems = []
+    if draft.hidden_size != target.hidden_size:
+        problems.append(f"hidden_size {draft.hidden_size} (draft) vs {target.hidden_size} (target)")
+    if draft.vocab_size is not None and draft.vocab_size != target.vocab_size:
+        problems.append(f"vocab_size {draft.vocab_size} (draft) vs {target.vocab_size} (target)")
+    if not 0 <= draft.mask_token_id < target.vocab_size:
+        problems.append(f"mask_token_id {draft.mask_token_id} outside the target vocabulary of {target.vocab_size}")
+    bad = [t for t in draft.target_layer_ids if not 0 <= t < target.num_layers]
+    if bad:
+        problems.append(f"target_layer_ids {bad} outside the target's {target.num_layers} layers")
+    if problems:
+        raise ModelFileError(f"{draft_path}: draft does not fit target {target_path}: " + "; ".join(problems))

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from splitspec.models.loader import load_target
-from splitspec.models.qwen3 import KVCache
+from splitspec.models.dense import KVCache
 from splitspec.tiny import TinySpec, make_tiny
 
 transformers = pytest.importorskip("transformers")

@@ -8,7 +8,7 @@ import torch
 
 from splitspec.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from splitspec.models.loader import load_target
-from splitspec.models.qwen3 import KVCache
+from splitspec.models.dense import KVCache
 from splitspec.services.target.engine import TargetEngine, TargetLimits
 from splitspec.spec.sampling import SamplingParams
 from splitspec.spec.tree import build_ddtree
