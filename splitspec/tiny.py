@@ -141,12 +141,14 @@ def write_target_gguf(
     *,
     tokenizer_pre: str = "qwen2",
     rope_scaling_factor: float | None = None,
+    split_max_tensors: int = 0,
 ) -> None:
     """Write a GGUF of ``config.architecture``. ``weights`` uses GGUF tensor names (llama.cpp's layout);
     ``weight_type`` names a type or is an :data:`Encoder` choosing one per tensor.
-    ``rope_scaling_factor`` writes linear RoPE scaling metadata."""
+    ``rope_scaling_factor`` writes linear RoPE scaling metadata; ``split_max_tensors`` > 0 splits the
+    file into parts ``NAME-00001-of-0000N.gguf`` of at most that many tensors, as llama.cpp's gguf-split does."""
     encode = encoder(weight_type) if isinstance(weight_type, str) else weight_type
-    writer = GGUFWriter(str(path), config.architecture)
+    writer = GGUFWriter(str(path), config.architecture, split_max_tensors=split_max_tensors)
     writer.add_name("splitspec-tiny")
     writer.add_block_count(config.num_layers)
     writer.add_context_length(config.max_context)
@@ -155,6 +157,7 @@ def write_target_gguf(
     writer.add_head_count(config.num_heads)
     writer.add_head_count_kv(config.num_kv_heads)
     writer.add_key_length(config.head_dim)
+    writer.add_rope_dimension_count(config.head_dim)
     writer.add_value_length(config.head_dim)
     writer.add_rope_freq_base(config.rope_theta)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)

@@ -187,6 +187,9 @@ def dense_config_from_hf(d: HFDirectory) -> DenseConfig:
     # Qwen2 always has q/k/v biases; elsewhere `attention_bias` also puts one on o_proj, unsupported.
     if arch != "qwen2" and d.get("attention_bias", False):
         raise ModelFileError(f"{d.config_path}: attention_bias = true (a bias on o_proj) is not supported for {arch}")
+    for flag in ("mlp_bias", "use_sliding_window"):
+        if d.get(flag, False):
+            raise ModelFileError(f"{d.config_path}: {flag} = true is not supported")
     # transformers 5 writes `rope_parameters` (theta included); older configs `rope_theta` + `rope_scaling`.
     rope = d.get("rope_parameters", None) or d.get("rope_scaling", None) or {}
     theta = float(d.get("rope_theta", None) or rope.get("rope_theta", 10_000.0))
