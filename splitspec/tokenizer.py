@@ -97,6 +97,8 @@ class Tokenizer:
     that ``decode(..., skip_special_tokens=True)`` leaves out.
     """
 
+    NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
+
     def __init__(
         self,
         backend: tokenizers.Tokenizer,
@@ -105,12 +107,15 @@ class Tokenizer:
         bos_token_id: int | None = None,
         eos_token_ids: Sequence[int] = (),
         chat_template: str | None = None,
+        special_tokens: dict[str, str] | None = None,
     ) -> None:
         self._backend = backend
         self.vocab_size = vocab_size
         self.bos_token_id = bos_token_id
         self.eos_token_ids = tuple(dict.fromkeys(eos_token_ids))
         self.chat_template = chat_template
+        # Named special tokens as chat templates see them: bos_token, eos_token, unk_token, pad_token.
+        self.special_tokens = dict(special_tokens or {})
         self.special_ids = frozenset(i for i, t in backend.get_added_tokens_decoder().items() if t.special)
 
     @classmethod
@@ -132,9 +137,12 @@ class Tokenizer:
         config = _read_json(path.with_name("tokenizer_config.json"))
         generation = _read_json(path.with_name("generation_config.json"))
 
+        def content(value: str | dict | None) -> str | None:
+            return value.get("content") if isinstance(value, dict) else value
+
         def token_id(value: str | dict | None) -> int | None:
-            content = value.get("content") if isinstance(value, dict) else value
-            return backend.token_to_id(content) if content else None
+            text = content(value)
+            return backend.token_to_id(text) if text else None
 
         eos = [token_id(config.get("eos_token"))]
         extra = generation.get("eos_token_id")
@@ -149,6 +157,7 @@ class Tokenizer:
             bos_token_id=token_id(config.get("bos_token")),
             eos_token_ids=[i for i in eos if i is not None],
             chat_template=template if isinstance(template, str) else None,
+            special_tokens={k: content(config[k]) for k in cls.NAMED_SPECIAL_TOKENS if content(config.get(k))},
         )
 
     @classmethod
@@ -208,12 +217,15 @@ class Tokenizer:
             single = ([tokens[bos]] if add_bos else []) + ["$A"] + ([tokens[eos]] if add_eos else [])
             specials = [(tokens[i], i) for flag, i in ((add_bos, bos), (add_eos, eos)) if flag]
             backend.post_processor = processors.TemplateProcessing(single=single, special_tokens=specials)
+        pad = get("tokenizer.ggml.padding_token_id")
+        named_ids = zip(cls.NAMED_SPECIAL_TOKENS, (bos, eos, unk, pad))
         return cls(
             backend,
             vocab_size=len(tokens),
             bos_token_id=bos,
             eos_token_ids=[i for i in (eos, get("tokenizer.ggml.eot_token_id")) if i is not None],
             chat_template=get("tokenizer.chat_template"),
+            special_tokens={name: tokens[i] for name, i in named_ids if i is not None and 0 <= i < len(tokens)},
         )
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:

@@ -137,7 +137,10 @@ def sentencepiece_vocab(text: str, num_chars: int, num_merges: int) -> tuple[lis
     return tokens, scores, types
 
 
-def _sentencepiece_gguf(path) -> str:
+SPM_TEMPLATE = "{% for m in messages %}{{ bos_token }}[{{ m['role'] }}] {{ m['content'] }}{{ eos_token }}{% endfor %}"
+
+
+def _sentencepiece_gguf(path, chat_template: str = SPM_TEMPLATE) -> str:
     training = "".join(mixed_text(seed=1, size=20_000))
     tokens, scores, types = sentencepiece_vocab(training, num_chars=120, num_merges=300)
 
@@ -150,7 +153,7 @@ def _sentencepiece_gguf(path) -> str:
         writer.add_bos_token_id(1)
         writer.add_eos_token_id(2)
         writer.add_add_bos_token(True)
-        writer.add_chat_template("{% for m in messages %}{{ bos_token }}[{{ m['role'] }}] {{ m['content'] }}{{ eos_token }}{% endfor %}")
+        writer.add_chat_template(chat_template)
 
     return _write(path, "llama", metadata)
 

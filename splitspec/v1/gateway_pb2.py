@@ -24,29 +24,33 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1asplitspec/v1/gateway.proto\x12\x0csplitspec.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xb1\x01\n\x0bSpeculation\x12,\n\x04mode\x18\x01 \x01(\x0e\x32\x1e.splitspec.v1.Speculation.Mode\x12\x0e\n\x06\x62udget\x18\x02 \x01(\x05\x12\x17\n\nchain_seed\x18\x03 \x01(\x08H\x00\x88\x01\x01\"<\n\x04Mode\x12\x14\n\x10MODE_UNSPECIFIED\x10\x00\x12\n\n\x06\x44\x44TREE\x10\x01\x12\t\n\x05\x43HAIN\x10\x02\x12\x07\n\x03OFF\x10\x03\x42\r\n\x0b_chain_seed\"\xa3\x02\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12(\n\x06tokens\x18\x02 \x01(\x0b\x32\x16.splitspec.v1.TokenIdsH\x00\x12\x12\n\nmax_tokens\x18\x03 \x01(\x05\x12\x13\n\x0btemperature\x18\x04 \x01(\x02\x12\x12\n\x05top_p\x18\x05 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x06 \x01(\x05\x12\x0c\n\x04seed\x18\x07 \x01(\x04\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x16\n\x0estop_token_ids\x18\t \x03(\x05\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12.\n\x0bspeculation\x18\x0b \x01(\x0b\x32\x19.splitspec.v1.SpeculationB\x08\n\x06promptB\x08\n\x06_top_p\"\x81\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\r\n\x05steps\x18\x03 \x01(\x05\x12\x1e\n\x16mean_acceptance_length\x18\x04 \x01(\x02\x12\x17\n\x0f\x64raft_fallbacks\x18\x05 \x01(\x05\"^\n\x05\x46inal\x12\x31\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1a.splitspec.v1.FinishReason\x12\"\n\x05usage\x18\x02 \x01(\x0b\x32\x13.splitspec.v1.Usage\"W\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\"\n\x05\x66inal\x18\x03 \x01(\x0b\x32\x13.splitspec.v1.Final*Y\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\n\n\x06LENGTH\x10\x01\x12\x08\n\x04STOP\x10\x02\x12\x07\n\x03\x45OS\x10\x03\x12\x0b\n\x07\x43ONTEXT\x10\x04\x32V\n\x07Gateway\x12K\n\x08Generate\x12\x1d.splitspec.v1.GenerateRequest\x1a\x1e.splitspec.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1asplitspec/v1/gateway.proto\x12\x0csplitspec.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"7\n\x08Messages\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.splitspec.v1.ChatMessage\"\xb1\x01\n\x0bSpeculation\x12,\n\x04mode\x18\x01 \x01(\x0e\x32\x1e.splitspec.v1.Speculation.Mode\x12\x0e\n\x06\x62udget\x18\x02 \x01(\x05\x12\x17\n\nchain_seed\x18\x03 \x01(\x08H\x00\x88\x01\x01\"<\n\x04Mode\x12\x14\n\x10MODE_UNSPECIFIED\x10\x00\x12\n\n\x06\x44\x44TREE\x10\x01\x12\t\n\x05\x43HAIN\x10\x02\x12\x07\n\x03OFF\x10\x03\x42\r\n\x0b_chain_seed\"\x8d\x03\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12(\n\x06tokens\x18\x02 \x01(\x0b\x32\x16.splitspec.v1.TokenIdsH\x00\x12*\n\x08messages\x18\x0c \x01(\x0b\x32\x16.splitspec.v1.MessagesH\x00\x12\x12\n\nmax_tokens\x18\x03 \x01(\x05\x12\x13\n\x0btemperature\x18\x04 \x01(\x02\x12\x12\n\x05top_p\x18\x05 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x06 \x01(\x05\x12\x0c\n\x04seed\x18\x07 \x01(\x04\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x16\n\x0estop_token_ids\x18\t \x03(\x05\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12.\n\x0bspeculation\x18\x0b \x01(\x0b\x32\x19.splitspec.v1.Speculation\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\r \x01(\x08H\x02\x88\x01\x01\x42\x08\n\x06promptB\x08\n\x06_top_pB\x18\n\x16_add_generation_prompt\"\x81\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\r\n\x05steps\x18\x03 \x01(\x05\x12\x1e\n\x16mean_acceptance_length\x18\x04 \x01(\x02\x12\x17\n\x0f\x64raft_fallbacks\x18\x05 \x01(\x05\"^\n\x05\x46inal\x12\x31\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1a.splitspec.v1.FinishReason\x12\"\n\x05usage\x18\x02 \x01(\x0b\x32\x13.splitspec.v1.Usage\"W\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\"\n\x05\x66inal\x18\x03 \x01(\x0b\x32\x13.splitspec.v1.Final*Y\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\n\n\x06LENGTH\x10\x01\x12\x08\n\x04STOP\x10\x02\x12\x07\n\x03\x45OS\x10\x03\x12\x0b\n\x07\x43ONTEXT\x10\x04\x32V\n\x07Gateway\x12K\n\x08Generate\x12\x1d.splitspec.v1.GenerateRequest\x1a\x1e.splitspec.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'splitspec.v1.gateway_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=860
-  _globals['_FINISHREASON']._serialized_end=949
+  _globals['_FINISHREASON']._serialized_start=1069
+  _globals['_FINISHREASON']._serialized_end=1158
   _globals['_TOKENIDS']._serialized_start=44
   _globals['_TOKENIDS']._serialized_end=67
-  _globals['_SPECULATION']._serialized_start=70
-  _globals['_SPECULATION']._serialized_end=247
-  _globals['_SPECULATION_MODE']._serialized_start=172
-  _globals['_SPECULATION_MODE']._serialized_end=232
-  _globals['_GENERATEREQUEST']._serialized_start=250
-  _globals['_GENERATEREQUEST']._serialized_end=541
-  _globals['_USAGE']._serialized_start=544
-  _globals['_USAGE']._serialized_end=673
-  _globals['_FINAL']._serialized_start=675
-  _globals['_FINAL']._serialized_end=769
-  _globals['_GENERATERESPONSE']._serialized_start=771
-  _globals['_GENERATERESPONSE']._serialized_end=858
-  _globals['_GATEWAY']._serialized_start=951
-  _globals['_GATEWAY']._serialized_end=1037
+  _globals['_CHATMESSAGE']._serialized_start=69
+  _globals['_CHATMESSAGE']._serialized_end=113
+  _globals['_MESSAGES']._serialized_start=115
+  _globals['_MESSAGES']._serialized_end=170
+  _globals['_SPECULATION']._serialized_start=173
+  _globals['_SPECULATION']._serialized_end=350
+  _globals['_SPECULATION_MODE']._serialized_start=275
+  _globals['_SPECULATION_MODE']._serialized_end=335
+  _globals['_GENERATEREQUEST']._serialized_start=353
+  _globals['_GENERATEREQUEST']._serialized_end=750
+  _globals['_USAGE']._serialized_start=753
+  _globals['_USAGE']._serialized_end=882
+  _globals['_FINAL']._serialized_start=884
+  _globals['_FINAL']._serialized_end=978
+  _globals['_GENERATERESPONSE']._serialized_start=980
+  _globals['_GENERATERESPONSE']._serialized_end=1067
+  _globals['_GATEWAY']._serialized_start=1160
+  _globals['_GATEWAY']._serialized_end=1246
 # @@protoc_insertion_point(module_scope)
