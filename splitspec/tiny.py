@@ -21,7 +21,7 @@ from safetensors.numpy import save_file
 
 from splitspec.models.dense import DenseConfig
 from splitspec.models.dflash import DFlashConfig
-from splitspec.models.loader import GGUF_LAYER_NAMES
+from splitspec.models.loader import GGUF_DRAFT_GLOBAL_NAMES, GGUF_GLOBAL_NAMES, GGUF_LAYER_NAMES
 from splitspec.tokenizer import byte_level_vocab, write_gguf_tokenizer
 
 TARGET_FILE = "target.gguf"
@@ -103,7 +103,7 @@ def llama_permute_rows(w: np.ndarray, heads: int) -> np.ndarray:
 
 def gguf_weights(config: DenseConfig, state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Module-named float weights -> GGUF-named ones, permuting q/k rows for ``llama``."""
-    globals_ = {"embed_tokens.weight": "token_embd.weight", "norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
+    globals_ = {v: k for k, v in GGUF_GLOBAL_NAMES.items()}
     layer_names = {v: k for k, v in GGUF_LAYER_NAMES.items()}
     out = {}
     for name, array in state.items():
@@ -177,15 +177,11 @@ def write_target_gguf(
     writer.close()
 
 
-def make_tiny(out_dir: str | Path, spec: TinySpec = TinySpec(), weight_type: str | Encoder = "f32") -> tuple[Path, Path]:
-    """Write ``out_dir/target.gguf`` and ``out_dir/draft/`` and return their paths."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(spec.seed)
-    vocab = byte_level_vocab()
+def random_target(spec: TinySpec, vocab_size: int, rng: np.random.Generator) -> tuple[DenseConfig, dict[str, np.ndarray]]:
+    """A random target of ``spec.architecture``: its config and float weights by module parameter name."""
     arch = spec.architecture
     target = DenseConfig(
-        vocab_size=len(vocab.tokens),
+        vocab_size=vocab_size,
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
         num_layers=spec.target_layers,
@@ -208,32 +204,91 @@ def make_tiny(out_dir: str | Path, spec: TinySpec = TinySpec(), weight_type: str
     for i in range(target.num_layers):
         layer = _matrices(target, target.hidden_size, rng, spec.weight_scale, target.qk_norm, target.attention_bias)
         state.update((f"layers.{i}.{name}", array) for name, array in layer.items())
+    return target, state
+
+
+def make_tiny(out_dir: str | Path, spec: TinySpec = TinySpec(), weight_type: str | Encoder = "f32") -> tuple[Path, Path]:
+    """Write ``out_dir/target.gguf`` and ``out_dir/draft/`` and return their paths."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(spec.seed)
+    vocab = byte_level_vocab()
+    arch = spec.architecture
+    target, state = random_target(spec, len(vocab.tokens), rng)
     target_path = out / TARGET_FILE
     pre = "llama-bpe" if arch == "llama" else "qwen2"
     write_target_gguf(target_path, target, gguf_weights(target, state), vocab, weight_type, tokenizer_pre=pre)
 
+    draft, tensors = random_draft(target, spec, vocab.special_ids["<|mask|>"], rng)
+    draft_dir = out / DRAFT_DIR
+    draft_dir.mkdir(exist_ok=True)
+    save_file(tensors, str(draft_dir / "model.safetensors"))
+    (draft_dir / "config.json").write_text(json.dumps(draft.to_dict(target.num_layers), indent=2) + "\n")
+    return target_path, draft_dir
+
+
+def random_draft(
+    target: DenseConfig, spec: TinySpec, mask_token_id: int, rng: np.random.Generator
+) -> tuple[DFlashConfig, dict[str, np.ndarray]]:
+    """A random DFlash draft for ``target`` (one tap per draft layer, from layer 1 on), as z-lab names its tensors."""
     draft = DFlashConfig(
-        hidden_size=spec.hidden_size,
+        hidden_size=target.hidden_size,
         intermediate_size=spec.intermediate_size,
         num_layers=spec.draft_layers,
         num_heads=spec.num_heads,
         num_kv_heads=spec.num_kv_heads,
         head_dim=spec.head_dim,
         block_size=spec.block_size,
-        mask_token_id=vocab.special_ids["<|mask|>"],
-        target_layer_ids=tuple(range(1, target.num_layers))[: spec.draft_layers],  # one tap per draft layer
+        mask_token_id=mask_token_id,
+        target_layer_ids=tuple(range(1, target.num_layers))[: spec.draft_layers],
         vocab_size=target.vocab_size,
     )
+    hidden = target.hidden_size
     tensors = {
-        "fc.weight": (rng.standard_normal((spec.hidden_size, draft.num_taps * spec.hidden_size)) * spec.weight_scale).astype(np.float32),
-        "hidden_norm.weight": np.ones(spec.hidden_size, np.float32),
-        "norm.weight": np.ones(spec.hidden_size, np.float32),
+        "fc.weight": (rng.standard_normal((hidden, draft.num_taps * hidden)) * spec.weight_scale).astype(np.float32),
+        "hidden_norm.weight": np.ones(hidden, np.float32),
+        "norm.weight": np.ones(hidden, np.float32),
     }
     for i in range(draft.num_layers):
-        for name, array in _matrices(draft, spec.hidden_size, rng, spec.weight_scale).items():
+        for name, array in _matrices(draft, hidden, rng, spec.weight_scale).items():
             tensors[f"layers.{i}.{name}"] = array
-    draft_dir = out / DRAFT_DIR
-    draft_dir.mkdir(exist_ok=True)
-    save_file(tensors, str(draft_dir / "model.safetensors"))
-    (draft_dir / "config.json").write_text(json.dumps(draft.to_dict(target.num_layers), indent=2) + "\n")
-    return target_path, draft_dir
+    return draft, tensors
+
+
+DRAFT_GGUF_ARCH = "qwen3-dflash-draft"
+
+
+def write_draft_gguf(path: Path, config: DFlashConfig, tensors: dict[str, np.ndarray], weight_type: str = "f32") -> None:
+    """A DFlash draft in the GGUF layout of lucebox's converter: ``dflash.fc.weight``,
+    ``dflash.hidden_norm.weight``, ``blk.i.*``, ``output_norm.weight`` and ``ARCH.dflash.*`` metadata
+    (plus ``ARCH.dflash.target_layer_ids``, which spares the reader the default tap formula)."""
+    arch = DRAFT_GGUF_ARCH
+    writer = GGUFWriter(str(path), arch)
+    for key, value in [
+        ("embedding_length", config.hidden_size), ("feed_forward_length", config.intermediate_size),
+        ("block_count", config.num_layers), ("attention.head_count", config.num_heads),
+        ("attention.head_count_kv", config.num_kv_heads), ("attention.key_length", config.head_dim),
+        ("attention.value_length", config.head_dim), ("dflash.block_size", config.block_size),
+        ("dflash.mask_token_id", config.mask_token_id), ("dflash.n_target_layers", config.num_taps),
+    ]:
+        writer.add_uint32(f"{arch}.{key}", value)
+    if config.vocab_size is not None:
+        writer.add_uint32(f"{arch}.vocab_size", config.vocab_size)
+    writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", config.rms_norm_eps)
+    writer.add_float32(f"{arch}.rope.freq_base", config.rope_theta)
+    writer.add_array(f"{arch}.dflash.target_layer_ids", list(config.target_layer_ids))
+    layer_names = {v: k for k, v in GGUF_LAYER_NAMES.items()}
+    globals_ = {v: k for k, v in GGUF_DRAFT_GLOBAL_NAMES.items()}
+    encode = encoder(weight_type)
+    for name, array in tensors.items():
+        if name in globals_:
+            gguf_name = globals_[name]
+        else:
+            _, i, rest = name.split(".", 2)
+            gguf_name = f"blk.{i}.{layer_names[rest]}"
+        data, qtype = encode(gguf_name, array)
+        writer.add_tensor(gguf_name, data, raw_dtype=None if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16) else qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

@@ -57,7 +57,7 @@ def _open(path: Path) -> GGUFReader:
     try:
         return GGUFReader(path)
     except (ValueError, OSError, IndexError, KeyError) as exc:
-        raise ModelFileError(f"{path}: not a readable GGUF file ({exc})") from exc
+        raise ModelFileError(f"{path}: not a readable GGUF file, truncated or corrupt ({exc})") from exc
 
 
 class GGUFFile:
