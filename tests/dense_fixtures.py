@@ -27,7 +27,7 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "hi
 LINEAR_ROPE = {"rope_type": "linear", "factor": 4.0}
 
 
-def hf_model(arch: str, *, tie: bool = False, rope: dict | None = None, seed: int = 0, layers: int = 2):
+def hf_model(arch: str, *, tie: bool = False, rope: dict | None = None, seed: int = 0, layers: int = 2, vocab_size: int | None = None):
     """A transformers model of ``arch`` with every weight random (biases and norms too).
 
     Rows are 256 wide (hidden and intermediate sizes multiples of 256) so that K-quants apply, and
@@ -43,7 +43,7 @@ def hf_model(arch: str, *, tie: bool = False, rope: dict | None = None, seed: in
     config_class, model_class = classes[arch]
     theta = 10_000.0
     config = config_class(
-        vocab_size=len(byte_level_vocab().tokens), hidden_size=256, intermediate_size=512, num_hidden_layers=layers,
+        vocab_size=vocab_size or len(byte_level_vocab().tokens), hidden_size=256, intermediate_size=512, num_hidden_layers=layers,
         **({"num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 128} if arch == "qwen3"
            else {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64}), max_position_embeddings=4096, rms_norm_eps=1e-6,
         tie_word_embeddings=tie, rope_parameters={"rope_theta": theta, "rope_type": "default", **(rope or {})},

@@ -12,8 +12,10 @@ import math
 import time
 from dataclasses import dataclass
 
+import grpc
+
 from splitspec.chat import ChatTemplate, ChatTemplateError
-from splitspec.errors import FailedPrecondition, InvalidArgument
+from splitspec.errors import FailedPrecondition, InvalidArgument, Unavailable
 from splitspec.rpc import new_request_id
 from splitspec.textstream import TextStream
 from splitspec.tokenizer import Tokenizer
@@ -124,6 +126,17 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         except ChatTemplateError as exc:
             raise InvalidArgument(f"messages: {exc}") from exc
 
+    async def _target_reachable(self, steps):
+        """``steps``, with a target worker that is down (or restarting) reported as UNAVAILABLE:
+        the gateway keeps serving and recovers when the worker is back."""
+        try:
+            async for item in steps:
+                yield item
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                raise
+            raise Unavailable(f"target worker at {self.target.address} is unavailable: {exc.details()}") from exc
+
     @staticmethod
     def _sampling(request: gateway_pb2.GenerateRequest) -> common_pb2.Sampling:
         if not (math.isfinite(request.temperature) and request.temperature >= 0):
@@ -165,7 +178,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         )
         finish = gateway_pb2.CONTEXT
         try:
-            async for new_tokens in seq.run():
+            async for new_tokens in self._target_reachable(seq.run()):
                 new_tokens = new_tokens[: request.max_tokens - stream.num_tokens]
                 delta = stream.push(new_tokens)
                 if delta.text or delta.token_ids:
