@@ -104,8 +104,9 @@ class GGUFFile:
         # GGUF lists dims fastest-first; numpy wants them slowest-first.
         return tuple(int(d) for d in reversed(info.shape.tolist()))
 
-    def tensor(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
-        """Dequantized float32 array in row-major (numpy/PyTorch) order, e.g. [out, in] for a matmul."""
+    def raw(self, name: str, shape: tuple[int, ...] | None = None) -> tuple[np.ndarray, GGMLQuantizationType]:
+        """A tensor's packed bytes (a read-only view of the memory map) and its type, checked
+        against ``shape`` (row-major) and the supported types."""
         info = self._tensors.get(name)
         if info is None:
             raise ModelFileError(f"{self.path}: missing tensor {name!r}")
@@ -114,7 +115,13 @@ class GGUFFile:
             raise ModelFileError(f"{where}: tensor {name!r} has unsupported type {info.tensor_type.name}")
         if shape is not None and self.tensor_shape(name) != tuple(shape):
             raise ModelFileError(f"{where}: tensor {name!r} has shape {self.tensor_shape(name)}, expected {tuple(shape)}")
-        array = dequantize(info.data, info.tensor_type).astype(np.float32, copy=False)
+        return info.data, info.tensor_type
+
+    def tensor(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
+        """Dequantized float32 array in row-major (numpy/PyTorch) order, e.g. [out, in] for a matmul,
+        by gguf's numpy reference (the loader uses the bit-identical ``models.dequant`` instead)."""
+        data, qtype = self.raw(name, shape)
+        array = dequantize(data, qtype).astype(np.float32, copy=False)
         array = array.reshape(self.tensor_shape(name))
         if not array.flags.writeable:  # F32/F16 come back as views of the read-only memory map
             array = array.copy()

@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from splitspec.hub import resolve_model
 from splitspec.models.dense import DenseConfig, DenseForCausalLM
+from splitspec.models.dequant import dequantize
 from splitspec.models.dflash import DFlashConfig, DFlashDraft, default_target_layer_ids
 from splitspec.models.gguf_file import GGUFFile, ModelFileError
 from splitspec.models.hf_dir import HFDirectory
@@ -74,19 +75,26 @@ class _Source(Protocol):
 # ---------------------------------------------------------------------------------------------- GGUF
 
 
-def _unpermute_rows(w: np.ndarray, heads: int) -> np.ndarray:
+def _unpermute_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
     """Undo llama.cpp's q/k row permutation for its interleaved RoPE.
 
     llama.cpp's converter stores each head's rows as (pair index, half) instead of (half, pair
     index), so that adjacent rows form rotation pairs; rotate-half RoPE wants the halves apart.
     """
     per_head = w.shape[0] // heads
-    return w.reshape(heads, per_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return w.reshape(heads, per_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def load_gguf_tensor(f: GGUFFile, name: str, shape: tuple[int, ...], device: torch.device | str) -> torch.Tensor:
+    """A GGUF tensor as float32 on ``device``: the packed bytes move there and expand there."""
+    data, qtype = f.raw(name, shape)
+    raw = torch.from_numpy(np.array(data, copy=True)).to(device)  # the memory map is read-only
+    return dequantize(raw, qtype, shape)
 
 
 class _GGUFSource:
-    def __init__(self, f: GGUFFile) -> None:
-        self.file, self.where = f, f.path
+    def __init__(self, f: GGUFFile, device: torch.device | str = "cpu") -> None:
+        self.file, self.where, self.device = f, f.path, device
         self.config = dense_config_from_gguf(f)
 
     def names(self, model_names):
@@ -102,11 +110,11 @@ class _GGUFSource:
         return out
 
     def load(self, name, shape):
-        array = self.file.tensor(name, shape)
+        tensor = load_gguf_tensor(self.file, name, shape, self.device)
         c = self.config
         if c.architecture == "llama" and (".attn_q." in name or ".attn_k." in name):
-            array = _unpermute_rows(array, c.num_heads if ".attn_q." in name else c.num_kv_heads)
-        return torch.from_numpy(array)
+            tensor = _unpermute_rows(tensor, c.num_heads if ".attn_q." in name else c.num_kv_heads)
+        return tensor
 
     def tensor_names(self):
         return [n for n in self.file.tensor_names() if n != "rope_freqs.weight"]
@@ -232,11 +240,11 @@ def _hf_rope_factors(d: HFDirectory, rope: dict, head_dim: int, theta: float) ->
 # ------------------------------------------------------------------------------------------ targets
 
 
-def _open_target(path: str | os.PathLike) -> _Source:
+def _open_target(path: str | os.PathLike, device: torch.device | str = "cpu") -> _Source:
     local = resolve_model(path)
     if local.is_dir():
         return _HFSource(HFDirectory(local))
-    return _GGUFSource(GGUFFile(local))
+    return _GGUFSource(GGUFFile(local), device)
 
 
 def read_target_config(path: str | os.PathLike) -> DenseConfig:
@@ -252,7 +260,7 @@ def _progress(items: list, desc: str):
 def load_target(
     path: str | os.PathLike, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
 ) -> tuple[DenseForCausalLM, DenseConfig]:
-    source = _open_target(path)
+    source = _open_target(path, device)
     config = source.config
     with torch.device("meta"):
         model = DenseForCausalLM(config)
@@ -276,7 +284,7 @@ def load_target_head(
     path: str | os.PathLike, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
 ) -> tuple[torch.Tensor, torch.Tensor, DenseConfig]:
     """The target's token embedding [vocab, hidden] and LM head [vocab, hidden], for the draft."""
-    source = _open_target(path)
+    source = _open_target(path, device)
     config = source.config
     shape = (config.vocab_size, config.hidden_size)
     wanted = ["embed_tokens.weight"] + ([] if config.tie_word_embeddings else ["lm_head.weight"])
@@ -324,7 +332,7 @@ def load_dflash_draft(
                 names[name] = f"blk.{i}.{layer_reverse[rest]}"
 
         def read(name, shape):
-            return torch.from_numpy(f.tensor(name, shape))
+            return load_gguf_tensor(f, name, shape, device)
 
         where, available = f.path, f.tensor_names()
     with torch.device("meta"):
