@@ -148,3 +148,30 @@ def test_bad_files_end_the_worker_with_one_line(services, tmp_path, case):
     assert "Traceback" not in log
     last = log.strip().splitlines()[-1]
     assert all(e in last for e in expected), last
+
+
+def test_workers_load_hub_references_offline_from_the_cache(services, tiny_pair, tmp_path, monkeypatch):
+    """`--model hf://OWNER/REPO/FILE` and `hf://OWNER/REPO` (a directory) from an HF_HOME cache, offline."""
+    import shutil
+
+    commit = "89abcdef0123456789abcdef0123456789abcdef"
+    for repo, put in [("tiny-target", lambda d: shutil.copy(tiny_pair.target, d / "model.gguf")),
+                      ("tiny-draft", lambda d: shutil.copytree(tiny_pair.draft, d, dirs_exist_ok=True))]:
+        root = tmp_path / "hub" / f"models--splitspec-test--{repo}"
+        (root / "refs").mkdir(parents=True)
+        (root / "refs" / "main").write_text(commit)
+        snapshot = root / "snapshots" / commit
+        snapshot.mkdir(parents=True)
+        put(snapshot)
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    target_ref = "hf://splitspec-test/tiny-target/model.gguf"
+    target = services.start("target", "target", "--model", target_ref)
+    draft = services.start("draft", "draft", "--model", "hf://splitspec-test/tiny-draft", "--target-model", target_ref)
+    gateway = services.start("gateway", "gateway", "--target", target, "--draft", draft)
+    out = generate(gateway, text="hello", max_tokens=8, ignore_eos=True)
+    assert len(out.tokens) == 8 and out.final.usage.draft_fallbacks == 0
+    services.start("absent", "target", "--model", "hf://splitspec-test/tiny-target/absent.gguf", wait=False)
+    assert services.procs["absent"].wait(timeout=60) == 2
+    last = services.log("absent").strip().splitlines()[-1]
+    assert "hf://splitspec-test/tiny-target/absent.gguf" in last and "HF_HUB_OFFLINE" in last
