@@ -21,7 +21,7 @@ from safetensors.numpy import save_file
 
 from splitspec.models.dense import DenseConfig
 from splitspec.models.dflash import DFlashConfig
-from splitspec.models.loader import GGUF_DRAFT_GLOBAL_NAMES, GGUF_GLOBAL_NAMES, GGUF_LAYER_NAMES
+from splitspec.models.loader import GGUF_DRAFT_GLOBAL_NAMES, gguf_name
 from splitspec.tokenizer import byte_level_vocab, write_gguf_tokenizer
 
 TARGET_FILE = "target.gguf"
@@ -103,18 +103,13 @@ def llama_permute_rows(w: np.ndarray, heads: int) -> np.ndarray:
 
 def gguf_weights(config: DenseConfig, state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Module-named float weights -> GGUF-named ones, permuting q/k rows for ``llama``."""
-    globals_ = {v: k for k, v in GGUF_GLOBAL_NAMES.items()}
-    layer_names = {v: k for k, v in GGUF_LAYER_NAMES.items()}
     out = {}
     for name, array in state.items():
-        if name in globals_:
-            out[globals_[name]] = array
-            continue
-        _, i, rest = name.split(".", 2)
-        gguf_name = f"blk.{i}.{layer_names[rest]}"
-        if config.architecture == "llama" and rest.startswith(("self_attn.q_proj", "self_attn.k_proj")):
-            array = llama_permute_rows(array, config.num_heads if "q_proj" in rest else config.num_kv_heads)
-        out[gguf_name] = array
+        if config.architecture == "llama" and ".self_attn.q_proj." in name:
+            array = llama_permute_rows(array, config.num_heads)
+        elif config.architecture == "llama" and ".self_attn.k_proj." in name:
+            array = llama_permute_rows(array, config.num_kv_heads)
+        out[gguf_name(name)] = array
     return out
 
 
@@ -165,12 +160,15 @@ def write_target_gguf(
         writer.add_rope_scaling_type(RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(rope_scaling_factor)
     write_gguf_tokenizer(writer, vocab, pre=tokenizer_pre, chat_template=CHATML_TEMPLATE)
+    _finish(writer, weights, encode)
+
+
+def _finish(writer: GGUFWriter, weights: dict[str, np.ndarray], encode: Encoder) -> None:
+    """Add the GGUF-named ``weights`` as ``encode`` chooses, then write the file(s)."""
     for name, array in weights.items():
         data, qtype = encode(name, array)
-        if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
-            writer.add_tensor(name, data)
-        else:
-            writer.add_tensor(name, data, raw_dtype=qtype)
+        native = qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16)  # numpy dtypes gguf knows
+        writer.add_tensor(name, data, raw_dtype=None if native else qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -277,18 +275,4 @@ def write_draft_gguf(path: Path, config: DFlashConfig, tensors: dict[str, np.nda
     writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", config.rms_norm_eps)
     writer.add_float32(f"{arch}.rope.freq_base", config.rope_theta)
     writer.add_array(f"{arch}.dflash.target_layer_ids", list(config.target_layer_ids))
-    layer_names = {v: k for k, v in GGUF_LAYER_NAMES.items()}
-    globals_ = {v: k for k, v in GGUF_DRAFT_GLOBAL_NAMES.items()}
-    encode = encoder(weight_type)
-    for name, array in tensors.items():
-        if name in globals_:
-            gguf_name = globals_[name]
-        else:
-            _, i, rest = name.split(".", 2)
-            gguf_name = f"blk.{i}.{layer_names[rest]}"
-        data, qtype = encode(gguf_name, array)
-        writer.add_tensor(gguf_name, data, raw_dtype=None if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16) else qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    _finish(writer, {gguf_name(name, GGUF_DRAFT_GLOBAL_NAMES): array for name, array in tensors.items()}, encoder(weight_type))

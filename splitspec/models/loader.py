@@ -50,10 +50,25 @@ GGUF_LAYER_NAMES = {
     "ffn_down.weight": "mlp.down_proj.weight",
 }
 GGUF_GLOBAL_NAMES = {"token_embd.weight": "embed_tokens.weight", "output_norm.weight": "norm.weight", "output.weight": "lm_head.weight"}
+# GGUF draft tensor name -> DFlash module name (lucebox's conversion of the z-lab layout).
+GGUF_DRAFT_GLOBAL_NAMES = {"dflash.fc.weight": "fc.weight", "dflash.hidden_norm.weight": "hidden_norm.weight", "output_norm.weight": "norm.weight"}
 SUPPORTED_TARGET_ARCHS = ("llama", "qwen2", "qwen3")
 HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
 # Tensors a checkpoint may carry that the model recomputes.
 _IGNORED_HF_TENSORS = ("rotary_emb.inv_freq",)
+
+
+def gguf_name(module_name: str, global_names: dict[str, str] = GGUF_GLOBAL_NAMES) -> str:
+    """The GGUF tensor name of a module parameter: ``global_names`` (GGUF -> module) for the
+    top-level ones, ``blk.N.*`` for those of layer N."""
+    for gguf, module in global_names.items():
+        if module == module_name:
+            return gguf
+    _, i, rest = module_name.split(".", 2)  # layers.{i}.{rest}
+    return f"blk.{i}.{_GGUF_LAYER_REVERSE[rest]}"
+
+
+_GGUF_LAYER_REVERSE = {v: k for k, v in GGUF_LAYER_NAMES.items()}
 
 
 class _Source(Protocol):
@@ -98,16 +113,7 @@ class _GGUFSource:
         self.config = dense_config_from_gguf(f)
 
     def names(self, model_names):
-        reverse = {v: k for k, v in GGUF_GLOBAL_NAMES.items()}
-        layer_reverse = {v: k for k, v in GGUF_LAYER_NAMES.items()}
-        out = {}
-        for name in model_names:
-            if name in reverse:
-                out[name] = reverse[name]
-            else:
-                _, i, rest = name.split(".", 2)  # layers.{i}.{rest}
-                out[name] = f"blk.{i}.{layer_reverse[rest]}"
-        return out
+        return {name: gguf_name(name) for name in model_names}
 
     def load(self, name, shape):
         tensor = load_gguf_tensor(self.file, name, shape, self.device)
@@ -296,10 +302,6 @@ def load_target_head(
 
 # ------------------------------------------------------------------------------------------- drafts
 
-# GGUF draft tensor name -> DFlash module name (the lucebox conversion of the z-lab layout).
-GGUF_DRAFT_GLOBAL_NAMES = {"dflash.fc.weight": "fc.weight", "dflash.hidden_norm.weight": "hidden_norm.weight", "output_norm.weight": "norm.weight"}
-
-
 def load_dflash_draft(
     path: str | os.PathLike,
     device: torch.device | str = "cpu",
@@ -321,15 +323,7 @@ def load_dflash_draft(
     else:
         f = GGUFFile(local)
         config = dflash_config_from_gguf(f, num_target_layers)
-        reverse = {v: k for k, v in GGUF_DRAFT_GLOBAL_NAMES.items()}
-        layer_reverse = {v: k for k, v in GGUF_LAYER_NAMES.items()}
-        names = {}
-        for name in _draft_param_names(config):
-            if name in reverse:
-                names[name] = reverse[name]
-            else:
-                _, i, rest = name.split(".", 2)
-                names[name] = f"blk.{i}.{layer_reverse[rest]}"
+        names = {name: gguf_name(name, GGUF_DRAFT_GLOBAL_NAMES) for name in _draft_param_names(config)}
 
         def read(name, shape):
             return load_gguf_tensor(f, name, shape, device)
