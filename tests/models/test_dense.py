@@ -160,3 +160,15 @@ def test_dequantization_is_gguf_bit_for_bit(tmp_path):
         if heads is not None:
             loaded = llama_permute_rows(loaded, heads)  # back to the file's row order
         assert np.array_equal(loaded.view(np.uint32), ref.astype(np.float32).view(np.uint32)), gguf_name
+
+
+def test_bfloat16_hf_directory_loads_exactly(tmp_path):
+    """Real checkpoints are bfloat16: the weights come through unchanged, whatever the compute dtype."""
+    model = hf_model("qwen3", seed=13).to(torch.bfloat16)
+    model.save_pretrained(tmp_path)
+    ours, config = load_target(tmp_path, dtype=torch.float32)
+    # Reloaded rather than model.float(): casting the model also rounds its RoPE frequencies.
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    _assert_same_weights(ours, reference)
+    ids = _ids(config, 20, seed=4)
+    assert (_our_logits(ours, config, ids) - _hf_logits(reference, ids)).abs().max().item() < TOLERANCE
