@@ -108,8 +108,10 @@ class Tokenizer:
         eos_token_ids: Sequence[int] = (),
         chat_template: str | None = None,
         special_tokens: dict[str, str] | None = None,
+        sentencepiece: SentencePieceDecoding | None = None,
     ) -> None:
         self._backend = backend
+        self._sentencepiece = sentencepiece
         self.vocab_size = vocab_size
         self.bos_token_id = bos_token_id
         self.eos_token_ids = tuple(dict.fromkeys(eos_token_ids))
@@ -184,6 +186,7 @@ class Tokenizer:
         eos = get("tokenizer.ggml.eos_token_id")
         unk = get("tokenizer.ggml.unknown_token_id")
         add_bos = get("tokenizer.ggml.add_bos_token")
+        sentencepiece = None
         if model == "gpt2":
             pre = get("tokenizer.ggml.pre") or "default"
             if pre not in _SPLITS:
@@ -198,8 +201,9 @@ class Tokenizer:
             vocab = set(tokens)
             if unk is None:
                 unk = next((i for i, k in enumerate(token_types) if k == _UNKNOWN), None)
-            add_prefix = get("tokenizer.ggml.add_space_prefix")
-            backend = _sentencepiece_backend(tokens, scores, None if unk is None else tokens[unk], add_prefix is not False)
+            add_prefix = get("tokenizer.ggml.add_space_prefix") is not False
+            backend = _sentencepiece_backend(tokens, scores, None if unk is None else tokens[unk], add_prefix)
+            sentencepiece = SentencePieceDecoding.of(tokens, add_prefix)
             if add_bos is None:
                 add_bos = True  # llama.cpp's default for SentencePiece vocabularies
         else:
@@ -226,6 +230,7 @@ class Tokenizer:
             eos_token_ids=[i for i in (eos, get("tokenizer.ggml.eot_token_id")) if i is not None],
             chat_template=get("tokenizer.chat_template"),
             special_tokens={name: tokens[i] for name, i in named_ids if i is not None and 0 <= i < len(tokens)},
+            sentencepiece=sentencepiece,
         )
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
@@ -234,7 +239,10 @@ class Tokenizer:
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
-        """Text of ``ids``; invalid or incomplete UTF-8 comes out as U+FFFD."""
+        """Text of ``ids``; an invalid or incomplete UTF-8 sequence comes out as one U+FFFD."""
+        if self._sentencepiece is not None:
+            kept = [i for i in ids if not (skip_special_tokens and i in self.special_ids)]
+            return self._sentencepiece.decode(kept)
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def token_to_id(self, token: str) -> int | None:
@@ -286,6 +294,37 @@ def _sentencepiece_backend(
         steps.append(decoders.Strip(content=" ", left=1, right=0))
     backend.decoder = decoders.Sequence(steps)
     return backend
+
+
+@dataclass(frozen=True)
+class SentencePieceDecoding:
+    """Decoding of a SentencePiece vocabulary through bytes: ``<0xNN>`` tokens are their byte,
+    other pieces their UTF-8 with "▁" as a space; the joined bytes are decoded with replacement
+    and, when the encoder adds a "▁" prefix, one leading space is dropped.
+
+    For valid UTF-8 this equals the ``tokenizers`` decoder (Replace, ByteFallback, Fuse, Strip).
+    It differs on purpose for invalid or incomplete sequences: ByteFallback turns a whole run of
+    byte tokens into one U+FFFD per byte as long as any of it is incomplete, so a streamed emoji
+    would spoil the characters before it; here an incomplete tail is a single U+FFFD, which is
+    what incremental detokenization (``textstream``) relies on.
+    """
+
+    pieces: tuple[bytes, ...]
+    strip_leading_space: bool
+
+    @classmethod
+    def of(cls, tokens: Sequence[str], add_prefix_space: bool) -> SentencePieceDecoding:
+        pieces = []
+        for token in tokens:
+            if len(token) == 6 and token.startswith("<0x") and token.endswith(">"):
+                pieces.append(bytes([int(token[3:5], 16)]))
+            else:
+                pieces.append(token.replace("\u2581", " ").encode("utf-8"))
+        return cls(tuple(pieces), add_prefix_space)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        text = b"".join(self.pieces[i] for i in ids).decode("utf-8", errors="replace")
+        return text[1:] if self.strip_leading_space and text.startswith(" ") else text
 
 
 def _read_json(path: Path) -> dict:

@@ -229,3 +229,15 @@ def test_tokenizer_json_directory_matches_transformers(pair, tmp_path):
     assert ours.bos_token_id == reloaded.bos_token_id
     assert reloaded.eos_token_id in ours.eos_token_ids
     assert ours.chat_template == reloaded.chat_template
+
+
+def test_streamed_sentencepiece_text_equals_decoding_the_whole(tmp_path):
+    """Byte-fallback runs (emoji, CJK) streamed one token at a time come out whole and unspoiled."""
+    from splitspec.textstream import TextStream
+
+    tok = Tokenizer.load(_sentencepiece_gguf(tmp_path / "spm.gguf"))
+    for chunk in mixed_text(seed=5, size=30_000):
+        ids = tok.encode(chunk, add_special_tokens=False)
+        stream = TextStream(tok)
+        streamed = "".join(stream.push([i]).text for i in ids) + stream.flush().text
+        assert streamed == tok.decode(ids) == chunk.removeprefix(" ")
