@@ -27,6 +27,8 @@ import gguf
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 
+from splitspec.models.gguf_file import split_parts
+
 __all__ = ["ByteLevelVocab", "Tokenizer", "byte_level_vocab", "write_gguf_tokenizer"]
 
 # Pre-tokenizer split patterns, keyed by llama.cpp's `tokenizer.ggml.pre` names.
@@ -169,8 +171,10 @@ class Tokenizer:
         CONTROL tokens (and the BOS/EOS/UNK tokens) become special tokens and USER_DEFINED ones
         plain added tokens, so both are matched whole in the text. In a byte-level vocabulary, tokens
         not spelled in the byte-level alphabet are respelled into it; the added ones among them are
-        not matched whole (as transformers does).
+        not matched whole (as transformers does). Any part of a split GGUF names its first part,
+        which holds the metadata.
         """
+        path = split_parts(path)[0]
         reader = gguf.GGUFReader(path)
 
         def get(key: str, required: bool = False):

@@ -15,6 +15,7 @@ from dense_fixtures import ARCHITECTURES, LINEAR_ROPE, LLAMA3_ROPE, QUANT_TYPES,
 from splitspec.models.dense import KVCache
 from splitspec.models.gguf_file import GGUFFile
 from splitspec.models.loader import load_target, read_target_config
+from splitspec.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
 
@@ -130,6 +131,7 @@ def test_split_gguf_loads_as_one_model(tmp_path):
     parts = sorted(tmp_path.glob("split-*-of-*.gguf"))
     assert len(parts) > 2
     for part in (parts[0], parts[-1]):  # any part names the whole model
+        assert Tokenizer.load(part).encode("split") == Tokenizer.load(tmp_path / "whole.gguf").encode("split")
         split, split_config = load_target(part)
         assert split_config == read_target_config(tmp_path / "whole.gguf")
         for (name, a), (_, b) in zip(whole.state_dict().items(), split.state_dict().items()):
