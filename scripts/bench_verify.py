@@ -42,7 +42,7 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
-    path = args.model or make_tiny(tempfile.mkdtemp(), TinySpec(arch=args.arch))[0]
+    path = args.model or make_tiny(tempfile.mkdtemp(), TinySpec(architecture=args.arch))[0]
     model, config = load_target(path, device, dtype, DTYPES[args.state_dtype] if args.state_dtype else None)
     if isinstance(config, Qwen35Config):
         node = tree_node_bytes(config, dtype, model.recurrent_dtype(dtype))

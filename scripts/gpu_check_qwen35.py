@@ -60,7 +60,7 @@ def decode_sequentially(model, prompt: list[int], path: list[int], device, dtype
 
 
 def check_tiny(device) -> None:
-    target, _ = make_tiny(tempfile.mkdtemp(), TinySpec(arch="qwen35", seed=1))
+    target, _ = make_tiny(tempfile.mkdtemp(), TinySpec(architecture="qwen35", seed=1))
     for dtype in (torch.float64, torch.float32):
         model, config = load_target(target, device, dtype)
         engine, rng = TargetEngine(model), np.random.default_rng(0)

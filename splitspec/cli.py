@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
         "gateway": (gateway_main.add_arguments, "run the gateway (public API, speculation loop)"),
         "serve": (serve.add_arguments, "run all three services locally, stopped together"),
         "generate": (generate.add_arguments, "stream a completion from a gateway"),
-        "make-tiny": (_make_tiny_arguments, "write a tiny random target GGUF (Qwen3 or Qwen3.5) and a matching DFlash draft"),
+        "make-tiny": (_make_tiny_arguments, "write a tiny random target GGUF (qwen3, qwen2, llama or the qwen35 hybrid) and a matching DFlash draft"),
     }
     for name, (add, help_text) in commands.items():
         p = sub.add_parser(name, help=help_text, description=help_text, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -54,8 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _make_tiny_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("out_dir", help="folder to write target.gguf and draft/ into")
-    p.add_argument("--arch", choices=["qwen3", "qwen35"], default="qwen3", help="target family: dense Qwen3 or the Qwen3.5 hybrid")
-    p.add_argument("--weight-type", choices=["f32", "f16", "bf16", "q8_0"], default="f32", help="GGUF type of the target's matrices")
+    # The keys of splitspec.tiny.WEIGHT_TYPES, listed here so that parsing never imports torch.
+    weight_types = ["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"]
+    p.add_argument("--weight-type", choices=weight_types, default="f32", help="GGUF type of the target's matrices")
+    p.add_argument("--architecture", choices=["qwen3", "qwen2", "llama", "qwen35"], default="qwen3", help="architecture of the target")
     p.add_argument("--seed", type=int, default=0, help="random seed of the weights")
 
 
@@ -78,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "make-tiny":
             from splitspec.tiny import TinySpec, make_tiny
 
-            target, draft = make_tiny(args.out_dir, TinySpec(arch=args.arch, seed=args.seed), weight_type=args.weight_type)
+            target, draft = make_tiny(args.out_dir, TinySpec(architecture=args.architecture, seed=args.seed), weight_type=args.weight_type)
             print(f"wrote {target} and {draft}")
             return 0
         module = {"target": "target", "draft": "draft", "gateway": "gateway"}[args.command]

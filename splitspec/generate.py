@@ -12,7 +12,9 @@ MODES = {"ddtree": 1, "chain": 2, "off": 3}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("prompt", help="prompt text")
+    p.add_argument("prompt", help="prompt text (with --chat: the user message)")
+    p.add_argument("--chat", action="store_true", help="send the prompt as a user chat message, rendered by the model's chat template")
+    p.add_argument("--system", default="", help="with --chat: a system message before the user message")
     p.add_argument("--address", default="127.0.0.1:50051", help="gateway address")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -33,8 +35,16 @@ def run(args: argparse.Namespace) -> int:
     from splitspec.rpc import CHANNEL_OPTIONS
     from splitspec.v1 import gateway_pb2, gateway_pb2_grpc
 
+    if args.chat:
+        turns = ([("system", args.system)] if args.system else []) + [("user", args.prompt)]
+        prompt = {"messages": gateway_pb2.Messages(messages=[gateway_pb2.ChatMessage(role=r, content=c) for r, c in turns])}
+    elif args.system:
+        print("splitspec generate: --system needs --chat", file=sys.stderr)
+        return 2
+    else:
+        prompt = {"text": args.prompt}
     request = gateway_pb2.GenerateRequest(
-        text=args.prompt, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+        **prompt, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
         top_k=args.top_k, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos,
         speculation=gateway_pb2.Speculation(mode=MODES.get(args.mode, 0), budget=args.budget),
     )

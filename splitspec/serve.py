@@ -23,8 +23,8 @@ DEFAULT_WORK_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target-model", default="", help="target GGUF file (default: the built-in tiny pair)")
-    p.add_argument("--draft-model", default="", help="DFlash draft directory (default: the tiny pair's; 'none' = no draft)")
+    p.add_argument("--target-model", default="", help="target model: GGUF file, model directory or hf://... (default: the built-in tiny pair)")
+    p.add_argument("--draft-model", default="", help="DFlash draft: directory, GGUF or hf://... (default: the tiny pair's; 'none' = no draft)")
     p.add_argument("--listen", default="127.0.0.1:50051", help="public gateway address")
     p.add_argument("--device", default="cpu", help="target device (cpu or cuda:N)")
     p.add_argument("--draft-device", default="", help="draft device (default: same as --device)")

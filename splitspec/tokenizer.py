@@ -1,10 +1,16 @@
 """Tokenizers for the gateway, built from a GGUF file's metadata or from a ``tokenizer.json``.
 
 Only the ``tokenizers`` library and ``gguf`` are used here (no torch), so the CPU-only gateway can
-tokenize prompts and detokenize streamed output. GGUF files describe byte-level BPE vocabularies
-("gpt2" tokenizer model, as in Qwen and Llama-3) with llama.cpp's metadata keys; this module turns
-them into the equivalent ``tokenizers.Tokenizer``. It also writes such metadata, for tiny test and
-demo models.
+tokenize prompts and detokenize streamed output. GGUF files describe their vocabulary with
+llama.cpp's metadata keys, as one of two tokenizer models, each turned here into the equivalent
+``tokenizers.Tokenizer``:
+
+- "gpt2": byte-level BPE with merges (Qwen, Llama 3);
+- "llama": a SentencePiece BPE vocabulary (Llama 1/2, Mistral): pieces with scores, spaces
+  spelled "▁", and byte-fallback tokens ``<0x00>``..``<0xFF>`` for characters outside the vocabulary.
+  Merges are not stored; a pair merges with the rank of the score of the piece it makes.
+
+It also writes byte-level metadata, for tiny test and demo models.
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ from pathlib import Path
 import gguf
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+
+from splitspec.models.gguf_file import split_parts
 
 __all__ = ["ByteLevelVocab", "Tokenizer", "byte_level_vocab", "write_gguf_tokenizer"]
 
@@ -47,6 +55,7 @@ _SPLITS = {
 # adds BOS by default for these.
 _LLAMA3_PRES = frozenset({"llama3", "llama-v3", "llama-bpe"})
 
+_UNKNOWN = int(gguf.TokenType.UNKNOWN)
 _CONTROL = int(gguf.TokenType.CONTROL)
 _USER_DEFINED = int(gguf.TokenType.USER_DEFINED)
 _NORMAL = int(gguf.TokenType.NORMAL)
@@ -90,6 +99,8 @@ class Tokenizer:
     that ``decode(..., skip_special_tokens=True)`` leaves out.
     """
 
+    NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
+
     def __init__(
         self,
         backend: tokenizers.Tokenizer,
@@ -98,12 +109,17 @@ class Tokenizer:
         bos_token_id: int | None = None,
         eos_token_ids: Sequence[int] = (),
         chat_template: str | None = None,
+        special_tokens: dict[str, str] | None = None,
+        sentencepiece: SentencePieceDecoding | None = None,
     ) -> None:
         self._backend = backend
+        self._sentencepiece = sentencepiece
         self.vocab_size = vocab_size
         self.bos_token_id = bos_token_id
         self.eos_token_ids = tuple(dict.fromkeys(eos_token_ids))
         self.chat_template = chat_template
+        # Named special tokens as chat templates see them: bos_token, eos_token, unk_token, pad_token.
+        self.special_tokens = dict(special_tokens or {})
         self.special_ids = frozenset(i for i, t in backend.get_added_tokens_decoder().items() if t.special)
 
     @classmethod
@@ -125,9 +141,12 @@ class Tokenizer:
         config = _read_json(path.with_name("tokenizer_config.json"))
         generation = _read_json(path.with_name("generation_config.json"))
 
+        def content(value: str | dict | None) -> str | None:
+            return value.get("content") if isinstance(value, dict) else value
+
         def token_id(value: str | dict | None) -> int | None:
-            content = value.get("content") if isinstance(value, dict) else value
-            return backend.token_to_id(content) if content else None
+            text = content(value)
+            return backend.token_to_id(text) if text else None
 
         eos = [token_id(config.get("eos_token"))]
         extra = generation.get("eos_token_id")
@@ -142,16 +161,20 @@ class Tokenizer:
             bos_token_id=token_id(config.get("bos_token")),
             eos_token_ids=[i for i in eos if i is not None],
             chat_template=template if isinstance(template, str) else None,
+            special_tokens={k: content(config[k]) for k in cls.NAMED_SPECIAL_TOKENS if content(config.get(k))},
         )
 
     @classmethod
     def from_gguf(cls, path: str | os.PathLike) -> Tokenizer:
-        """The tokenizer a GGUF file's ``tokenizer.*`` metadata describes (byte-level BPE only).
+        """The tokenizer a GGUF file's ``tokenizer.*`` metadata describes ("gpt2" or "llama" model).
 
-        CONTROL tokens become special tokens and USER_DEFINED ones plain added tokens, so both are
-        matched whole in the text. Tokens not spelled in the byte-level alphabet are respelled into
-        it; the added ones among them are not matched whole (as transformers does).
+        CONTROL tokens (and the BOS/EOS/UNK tokens) become special tokens and USER_DEFINED ones
+        plain added tokens, so both are matched whole in the text. In a byte-level vocabulary, tokens
+        not spelled in the byte-level alphabet are respelled into it; the added ones among them are
+        not matched whole (as transformers does). Any part of a split GGUF names its first part,
+        which holds the metadata.
         """
+        path = split_parts(path)[0]
         reader = gguf.GGUFReader(path)
 
         def get(key: str, required: bool = False):
@@ -161,44 +184,57 @@ class Tokenizer:
             return None if field is None else field.contents()
 
         model = get("tokenizer.ggml.model", required=True)
-        if model != "gpt2":
-            kind = " (SentencePiece)" if model == "llama" else ""
-            raise ValueError(
-                f"{path}: tokenizer.ggml.model {model!r}{kind} is not supported yet; only 'gpt2' (byte-level BPE) is"
-            )
-        pre = get("tokenizer.ggml.pre") or "default"
-        if pre not in _SPLITS:
-            raise ValueError(f"{path}: tokenizer.ggml.pre {pre!r} is not supported; known: {sorted(_SPLITS)}")
         tokens = get("tokenizer.ggml.tokens", required=True)
-        merges = get("tokenizer.ggml.merges") or []  # GGUF cannot store an empty array
         token_types = get("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
-
-        vocab = {_byte_level_spelling(token): i for i, token in enumerate(tokens)}
-        bpe = models.BPE(vocab, [tuple(m.split(" ", 1)) for m in merges], ignore_merges=pre in _LLAMA3_PRES)
-        backend = tokenizers.Tokenizer(bpe)
-        backend.pre_tokenizer = _pre_tokenizer(_SPLITS[pre])
-        backend.decoder = decoders.ByteLevel()
-        added = [(t, k) for t, k in zip(tokens, token_types) if k in (_CONTROL, _USER_DEFINED) and t in vocab]
-        backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, k in added if k == _CONTROL])
-        backend.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in added if k == _USER_DEFINED])
-
         bos = get("tokenizer.ggml.bos_token_id")
+        eos = get("tokenizer.ggml.eos_token_id")
+        unk = get("tokenizer.ggml.unknown_token_id")
         add_bos = get("tokenizer.ggml.add_bos_token")
-        if add_bos is None:
-            add_bos = pre in _LLAMA3_PRES
-        if add_bos:
-            if bos is None:
-                raise ValueError(f"{path}: BOS is to be added but 'tokenizer.ggml.bos_token_id' is missing")
-            backend.post_processor = processors.TemplateProcessing(
-                single=[tokens[bos], "$A"], special_tokens=[(tokens[bos], bos)]
-            )
-        eos = [get("tokenizer.ggml.eos_token_id"), get("tokenizer.ggml.eot_token_id")]
+        sentencepiece = None
+        if model == "gpt2":
+            pre = get("tokenizer.ggml.pre") or "default"
+            if pre not in _SPLITS:
+                raise ValueError(f"{path}: tokenizer.ggml.pre {pre!r} is not supported; known: {sorted(_SPLITS)}")
+            merges = get("tokenizer.ggml.merges") or []  # GGUF cannot store an empty array
+            vocab = {_byte_level_spelling(token): i for i, token in enumerate(tokens)}
+            backend = _byte_level_backend(vocab, merges, pre)
+            if add_bos is None:
+                add_bos = pre in _LLAMA3_PRES
+        elif model == "llama":
+            scores = get("tokenizer.ggml.scores", required=True)
+            vocab = set(tokens)
+            if unk is None:
+                unk = next((i for i, k in enumerate(token_types) if k == _UNKNOWN), None)
+            add_prefix = get("tokenizer.ggml.add_space_prefix") is not False
+            backend = _sentencepiece_backend(tokens, scores, None if unk is None else tokens[unk], add_prefix)
+            sentencepiece = SentencePieceDecoding.of(tokens, add_prefix)
+            if add_bos is None:
+                add_bos = True  # llama.cpp's default for SentencePiece vocabularies
+        else:
+            raise ValueError(f"{path}: tokenizer.ggml.model {model!r} is not supported; only 'gpt2' and 'llama' are")
+        named = {i for i in (bos, eos, unk) if i is not None}
+        added = [(t, k, i) for i, (t, k) in enumerate(zip(tokens, token_types)) if k in (_CONTROL, _USER_DEFINED) or i in named]
+        added = [(t, k, i) for t, k, i in added if t in vocab]
+        backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, k, i in added if k != _USER_DEFINED])
+        backend.add_tokens([AddedToken(t, special=False, normalized=False) for t, k, i in added if k == _USER_DEFINED])
+        add_eos = bool(get("tokenizer.ggml.add_eos_token"))
+        if add_bos or add_eos:
+            for flag, key, token_id in ((add_bos, "bos", bos), (add_eos, "eos", eos)):
+                if flag and token_id is None:
+                    raise ValueError(f"{path}: {key.upper()} is to be added but 'tokenizer.ggml.{key}_token_id' is missing")
+            single = ([tokens[bos]] if add_bos else []) + ["$A"] + ([tokens[eos]] if add_eos else [])
+            specials = [(tokens[i], i) for flag, i in ((add_bos, bos), (add_eos, eos)) if flag]
+            backend.post_processor = processors.TemplateProcessing(single=single, special_tokens=specials)
+        pad = get("tokenizer.ggml.padding_token_id")
+        named_ids = zip(cls.NAMED_SPECIAL_TOKENS, (bos, eos, unk, pad))
         return cls(
             backend,
             vocab_size=len(tokens),
             bos_token_id=bos,
-            eos_token_ids=[i for i in eos if i is not None],
+            eos_token_ids=[i for i in (eos, get("tokenizer.ggml.eot_token_id")) if i is not None],
             chat_template=get("tokenizer.chat_template"),
+            special_tokens={name: tokens[i] for name, i in named_ids if i is not None and 0 <= i < len(tokens)},
+            sentencepiece=sentencepiece,
         )
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
@@ -207,12 +243,92 @@ class Tokenizer:
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
-        """Text of ``ids``; invalid or incomplete UTF-8 comes out as U+FFFD."""
+        """Text of ``ids``; an invalid or incomplete UTF-8 sequence comes out as one U+FFFD."""
+        if self._sentencepiece is not None:
+            kept = [i for i in ids if not (skip_special_tokens and i in self.special_ids)]
+            return self._sentencepiece.decode(kept)
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def token_to_id(self, token: str) -> int | None:
         """Id of a token as spelled in the vocabulary (or an added token's text), else None."""
         return self._backend.token_to_id(token)
+
+
+def _byte_level_backend(vocab: dict[str, int], merges: Sequence[str], pre: str) -> tokenizers.Tokenizer:
+    bpe = models.BPE(vocab, [tuple(m.split(" ", 1)) for m in merges], ignore_merges=pre in _LLAMA3_PRES)
+    backend = tokenizers.Tokenizer(bpe)
+    backend.pre_tokenizer = _pre_tokenizer(_SPLITS[pre])
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def sentencepiece_merges(tokens: Sequence[str], scores: Sequence[float]) -> list[tuple[str, str]]:
+    """Merges implied by a SentencePiece BPE vocabulary: every split of a piece into two pieces of
+    the vocabulary, ranked by the merged piece's score (highest first), then by the longer left and
+    right part, then by vocabulary order. The order is the one transformers derives, so that both
+    tokenize alike where scores tie."""
+    ids: dict[str, int] = {}
+    for i, token in enumerate(tokens):
+        ids.setdefault(token, i)
+    score_of: dict[str, float] = {}
+    for token, score in zip(tokens, scores):
+        score_of.setdefault(token, float(score))
+    candidates = []
+    for token, score in score_of.items():
+        splits = [(token[:k], token[k:]) for k in range(1, len(token)) if token[:k] in ids and token[k:] in ids]
+        splits.sort(key=lambda pair: (ids[pair[0]], ids[pair[1]]))
+        candidates.extend((-score, -len(left), -len(right), left, right) for left, right in splits)
+    candidates.sort(key=lambda c: c[:3])  # stable: ties keep vocabulary order
+    return [(left, right) for *_, left, right in candidates]
+
+
+def _sentencepiece_backend(
+    tokens: Sequence[str], scores: Sequence[float], unk: str | None, add_prefix_space: bool
+) -> tokenizers.Tokenizer:
+    vocab: dict[str, int] = {}
+    for i, token in enumerate(tokens):
+        vocab.setdefault(token, i)
+    bpe = models.BPE(vocab, sentencepiece_merges(tokens, scores), unk_token=unk, fuse_unk=True, byte_fallback=True)
+    backend = tokenizers.Tokenizer(bpe)
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement="\u2581", prepend_scheme="first" if add_prefix_space else "never", split=False
+    )
+    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if add_prefix_space:
+        steps.append(decoders.Strip(content=" ", left=1, right=0))
+    backend.decoder = decoders.Sequence(steps)
+    return backend
+
+
+@dataclass(frozen=True)
+class SentencePieceDecoding:
+    """Decoding of a SentencePiece vocabulary through bytes: ``<0xNN>`` tokens are their byte,
+    other pieces their UTF-8 with "▁" as a space; the joined bytes are decoded with replacement
+    and, when the encoder adds a "▁" prefix, one leading space is dropped.
+
+    For valid UTF-8 this equals the ``tokenizers`` decoder (Replace, ByteFallback, Fuse, Strip).
+    It differs on purpose for invalid or incomplete sequences: ByteFallback turns a whole run of
+    byte tokens into one U+FFFD per byte as long as any of it is incomplete, so a streamed emoji
+    would spoil the characters before it; here an incomplete tail is a single U+FFFD, which is
+    what incremental detokenization (``textstream``) relies on.
+    """
+
+    pieces: tuple[bytes, ...]
+    strip_leading_space: bool
+
+    @classmethod
+    def of(cls, tokens: Sequence[str], add_prefix_space: bool) -> SentencePieceDecoding:
+        pieces = []
+        for token in tokens:
+            if len(token) == 6 and token.startswith("<0x") and token.endswith(">"):
+                pieces.append(bytes([int(token[3:5], 16)]))
+            else:
+                pieces.append(token.replace("\u2581", " ").encode("utf-8"))
+        return cls(tuple(pieces), add_prefix_space)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        text = b"".join(self.pieces[i] for i in ids).decode("utf-8", errors="replace")
+        return text[1:] if self.strip_leading_space and text.startswith(" ") else text
 
 
 def _read_json(path: Path) -> dict:

@@ -35,7 +35,7 @@ def tiny_pair(tmp_path_factory) -> TinyPair:
 @pytest.fixture(scope="session")
 def tiny_qwen35_pair(tmp_path_factory) -> TinyPair:
     """A tiny Qwen3.5 hybrid target (3 Gated DeltaNet layers, 1 gated attention layer) + DFlash draft."""
-    target, draft = make_tiny(tmp_path_factory.mktemp("tiny-qwen35"), TinySpec(arch="qwen35", seed=1))
+    target, draft = make_tiny(tmp_path_factory.mktemp("tiny-qwen35"), TinySpec(architecture="qwen35", seed=1))
     return TinyPair(target, draft)
 
 

@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import numpy as np
 import pytest
 
 from client import generate
@@ -70,10 +71,10 @@ def test_serve_and_generate_from_the_command_line(tmp_path):
 
 
 def test_make_tiny_qwen35_and_serve_it(tmp_path):
-    """A tiny Qwen3.5 hybrid GGUF from ``make-tiny --arch qwen35``, served with its draft: every
+    """A tiny Qwen3.5 hybrid GGUF from ``make-tiny --architecture qwen35``, served with its draft: every
     speculation mode gives the target-only output, greedy and sampled, also with the recurrent
     states stored in bfloat16 (the target worker's ``--state-dtype``, set through its env var)."""
-    made = subprocess.run([*CLI, "make-tiny", str(tmp_path / "q35"), "--arch", "qwen35"], capture_output=True, text=True, timeout=120)
+    made = subprocess.run([*CLI, "make-tiny", str(tmp_path / "q35"), "--architecture", "qwen35"], capture_output=True, text=True, timeout=120)
     assert made.returncode == 0, made.stderr
     target, draft = tmp_path / "q35" / "target.gguf", tmp_path / "q35" / "draft"
     Spec = gateway_pb2.Speculation
@@ -110,3 +111,99 @@ def test_bad_model_file_is_one_clear_line(services, tmp_path):
     assert services.procs["target"].wait(timeout=60) == 2
     out = services.log("target")
     assert "Traceback" not in out and str(broken) in out
+
+
+def test_a_worker_that_fails_to_start_never_takes_the_gateway_down(services, tiny_pair, tmp_path):
+    """The target is replaced by one whose file is corrupt: it exits with one line, the gateway
+    stays up (answering UNAVAILABLE meanwhile) and serves again once a good target is back."""
+    import grpc
+
+    target = services.start("target", "target", "--model", str(tiny_pair.target))
+    draft = services.start("draft", "draft", "--model", str(tiny_pair.draft), "--target-model", str(tiny_pair.target))
+    gateway = services.start("gateway", "gateway", "--target", target, "--draft", draft)
+    request = {"text": "hello", "max_tokens": 8, "ignore_eos": True}
+    before = generate(gateway, **request)
+    services.stop("target")
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(tiny_pair.target.read_bytes()[:5000])
+    services.start("target", "target", "--model", str(truncated), wait=False)
+    assert services.procs["target"].wait(timeout=60) == 2
+    lines = services.log("target").strip().splitlines()
+    assert "Traceback" not in services.log("target")
+    assert str(truncated) in lines[-1] and "truncated or corrupt" in lines[-1]
+    with pytest.raises(grpc.RpcError) as info:
+        generate(gateway, **request)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert services.procs["gateway"].poll() is None
+    services.procs.pop("target")
+    services.start("target", "target", "--model", str(tiny_pair.target))
+    deadline = time.monotonic() + 60
+    while True:  # the gateway's channel reconnects after its backoff
+        try:
+            after = generate(gateway, **request)
+            break
+        except grpc.RpcError as exc:
+            assert exc.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() < deadline
+            time.sleep(0.5)
+    assert after.tokens == before.tokens
+
+
+@pytest.mark.parametrize("case", ["unsupported-quant", "corrupt-safetensors", "unknown-architecture"])
+def test_bad_files_end_the_worker_with_one_line(services, tmp_path, case):
+    from gguf import GGMLQuantizationType as Q
+
+    from splitspec.tiny import encoder
+
+    if case == "unsupported-quant":
+        f32 = encoder("f32")
+
+        def encode(name, array):  # one tensor in IQ2_XXS, which the loader does not take
+            if name == "blk.0.ffn_up.weight":
+                return np.zeros((array.shape[0], array.shape[1] // 256 * 66), np.uint8), Q.IQ2_XXS
+            return f32(name, array)
+
+        model, _ = make_tiny(tmp_path, TinySpec(hidden_size=256, num_heads=4, head_dim=64, target_layers=2), weight_type=encode)
+        expected = ["'blk.0.ffn_up.weight'", "unsupported type IQ2_XXS"]
+    elif case == "corrupt-safetensors":
+        model = tmp_path / "dir"
+        model.mkdir()
+        (model / "config.json").write_text('{"architectures": ["Qwen3ForCausalLM"]}')
+        (model / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{garbage header}")
+        expected = [str(model / "model.safetensors"), "not a readable safetensors file"]
+    else:
+        model, _ = make_tiny(tmp_path, TinySpec())
+        model.write_bytes(model.read_bytes().replace(b"qwen3", b"gpt_x"))
+        expected = ["unsupported architecture 'gpt_x'"]
+    services.start("target", "target", "--model", str(model), wait=False)
+    assert services.procs["target"].wait(timeout=60) == 2
+    log = services.log("target")
+    assert "Traceback" not in log
+    last = log.strip().splitlines()[-1]
+    assert all(e in last for e in expected), last
+
+
+def test_workers_load_hub_references_offline_from_the_cache(services, tiny_pair, tmp_path, monkeypatch):
+    """`--model hf://OWNER/REPO/FILE` and `hf://OWNER/REPO` (a directory) from an HF_HOME cache, offline."""
+    import shutil
+
+    commit = "89abcdef0123456789abcdef0123456789abcdef"
+    for repo, put in [("tiny-target", lambda d: shutil.copy(tiny_pair.target, d / "model.gguf")),
+                      ("tiny-draft", lambda d: shutil.copytree(tiny_pair.draft, d, dirs_exist_ok=True))]:
+        root = tmp_path / "hub" / f"models--splitspec-test--{repo}"
+        (root / "refs").mkdir(parents=True)
+        (root / "refs" / "main").write_text(commit)
+        snapshot = root / "snapshots" / commit
+        snapshot.mkdir(parents=True)
+        put(snapshot)
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    target_ref = "hf://splitspec-test/tiny-target/model.gguf"
+    target = services.start("target", "target", "--model", target_ref)
+    draft = services.start("draft", "draft", "--model", "hf://splitspec-test/tiny-draft", "--target-model", target_ref)
+    gateway = services.start("gateway", "gateway", "--target", target, "--draft", draft)
+    out = generate(gateway, text="hello", max_tokens=8, ignore_eos=True)
+    assert len(out.tokens) == 8 and out.final.usage.draft_fallbacks == 0
+    services.start("absent", "target", "--model", "hf://splitspec-test/tiny-target/absent.gguf", wait=False)
+    assert services.procs["absent"].wait(timeout=60) == 2
+    last = services.log("absent").strip().splitlines()[-1]
+    assert "hf://splitspec-test/tiny-target/absent.gguf" in last and "HF_HUB_OFFLINE" in last

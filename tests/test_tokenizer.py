@@ -200,15 +200,26 @@ def test_missing_tokens_is_a_clear_error(tmp_path):
     assert path in str(info.value)
 
 
-def test_sentencepiece_is_not_supported_yet(tmp_path):
+def test_unknown_tokenizer_model_is_an_error(tmp_path):
+    def metadata(writer):
+        writer.add_tokenizer_model("bert")
+        writer.add_token_list(["[UNK]", "a"])
+
+    path = write_gguf(tmp_path / "bert.gguf", metadata)
+    with pytest.raises(ValueError, match="'bert'") as info:
+        Tokenizer.from_gguf(path)
+    assert path in str(info.value) and "tokenizer.ggml.model" in str(info.value)
+
+
+def test_sentencepiece_without_scores_is_a_clear_error(tmp_path):
     def metadata(writer):
         writer.add_tokenizer_model("llama")
         writer.add_token_list(["<unk>", "<s>", "</s>", "\u2581a"])
 
     path = write_gguf(tmp_path / "spm.gguf", metadata)
-    with pytest.raises(ValueError, match="'llama'") as info:
+    with pytest.raises(ValueError, match="tokenizer.ggml.scores") as info:
         Tokenizer.from_gguf(path)
-    assert path in str(info.value) and "tokenizer.ggml.model" in str(info.value)
+    assert path in str(info.value)
 
 
 def test_unknown_pre_tokenizer_is_an_error(vocab, tmp_path):

@@ -14,8 +14,8 @@ logger = logging.getLogger(__name__)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="", help="DFlash draft directory (config.json + model.safetensors)")
-    p.add_argument("--target-model", required=True, help="the target's GGUF file: its embedding and LM head are read from it")
+    p.add_argument("--model", default="", help="DFlash draft: a z-lab directory (config.json + model.safetensors), its GGUF conversion, or hf://...")
+    p.add_argument("--target-model", required=True, help="the target model (GGUF, directory or hf://...): its embedding and LM head are read from it")
     p.add_argument("--listen", default="127.0.0.1:50053", help="address to serve on (host:port or unix:PATH)")
     p.add_argument("--device", default="cpu", help="cpu or cuda:N")
     p.add_argument("--dtype", default="auto", help="auto (bfloat16 on GPU, float32 on CPU), float32, float16, bfloat16")
@@ -35,8 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _load_engine(args: argparse.Namespace):
     """Build the engine named by the flags; returns (engine, target config, dtype name, device name)."""
     from splitspec.devices import resolve_device, resolve_dtype
-    from splitspec.models.gguf_file import ModelFileError
-    from splitspec.models.loader import load_dflash_draft, load_target_head, read_target_config
+    from splitspec.models.loader import check_draft_fits, load_dflash_draft, load_target_head, read_target_config
     from splitspec.services.draft.engine import DraftEngine
     from splitspec.services.draft.replay import ReplayDrafter, ReplayTable
 
@@ -48,12 +47,10 @@ def _load_engine(args: argparse.Namespace):
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     t0 = time.perf_counter()
-    model, config = load_dflash_draft(args.model, device, dtype)
+    target_config = read_target_config(args.target_model)
+    model, config = load_dflash_draft(args.model, device, dtype, num_target_layers=target_config.num_layers)
+    check_draft_fits(config, target_config, str(args.model), str(args.target_model))
     embed, head, target_config = load_target_head(args.target_model, device, dtype)
-    if config.hidden_size != target_config.hidden_size:
-        raise ModelFileError(f"{args.model}: draft hidden_size {config.hidden_size} != target hidden_size {target_config.hidden_size}")
-    if not 0 <= config.mask_token_id < target_config.vocab_size:
-        raise ModelFileError(f"{args.model}: mask_token_id {config.mask_token_id} outside the target vocabulary of {target_config.vocab_size}")
     logger.info(
         "loaded draft %s: %d layers, block %d, taps %s, on %s in %.1f s",
         args.model, config.num_layers, config.block_size, list(config.target_layer_ids), device, time.perf_counter() - t0,

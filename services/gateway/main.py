@@ -16,7 +16,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--listen", default="127.0.0.1:50051", help="public address (host:port or unix:PATH)")
     p.add_argument("--target", default="127.0.0.1:50052", help="target worker address")
     p.add_argument("--draft", default="127.0.0.1:50053", help="draft worker address; empty = no speculation")
-    p.add_argument("--tokenizer", default="", help="GGUF file or tokenizer.json (default: the path the target reports)")
+    p.add_argument("--tokenizer", default="", help="GGUF file, tokenizer.json, model directory or hf://... (default: the path the target reports)")
     p.add_argument("--mode", choices=["ddtree", "chain", "off"], default="ddtree", help="default speculation mode")
     p.add_argument("--budget", type=int, default=22, help="default tree nodes per step, root excluded")
     p.add_argument("--chain-seed", action=argparse.BooleanOptionalAction, default=True, help="seed DDTree with the full top-1 chain")
@@ -52,11 +52,13 @@ async def _wait_for(what: str, call, deadline: float):
 
 async def run(args: argparse.Namespace) -> None:
     from splitspec.errors import FailedPrecondition
+    from splitspec.hub import resolve_model
+    from splitspec.hub import resolve_model
     from splitspec.tokenizer import Tokenizer
     from splitspec.v1 import gateway_pb2_grpc
     from splitspec.services.gateway.admission import Admission
     from splitspec.services.gateway.monitor import WorkerMonitor
-    from splitspec.services.gateway.server import SERVICE, GatewayServicer, GatewayState, check_compatible
+    from splitspec.services.gateway.server import SERVICE, GatewayServicer, GatewayState, check_compatible, load_chat_template
     from splitspec.services.gateway.speculation import Mode, SpeculationOptions
     from splitspec.services.gateway.workers import DraftClient, TargetClient
 
@@ -72,7 +74,10 @@ async def run(args: argparse.Namespace) -> None:
         draft = DraftClient(args.draft, security)
         draft_info = await _wait_for("draft", draft.info, deadline)
         check_compatible(target_info, draft_info)
-    tokenizer = Tokenizer.load(args.tokenizer or target_info.tokenizer_path)
+    tokenizer = Tokenizer.load(resolve_model(args.tokenizer or target_info.tokenizer_path))
+    chat, chat_problem = load_chat_template(tokenizer)
+    if chat is None:
+        logger.warning("chat requests will be refused: %s", chat_problem)
     defaults = SpeculationOptions(
         mode=Mode(args.mode), budget=args.budget, chain_seed=args.chain_seed, top_k=args.top_k,
         draft_window=args.draft_window, feature_dtype=args.feature_dtype, draft_timeout_s=args.draft_timeout,
@@ -91,7 +96,7 @@ async def run(args: argparse.Namespace) -> None:
             return False
 
     monitor = WorkerMonitor(target.channel, draft.channel if draft else None, target_changed, draft_fits, args.health_interval)
-    servicer = GatewayServicer(target, draft, GatewayState(target_info, draft_info, tokenizer), defaults, admission, monitor)
+    servicer = GatewayServicer(target, draft, GatewayState(target_info, draft_info, tokenizer, chat, chat_problem), defaults, admission, monitor)
     server, health = rpc.create_server(
         "gateway", [lambda s: gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, s)], [SERVICE],
         args.listen, ServerSecurity.from_args(args), max_receive_bytes=args.max_request_bytes,

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 
 from splitspec import __version__
+from splitspec.chat import ChatTemplate, ChatTemplateError
 from splitspec.errors import FailedPrecondition, InvalidArgument, Unavailable
 from splitspec.interceptors import request_id
 from splitspec.textstream import TextStream
@@ -53,11 +54,24 @@ def check_compatible(target: target_pb2.TargetInfo, draft: draft_pb2.DraftInfo) 
 
 @dataclass
 class GatewayState:
-    """What the gateway learned from its workers at start-up."""
+    """What the gateway learned from its workers at start-up. ``chat`` is the model's chat template,
+    or None with ``chat_problem`` saying why chat requests are refused."""
 
     target_info: target_pb2.TargetInfo
     draft_info: draft_pb2.DraftInfo | None
     tokenizer: Tokenizer
+    chat: ChatTemplate | None = None
+    chat_problem: str = "the model has no chat template"
+
+
+def load_chat_template(tokenizer: Tokenizer) -> tuple[ChatTemplate | None, str]:
+    """The tokenizer's chat template compiled, or None and the reason there is none."""
+    if not tokenizer.chat_template:
+        return None, "the model has no chat template"
+    try:
+        return ChatTemplate(tokenizer.chat_template, tokenizer.special_tokens), ""
+    except ChatTemplateError as exc:
+        return None, str(exc)
 
     @property
     def draft_shape(self) -> DraftShape | None:
@@ -103,13 +117,15 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         which = request.WhichOneof("prompt")
         if which == "text":
             ids = self.state.tokenizer.encode(request.text)
+        elif which == "messages":
+            ids = self.state.tokenizer.encode(self._render_chat(request), add_special_tokens=False)
         elif which == "tokens":
             ids = list(request.tokens.ids)
             bad = [t for t in ids if not 0 <= t < geometry.vocab_size]
             if bad:
                 raise InvalidArgument(f"tokens.ids: {bad[0]} is outside [0, {geometry.vocab_size})")
         else:
-            raise InvalidArgument("prompt: set text or tokens")
+            raise InvalidArgument("prompt: set text, tokens or messages")
         if not ids:
             raise InvalidArgument("prompt: empty after tokenization")
         if len(ids) >= geometry.max_context:
@@ -122,6 +138,19 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 f"so at most {geometry.max_context - len(ids)} fit in {geometry.max_context}"
             )
         return ids
+
+    def _render_chat(self, request: gateway_pb2.GenerateRequest) -> str:
+        """The prompt text of ``request.messages`` (the template's own BOS included, so none is added)."""
+        if self.state.chat is None:
+            raise FailedPrecondition(f"messages: {self.state.chat_problem}; send the prompt as text or tokens")
+        messages = request.messages.messages
+        if not messages:
+            raise InvalidArgument("messages: empty")
+        add_generation_prompt = request.add_generation_prompt if request.HasField("add_generation_prompt") else True
+        try:
+            return self.state.chat.render([{"role": m.role, "content": m.content} for m in messages], add_generation_prompt)
+        except ChatTemplateError as exc:
+            raise InvalidArgument(f"messages: {exc}") from exc
 
     @staticmethod
     def _sampling(request: gateway_pb2.GenerateRequest) -> common_pb2.Sampling:

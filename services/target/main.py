@@ -14,7 +14,11 @@ logger = logging.getLogger(__name__)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="target model: a GGUF file (architecture qwen3 or qwen35) or a Qwen3.5 Hugging Face directory")
+    p.add_argument(
+        "--model", required=True,
+        help="target model: a GGUF file (llama, qwen2, qwen3, qwen35; a split GGUF by any part), a Hugging Face "
+        "directory (config.json + safetensors), or hf://OWNER/REPO[/FILE.gguf] resolved through the Hugging Face cache",
+    )
     p.add_argument("--listen", default="127.0.0.1:50052", help="address to serve on (host:port or unix:PATH)")
     p.add_argument("--device", default="cpu", help="cpu or cuda:N (ROCm builds of torch answer to cuda:N too)")
     p.add_argument("--dtype", default="auto", help="compute dtype: auto (bfloat16 on GPU, float32 on CPU), float32, float16, bfloat16, float64")
@@ -36,6 +40,7 @@ async def run(args: argparse.Namespace) -> None:
     import torch
 
     from splitspec.devices import DTYPES, backend_name, resolve_device, resolve_dtype
+    from splitspec.hub import resolve_model
     from splitspec.models.loader import load_target
     from splitspec.models.qwen35 import Qwen35Config, tree_node_bytes
     from splitspec.tokenizer import Tokenizer
@@ -58,8 +63,9 @@ async def run(args: argparse.Namespace) -> None:
 
     def load() -> None:
         t0 = time.perf_counter()
-        model, config = load_target(args.model, device, dtype, state_dtype)
-        tokenizer = Tokenizer.load(args.model)
+        path = resolve_model(args.model)
+        model, config = load_target(path, device, dtype, state_dtype)
+        tokenizer = Tokenizer.load(path)
         if isinstance(config, Qwen35Config):
             node = tree_node_bytes(config, dtype, model.recurrent_dtype(dtype))
             logger.info(
@@ -73,7 +79,7 @@ async def run(args: argparse.Namespace) -> None:
             num_layers=config.num_layers, max_context=config.max_context,
             dtype=str(dtype).removeprefix("torch."), device=str(device), path=str(args.model),
         )
-        servicer.host.attach(TargetEngine(model, limits), TargetDescription(geometry, list(tokenizer.eos_token_ids), str(args.model)))
+        servicer.host.attach(TargetEngine(model, limits), TargetDescription(geometry, list(tokenizer.eos_token_ids), str(path)))
         logger.info(
             "loaded target %s: %d layers, hidden %d, vocab %d, on %s (%s, %s) in %.1f s; serving on %s",
             args.model, config.num_layers, config.hidden_size, config.vocab_size, device, backend_name(device),

@@ -2,11 +2,15 @@
 
 Tensors are memory-mapped by ``gguf.GGUFReader``; a tensor is dequantized only when asked for,
 with the ``gguf`` package's own numpy dequantizers (bit-exact with llama.cpp's reference).
+
+A model split by llama.cpp's ``gguf-split`` (``name-00001-of-00003.gguf`` ...) opens as one file
+from any of its parts: metadata comes from the first part, tensors from all of them.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -30,20 +34,49 @@ SUPPORTED_TYPES = {
 }
 
 _MISSING = object()
+_SPLIT_NAME = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 
 
 class ModelFileError(ValueError):
     """A model file that cannot be used; the message names the file and the offending key."""
 
 
+def split_parts(path: str | os.PathLike) -> list[Path]:
+    """All parts of a split GGUF given any one of them, first part first; ``[path]`` if not split."""
+    path = Path(path)
+    match = _SPLIT_NAME.match(path.name)
+    if match is None:
+        return [path]
+    count = int(match["count"])
+    return [path.with_name(f"{match['stem']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+
+
+def _open(path: Path) -> GGUFReader:
+    if not path.is_file():
+        raise ModelFileError(f"{path}: no such file")
+    try:
+        return GGUFReader(path)
+    except (ValueError, OSError, IndexError, KeyError) as exc:
+        raise ModelFileError(f"{path}: not a readable GGUF file, truncated or corrupt ({exc})") from exc
+
+
 class GGUFFile:
     def __init__(self, path: str | os.PathLike) -> None:
-        self.path = Path(path)
-        try:
-            self._reader = GGUFReader(self.path)
-        except (ValueError, OSError, IndexError) as exc:
-            raise ModelFileError(f"{self.path}: not a readable GGUF file ({exc})") from exc
-        self._tensors = {t.name: t for t in self._reader.tensors}
+        parts = split_parts(path)
+        self.path = parts[0]
+        readers = [_open(p) for p in parts]
+        self._reader = readers[0]
+        count = self.get("split.count", 1)
+        if count != len(parts):
+            raise ModelFileError(f"{self.path}: metadata 'split.count' is {count} but the file name says {len(parts)} parts")
+        self._tensors = {}
+        self._tensor_file: dict[str, Path] = {}
+        for part, reader in zip(parts, readers):
+            for t in reader.tensors:
+                if t.name in self._tensors:
+                    raise ModelFileError(f"{part}: tensor {t.name!r} appears twice in the split model")
+                self._tensors[t.name] = t
+                self._tensor_file[t.name] = part
 
     @property
     def architecture(self) -> str:
@@ -71,17 +104,25 @@ class GGUFFile:
         # GGUF lists dims fastest-first; numpy wants them slowest-first.
         return tuple(int(d) for d in reversed(info.shape.tolist()))
 
-    def tensor(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
-        """Dequantized float32 array in row-major (numpy/PyTorch) order, e.g. [out, in] for a matmul."""
+    def raw(self, name: str, shape: tuple[int, ...] | None = None) -> tuple[np.ndarray, GGMLQuantizationType]:
+        """A tensor's packed bytes (a read-only view of the memory map) and its type, checked
+        against ``shape`` (row-major) and the supported types."""
         info = self._tensors.get(name)
         if info is None:
             raise ModelFileError(f"{self.path}: missing tensor {name!r}")
+        where = self._tensor_file[name]
         if info.tensor_type not in SUPPORTED_TYPES:
-            raise ModelFileError(f"{self.path}: tensor {name!r} has unsupported type {info.tensor_type.name}")
-        array = dequantize(info.data, info.tensor_type).astype(np.float32, copy=False)
+            raise ModelFileError(f"{where}: tensor {name!r} has unsupported type {info.tensor_type.name}")
+        if shape is not None and self.tensor_shape(name) != tuple(shape):
+            raise ModelFileError(f"{where}: tensor {name!r} has shape {self.tensor_shape(name)}, expected {tuple(shape)}")
+        return info.data, info.tensor_type
+
+    def tensor(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
+        """Dequantized float32 array in row-major (numpy/PyTorch) order, e.g. [out, in] for a matmul,
+        by gguf's numpy reference (the loader uses the bit-identical ``models.dequant`` instead)."""
+        data, qtype = self.raw(name, shape)
+        array = dequantize(data, qtype).astype(np.float32, copy=False)
         array = array.reshape(self.tensor_shape(name))
         if not array.flags.writeable:  # F32/F16 come back as views of the read-only memory map
             array = array.copy()
-        if shape is not None and tuple(array.shape) != tuple(shape):
-            raise ModelFileError(f"{self.path}: tensor {name!r} has shape {array.shape}, expected {shape}")
         return array

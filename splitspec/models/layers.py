@@ -1,9 +1,11 @@
-"""Building blocks shared by the Qwen3-style target and the DFlash draft: RMSNorm, RoPE, SwiGLU.
+"""Building blocks shared by the dense targets and the DFlash draft: RMSNorm, RoPE, SwiGLU, attention.
 
 Shapes use T for tokens in the current pass, S for key positions, D for head_dim.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import nn
@@ -37,15 +39,46 @@ class SwiGLU(nn.Module):
 
 
 def rope_cos_sin(
-    positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
+    positions: torch.Tensor,
+    head_dim: int,
+    theta: float,
+    dtype: torch.dtype,
+    freq_factors: torch.Tensor | None = None,  # [D/2] divisors of the frequencies (RoPE scaling)
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables for absolute ``positions`` [T] -> two [T, D] tensors (rotate-half layout)."""
+    """cos/sin tables for absolute ``positions`` [T] -> two [T, D] tensors (rotate-half layout).
+
+    ``freq_factors`` is how llama.cpp expresses RoPE scaling (its ``rope_freqs`` tensor): frequency
+    ``i`` is divided by ``freq_factors[i]``. Linear scaling is a constant factor; Llama 3 scaling is
+    the per-frequency factor of :func:`llama3_freq_factors`.
+    """
     inv_freq = 1.0 / (
         theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
     )
+    if freq_factors is not None:
+        inv_freq = inv_freq / freq_factors.to(device=positions.device, dtype=torch.float32)
     freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
     emb = torch.cat([freqs, freqs], dim=-1)  # [T, D]
     return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def llama3_freq_factors(
+    head_dim: int, theta: float, factor: float, low_freq_factor: float, high_freq_factor: float, original_context: int
+) -> list[float]:
+    """Llama 3.1's RoPE scaling as per-frequency divisors: wavelengths shorter than
+    ``original_context / high_freq_factor`` keep their frequency, those longer than
+    ``original_context / low_freq_factor`` are divided by ``factor``, and the band between
+    interpolates smoothly (in frequency, not in divisor)."""
+    factors = []
+    for i in range(0, head_dim, 2):
+        wavelength = 2 * math.pi * theta ** (i / head_dim)
+        if wavelength < original_context / high_freq_factor:
+            factors.append(1.0)
+        elif wavelength > original_context / low_freq_factor:
+            factors.append(factor)
+        else:
+            smooth = (original_context / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor)
+            factors.append(1.0 / ((1 - smooth) / factor + smooth))
+    return factors
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -62,16 +95,23 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class QKVProjection(nn.Module):
-    """q/k/v/o projections with per-head q/k RMSNorm, as in Qwen3 attention."""
+    """q/k/v/o projections, with per-head q/k RMSNorm (Qwen3) or q/k/v biases (Qwen2) as configured."""
 
     def __init__(
-        self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, eps: float, qk_norm: bool = True
+        self,
+        hidden: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        eps: float,
+        qk_norm: bool = True,
+        bias: bool = False,
     ) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.q_proj = nn.Linear(hidden, num_heads * head_dim, bias=False)
-        self.k_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=False)
-        self.v_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=False)
+        self.q_proj = nn.Linear(hidden, num_heads * head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, num_kv_heads * head_dim, bias=bias)
         self.o_proj = nn.Linear(num_heads * head_dim, hidden, bias=False)
         self.q_norm = RMSNorm(head_dim, eps) if qk_norm else nn.Identity()
         self.k_norm = RMSNorm(head_dim, eps) if qk_norm else nn.Identity()

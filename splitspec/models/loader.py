@@ -1,80 +1,282 @@
 """Load targets and drafts from their on-disk formats into PyTorch modules.
 
-Target: GGUF (architecture ``qwen3`` or ``qwen35``) or, for Qwen3.5, a Hugging Face directory.
-Draft: the z-lab DFlash layout (``config.json`` + ``model.safetensors``). The draft has no
-embedding or LM head of its own; it borrows the target's, read here from the target file
-(``load_target_head``).
+Targets (the dense family of ``models.dense``: Llama, Qwen2, Qwen3) come from a GGUF file (split
+or not; architectures ``llama``, ``qwen2``, ``qwen3``) or a Hugging Face directory (``config.json``
++ safetensors; ``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``). Drafts come from
+the z-lab DFlash directory layout or its GGUF conversion. The draft has no embedding or LM head of
+its own; it borrows the target's, read here from the target (``load_target_head``).
+
+The hybrid Qwen3.5 family (GGUF ``qwen35`` or a ``qwen3_5`` directory) loads through
+``models.qwen35_loader``; ``read_target_config``, ``load_target`` and ``load_target_head`` pick
+the family. Every path may also be a Hub reference (``hf://...``, see ``splitspec.hub``). A file
+that does not fit raises ``ModelFileError`` naming the file and the offending key or tensor.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
-from safetensors import SafetensorError, safe_open
-from safetensors.numpy import load_file
 from tqdm import tqdm
 
-from splitspec.models.dflash import DFlashConfig, DFlashDraft
+from splitspec.hub import resolve_model
+from splitspec.models.dense import DenseConfig, DenseForCausalLM
+from splitspec.models.dequant import dequantize
+from splitspec.models.dflash import DFlashConfig, DFlashDraft, default_target_layer_ids
 from splitspec.models.gguf_file import GGUFFile, ModelFileError
-from splitspec.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
-from splitspec.models.qwen35 import Qwen35Config, Qwen35ForCausalLM
+from splitspec.models.hf_dir import HFDirectory
+from splitspec.models.layers import llama3_freq_factors
+from splitspec.models.qwen35 import QWEN35_ARCHS, Qwen35Config, Qwen35ForCausalLM
 
 logger = logging.getLogger(__name__)
 
-# GGUF tensor name -> module parameter name, for the dense Qwen3 family (llama.cpp naming).
-QWEN3_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
+# GGUF tensor name -> module parameter name inside one decoder layer (llama.cpp naming).
+GGUF_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
 }
-SUPPORTED_TARGET_ARCHS = ("qwen3",)
+GGUF_GLOBAL_NAMES = {"token_embd.weight": "embed_tokens.weight", "output_norm.weight": "norm.weight", "output.weight": "lm_head.weight"}
+# GGUF draft tensor name -> DFlash module name (lucebox's conversion of the z-lab layout).
+GGUF_DRAFT_GLOBAL_NAMES = {"dflash.fc.weight": "fc.weight", "dflash.hidden_norm.weight": "hidden_norm.weight", "output_norm.weight": "norm.weight"}
+SUPPORTED_TARGET_ARCHS = ("llama", "qwen2", "qwen3")
+HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+# Tensors a checkpoint may carry that the model recomputes.
+_IGNORED_HF_TENSORS = ("rotary_emb.inv_freq",)
 
 
-def qwen3_config_from_gguf(f: GGUFFile) -> Qwen3Config:
+def gguf_name(module_name: str, global_names: dict[str, str] = GGUF_GLOBAL_NAMES) -> str:
+    """The GGUF tensor name of a module parameter: ``global_names`` (GGUF -> module) for the
+    top-level ones, ``blk.N.*`` for those of layer N."""
+    for gguf, module in global_names.items():
+        if module == module_name:
+            return gguf
+    _, i, rest = module_name.split(".", 2)  # layers.{i}.{rest}
+    return f"blk.{i}.{_GGUF_LAYER_REVERSE[rest]}"
+
+
+_GGUF_LAYER_REVERSE = {v: k for k, v in GGUF_LAYER_NAMES.items()}
+
+
+class _Source(Protocol):
+    """A target checkpoint: its config, and its tensors by the names the model's parameters map to."""
+
+    config: DenseConfig
+    where: Path  # the file or directory, for messages
+
+    def names(self, model_names: Iterable[str]) -> dict[str, str]:
+        """Module parameter name -> checkpoint tensor name."""
+
+    def load(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """A checkpoint tensor in the model's layout, checked against ``shape``."""
+
+    def tensor_names(self) -> list[str]:
+        """Every tensor the checkpoint holds that the model must consume."""
+
+
+# ---------------------------------------------------------------------------------------------- GGUF
+
+
+def _unpermute_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row permutation for its interleaved RoPE.
+
+    llama.cpp's converter stores each head's rows as (pair index, half) instead of (half, pair
+    index), so that adjacent rows form rotation pairs; rotate-half RoPE wants the halves apart.
+    """
+    per_head = w.shape[0] // heads
+    return w.reshape(heads, per_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def load_gguf_tensor(f: GGUFFile, name: str, shape: tuple[int, ...], device: torch.device | str) -> torch.Tensor:
+    """A GGUF tensor as float32 on ``device``: the packed bytes move there and expand there."""
+    data, qtype = f.raw(name, shape)
+    raw = torch.from_numpy(np.array(data, copy=True)).to(device)  # the memory map is read-only
+    return dequantize(raw, qtype, shape)
+
+
+class _GGUFSource:
+    def __init__(self, f: GGUFFile, device: torch.device | str = "cpu") -> None:
+        self.file, self.where, self.device = f, f.path, device
+        self.config = dense_config_from_gguf(f)
+
+    def names(self, model_names):
+        return {name: gguf_name(name) for name in model_names}
+
+    def load(self, name, shape):
+        tensor = load_gguf_tensor(self.file, name, shape, self.device)
+        c = self.config
+        if c.architecture == "llama" and (".attn_q." in name or ".attn_k." in name):
+            tensor = _unpermute_rows(tensor, c.num_heads if ".attn_q." in name else c.num_kv_heads)
+        return tensor
+
+    def tensor_names(self):
+        return [n for n in self.file.tensor_names() if n != "rope_freqs.weight"]
+
+
+def dense_config_from_gguf(f: GGUFFile) -> DenseConfig:
     arch = f.architecture
     if arch not in SUPPORTED_TARGET_ARCHS:
         supported = ", ".join(SUPPORTED_TARGET_ARCHS + QWEN35_ARCHS)
         raise ModelFileError(f"{f.path}: unsupported architecture {arch!r} (supported: {supported})")
     vocab_size, hidden = f.tensor_shape("token_embd.weight")
     heads = int(f.get(f"{arch}.attention.head_count"))
-    return Qwen3Config(
+    head_dim = int(f.get(f"{arch}.attention.key_length", hidden // heads))
+    return DenseConfig(
         vocab_size=vocab_size,
         hidden_size=int(f.get(f"{arch}.embedding_length")),
         intermediate_size=int(f.get(f"{arch}.feed_forward_length")),
         num_layers=int(f.get(f"{arch}.block_count")),
         num_heads=heads,
         num_kv_heads=int(f.get(f"{arch}.attention.head_count_kv", heads)),
-        head_dim=int(f.get(f"{arch}.attention.key_length", hidden // heads)),
-        rope_theta=float(f.get(f"{arch}.rope.freq_base", 1_000_000.0)),
-        rms_norm_eps=float(f.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
-        max_context=int(f.get(f"{arch}.context_length", 40960)),
+        head_dim=head_dim,
+        rope_theta=float(f.get(f"{arch}.rope.freq_base", 10_000.0)),
+        rms_norm_eps=float(f.get(f"{arch}.attention.layer_norm_rms_epsilon")),
+        max_context=int(f.get(f"{arch}.context_length")),
         tie_word_embeddings=not f.has_tensor("output.weight"),
+        qk_norm=arch == "qwen3",
+        attention_bias=f.has_tensor("blk.0.attn_q.bias"),
+        rope_freq_factors=_gguf_rope_factors(f, arch, head_dim),
+        architecture=arch,
     )
 
 
-def _progress(items: list, desc: str):
+def _gguf_rope_factors(f: GGUFFile, arch: str, head_dim: int) -> tuple[float, ...] | None:
+    """RoPE scaling: a ``rope_freqs`` tensor (how llama.cpp stores Llama 3.1 scaling) and/or
+    ``rope.scaling.type`` = linear with ``rope.scaling.factor``."""
+    factors = np.ones(head_dim // 2, np.float64)
+    scaled = False
+    if f.has_tensor("rope_freqs.weight"):
+        factors *= f.tensor("rope_freqs.weight", (head_dim // 2,))
+        scaled = True
+    kind = f.get(f"{arch}.rope.scaling.type", "none")
+    if kind == "linear":
+        factors *= float(f.get(f"{arch}.rope.scaling.factor"))
+        scaled = True
+    elif kind != "none":
+        raise ModelFileError(f"{f.path}: {arch}.rope.scaling.type {kind!r} is not supported (supported: none, linear)")
+    return tuple(float(x) for x in factors) if scaled else None
+
+
+# -------------------------------------------------------------------------------- Hugging Face dirs
+
+
+class _HFSource:
+    def __init__(self, d: HFDirectory) -> None:
+        self.dir, self.where = d, d.path
+        self.config = dense_config_from_hf(d)
+
+    def names(self, model_names):
+        return {name: name if name == "lm_head.weight" else f"model.{name}" for name in model_names}
+
+    def load(self, name, shape):
+        return self.dir.tensor(name, shape)
+
+    def tensor_names(self):
+        return [n for n in self.dir.tensor_names() if not n.endswith(_IGNORED_HF_TENSORS)]
+
+
+def dense_config_from_hf(d: HFDirectory) -> DenseConfig:
+    architectures = d.get("architectures")
+    known = [HF_ARCHITECTURES[a] for a in architectures or () if a in HF_ARCHITECTURES]
+    if not known:
+        raise ModelFileError(
+            f"{d.config_path}: unsupported architectures {architectures} (supported: {', '.join(HF_ARCHITECTURES)})"
+        )
+    arch = known[0]
+    heads = int(d.get("num_attention_heads"))
+    hidden = int(d.get("hidden_size"))
+    head_dim = int(d.get("head_dim", None) or hidden // heads)
+    # Qwen2 always has q/k/v biases; elsewhere `attention_bias` also puts one on o_proj, unsupported.
+    if arch != "qwen2" and d.get("attention_bias", False):
+        raise ModelFileError(f"{d.config_path}: attention_bias = true (a bias on o_proj) is not supported for {arch}")
+    for flag in ("mlp_bias", "use_sliding_window"):
+        if d.get(flag, False):
+            raise ModelFileError(f"{d.config_path}: {flag} = true is not supported")
+    # transformers 5 writes `rope_parameters` (theta included); older configs `rope_theta` + `rope_scaling`.
+    rope = d.get("rope_parameters", None) or d.get("rope_scaling", None) or {}
+    theta = float(d.get("rope_theta", None) or rope.get("rope_theta", 10_000.0))
+    return DenseConfig(
+        vocab_size=int(d.get("vocab_size")),
+        hidden_size=hidden,
+        intermediate_size=int(d.get("intermediate_size")),
+        num_layers=int(d.get("num_hidden_layers")),
+        num_heads=heads,
+        num_kv_heads=int(d.get("num_key_value_heads", heads)),
+        head_dim=head_dim,
+        rope_theta=theta,
+        rms_norm_eps=float(d.get("rms_norm_eps")),
+        max_context=int(d.get("max_position_embeddings")),
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+        qk_norm=arch == "qwen3",
+        attention_bias=arch == "qwen2",
+        rope_freq_factors=_hf_rope_factors(d, rope, head_dim, theta),
+        architecture=arch,
+    )
+
+
+def _hf_rope_factors(d: HFDirectory, rope: dict, head_dim: int, theta: float) -> tuple[float, ...] | None:
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind == "default":
+        return None
+    if kind == "linear":
+        return (float(rope["factor"]),) * (head_dim // 2)
+    if kind == "llama3":
+        try:
+            return tuple(llama3_freq_factors(
+                head_dim, theta, float(rope["factor"]), float(rope["low_freq_factor"]), float(rope["high_freq_factor"]),
+                int(rope["original_max_position_embeddings"]),
+            ))
+        except KeyError as exc:
+            raise ModelFileError(f"{d.config_path}: llama3 RoPE scaling is missing key {exc.args[0]!r}") from exc
+    raise ModelFileError(f"{d.config_path}: RoPE scaling type {kind!r} is not supported (supported: default, linear, llama3)")
+
+
+# ------------------------------------------------------------------------------------------ targets
+
+
+def _open_target(path: str | os.PathLike, device: torch.device | str = "cpu") -> _Source:
+    local = resolve_model(path)
+    if local.is_dir():
+        return _HFSource(HFDirectory(local))
+    return _GGUFSource(GGUFFile(local), device)
+
+
+def _hybrid(path: str | os.PathLike):
+    """The qwen35 loader module when ``path`` holds that family, else None."""
+    from splitspec.models import qwen35_loader
+
+    local = resolve_model(path)
+    return (qwen35_loader, local) if qwen35_loader.is_qwen35(local) else None
+
+
+def read_target_config(path: str | os.PathLike) -> DenseConfig | Qwen35Config:
+    """The geometry of a target checkpoint, whatever its family, without reading its weights."""
+    hybrid = _hybrid(path)
+    if hybrid:
+        module, local = hybrid
+        return module.qwen35_config_from_hf(local) if local.is_dir() else module.qwen35_config_from_gguf(GGUFFile(local))
+    return _open_target(path).config
+
+
+def progress(items: list, desc: str):
     # tqdm hides itself when stderr is not a terminal (disable=None).
     return tqdm(items, desc=desc, unit="tensor", disable=None, leave=False)
-
-
-def read_target_config(path: str | os.PathLike) -> Qwen3Config | Qwen35Config:
-    """The config of a target GGUF file or Hugging Face directory, whatever its family."""
-    if _is_qwen35(path):
-        return qwen35_config_from_hf(Path(path)) if Path(path).is_dir() else qwen35_config_from_gguf(GGUFFile(path))
-    return qwen3_config_from_gguf(GGUFFile(path))
 
 
 def load_target(
@@ -82,24 +284,26 @@ def load_target(
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
     state_dtype: torch.dtype | None = None,
-) -> tuple[Qwen3ForCausalLM | Qwen35ForCausalLM, Qwen3Config | Qwen35Config]:
-    """``state_dtype``: storage of recurrent states (hybrid families only; see ``Qwen35ForCausalLM``)."""
-    if _is_qwen35(path):
-        return load_qwen35(path, device, dtype, state_dtype)
-    f = GGUFFile(path)
-    config = qwen3_config_from_gguf(f)
+) -> tuple[DenseForCausalLM | Qwen35ForCausalLM, DenseConfig | Qwen35Config]:
+    """``state_dtype``: storage of recurrent states (hybrid family only; see ``Qwen35ForCausalLM``)."""
+    hybrid = _hybrid(path)
+    if hybrid:
+        module, local = hybrid
+        return module.load_qwen35(local, device, dtype, state_dtype)
+    source = _open_target(path, device)
+    config = source.config
     with torch.device("meta"):
-        model = Qwen3ForCausalLM(config)
+        model = DenseForCausalLM(config)
     expected = {name: tuple(p.shape) for name, p in model.named_parameters()}
-    names = {"token_embd.weight": "embed_tokens.weight", "output_norm.weight": "norm.weight"}
-    if not config.tie_word_embeddings:
-        names["output.weight"] = "lm_head.weight"
-    for i in range(config.num_layers):
-        for src, dst in QWEN3_LAYER_NAMES.items():
-            names[f"blk.{i}.{src}.weight"] = f"layers.{i}.{dst}.weight"
+    if config.tie_word_embeddings:
+        del expected["lm_head.weight"]
+    names = source.names(expected)
+    unexpected = sorted(set(source.tensor_names()) - set(names.values()))
+    if unexpected:
+        raise ModelFileError(f"{source.where}: unexpected tensor {unexpected[0]!r} for a {config.architecture} model")
     state = {}
-    for src, dst in _progress(list(names.items()), f"loading {f.path.name}"):
-        state[dst] = torch.from_numpy(f.tensor(src, expected[dst])).to(device=device, dtype=dtype)
+    for dst, src in progress(list(names.items()), f"loading {source.where.name}"):
+        state[dst] = source.load(src, expected[dst]).to(device=device, dtype=dtype)
     if config.tie_word_embeddings:
         state["lm_head.weight"] = state["embed_tokens.weight"]
     model.load_state_dict(state, assign=True, strict=True)
@@ -108,332 +312,115 @@ def load_target(
 
 def load_target_head(
     path: str | os.PathLike, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
-) -> tuple[torch.Tensor, torch.Tensor, Qwen3Config | Qwen35Config]:
+) -> tuple[torch.Tensor, torch.Tensor, DenseConfig | Qwen35Config]:
     """The target's token embedding [vocab, hidden] and LM head [vocab, hidden], for the draft."""
-    if Path(path).is_dir():
-        return load_qwen35_hf_head(Path(path), device, dtype)
-    f = GGUFFile(path)
-    config = qwen35_config_from_gguf(f) if f.architecture in QWEN35_ARCHS else qwen3_config_from_gguf(f)
-    embed = torch.from_numpy(f.tensor("token_embd.weight")).to(device=device, dtype=dtype)
-    head = embed if config.tie_word_embeddings else torch.from_numpy(f.tensor("output.weight")).to(device=device, dtype=dtype)
+    hybrid = _hybrid(path)
+    if hybrid:
+        module, local = hybrid
+        if local.is_dir():
+            return module.load_qwen35_hf_head(local, device, dtype)
+        f = GGUFFile(local)
+        config = module.qwen35_config_from_gguf(f)
+        embed = load_gguf_tensor(f, "token_embd.weight", (config.vocab_size, config.hidden_size), device).to(dtype)
+        head = embed if config.tie_word_embeddings else load_gguf_tensor(f, "output.weight", (config.vocab_size, config.hidden_size), device).to(dtype)
+        return embed, head, config
+    source = _open_target(path, device)
+    config = source.config
+    shape = (config.vocab_size, config.hidden_size)
+    wanted = ["embed_tokens.weight"] + ([] if config.tie_word_embeddings else ["lm_head.weight"])
+    names = source.names(wanted)
+    embed = source.load(names["embed_tokens.weight"], shape).to(device=device, dtype=dtype)
+    head = embed if config.tie_word_embeddings else source.load(names["lm_head.weight"], shape).to(device=device, dtype=dtype)
     return embed, head, config
 
 
+# ------------------------------------------------------------------------------------------- drafts
+
 def load_dflash_draft(
-    directory: str | os.PathLike, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+    path: str | os.PathLike,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    num_target_layers: int | None = None,
 ) -> tuple[DFlashDraft, DFlashConfig]:
-    directory = Path(directory)
-    config_path, weights_path = directory / "config.json", directory / "model.safetensors"
-    try:
-        raw = json.loads(config_path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ModelFileError(f"{config_path}: cannot read draft config ({exc})") from exc
-    config = DFlashConfig.from_dict(raw, source=str(config_path))
-    try:
-        tensors = load_file(str(weights_path))
-    except (OSError, SafetensorError) as exc:
-        raise ModelFileError(f"{weights_path}: cannot read draft weights ({exc})") from exc
+    """A DFlash draft from a z-lab directory (``config.json`` + ``model.safetensors``) or a GGUF
+    file. ``num_target_layers`` picks the default taps when the file does not list them."""
+    local = resolve_model(path)
+    if local.is_dir():
+        d = HFDirectory(local)
+        try:
+            config = DFlashConfig.from_dict(d.config, source=str(d.config_path))
+        except ValueError as exc:
+            raise ModelFileError(str(exc)) from exc
+        names = {name: name for name in _draft_param_names(config)}
+        read = d.tensor
+        where, available = d.path, d.tensor_names()
+    else:
+        f = GGUFFile(local)
+        config = dflash_config_from_gguf(f, num_target_layers)
+        names = {name: gguf_name(name, GGUF_DRAFT_GLOBAL_NAMES) for name in _draft_param_names(config)}
+
+        def read(name, shape):
+            return load_gguf_tensor(f, name, shape, device)
+
+        where, available = f.path, f.tensor_names()
     with torch.device("meta"):
         model = DFlashDraft(config)
-    state = {}
-    for name, param in model.named_parameters():
-        if name not in tensors:
-            raise ModelFileError(f"{weights_path}: missing tensor {name!r}")
-        array = tensors[name]
-        if tuple(array.shape) != tuple(param.shape):
-            raise ModelFileError(f"{weights_path}: tensor {name!r} has shape {array.shape}, expected {tuple(param.shape)}")
-        state[name] = torch.from_numpy(np.ascontiguousarray(array)).to(device=device, dtype=dtype)
+    expected = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    unexpected = sorted(set(available) - set(names.values()))
+    if unexpected:
+        raise ModelFileError(f"{where}: unexpected tensor {unexpected[0]!r} for a DFlash draft")
+    state = {name: read(src, expected[name]).to(device=device, dtype=dtype) for name, src in names.items()}
     model.load_state_dict(state, assign=True, strict=True)
     return model.eval(), config
 
 
-# --- qwen35: Qwen3.5 / Qwen3.6 hybrid (Gated DeltaNet + gated attention), spec 4.1 ---------------
-
-QWEN35_ARCHS = ("qwen35",)
-QWEN35_HF_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
-
-# GGUF tensor name (after ``blk.N.``) -> module parameter name (after ``layers.N.``), per layer kind.
-QWEN35_SHARED_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "post_attention_norm.weight": "post_attention_layernorm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
-QWEN35_ATTENTION_NAMES = {
-    "attn_q.weight": "self_attn.q_proj.weight",  # [q_h | gate_h] per head, as in HF
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_q_norm.weight": "self_attn.q_norm.weight",
-    "attn_k_norm.weight": "self_attn.k_norm.weight",
-}
-QWEN35_DELTANET_NAMES = {
-    "attn_qkv.weight": "linear_attn.in_proj_qkv.weight",
-    "attn_gate.weight": "linear_attn.in_proj_z.weight",
-    "ssm_beta.weight": "linear_attn.in_proj_b.weight",
-    "ssm_alpha.weight": "linear_attn.in_proj_a.weight",
-    "ssm_a": "linear_attn.ssm_a",  # stored as -exp(A_log), which is what the module holds
-    "ssm_dt.bias": "linear_attn.dt_bias",
-    "ssm_conv1d.weight": "linear_attn.conv_weight",  # [C, K], HF's [C, 1, K] squeezed
-    "ssm_norm.weight": "linear_attn.norm.weight",
-    "ssm_out.weight": "linear_attn.out_proj.weight",
-}
-# DeltaNet tensors whose value heads the converter tiles: (axis, head width is Dv, heads start after q|k).
-QWEN35_TILED_V_HEADS = {
-    "attn_qkv.weight": (0, True, True),
-    "ssm_conv1d.weight": (0, True, True),
-    "attn_gate.weight": (0, True, False),
-    "ssm_out.weight": (1, True, False),
-    "ssm_beta.weight": (0, False, False),
-    "ssm_alpha.weight": (0, False, False),
-    "ssm_a": (0, False, False),
-    "ssm_dt.bias": (0, False, False),
-}
-
-
-def tiled_v_head_order(num_key_heads: int, num_value_heads: int) -> np.ndarray:
-    """``[Hv]``: the GGUF converter's value-head order, as HF (grouped) head indices.
-
-    HF groups value heads by key head (head ``k * R + r`` reads key head ``k``, ``R = Hv / Hk``);
-    the converter tiles them so that ggml's broadcast pairs position ``p`` with key head ``p % Hk``:
-    position ``r * Hk + k`` holds HF head ``k * R + r``. E.g. ``Hk = 2, Hv = 6`` -> ``[0, 3, 1, 4, 2, 5]``.
-    """
-    return np.arange(num_value_heads).reshape(num_key_heads, num_value_heads // num_key_heads).T.reshape(-1)
-
-
-def permute_v_heads(array: np.ndarray, name: str, order: np.ndarray, config: Qwen35Config) -> np.ndarray:
-    """Reorder the value heads of the DeltaNet tensor ``name`` (GGUF naming): head ``i`` of the
-    result is head ``order[i]`` of ``array``. Tensors without value heads come back unchanged."""
-    if name not in QWEN35_TILED_V_HEADS:
-        return array
-    axis, per_dim, after_qk = QWEN35_TILED_V_HEADS[name]
-    width = config.linear_value_head_dim if per_dim else 1
-    offset = 2 * config.key_dim if after_qk else 0
-    index = np.arange(array.shape[axis])
-    index[offset:] = offset + (order[:, None] * width + np.arange(width)).reshape(-1)
-    return np.take(array, index, axis=axis)
-
-
-def _is_qwen35(path: str | os.PathLike) -> bool:
-    path = Path(path)
-    if path.is_dir():
-        return True  # Hugging Face directories are read for Qwen3.5 only (qwen35_config_from_hf checks)
-    return GGUFFile(path).architecture in QWEN35_ARCHS
-
-
-def _kv_head_count(value, source: str) -> int:
-    """``attention.head_count_kv`` is a scalar or a per-layer array with 0 for DeltaNet layers."""
-    counts = {int(v) for v in (value if isinstance(value, list) else [value])} - {0}
-    if len(counts) != 1:
-        raise ModelFileError(f"{source}: attention.head_count_kv {value!r} has no single attention KV head count")
-    return counts.pop()
-
-
-def qwen35_config_from_gguf(f: GGUFFile) -> Qwen35Config:
-    a = f.architecture
-    vocab_size, _ = f.tensor_shape("token_embd.weight")
-    value_heads = int(f.get(f"{a}.ssm.time_step_rank"))
-    heads = int(f.get(f"{a}.attention.head_count"))
-    try:
-        return Qwen35Config(
-            vocab_size=vocab_size,
-            hidden_size=int(f.get(f"{a}.embedding_length")),
-            intermediate_size=int(f.get(f"{a}.feed_forward_length")),
-            num_layers=int(f.get(f"{a}.block_count")),
-            num_heads=heads,
-            num_kv_heads=_kv_head_count(f.get(f"{a}.attention.head_count_kv"), str(f.path)),
-            head_dim=int(f.get(f"{a}.attention.key_length")),
-            rotary_dim=int(f.get(f"{a}.rope.dimension_count")),
-            linear_num_key_heads=int(f.get(f"{a}.ssm.group_count")),
-            linear_num_value_heads=value_heads,
-            linear_key_head_dim=int(f.get(f"{a}.ssm.state_size")),
-            linear_value_head_dim=int(f.get(f"{a}.ssm.inner_size")) // value_heads,
-            conv_kernel=int(f.get(f"{a}.ssm.conv_kernel")),
-            full_attention_interval=int(f.get(f"{a}.full_attention_interval")),
-            rope_theta=float(f.get(f"{a}.rope.freq_base", 10_000_000.0)),
-            rms_norm_eps=float(f.get(f"{a}.attention.layer_norm_rms_epsilon", 1e-6)),
-            max_context=int(f.get(f"{a}.context_length", 262144)),
-            tie_word_embeddings=not f.has_tensor("output.weight"),
-        )
-    except ValueError as exc:
-        raise ModelFileError(f"{f.path}: {exc}") from exc
-
-
-def _load_qwen35_state(model: Qwen35ForCausalLM, read, source: str, device, dtype) -> Qwen35ForCausalLM:
-    """Fill ``model`` (on the meta device) from ``read(param_name, shape) -> float32 array/tensor``."""
-    state = {}
-    for name, param in _progress(list(model.named_parameters()), f"loading {source}"):
-        if name == "lm_head.weight" and model.config.tie_word_embeddings:
-            continue
-        value = torch.as_tensor(read(name, tuple(param.shape)))
-        state[name] = value.to(device=device, dtype=dtype)
-    if model.config.tie_word_embeddings:
-        state["lm_head.weight"] = state["embed_tokens.weight"]
-    model.load_state_dict(state, assign=True, strict=True)
-    return model.eval()
-
-
-def qwen35_gguf_names(config: Qwen35Config) -> dict[str, str]:
-    """Module parameter name -> GGUF tensor name."""
-    names = {"embed_tokens.weight": "token_embd.weight", "norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
-    for i in range(config.num_layers):
-        kind = QWEN35_ATTENTION_NAMES if config.is_full_attention(i) else QWEN35_DELTANET_NAMES
-        for src, dst in {**QWEN35_SHARED_NAMES, **kind}.items():
-            names[f"layers.{i}.{dst}"] = f"blk.{i}.{src}"
-    return names
-
-
-def load_qwen35(
-    path: str | os.PathLike, device: torch.device | str, dtype: torch.dtype, state_dtype: torch.dtype | None
-) -> tuple[Qwen35ForCausalLM, Qwen35Config]:
-    path = Path(path)
-    if path.is_dir():
-        return load_qwen35_hf(path, device, dtype, state_dtype)
-    f = GGUFFile(path)
-    config = qwen35_config_from_gguf(f)
-    names = qwen35_gguf_names(config)
-    untile = np.argsort(tiled_v_head_order(config.linear_num_key_heads, config.linear_num_value_heads))
-
-    def read(name: str, shape: tuple[int, ...]) -> np.ndarray:
-        gguf_name = names[name]
-        # GGUF has no per-tensor layout flag: tiled value heads are a property of the architecture.
-        array = f.tensor(gguf_name, shape)
-        return permute_v_heads(array, gguf_name.split(".", 2)[-1], untile, config)
-
+def _draft_param_names(config: DFlashConfig) -> list[str]:
     with torch.device("meta"):
-        model = Qwen35ForCausalLM(config, state_dtype)
-    return _load_qwen35_state(model, read, path.name, device, dtype), config
+        return [name for name, _ in DFlashDraft(config).named_parameters()]
 
 
-# --- qwen35 from a Hugging Face directory (Qwen3_5ForCausalLM, or the text model of Qwen3_5ForConditionalGeneration)
+def dflash_config_from_gguf(f: GGUFFile, num_target_layers: int | None) -> DFlashConfig:
+    arch = f.architecture
+    if not f.has_tensor("dflash.fc.weight"):
+        raise ModelFileError(f"{f.path}: architecture {arch!r} is not a DFlash draft (no tensor 'dflash.fc.weight')")
+    hidden = int(f.get(f"{arch}.embedding_length"))
+    heads = int(f.get(f"{arch}.attention.head_count"))
+    num_layers = int(f.get(f"{arch}.block_count"))
+    taps = f.get(f"{arch}.dflash.target_layer_ids", None)
+    if taps is None:
+        fc_in = f.tensor_shape("dflash.fc.weight")[1]
+        num_taps = int(f.get(f"{arch}.dflash.n_target_layers", fc_in // hidden))
+        if num_target_layers is None:
+            raise ModelFileError(f"{f.path}: no {arch}.dflash.target_layer_ids and the target's layer count is unknown")
+        taps = default_target_layer_ids(num_target_layers, num_taps)
+    vocab = f.get(f"{arch}.vocab_size", None)
+    return DFlashConfig(
+        hidden_size=hidden,
+        intermediate_size=int(f.get(f"{arch}.feed_forward_length")),
+        num_layers=num_layers,
+        num_heads=heads,
+        num_kv_heads=int(f.get(f"{arch}.attention.head_count_kv", heads)),
+        head_dim=int(f.get(f"{arch}.attention.key_length", hidden // heads)),
+        block_size=int(f.get(f"{arch}.dflash.block_size")),
+        mask_token_id=int(f.get(f"{arch}.dflash.mask_token_id")),
+        target_layer_ids=tuple(int(t) for t in taps),
+        rms_norm_eps=float(f.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(f.get(f"{arch}.rope.freq_base", 1_000_000.0)),
+        vocab_size=None if vocab is None else int(vocab),
+    )
 
 
-class _SafetensorsDir:
-    """Tensors of a Hugging Face directory: ``model.safetensors`` or a sharded index."""
-
-    def __init__(self, directory: Path) -> None:
-        self.directory = directory
-        index = directory / "model.safetensors.index.json"
-        single = directory / "model.safetensors"
-        try:
-            if index.exists():
-                weight_map = json.loads(index.read_text())["weight_map"]
-                self.files = {name: directory / file for name, file in weight_map.items()}
-            else:
-                with safe_open(single, framework="pt") as f:
-                    self.files = {name: single for name in f.keys()}
-        except (OSError, KeyError, json.JSONDecodeError, SafetensorError) as exc:
-            raise ModelFileError(f"{directory}: cannot read the safetensors weights ({exc})") from exc
-
-    def get(self, name: str) -> torch.Tensor:
-        if name not in self.files:
-            raise ModelFileError(f"{self.directory}: missing tensor {name!r}")
-        with safe_open(self.files[name], framework="pt") as f:
-            return f.get_tensor(name).float()
-
-    def prefix(self) -> str:
-        """Where the text model's tensors live: ``model.language_model.`` (multimodal) or ``model.``."""
-        return "model.language_model." if "model.language_model.embed_tokens.weight" in self.files else "model."
-
-
-def _hf_text_config(directory: Path) -> tuple[dict, dict]:
-    path = directory / "config.json"
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ModelFileError(f"{path}: cannot read config ({exc})") from exc
-    if raw.get("model_type") not in QWEN35_HF_MODEL_TYPES:
-        raise ModelFileError(f"{path}: model_type {raw.get('model_type')!r} is not one of {', '.join(QWEN35_HF_MODEL_TYPES)}")
-    return raw, raw.get("text_config", raw)
-
-
-def qwen35_config_from_hf(directory: Path) -> Qwen35Config:
-    raw, text = _hf_text_config(directory)
-    source = str(directory / "config.json")
-
-    def need(key: str):
-        if key not in text:
-            raise ModelFileError(f"{source}: missing key {key!r}")
-        return text[key]
-
-    layers = int(need("num_hidden_layers"))
-    interval = int(text.get("full_attention_interval", 4))
-    layer_types = text.get("layer_types")
-    if layer_types:
-        interval = layer_types.index("full_attention") + 1 if "full_attention" in layer_types else layers + 1
-        expected = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)]
-        if layer_types != expected:
-            raise ModelFileError(f"{source}: layer_types {layer_types} is not a full_attention_interval pattern")
-    rope = text.get("rope_parameters") or {}
-    head_dim = int(need("head_dim"))
-    try:
-        return Qwen35Config(
-            vocab_size=int(need("vocab_size")),
-            hidden_size=int(need("hidden_size")),
-            intermediate_size=int(need("intermediate_size")),
-            num_layers=layers,
-            num_heads=int(need("num_attention_heads")),
-            num_kv_heads=int(need("num_key_value_heads")),
-            head_dim=head_dim,
-            rotary_dim=int(head_dim * rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))),
-            linear_num_key_heads=int(need("linear_num_key_heads")),
-            linear_num_value_heads=int(need("linear_num_value_heads")),
-            linear_key_head_dim=int(need("linear_key_head_dim")),
-            linear_value_head_dim=int(need("linear_value_head_dim")),
-            conv_kernel=int(text.get("linear_conv_kernel_dim", 4)),
-            full_attention_interval=interval,
-            rope_theta=float(rope.get("rope_theta", text.get("rope_theta", 10_000_000.0))),
-            rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
-            max_context=int(text.get("max_position_embeddings", 262144)),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
-        )
-    except ValueError as exc:
-        raise ModelFileError(f"{source}: {exc}") from exc
-
-
-def qwen35_from_hf(name: str, tensor: torch.Tensor) -> torch.Tensor:
-    """HF tensor -> module parameter: zero-centred norms get their 1 back, ``A_log`` becomes
-    ``ssm_a = -exp(A_log)`` and the conv weight loses its singleton dim (the GGUF converter's
-    transforms, which the module's layout follows)."""
-    if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
-        return tensor + 1.0
-    if name.endswith("linear_attn.ssm_a"):
-        return -tensor.exp()
-    if name.endswith("linear_attn.conv_weight"):
-        return tensor.squeeze(1)
-    return tensor
-
-
-def qwen35_hf_name(name: str, prefix: str) -> str:
-    if name == "lm_head.weight":
-        return name
-    return prefix + name.replace("linear_attn.conv_weight", "linear_attn.conv1d.weight").replace("linear_attn.ssm_a", "linear_attn.A_log")
-
-
-def load_qwen35_hf(
-    directory: Path, device: torch.device | str, dtype: torch.dtype, state_dtype: torch.dtype | None
-) -> tuple[Qwen35ForCausalLM, Qwen35Config]:
-    config = qwen35_config_from_hf(directory)
-    weights = _SafetensorsDir(directory)
-    prefix = weights.prefix()
-
-    def read(name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        tensor = qwen35_from_hf(name, weights.get(qwen35_hf_name(name, prefix)))
-        if tuple(tensor.shape) != shape:
-            raise ModelFileError(f"{directory}: tensor {qwen35_hf_name(name, prefix)!r} has shape {tuple(tensor.shape)}, expected {shape}")
-        return tensor
-
-    with torch.device("meta"):
-        model = Qwen35ForCausalLM(config, state_dtype)
-    return _load_qwen35_state(model, read, directory.name, device, dtype), config
-
-
-def load_qwen35_hf_head(
-    directory: Path, device: torch.device | str, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor, Qwen35Config]:
-    config = qwen35_config_from_hf(directory)
-    weights = _SafetensorsDir(directory)
-    embed = weights.get(weights.prefix() + "embed_tokens.weight").to(device=device, dtype=dtype)
-    head = embed if config.tie_word_embeddings else weights.get("lm_head.weight").to(device=device, dtype=dtype)
-    return embed, head, config
+def check_draft_fits(draft: DFlashConfig, target: DenseConfig, draft_path: str, target_path: str) -> None:
+    """Refuse a draft built for another target, naming every mismatch."""
+    problems = []
+    if draft.hidden_size != target.hidden_size:
+        problems.append(f"hidden_size {draft.hidden_size} (draft) vs {target.hidden_size} (target)")
+    if draft.vocab_size is not None and draft.vocab_size != target.vocab_size:
+        problems.append(f"vocab_size {draft.vocab_size} (draft) vs {target.vocab_size} (target)")
+    if not 0 <= draft.mask_token_id < target.vocab_size:
+        problems.append(f"mask_token_id {draft.mask_token_id} outside the target vocabulary of {target.vocab_size}")
+    bad = [t for t in draft.target_layer_ids if not 0 <= t < target.num_layers]
+    if bad:
+        problems.append(f"target_layer_ids {bad} outside the target's {target.num_layers} layers")
+    if problems:
+        raise ModelFileError(f"{draft_path}: draft does not fit target {target_path}: " + "; ".join(problems))

@@ -45,6 +45,8 @@ from splitspec.models.layers import QKVProjection, RMSNorm, SwiGLU, apply_rope, 
 from splitspec.spec.acceptance import compact_rows
 
 
+QWEN35_ARCHS = ("qwen35",)  # GGUF general.architecture values of this family
+
 @dataclass(frozen=True)
 class Qwen35Config:
     vocab_size: int

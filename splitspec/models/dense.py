@@ -1,4 +1,8 @@
-"""Qwen3 dense decoder (the first target family): config, KV cache and a tree-capable forward.
+"""Dense decoder family (Llama, Qwen2, Qwen3): config, KV cache and a tree-capable forward.
+
+The three architectures share one layer: pre-norm attention with GQA and rotate-half RoPE, then a
+SwiGLU MLP. They differ only in flags of :class:`DenseConfig`: per-head q/k RMSNorm (Qwen3),
+q/k/v biases (Qwen2), and RoPE frequency scaling (Llama 3.1's, or linear).
 
 One forward serves prefill chunks, tree verification and single-token steps: the caller passes
 the tokens, their absolute positions, the KV slot where their keys start, and a boolean
@@ -13,7 +17,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 from torch import nn
@@ -23,7 +26,10 @@ from splitspec.spec.acceptance import compact_rows
 
 
 @dataclass(frozen=True)
-class Qwen3Config:
+class DenseConfig:
+    """Geometry of a dense decoder. ``rope_freq_factors`` [head_dim / 2] divides the RoPE
+    frequencies (see ``layers.rope_cos_sin``); None means unscaled."""
+
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -35,11 +41,16 @@ class Qwen3Config:
     rms_norm_eps: float = 1e-6
     max_context: int = 40960
     tie_word_embeddings: bool = False
-    architecture: ClassVar[str] = "qwen3"
+    qk_norm: bool = True
+    attention_bias: bool = False
+    rope_freq_factors: tuple[float, ...] | None = None
+    architecture: str = "qwen3"
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        if self.rope_freq_factors is not None and len(self.rope_freq_factors) != self.head_dim // 2:
+            raise ValueError(f"rope_freq_factors has {len(self.rope_freq_factors)} entries, expected head_dim / 2 = {self.head_dim // 2}")
 
 
 class KVCache:
@@ -49,7 +60,7 @@ class KVCache:
     prefix; acceptance then compacts the accepted rows down (see ``spec.acceptance``).
     """
 
-    def __init__(self, config: Qwen3Config, capacity: int, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, config: DenseConfig, capacity: int, device: torch.device, dtype: torch.dtype) -> None:
         shape = (config.num_layers, config.num_kv_heads, capacity, config.head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
@@ -69,12 +80,14 @@ class KVCache:
         compact_rows(self.v, start, index)
 
 
-class Qwen3DecoderLayer(nn.Module):
-    def __init__(self, config: Qwen3Config) -> None:
+class DenseDecoderLayer(nn.Module):
+    def __init__(self, config: DenseConfig) -> None:
         super().__init__()
         c = config
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.self_attn = QKVProjection(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps)
+        self.self_attn = QKVProjection(
+            c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps, qk_norm=c.qk_norm, bias=c.attention_bias
+        )
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = SwiGLU(c.hidden_size, c.intermediate_size)
 
@@ -93,12 +106,12 @@ class Qwen3DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class Qwen3ForCausalLM(nn.Module):
-    def __init__(self, config: Qwen3Config) -> None:
+class DenseForCausalLM(nn.Module):
+    def __init__(self, config: DenseConfig) -> None:
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Qwen3DecoderLayer(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DenseDecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
@@ -120,11 +133,14 @@ class Qwen3ForCausalLM(nn.Module):
         """Returns logits [R, vocab] (float32) and tap features [T, len(taps) * hidden] or None.
 
         ``parents`` is part of the common forward signature (recurrent families need it); for
-        attention the ``mask`` already says which rows each row sees. Tap ``i`` is the output of decoder layer ``i`` (the residual stream after its MLP), the
-        ``hidden_states[i + 1]`` of Hugging Face's numbering, concatenated in ``taps`` order.
+        attention the ``mask`` already says which rows each row sees. Tap ``i`` is the output of
+        decoder layer ``i`` (the residual stream after its MLP), the ``hidden_states[i + 1]`` of
+        Hugging Face's numbering, concatenated in ``taps`` order.
         """
         h = self.embed_tokens(tokens)
-        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, h.dtype)
+        c = self.config
+        factors = None if c.rope_freq_factors is None else torch.tensor(c.rope_freq_factors, device=tokens.device)
+        cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, h.dtype, factors)
         tapped: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, cache.k[i], cache.v[i], start, mask)

@@ -1,0 +1,52 @@
+"""The torch dequantizers (splitspec.models.dequant) against gguf's numpy reference, bit for bit
+(on the GPU too where one is present)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
+from gguf.quants import dequantize as reference
+
+from splitspec.models.dequant import TYPES, dequantize
+from splitspec.models.gguf_file import SUPPORTED_TYPES
+
+# Byte offsets of the f16 scales in each block: random bytes there could be NaN or inf.
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+F16_FIELDS = {Q.Q8_0: [0], Q.Q4_0: [0], Q.Q4_1: [0, 2], Q.Q5_0: [0], Q.Q5_1: [0, 2], Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208]}
+
+
+def test_every_supported_type_has_a_kernel():
+    assert TYPES == SUPPORTED_TYPES
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("qtype", sorted(F16_FIELDS, key=int), ids=lambda q: q.name)
+def test_random_blocks_match_the_reference_bit_for_bit(qtype, device):
+    """Random bytes exercise every bit of every packed field, not only what a quantizer writes."""
+    rng = np.random.default_rng(int(qtype))
+    block_values, block_bytes = GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, (64, block_bytes), dtype=np.uint8)
+    for offset in F16_FIELDS[qtype]:
+        blocks[:, offset : offset + 2] = (rng.standard_normal(64) * 0.01).astype("<f2").view(np.uint8).reshape(64, 2)
+    raw = blocks.reshape(4, -1)  # 4 rows of 16 blocks
+    expected = reference(raw, qtype)
+    ours = dequantize(torch.from_numpy(raw.copy()).to(device), qtype, expected.shape).cpu().numpy()
+    assert np.array_equal(ours.view(np.uint32), expected.astype(np.float32).view(np.uint32))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.BF16], ids=lambda q: q.name)
+def test_float_types_match_the_reference_bit_for_bit(qtype, device):
+    rng = np.random.default_rng(0)
+    values = (rng.standard_normal((8, 64)) * 10).astype(np.float32)
+    if qtype == Q.F32:
+        raw = values.view(np.uint8)
+    elif qtype == Q.F16:
+        raw = values.astype(np.float16).view(np.uint8)
+    else:
+        raw = (values.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)  # truncated bf16
+    expected = reference(raw, qtype)
+    ours = dequantize(torch.from_numpy(raw.copy()).to(device), qtype, expected.shape).cpu().numpy()
+    assert np.array_equal(ours.view(np.uint32), expected.astype(np.float32).view(np.uint32))
