@@ -66,7 +66,7 @@ def check_tiny(device) -> None:
         engine, rng = TargetEngine(model), np.random.default_rng(0)
         prompt = rng.integers(0, config.vocab_size, 9).tolist()
         engine.prefill("s", prompt, GREEDY, reserve_tokens=64)
-        state = engine.sequences["s"]
+        state = engine.sequences.get("s")
         tree = random_tree(config.vocab_size, 22, rng)
         logits, _, _ = engine.tree_forward(state, tree.tokens.astype(np.int64), tree.parents.astype(np.int64))
         def tokens(rows: list[int]) -> list[int]:

@@ -63,6 +63,11 @@ class GatewayState:
     chat: ChatTemplate | None = None
     chat_problem: str = "the model has no chat template"
 
+    @property
+    def draft_shape(self) -> DraftShape | None:
+        d = self.draft_info
+        return DraftShape(d.block_size, tuple(d.target_layer_ids)) if d is not None else None
+
 
 def load_chat_template(tokenizer: Tokenizer) -> tuple[ChatTemplate | None, str]:
     """The tokenizer's chat template compiled, or None and the reason there is none."""
@@ -72,11 +77,6 @@ def load_chat_template(tokenizer: Tokenizer) -> tuple[ChatTemplate | None, str]:
         return ChatTemplate(tokenizer.chat_template, tokenizer.special_tokens), ""
     except ChatTemplateError as exc:
         return None, str(exc)
-
-    @property
-    def draft_shape(self) -> DraftShape | None:
-        d = self.draft_info
-        return DraftShape(d.block_size, tuple(d.target_layer_ids)) if d is not None else None
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
