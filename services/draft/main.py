@@ -21,6 +21,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-sequences", type=int, default=256, help="live draft contexts at most")
     p.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0 = torch's default)")
     p.add_argument("--sequence-ttl", type=float, default=600.0, help="release contexts idle this many seconds")
+    p.add_argument("--metrics-port", type=int, default=9453, help="Prometheus /metrics port on the --listen host (0 = off)")
     p.add_argument(
         "--replay", default="",
         help="BENCHMARK/TEST ONLY: instead of a model, replay the continuations in this JSONL table "
@@ -32,7 +33,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 async def run(args: argparse.Namespace) -> None:
     import torch
 
-    from splitspec.devices import resolve_device, resolve_dtype
+    from splitspec.devices import backend_name, resolve_device, resolve_dtype
+    from splitspec.metrics import WorkerMetrics, model_name
     from splitspec.models.gguf_file import GGUFFile, ModelFileError
     from splitspec.models.loader import load_dflash_draft, load_target_head, qwen3_config_from_gguf
     from splitspec.v1 import common_pb2, draft_pb2_grpc
@@ -44,15 +46,15 @@ async def run(args: argparse.Namespace) -> None:
         torch.set_num_threads(args.threads)
     if bool(args.model) == bool(args.replay):
         raise ValueError("give exactly one of --model (a DFlash draft) or --replay (benchmark/test only)")
+    t0 = time.perf_counter()
     if args.replay:
         target_config = qwen3_config_from_gguf(GGUFFile(args.target_model))
         engine = ReplayDrafter(ReplayTable(args.replay), target_config.vocab_size, corruption=args.replay_corruption)
         logger.warning("REPLAY drafter (benchmark/test only): %s, corruption %.2f", args.replay, args.replay_corruption)
-        dtype, device = "n/a", "cpu"
+        dtype, device = "n/a", torch.device("cpu")
     else:
         device = resolve_device(args.device)
         dtype = resolve_dtype(args.dtype, device)
-        t0 = time.perf_counter()
         model, config = load_dflash_draft(args.model, device, dtype)
         embed, head, target_config = load_target_head(args.target_model, device, dtype)
         if config.hidden_size != target_config.hidden_size:
@@ -69,7 +71,14 @@ async def run(args: argparse.Namespace) -> None:
         num_layers=target_config.num_layers, max_context=target_config.max_context,
         dtype=str(dtype).removeprefix("torch."), device=str(device), path=str(args.target_model),
     )
-    servicer = DraftServicer(engine, geometry, str(args.model or args.replay))
+    metrics = WorkerMetrics("draft", model_name(args.target_model))
+    metrics.describe(device=str(device), backend=backend_name(device), dtype=geometry.dtype, draft=model_name(args.model or args.replay))
+    metrics.loaded(time.perf_counter() - t0)
+    metrics.watch(live_sequences=lambda: len(engine.sequences))
+    if isinstance(engine, DraftEngine):
+        metrics.watch(max_sequences=lambda: engine.max_sequences)
+    metrics.serve(args.metrics_port, args.listen)
+    servicer = DraftServicer(engine, geometry, str(args.model or args.replay), metrics)
     server, health, _ = rpc.create_server(
         "draft", [lambda s: draft_pb2_grpc.add_DraftWorkerServicer_to_server(servicer, s)], [SERVICE], args.listen
     )

@@ -7,6 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
 from splitspec.errors import InvalidArgument
+from splitspec.metrics import WorkerMetrics
 from splitspec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from splitspec.wire import WireError, tensor_from_pb, tensor_to_pb
 from splitspec.services.draft.engine import DraftEngine
@@ -16,10 +17,13 @@ SERVICE = draft_pb2.DESCRIPTOR.services_by_name["DraftWorker"].full_name
 
 
 class DraftServicer(draft_pb2_grpc.DraftWorkerServicer):
-    def __init__(self, engine: DraftEngine | ReplayDrafter, target_geometry: common_pb2.ModelGeometry, path: str) -> None:
+    def __init__(
+        self, engine: DraftEngine | ReplayDrafter, target_geometry: common_pb2.ModelGeometry, path: str, metrics: WorkerMetrics
+    ) -> None:
         self.engine = engine
         self.target_geometry = target_geometry
         self.path = path
+        self.metrics = metrics
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft-engine")
 
     async def _run(self, fn, *args, **kwargs):
@@ -55,6 +59,7 @@ class DraftServicer(draft_pb2_grpc.DraftWorkerServicer):
             request.window,
             list(request.tokens),
         )
+        self.metrics.forward("propose", proposal.forward_ns)
         return draft_pb2.ProposeResponse(
             top_ids=tensor_to_pb(proposal.top_ids),
             top_logprobs=tensor_to_pb(proposal.top_logprobs),

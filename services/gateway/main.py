@@ -23,22 +23,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--feature-dtype", choices=["", "float32", "float16", "bfloat16"], default="", help="wire dtype of tap features ('' = target compute dtype)")
     p.add_argument("--draft-timeout", type=float, default=5.0, help="seconds a Propose may take before the step falls back to target-only")
     p.add_argument("--worker-wait", type=float, default=600.0, help="seconds to wait for the workers at start-up")
+    p.add_argument("--metrics-port", type=int, default=9451, help="Prometheus /metrics port on the --listen host (0 = off)")
 
 
 async def run(args: argparse.Namespace) -> None:
     from splitspec.errors import FailedPrecondition
+    from splitspec.metrics import GatewayMetrics, model_name
     from splitspec.tokenizer import Tokenizer
     from splitspec.v1 import gateway_pb2_grpc
     from splitspec.services.gateway.server import SERVICE, GatewayServicer, GatewayState, check_compatible
     from splitspec.services.gateway.speculation import DraftShape, Mode, SpeculationOptions
     from splitspec.services.gateway.workers import DraftClient, TargetClient
 
-    target = TargetClient(args.target)
+    metrics = GatewayMetrics()
+    target = TargetClient(args.target, [metrics.interceptor()])
     logger.info("waiting for the target worker at %s", args.target)
     target_info = await target.info(timeout=args.worker_wait)
     draft, shape = None, None
     if args.draft:
-        draft = DraftClient(args.draft)
+        draft = DraftClient(args.draft, [metrics.interceptor()])
         logger.info("waiting for the draft worker at %s", args.draft)
         draft_info = await draft.info(timeout=args.worker_wait)
         check_compatible(target_info, draft_info)
@@ -50,7 +53,10 @@ async def run(args: argparse.Namespace) -> None:
         mode=Mode(args.mode), budget=args.budget, chain_seed=args.chain_seed, top_k=args.top_k,
         draft_window=args.draft_window, feature_dtype=args.feature_dtype, draft_timeout_s=args.draft_timeout,
     )
-    servicer = GatewayServicer(target, draft, GatewayState(target_info, shape, tokenizer), defaults)
+    metrics.model = model_name(target_info.geometry.path)
+    metrics.describe()
+    metrics.serve(args.metrics_port, args.listen)
+    servicer = GatewayServicer(target, draft, GatewayState(target_info, shape, tokenizer), defaults, metrics)
     server, health, _ = rpc.create_server(
         "gateway", [lambda s: gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, s)], [SERVICE], args.listen
     )

@@ -9,10 +9,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import time
 from dataclasses import dataclass
 
 from splitspec.errors import FailedPrecondition, InvalidArgument
+from splitspec.metrics import GatewayMetrics, RequestObserver
 from splitspec.rpc import new_request_id
 from splitspec.textstream import TextStream
 from splitspec.tokenizer import Tokenizer
@@ -57,9 +57,15 @@ class GatewayState:
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def __init__(
-        self, target: TargetClient, draft: DraftClient | None, state: GatewayState, defaults: SpeculationOptions
+        self,
+        target: TargetClient,
+        draft: DraftClient | None,
+        state: GatewayState,
+        defaults: SpeculationOptions,
+        metrics: GatewayMetrics,
     ) -> None:
         self.target, self.draft, self.state, self.defaults = target, draft, state, defaults
+        self.metrics = metrics
 
     def _options(self, spec: gateway_pb2.Speculation) -> SpeculationOptions:
         if spec.mode not in (gateway_pb2.Speculation.MODE_UNSPECIFIED, *_MODES):
@@ -107,7 +113,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         return common_pb2.Sampling(temperature=request.temperature, top_p=top_p, top_k=request.top_k, seed=request.seed)
 
     async def Generate(self, request, context):
-        t0 = time.perf_counter()
+        with self.metrics.request() as timing:
+            async for response in self._generate(request, context, timing):
+                yield response
+
+    async def _generate(self, request, context, timing: RequestObserver):
         prompt = self._prompt(request)
         if request.max_tokens <= 0:
             raise InvalidArgument(f"max_tokens: {request.max_tokens} must be >= 1")
@@ -133,12 +143,15 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             max_new_tokens=request.max_tokens,
             max_context=self.state.target_info.geometry.max_context,
             deadline=None if remaining is None else loop.time() + remaining,
+            on_step=self.metrics.step_observer(options.mode.value),
         )
+        timing.admitted(len(prompt))
         finish = gateway_pb2.CONTEXT
         try:
             async for new_tokens in seq.run():
                 new_tokens = new_tokens[: request.max_tokens - stream.num_tokens]
                 delta = stream.push(new_tokens)
+                timing.tokens(len(delta.token_ids))
                 if delta.text or delta.token_ids:
                     yield gateway_pb2.GenerateResponse(text=delta.text, token_ids=delta.token_ids)
                 if delta.finished:
@@ -163,9 +176,17 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             mean_acceptance_length=stats.mean_acceptance_length,
             draft_fallbacks=stats.fallbacks,
         )
+        reason = gateway_pb2.FinishReason.Name(finish).lower()
+        elapsed = timing.finished(reason)
+        summary = {
+            "request_id": seq.sequence_id, "finish_reason": reason, "prompt_tokens": len(prompt),
+            "completion_tokens": stream.num_tokens, "steps": stats.steps,
+            "mean_acceptance_length": round(stats.mean_acceptance_length, 3), "draft_fallbacks": stats.fallbacks,
+            "ttft_s": round(timing.first_token_s or 0.0, 6), "duration_s": round(elapsed, 6),
+        }
         logger.info(
-            "request %s done: %s, %d prompt + %d generated tokens, %d steps, AL %.2f, %d fallbacks, %.3f s",
-            seq.sequence_id, gateway_pb2.FinishReason.Name(finish), len(prompt), stream.num_tokens,
-            stats.steps, stats.mean_acceptance_length, stats.fallbacks, time.perf_counter() - t0,
+            "request %(request_id)s done: %(finish_reason)s, %(prompt_tokens)d prompt + %(completion_tokens)d generated "
+            "tokens, %(steps)d steps, AL %(mean_acceptance_length).2f, %(draft_fallbacks)d fallbacks, "
+            "first token %(ttft_s).3f s, %(duration_s).3f s", summary, extra={"request": summary},
         )
         yield gateway_pb2.GenerateResponse(final=gateway_pb2.Final(finish_reason=finish, usage=usage))

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import grpc
@@ -44,12 +44,28 @@ class SpeculationOptions:
     draft_timeout_s: float = 5.0
 
 
+@dataclass(frozen=True)
+class StepStats:
+    """What one verify step did."""
+
+    tree_nodes: int  # drafted nodes sent to verification (0 = target-only)
+    draft_depth: int  # draft positions speculated: the depth of the deepest node
+    accepted: int  # accepted nodes, i.e. the depth of the accepted path; the step commits accepted + 1
+    fallback: str = ""  # why the step ran target-only although speculation was asked ("" = it did not)
+
+
 @dataclass
 class SequenceStats:
     steps: int = 0  # verify passes
     committed: int = 0  # tokens committed by verifies (root + accepted nodes)
     tree_nodes: int = 0  # drafted nodes sent to verification
     fallbacks: int = 0  # steps run target-only because the draft failed
+
+    def add(self, step: StepStats) -> None:
+        self.steps += 1
+        self.committed += step.accepted + 1
+        self.tree_nodes += step.tree_nodes
+        self.fallbacks += bool(step.fallback)
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -75,6 +91,7 @@ class SpeculativeSequence:
         max_new_tokens: int,
         max_context: int,
         deadline: float | None = None,  # event-loop time by which everything must end
+        on_step: Callable[[StepStats], None] = lambda step: None,  # called after every verify
     ) -> None:
         self.sequence_id = sequence_id
         self.target, self.draft, self.shape = target, draft, draft_shape
@@ -84,7 +101,10 @@ class SpeculativeSequence:
         self.capacity = min(max_context, len(prompt) + max_new_tokens + options.budget + 1)
         self.deadline = deadline
         self.stats = SequenceStats()
+        self.on_step = on_step
         self.speculating = options.mode is not Mode.OFF and draft is not None and draft_shape is not None
+        # Why a sequence that asked for speculation runs target-only: no draft, or the draft's failure.
+        self.fallback = "" if self.speculating or options.mode is Mode.OFF else "no_draft"
         self._draft_touched = False
 
     def _timeout(self, cap: float | None = None) -> float | None:
@@ -123,11 +143,9 @@ class SpeculativeSequence:
                 self.sequence_id, tree.tokens, tree.parents, self.speculating and bool(self.shape.taps),
                 timeout=self._timeout(),
             )
-            self.stats.steps += 1
-            self.stats.committed += len(verified.committed_tokens)
-            self.stats.tree_nodes += tree.num_nodes
-            if not self.speculating and opts.mode is not Mode.OFF:
-                self.stats.fallbacks += 1
+            step = StepStats(tree.num_nodes, int(tree.depths.max(initial=0)), len(verified.committed_tokens) - 1, self.fallback)
+            self.stats.add(step)
+            self.on_step(step)
             new = verified.committed_tokens[1:] + [verified.next_token]
             generated += len(new)
             anchor, start, features = verified.next_token, verified.committed_length, verified.features
@@ -149,7 +167,7 @@ class SpeculativeSequence:
                 "sequence %s: draft failed (%s: %s); continuing target-only",
                 self.sequence_id, exc.code().name, exc.details(),
             )
-            self.speculating = False
+            self.speculating, self.fallback = False, exc.code().name.lower()
             return DraftTree.empty()
         if opts.mode is Mode.CHAIN:
             return build_chain(top_ids, min(opts.budget, max_depth))

@@ -6,6 +6,7 @@ bytes to the draft without decoding or copying them into another representation.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -31,9 +32,9 @@ class Verified:
 
 
 class TargetClient:
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, interceptors: Sequence[grpc.aio.ClientInterceptor] = ()) -> None:
         self.address = address
-        self.channel = rpc.channel(address)
+        self.channel = rpc.channel(address, interceptors)
         self.stub = target_pb2_grpc.TargetWorkerStub(self.channel)
 
     async def info(self, timeout: float | None = None) -> target_pb2.TargetInfo:
@@ -62,9 +63,9 @@ class TargetClient:
 
 
 class DraftClient:
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, interceptors: Sequence[grpc.aio.ClientInterceptor] = ()) -> None:
         self.address = address
-        self.channel = rpc.channel(address)
+        self.channel = rpc.channel(address, interceptors)
         self.stub = draft_pb2_grpc.DraftWorkerStub(self.channel)
 
     async def info(self, timeout: float | None = None) -> draft_pb2.DraftInfo:

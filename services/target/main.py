@@ -22,12 +22,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tree-nodes", type=int, default=256, help="largest tree a Verify accepts")
     p.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0 = torch's default)")
     p.add_argument("--sequence-ttl", type=float, default=600.0, help="release sequences idle this many seconds")
+    p.add_argument("--metrics-port", type=int, default=9452, help="Prometheus /metrics port on the --listen host (0 = off)")
 
 
 async def run(args: argparse.Namespace) -> None:
     import torch
 
     from splitspec.devices import backend_name, resolve_device, resolve_dtype
+    from splitspec.metrics import WorkerMetrics, model_name
     from splitspec.models.loader import load_target
     from splitspec.tokenizer import Tokenizer
     from splitspec.v1 import common_pb2, target_pb2_grpc
@@ -41,10 +43,11 @@ async def run(args: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     model, config = load_target(args.model, device, dtype)
     tokenizer = Tokenizer.load(args.model)
+    load_s = time.perf_counter() - t0
     logger.info(
         "loaded target %s: %d layers, hidden %d, vocab %d, on %s (%s, %s) in %.1f s",
         args.model, config.num_layers, config.hidden_size, config.vocab_size, device, backend_name(device),
-        str(dtype).removeprefix("torch."), time.perf_counter() - t0,
+        str(dtype).removeprefix("torch."), load_s,
     )
     limits = TargetLimits(max_sequences=args.max_sequences, max_kv_tokens=args.max_kv_tokens, max_tree_nodes=args.max_tree_nodes)
     engine = TargetEngine(model, limits)
@@ -53,7 +56,15 @@ async def run(args: argparse.Namespace) -> None:
         num_layers=config.num_layers, max_context=config.max_context,
         dtype=str(dtype).removeprefix("torch."), device=str(device), path=str(args.model),
     )
-    servicer = TargetServicer(engine, TargetDescription(geometry, list(tokenizer.eos_token_ids), str(args.model)))
+    metrics = WorkerMetrics("target", model_name(args.model))
+    metrics.describe(device=str(device), backend=backend_name(device), dtype=geometry.dtype)
+    metrics.loaded(load_s)
+    metrics.watch(
+        live_sequences=lambda: len(engine.sequences), max_sequences=lambda: limits.max_sequences,
+        kv_cache_reserved_tokens=lambda: engine.reserved_tokens, kv_cache_capacity_tokens=lambda: limits.max_kv_tokens,
+    )
+    metrics.serve(args.metrics_port, args.listen)
+    servicer = TargetServicer(engine, TargetDescription(geometry, list(tokenizer.eos_token_ids), str(args.model)), metrics)
     server, health, _ = rpc.create_server(
         "target", [lambda s: target_pb2_grpc.add_TargetWorkerServicer_to_server(servicer, s)], [SERVICE], args.listen
     )

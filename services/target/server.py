@@ -9,6 +9,7 @@ from functools import partial
 
 from splitspec.devices import DTYPES
 from splitspec.errors import InvalidArgument
+from splitspec.metrics import WorkerMetrics
 from splitspec.spec.sampling import SamplingParams
 from splitspec.v1 import common_pb2, target_pb2, target_pb2_grpc
 from splitspec.wire import tensor_to_pb
@@ -39,9 +40,10 @@ class TargetDescription:
 
 
 class TargetServicer(target_pb2_grpc.TargetWorkerServicer):
-    def __init__(self, engine: TargetEngine, description: TargetDescription) -> None:
+    def __init__(self, engine: TargetEngine, description: TargetDescription, metrics: WorkerMetrics) -> None:
         self.engine = engine
         self.description = description
+        self.metrics = metrics
         # One thread: device work is serialised and the event loop stays free for health/Info.
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="target-engine")
 
@@ -71,6 +73,7 @@ class TargetServicer(target_pb2_grpc.TargetWorkerServicer):
             feature_rows=request.feature_rows,
             feature_dtype=DTYPES[request.feature_dtype] if request.feature_dtype else None,
         )
+        self.metrics.forward("prefill", result.forward_ns)
         features = tensor_to_pb(result.features) if result.features is not None else None
         return target_pb2.PrefillResponse(next_token=result.next_token, features=features, forward_ns=result.forward_ns)
 
@@ -78,6 +81,7 @@ class TargetServicer(target_pb2_grpc.TargetWorkerServicer):
         result = await self._run(
             self.engine.verify, request.sequence_id, list(request.tokens), list(request.parents), request.return_features
         )
+        self.metrics.forward("verify", result.forward_ns)
         return target_pb2.VerifyResponse(
             committed_tokens=result.committed_tokens,
             accepted_nodes=result.accepted_nodes,
