@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 import urllib.request
 
 import pytest
 from prometheus_client import CollectorRegistry
 
+from tools import free_port
 from splitspec.errors import InvalidArgument, ResourceExhausted
 from splitspec.metrics import GatewayMetrics, WorkerMetrics, model_name, serve_metrics
 from splitspec.services.gateway.speculation import SequenceStats, StepStats
@@ -100,21 +100,15 @@ def test_worker_gauges_are_read_at_scrape_time():
         metrics.watch(no_such_gauge=lambda: 1)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_metrics_are_served_on_the_listen_host_and_a_busy_port_is_one_clear_error():
     metrics = WorkerMetrics("draft", "m", CollectorRegistry())
     metrics.describe(device="cpu")
-    port = _free_port()
+    port = free_port()
     serve_metrics(metrics.registry, port, "unix:/tmp/some.sock")  # a Unix socket service: loopback
     body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     assert 'splitspec_build_info{device="cpu",model="m",service="draft",version=' in body
     with pytest.raises(OSError, match=rf"--metrics-port {port}: cannot listen on 127.0.0.1:{port}"):
-        serve_metrics(CollectorRegistry(), port, f"127.0.0.1:{_free_port()}")
+        serve_metrics(CollectorRegistry(), port, f"127.0.0.1:{free_port()}")
 
 
 def test_model_label_is_the_file_or_folder_name():

@@ -1,4 +1,6 @@
-"""Debian tools some tests drive (prometheus, promtool, docker-compose): found, or a clear skip.
+"""Test helpers: Debian tools some tests drive (prometheus, promtool, docker-compose), free ports.
+
+A missing tool is a clear skip, with the package to install.
 
 In CI (CI=true) a missing tool fails the test instead: .ci/run installs them, so a skip there
 would hide a broken install.
@@ -8,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 
 import pytest
 
@@ -20,3 +23,10 @@ def require(tool: str, package: str) -> str:
             pytest.fail(f"{message}; .ci/run should have installed it")
         pytest.skip(message)
     return path
+
+
+def free_port() -> int:
+    """A TCP port free on the loopback interface right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
