@@ -111,6 +111,15 @@ class _Metrics:
         self.service, self.model = service, model
         self.registry = registry or CollectorRegistry()
         self._info = Info("splitspec_build", "Version and placement of this process (value 1)", registry=self.registry)
+        self._children: dict[tuple, object] = {}
+
+    def child(self, metric, *labels: str):
+        """The series of ``metric`` for this process's model and ``labels``, looked up once (``labels()`` is slow)."""
+        key = (metric, self.model, labels)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(self.model, *labels)
+        return found
 
     def describe(self, **fields: str) -> None:
         """Set the build-info labels: service, version and model, plus ``fields`` (device, dtype, ...)."""
@@ -173,16 +182,16 @@ class GatewayMetrics(_Metrics):
         return RequestObserver(self)
 
     def observe_step(self, mode: str, step: StepStats) -> None:
-        m = self.model
-        self.steps.labels(m, mode).inc()
-        self.draft_tokens.labels(m, mode).inc(step.draft_depth)
-        self.accepted.labels(m, mode).inc(step.accepted)
+        child = self.child
+        child(self.steps, mode).inc()
+        child(self.draft_tokens, mode).inc(step.draft_depth)
+        child(self.accepted, mode).inc(step.accepted)
         for depth in range(1, step.accepted + 1):
-            self.accepted_per_pos.labels(m, mode, str(depth)).inc()
-        self.tree_nodes.labels(m, mode).inc(step.tree_nodes)
-        self.acceptance_length.labels(m, mode).observe(step.accepted + 1)
+            child(self.accepted_per_pos, mode, str(depth)).inc()
+        child(self.tree_nodes, mode).inc(step.tree_nodes)
+        child(self.acceptance_length, mode).observe(step.accepted + 1)
         if step.fallback:
-            self.fallbacks.labels(m, step.fallback).inc()
+            child(self.fallbacks, step.fallback).inc()
 
     def step_observer(self, mode: str) -> Callable[[StepStats], None]:
         return lambda step: self.observe_step(mode, step)
@@ -202,30 +211,30 @@ class RequestObserver:
         self._admitted = False
 
     def __enter__(self) -> RequestObserver:
-        self.metrics.waiting.labels(self.metrics.model).inc()
+        self.metrics.child(self.metrics.waiting).inc()
         return self
 
     def admitted(self, prompt_tokens: int) -> None:
-        m, model = self.metrics, self.metrics.model
-        m.queue.labels(model).observe(time.perf_counter() - self.arrival)
-        m.waiting.labels(model).dec()
-        m.running.labels(model).inc()
-        m.prompt_tokens.labels(model).inc(prompt_tokens)
+        m, child = self.metrics, self.metrics.child
+        child(m.queue).observe(time.perf_counter() - self.arrival)
+        child(m.waiting).dec()
+        child(m.running).inc()
+        child(m.prompt_tokens).inc(prompt_tokens)
         self._admitted = True
 
     def tokens(self, count: int) -> None:
         """``count`` tokens were just sent: the first one is timed from arrival, later ones from the previous batch."""
         if count <= 0:
             return
-        m, model, now = self.metrics, self.metrics.model, time.perf_counter()
-        m.generation_tokens.labels(model).inc(count)
+        m, child, now = self.metrics, self.metrics.child, time.perf_counter()
+        child(m.generation_tokens).inc(count)
         if self._last is None:
             self.first_token_s = now - self.arrival
-            m.ttft.labels(model).observe(self.first_token_s)
+            child(m.ttft).observe(self.first_token_s)
             gap, count = 0.0, count - 1  # tokens of the first batch arrive together with it
         else:
             gap = (now - self._last) / count
-        itl = m.itl.labels(model)
+        itl = child(m.itl)
         for _ in range(count):
             itl.observe(gap)
         self._last = now
@@ -233,15 +242,15 @@ class RequestObserver:
     def finished(self, reason: str) -> float:
         """Count a successful request; returns its end-to-end seconds."""
         elapsed = time.perf_counter() - self.arrival
-        self.metrics.e2e.labels(self.metrics.model).observe(elapsed)
-        self.metrics.success.labels(self.metrics.model, reason).inc()
+        self.metrics.child(self.metrics.e2e).observe(elapsed)
+        self.metrics.child(self.metrics.success, reason).inc()
         return elapsed
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        m, model = self.metrics, self.metrics.model
-        (m.running if self._admitted else m.waiting).labels(model).dec()
+        m = self.metrics
+        m.child(m.running if self._admitted else m.waiting).dec()
         if exc is not None:
-            m.failure.labels(model, status_reason(exc)).inc()
+            m.child(m.failure, status_reason(exc)).inc()
 
 
 class RpcObserver(grpc.aio.UnaryUnaryClientInterceptor):
@@ -256,17 +265,17 @@ class RpcObserver(grpc.aio.UnaryUnaryClientInterceptor):
         service, _, name = method.rpartition("/")
         if name not in OBSERVED_RPCS:
             return await continuation(client_call_details, request)
-        m, model, rpc = self.metrics, self.metrics.model, f"{service.rpartition('.')[2]}/{name}"
+        m, rpc = self.metrics, f"{service.rpartition('.')[2]}/{name}"
         t0 = time.perf_counter()
         call = await continuation(client_call_details, request)
         try:
             response = await call
         except grpc.aio.AioRpcError as exc:
-            m.rpc_failures.labels(model, rpc, exc.code().name.lower()).inc()
+            m.child(m.rpc_failures, rpc, exc.code().name.lower()).inc()
             raise
-        m.rpc_duration.labels(model, rpc).observe(time.perf_counter() - t0)
-        m.rpc_request_bytes.labels(model, rpc).observe(request.ByteSize())
-        m.rpc_response_bytes.labels(model, rpc).observe(response.ByteSize())
+        m.child(m.rpc_duration, rpc).observe(time.perf_counter() - t0)
+        m.child(m.rpc_request_bytes, rpc).observe(request.ByteSize())
+        m.child(m.rpc_response_bytes, rpc).observe(response.ByteSize())
         return response
 
 
@@ -292,12 +301,12 @@ class WorkerMetrics(_Metrics):
         }
 
     def forward(self, phase: str, forward_ns: int) -> None:
-        self._forward.labels(self.model, phase).observe(forward_ns / 1e9)
+        self.child(self._forward, phase).observe(forward_ns / 1e9)
 
     def loaded(self, seconds: float) -> None:
-        self._load.labels(self.model).set(seconds)
+        self.child(self._load).set(seconds)
 
     def watch(self, **readers: Callable[[], float]) -> None:
         """Read gauges at scrape time: ``live_sequences=lambda: ...`` sets ``splitspec_worker_live_sequences``."""
         for key, read in readers.items():
-            self._gauges[f"splitspec_worker_{key}"].labels(self.model).set_function(read)
+            self.child(self._gauges[f"splitspec_worker_{key}"]).set_function(read)

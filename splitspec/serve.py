@@ -106,7 +106,11 @@ def run(args: argparse.Namespace, log_args: list[str]) -> int:
     try:
         procs = [subprocess.Popen(c) for c in commands]
         wait_ready(args.listen, procs, args.ready_timeout)
-        print(f"splitspec serve: ready on {args.listen} (target {target_model}, draft {draft_model or 'none'})", file=sys.stderr, flush=True)
+        metrics = f", metrics on ports {gateway_port}-{draft_port if use_draft else target_port}" if args.metrics_port else ""
+        print(
+            f"splitspec serve: ready on {args.listen} (target {target_model}, draft {draft_model or 'none'}{metrics})",
+            file=sys.stderr, flush=True,
+        )
         while not stopping:
             dead = [p for p in procs if p.poll() is not None]
             if dead:

@@ -13,6 +13,7 @@ import io
 import json
 import os
 import re
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -171,3 +172,13 @@ def test_dockerfile_copies_only_what_exists_and_dockerignore_keeps(name):
         if line.startswith("COPY "):
             for source in line.split()[1:-1]:
                 assert (root / source).exists() and source in kept, f"{name}: COPY {source}"
+
+
+def test_a_missing_tool_fails_under_ci_and_skips_elsewhere(monkeypatch):
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match=r"apt-get install -y prometheus"):
+        require("promtool", "prometheus")
+    monkeypatch.delenv("CI")
+    with pytest.raises(pytest.skip.Exception, match=r"promtool not found"):
+        require("promtool", "prometheus")
