@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import sys
 
 from splitspec import __version__
 from splitspec.envs import apply_env_defaults
+from splitspec.logs import setup_logging
 
 DESCRIPTION = """\
 splitspec serves LLMs with DFlash block drafting and DDTree tree verification, split into three
@@ -19,16 +19,8 @@ Quick start:   splitspec serve            (tiny built-in models, all three servi
 """
 
 
-def _setup_logging(level: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper()),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-
-
 def build_parser() -> argparse.ArgumentParser:
-    from splitspec import generate, serve
+    from splitspec import generate, health, serve
     from splitspec.services.draft import main as draft_main
     from splitspec.services.gateway import main as gateway_main
     from splitspec.services.target import main as target_main
@@ -43,11 +35,13 @@ def build_parser() -> argparse.ArgumentParser:
         "serve": (serve.add_arguments, "run all three services locally, stopped together"),
         "generate": (generate.add_arguments, "stream a completion from a gateway"),
         "make-tiny": (_make_tiny_arguments, "write a tiny random target GGUF (qwen3, qwen2, llama or the qwen35 hybrid) and a matching DFlash draft"),
+        "health": (health.add_arguments, "check a service's gRPC health (exit 0 when serving)"),
     }
     for name, (add, help_text) in commands.items():
         p = sub.add_parser(name, help=help_text, description=help_text, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
         add(p)
         p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log verbosity")
+        p.add_argument("--log-json", action="store_true", help="log one JSON object per line")
         apply_env_defaults(p, name.replace("-", "_"))
     return parser
 
@@ -63,7 +57,7 @@ def _make_tiny_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    _setup_logging(args.log_level)
+    setup_logging(args.log_level, args.log_json)
     log = logging.getLogger("splitspec")
     from splitspec.errors import ServiceError
     from splitspec.models.gguf_file import ModelFileError
@@ -76,7 +70,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "serve":
             from splitspec.serve import run as run_serve
 
-            return run_serve(args, ["--log-level", args.log_level])
+            return run_serve(args, ["--log-level", args.log_level, *(["--log-json"] if args.log_json else [])])
+        if args.command == "health":
+            from splitspec.health import run as run_health
+
+            return run_health(args)
         if args.command == "make-tiny":
             from splitspec.tiny import TinySpec, make_tiny
 

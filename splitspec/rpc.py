@@ -10,7 +10,7 @@ import asyncio
 import logging
 import signal
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -79,11 +79,13 @@ class _MetadataInterceptor(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryS
         return await continuation(self._details(details), request)
 
 
-def channel(address: str, security: ClientSecurity = ClientSecurity()) -> grpc.aio.Channel:
+def channel(
+    address: str, security: ClientSecurity = ClientSecurity(), interceptors: Sequence[grpc.aio.ClientInterceptor] = ()
+) -> grpc.aio.Channel:
     options = list(CHANNEL_OPTIONS)
     if security.server_name:
         options.append(("grpc.ssl_target_name_override", security.server_name))
-    interceptors = [_MetadataInterceptor(security.metadata())] if security.token else None
+    interceptors = [*interceptors, *([_MetadataInterceptor(security.metadata())] if security.token else [])] or None
     credentials = security.channel_credentials()
     if credentials:
         return grpc.aio.secure_channel(address, credentials, options=options, interceptors=interceptors)

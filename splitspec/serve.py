@@ -33,6 +33,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget", type=int, default=22, help="default tree nodes per step")
     p.add_argument("--work-dir", default=str(DEFAULT_WORK_DIR), help="where the tiny pair is written")
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for the gateway to be ready")
+    p.add_argument(
+        "--metrics-port", type=int, default=9451,
+        help="Prometheus port of the gateway; the target and draft get the next two (0 = off)",
+    )
 
 
 def wait_ready(address: str, procs: list[subprocess.Popen], timeout: float) -> None:
@@ -73,18 +77,21 @@ def run(args: argparse.Namespace, log_args: list[str]) -> int:
     # Two CPU workers that each spin all cores slow each other down; split the cores between them.
     both_cpu = args.device == "cpu" and (args.draft_device or args.device) == "cpu"
     threads = ["--threads", str(max(1, (os.cpu_count() or 2) // 2))] if both_cpu else []
+    gateway_port, target_port, draft_port = (args.metrics_port + i if args.metrics_port else 0 for i in range(3))
     commands = [
-        [*base, "target", *log_args, "--model", target_model, "--listen", target_addr, "--device", args.device, "--dtype", args.dtype, *threads],
+        [*base, "target", *log_args, "--model", target_model, "--listen", target_addr, "--device", args.device, "--dtype", args.dtype, *threads,
+         "--metrics-port", str(target_port)],
     ]
     use_draft = draft_model and draft_model != "none"
     if use_draft:
         commands.append([
             *base, "draft", *log_args, "--model", draft_model, "--target-model", target_model, "--listen", draft_addr,
-            "--device", args.draft_device or args.device, "--dtype", args.dtype, *threads,
+            "--device", args.draft_device or args.device, "--dtype", args.dtype, *threads, "--metrics-port", str(draft_port),
         ])
     commands.append([
         *base, "gateway", *log_args, "--listen", args.listen, "--target", target_addr,
         "--draft", draft_addr if use_draft else "", "--mode", args.mode, "--budget", str(args.budget),
+        "--metrics-port", str(gateway_port),
     ])
     procs: list[subprocess.Popen] = []
     stopping = False
@@ -99,7 +106,11 @@ def run(args: argparse.Namespace, log_args: list[str]) -> int:
     try:
         procs = [subprocess.Popen(c) for c in commands]
         wait_ready(args.listen, procs, args.ready_timeout)
-        print(f"splitspec serve: ready on {args.listen} (target {target_model}, draft {draft_model or 'none'})", file=sys.stderr, flush=True)
+        metrics = f", metrics on ports {gateway_port}-{draft_port if use_draft else target_port}" if args.metrics_port else ""
+        print(
+            f"splitspec serve: ready on {args.listen} (target {target_model}, draft {draft_model or 'none'}{metrics})",
+            file=sys.stderr, flush=True,
+        )
         while not stopping:
             dead = [p for p in procs if p.poll() is not None]
             if dead:

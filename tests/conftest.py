@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import subprocess
@@ -18,6 +19,11 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from splitspec.tiny import TinySpec, make_tiny
+
+# Services started by tests serve no /metrics unless the test passes --metrics-port, so that test
+# sessions running side by side never collide on the default ports.
+for _service in ("GATEWAY", "TARGET", "DRAFT", "SERVE"):
+    os.environ.setdefault(f"SPLITSPEC_{_service}_METRICS_PORT", "0")
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,17 +14,12 @@ import numpy as np
 import pytest
 
 from client import generate
+from tools import free_port
 from splitspec.tiny import TinySpec, make_tiny
 from splitspec.v1 import gateway_pb2
 
 pytestmark = pytest.mark.slow
 CLI = [sys.executable, "-m", "splitspec"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_for(pattern: str, path, proc, timeout: float = 90.0) -> None:
@@ -41,7 +35,7 @@ def _wait_for(pattern: str, path, proc, timeout: float = 90.0) -> None:
 @contextmanager
 def _serve(tmp_path, *args: str, env: dict[str, str] | None = None) -> Iterator[str]:
     """``splitspec serve`` on a free port until the block ends; yields the gateway address."""
-    address = f"127.0.0.1:{_free_port()}"
+    address = f"127.0.0.1:{free_port()}"
     log = tmp_path / "serve.log"
     with log.open("wb") as out:
         serve = subprocess.Popen(

@@ -22,6 +22,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-sequences", type=int, default=256, help="live draft contexts at most")
     p.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0 = torch's default)")
     p.add_argument("--sequence-ttl", type=float, default=600.0, help="release contexts idle this many seconds")
+    p.add_argument("--metrics-port", type=int, default=9453, help="Prometheus /metrics port on the --listen host (0 = off)")
     p.add_argument("--shutdown-grace", type=float, default=10.0, help="seconds in-flight calls may finish after SIGTERM")
     p.add_argument(
         "--replay", default="",
@@ -61,6 +62,8 @@ def _load_engine(args: argparse.Namespace):
 async def run(args: argparse.Namespace) -> None:
     import torch
 
+    from splitspec.devices import backend_name
+    from splitspec.metrics import WorkerMetrics, model_name
     from splitspec.v1 import common_pb2, draft_pb2_grpc
     from splitspec.services.draft.server import SERVICE, DraftServicer
 
@@ -68,13 +71,16 @@ async def run(args: argparse.Namespace) -> None:
         torch.set_num_threads(args.threads)
     if bool(args.model) == bool(args.replay):
         raise ValueError("give exactly one of --model (a DFlash draft) or --replay (benchmark/test only)")
-    servicer = DraftServicer()
+    metrics = WorkerMetrics("draft", model_name(args.target_model))
+    metrics.serve(args.metrics_port, args.listen)
+    servicer = DraftServicer(metrics)
     server, health = rpc.create_server(
         "draft", [lambda s: draft_pb2_grpc.add_DraftWorkerServicer_to_server(servicer, s)], [SERVICE],
         args.listen, ServerSecurity.from_args(args),
     )
 
     def load() -> None:
+        t0 = time.perf_counter()
         engine, target_config, dtype, device = _load_engine(args)
         geometry = common_pb2.ModelGeometry(
             architecture=target_config.architecture, vocab_size=target_config.vocab_size, hidden_size=target_config.hidden_size,
@@ -82,6 +88,11 @@ async def run(args: argparse.Namespace) -> None:
             dtype=dtype, device=device, path=str(args.target_model),
         )
         servicer.host.attach(engine, (geometry, str(args.model or args.replay)))
+        metrics.describe(device=device, backend=backend_name(torch.device(device)), dtype=dtype, draft=model_name(args.model or args.replay))
+        metrics.loaded(time.perf_counter() - t0)
+        metrics.watch(live_sequences=lambda: len(engine.sequences))
+        if not args.replay:
+            metrics.watch(max_sequences=lambda: engine.max_sequences)
         logger.info("draft worker serving on %s", args.listen)
 
     logger.info("draft worker listening on %s, loading %s", args.listen, args.model or args.replay)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from splitspec.errors import InvalidArgument
+from splitspec.metrics import WorkerMetrics
 from splitspec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from splitspec.wire import WireError, tensor_from_pb, tensor_to_pb
 from splitspec.services.hosting import EngineHost
@@ -16,8 +17,9 @@ class DraftServicer(draft_pb2_grpc.DraftWorkerServicer):
     The attached description is the geometry of the target the draft was built for, and a path.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, metrics: WorkerMetrics) -> None:
         self.host = EngineHost("draft")
+        self.metrics = metrics
 
     async def Info(self, request, context):
         e = self.host.require()
@@ -51,6 +53,7 @@ class DraftServicer(draft_pb2_grpc.DraftWorkerServicer):
             request.window,
             list(request.tokens),
         )
+        self.metrics.forward("propose", proposal.forward_ns)
         return draft_pb2.ProposeResponse(
             top_ids=tensor_to_pb(proposal.top_ids),
             top_logprobs=tensor_to_pb(proposal.top_logprobs),

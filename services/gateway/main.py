@@ -30,6 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-request-bytes", type=int, default=4 << 20, help="largest request message accepted")
     p.add_argument("--health-interval", type=float, default=1.0, help="seconds between worker health checks")
     p.add_argument("--worker-wait", type=float, default=600.0, help="seconds to wait for the workers at start-up")
+    p.add_argument("--metrics-port", type=int, default=9451, help="Prometheus /metrics port on the --listen host (0 = off)")
     p.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds in-flight requests may finish after SIGTERM")
     add_server_arguments(p)
     add_client_arguments(p, "worker-", "workers")
@@ -53,7 +54,7 @@ async def _wait_for(what: str, call, deadline: float):
 async def run(args: argparse.Namespace) -> None:
     from splitspec.errors import FailedPrecondition
     from splitspec.hub import resolve_model
-    from splitspec.hub import resolve_model
+    from splitspec.metrics import GatewayMetrics, model_name
     from splitspec.tokenizer import Tokenizer
     from splitspec.v1 import gateway_pb2_grpc
     from splitspec.services.gateway.admission import Admission
@@ -67,11 +68,12 @@ async def run(args: argparse.Namespace) -> None:
     security = client_security(args, "worker-")
     admission = Admission(args.max_running, args.max_waiting, args.max_queue_wait)
     deadline = asyncio.get_running_loop().time() + args.worker_wait
-    target = TargetClient(args.target, security)
+    metrics = GatewayMetrics()
+    target = TargetClient(args.target, security, [metrics.interceptor()])
     target_info = await _wait_for("target", target.info, deadline)
     draft, draft_info = None, None
     if args.draft:
-        draft = DraftClient(args.draft, security)
+        draft = DraftClient(args.draft, security, [metrics.interceptor()])
         draft_info = await _wait_for("draft", draft.info, deadline)
         check_compatible(target_info, draft_info)
     tokenizer = Tokenizer.load(resolve_model(args.tokenizer or target_info.tokenizer_path))
@@ -96,7 +98,10 @@ async def run(args: argparse.Namespace) -> None:
             return False
 
     monitor = WorkerMonitor(target.channel, draft.channel if draft else None, target_changed, draft_fits, args.health_interval)
-    servicer = GatewayServicer(target, draft, GatewayState(target_info, draft_info, tokenizer, chat, chat_problem), defaults, admission, monitor)
+    metrics.model = model_name(target_info.geometry.path)
+    metrics.describe()
+    metrics.serve(args.metrics_port, args.listen)
+    servicer = GatewayServicer(target, draft, GatewayState(target_info, draft_info, tokenizer, chat, chat_problem), defaults, admission, monitor, metrics)
     server, health = rpc.create_server(
         "gateway", [lambda s: gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, s)], [SERVICE],
         args.listen, ServerSecurity.from_args(args), max_receive_bytes=args.max_request_bytes,

@@ -9,13 +9,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import time
 from dataclasses import dataclass
 
 from splitspec import __version__
 from splitspec.chat import ChatTemplate, ChatTemplateError
 from splitspec.errors import FailedPrecondition, InvalidArgument, Unavailable
 from splitspec.interceptors import request_id
+from splitspec.metrics import GatewayMetrics, RequestObserver
 from splitspec.textstream import TextStream
 from splitspec.tokenizer import Tokenizer
 from splitspec.v1 import common_pb2, draft_pb2, gateway_pb2, gateway_pb2_grpc, target_pb2
@@ -88,9 +88,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         defaults: SpeculationOptions,
         admission: Admission,
         monitor: WorkerMonitor,
+        metrics: GatewayMetrics,
     ) -> None:
         self.target, self.draft, self.state, self.defaults = target, draft, state, defaults
-        self.admission, self.monitor = admission, monitor
+        self.admission, self.monitor, self.metrics = admission, monitor, metrics
 
     @property
     def max_budget(self) -> int:
@@ -196,7 +197,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         )
 
     async def Generate(self, request, context):
-        t0 = time.perf_counter()
+        with self.metrics.request() as timing:
+            async for response in self._generate(request, context, timing):
+                yield response
+
+    async def _generate(self, request, context, timing: RequestObserver):
         rid = request_id(context)
         prompt = self._prompt(request)
         options = self._options(request.speculation)
@@ -206,6 +211,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             raise Unavailable(f"the target worker at {self.target.address} is unavailable")
         eos = set() if request.ignore_eos else set(self.state.target_info.eos_token_ids)
         async with self.admission.slot() as queued_s:
+            timing.admitted(len(prompt))
             remaining = context.time_remaining()
             loop = asyncio.get_running_loop()
             seq = SpeculativeSequence(
@@ -221,12 +227,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 deadline=None if remaining is None else loop.time() + remaining,
                 draft_available=lambda: self.monitor.draft_up,
                 on_draft_failure=self.monitor.mark_draft_down,
+                on_step=self.metrics.step_observer(options.mode.value),
             )
             stream = TextStream(self.state.tokenizer, stop_strings=stop_strings, stop_token_ids=eos | stop_ids, prompt_ids=prompt)
             finish = gateway_pb2.CONTEXT
             try:
                 async for new_tokens in seq.run():
                     delta = stream.push(new_tokens[: request.max_tokens - stream.num_tokens])
+                    timing.tokens(len(delta.token_ids))
                     if delta.text or delta.token_ids:
                         yield gateway_pb2.GenerateResponse(text=delta.text, token_ids=delta.token_ids)
                     if delta.finished:
@@ -241,6 +249,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 await seq.release()
         if finish in (gateway_pb2.LENGTH, gateway_pb2.CONTEXT):
             tail = stream.flush()
+            timing.tokens(len(tail.token_ids))
             if tail.text or tail.token_ids:
                 yield gateway_pb2.GenerateResponse(text=tail.text, token_ids=tail.token_ids)
         stats = seq.stats
@@ -251,11 +260,19 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             mean_acceptance_length=stats.mean_acceptance_length,
             draft_fallbacks=stats.fallbacks,
         )
+        reason = gateway_pb2.FinishReason.Name(finish).lower()
+        elapsed = timing.finished(reason)
+        summary = {
+            "request_id": seq.sequence_id, "finish_reason": reason, "prompt_tokens": len(prompt),
+            "completion_tokens": stream.num_tokens, "steps": stats.steps,
+            "mean_acceptance_length": round(stats.mean_acceptance_length, 3), "draft_fallbacks": stats.fallbacks,
+            "fallback_reasons": stats.fallback_reasons, "recoveries": stats.recoveries,
+            "queued_s": round(queued_s, 6), "ttft_s": round(timing.first_token_s or 0.0, 6), "duration_s": round(elapsed, 6),
+        }
         logger.info(
-            "request %s done: %s, %d prompt + %d generated tokens, %d steps, AL %.2f, %d fallbacks %s, "
-            "%d recoveries, queued %.3f s, total %.3f s",
-            rid, gateway_pb2.FinishReason.Name(finish), len(prompt), stream.num_tokens, stats.steps,
-            stats.mean_acceptance_length, stats.fallbacks, stats.fallback_reasons or "", stats.recoveries,
-            queued_s, time.perf_counter() - t0,
+            "request %(request_id)s done: %(finish_reason)s, %(prompt_tokens)d prompt + %(completion_tokens)d generated "
+            "tokens, %(steps)d steps, AL %(mean_acceptance_length).2f, %(draft_fallbacks)d fallbacks %(fallback_reasons)s, "
+            "%(recoveries)d recoveries, queued %(queued_s).3f s, first token %(ttft_s).3f s, %(duration_s).3f s",
+            summary, extra={"request": summary},
         )
         yield gateway_pb2.GenerateResponse(final=gateway_pb2.Final(finish_reason=finish, usage=usage))

@@ -50,14 +50,32 @@ class SpeculationOptions:
     draft_timeout_s: float = 5.0
 
 
+@dataclass(frozen=True)
+class StepStats:
+    """What one verify step did."""
+
+    tree_nodes: int  # drafted nodes sent to verification (0 = target-only)
+    draft_depth: int  # draft positions speculated: the depth of the deepest node
+    accepted: int  # accepted nodes, i.e. the depth of the accepted path; the step commits accepted + 1
+    fallback: str = ""  # why the step ran target-only although speculation was asked ("" = it did not)
+
+
 @dataclass
 class SequenceStats:
     steps: int = 0  # verify passes
     committed: int = 0  # tokens committed by verifies (root + accepted nodes)
     tree_nodes: int = 0  # drafted nodes sent to verification
-    fallbacks: int = 0  # steps run target-only because the draft failed or was down
+    fallbacks: int = 0  # steps run target-only because the draft failed, was down or is missing
     fallback_reasons: dict[str, int] = field(default_factory=dict)
     recoveries: int = 0  # re-prefills after the target lost the sequence
+
+    def add(self, step: StepStats) -> None:
+        self.steps += 1
+        self.committed += step.accepted + 1
+        self.tree_nodes += step.tree_nodes
+        if step.fallback:
+            self.fallbacks += 1
+            self.fallback_reasons[step.fallback] = self.fallback_reasons.get(step.fallback, 0) + 1
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -92,6 +110,7 @@ class SpeculativeSequence:
         deadline: float | None = None,  # event-loop time by which everything must end
         draft_available: Callable[[], bool] = lambda: True,
         on_draft_failure: Callable[[], None] = lambda: None,
+        on_step: Callable[[StepStats], None] = lambda step: None,  # called after every verify
     ) -> None:
         self.sequence_id = sequence_id
         self.target, self.draft, self.shape = target, draft, draft_shape
@@ -100,7 +119,7 @@ class SpeculativeSequence:
         self.max_new_tokens = max_new_tokens
         self.capacity = min(max_context, len(prompt) + max_new_tokens + options.budget + 1)
         self.deadline = deadline
-        self.draft_available, self.on_draft_failure = draft_available, on_draft_failure
+        self.draft_available, self.on_draft_failure, self.on_step = draft_available, on_draft_failure, on_step
         self.stats = SequenceStats()
         self.wants_draft = options.mode is not Mode.OFF and draft is not None and draft_shape is not None
         self.draft_live = False  # the draft holds a context for this sequence, in sync with the target
@@ -152,12 +171,14 @@ class SpeculativeSequence:
             max_depth = min(self.max_new_tokens - len(self.generated) - 1, self.capacity - start - 1)
             if max_depth < 0:
                 return
-            tree = DraftTree.empty()
+            tree, fallback = DraftTree.empty(), ""
             # Features are missing after steps run without the draft; a resumed draft needs them.
             if self._speculating() and (features is not None or not self.shape.taps):
-                tree = await self._draft_tree(anchor, start, features, max_depth)
+                tree, fallback = await self._draft_tree(anchor, start, features, max_depth)
             elif self.wants_draft:
-                self._count_fallback("draft_down")
+                fallback = "draft_down"
+            elif self.options.mode is not Mode.OFF:
+                fallback = "no_draft"
             try:
                 verified = await self.target.verify(
                     self.sequence_id, tree.tokens, tree.parents, self._speculating() and bool(self.shape.taps),
@@ -170,9 +191,9 @@ class SpeculativeSequence:
                 anchor, features = prefilled.next_token, prefilled.features
                 yield [anchor]
                 continue
-            self.stats.steps += 1
-            self.stats.committed += len(verified.committed_tokens)
-            self.stats.tree_nodes += tree.num_nodes
+            step = StepStats(tree.num_nodes, int(tree.depths.max(initial=0)), len(verified.committed_tokens) - 1, fallback)
+            self.stats.add(step)
+            self.on_step(step)
             new = verified.committed_tokens[1:] + [verified.next_token]
             self.generated.extend(new)
             anchor, features = verified.next_token, verified.features
@@ -197,17 +218,13 @@ class SpeculativeSequence:
             except grpc.aio.AioRpcError:
                 pass  # a draft that cannot be reached holds nothing we can free now; its TTL will
 
-    def _count_fallback(self, reason: str) -> None:
-        self.stats.fallbacks += 1
-        self.stats.fallback_reasons[reason] = self.stats.fallback_reasons.get(reason, 0) + 1
-
-    async def _draft_tree(self, anchor: int, start: int, features, max_depth: int) -> DraftTree:
-        """Propose from the draft and build the tree. ``features`` are the rows ending at ``start``;
+    async def _draft_tree(self, anchor: int, start: int, features, max_depth: int) -> tuple[DraftTree, str]:
+        """Propose from the draft and build the tree; returns it and the fallback reason ("" = none). ``features`` are the rows ending at ``start``;
         the token ids sent are those of every position the draft has not seen (all of them when a
         fresh context starts: token-based drafters need the whole history)."""
         opts = self.options
         if max_depth == 0:  # the last step: only the bonus token is still wanted
-            return DraftTree.empty()
+            return DraftTree.empty(), ""
         if not self.draft_live:
             self.resumes += self.stats.steps > 0  # the first context is a start, not a resume
         self.draft_live = True
@@ -223,14 +240,13 @@ class SpeculativeSequence:
                 "sequence %s: draft failed (%s: %s); continuing target-only",
                 self.sequence_id, exc.code().name, exc.details(),
             )
-            self._count_fallback(exc.code().name.lower())
             if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 self.on_draft_failure()
             await self._forget_draft()
-            return DraftTree.empty()
+            return DraftTree.empty(), exc.code().name.lower()
         if opts.mode is Mode.CHAIN:
-            return build_chain(top_ids, min(opts.budget, max_depth))
-        return build_ddtree(top_ids, top_logprobs, opts.budget, chain_seed=opts.chain_seed, max_depth=max_depth)
+            return build_chain(top_ids, min(opts.budget, max_depth)), ""
+        return build_ddtree(top_ids, top_logprobs, opts.budget, chain_seed=opts.chain_seed, max_depth=max_depth), ""
 
     async def release(self) -> None:
         """Free the sequence on both workers; errors are logged, never raised. Survives cancellation."""

@@ -6,8 +6,10 @@ bytes to the draft without decoding or copying them into another representation.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import grpc
 import numpy as np
 
 from splitspec import rpc
@@ -31,9 +33,11 @@ class Verified:
 
 
 class TargetClient:
-    def __init__(self, address: str, security: ClientSecurity = ClientSecurity()) -> None:
+    def __init__(
+        self, address: str, security: ClientSecurity = ClientSecurity(), interceptors: Sequence[grpc.aio.ClientInterceptor] = ()
+    ) -> None:
         self.address = address
-        self.channel = rpc.channel(address, security)
+        self.channel = rpc.channel(address, security, interceptors)
         self.stub = target_pb2_grpc.TargetWorkerStub(self.channel)
 
     async def info(self, timeout: float | None = None) -> target_pb2.TargetInfo:
@@ -62,9 +66,11 @@ class TargetClient:
 
 
 class DraftClient:
-    def __init__(self, address: str, security: ClientSecurity = ClientSecurity()) -> None:
+    def __init__(
+        self, address: str, security: ClientSecurity = ClientSecurity(), interceptors: Sequence[grpc.aio.ClientInterceptor] = ()
+    ) -> None:
         self.address = address
-        self.channel = rpc.channel(address, security)
+        self.channel = rpc.channel(address, security, interceptors)
         self.stub = draft_pb2_grpc.DraftWorkerStub(self.channel)
 
     async def info(self, timeout: float | None = None) -> draft_pb2.DraftInfo:

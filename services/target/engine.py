@@ -105,7 +105,8 @@ class TargetEngine:
 
     @property
     def reserved_tokens(self) -> int:
-        return sum(s.cache.capacity for s in self.sequences.values())
+        # A snapshot of the values: the metrics thread reads this while the engine thread runs.
+        return sum(s.cache.capacity for s in list(self.sequences.values()))
 
     def _get(self, sequence_id: str) -> SequenceState:
         state = self.sequences.get(sequence_id)

@@ -32,6 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tree-nodes", type=int, default=256, help="largest tree a Verify accepts")
     p.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0 = torch's default)")
     p.add_argument("--sequence-ttl", type=float, default=600.0, help="release sequences idle this many seconds")
+    p.add_argument("--metrics-port", type=int, default=9452, help="Prometheus /metrics port on the --listen host (0 = off)")
     p.add_argument("--shutdown-grace", type=float, default=10.0, help="seconds in-flight calls may finish after SIGTERM")
     add_server_arguments(p)
 
@@ -41,6 +42,7 @@ async def run(args: argparse.Namespace) -> None:
 
     from splitspec.devices import DTYPES, backend_name, resolve_device, resolve_dtype
     from splitspec.hub import resolve_model
+    from splitspec.metrics import WorkerMetrics, model_name
     from splitspec.models.loader import load_target
     from splitspec.models.qwen35 import Qwen35Config, tree_node_bytes
     from splitspec.tokenizer import Tokenizer
@@ -55,7 +57,9 @@ async def run(args: argparse.Namespace) -> None:
     if args.state_dtype not in ("auto", "float32", "bfloat16", "float16"):
         raise ValueError(f"--state-dtype {args.state_dtype}: choose auto, float32, bfloat16 or float16")
     state_dtype = None if args.state_dtype == "auto" else DTYPES[args.state_dtype]
-    servicer = TargetServicer()
+    metrics = WorkerMetrics("target", model_name(args.model))
+    metrics.serve(args.metrics_port, args.listen)
+    servicer = TargetServicer(metrics)
     server, health = rpc.create_server(
         "target", [lambda s: target_pb2_grpc.add_TargetWorkerServicer_to_server(servicer, s)], [SERVICE],
         args.listen, ServerSecurity.from_args(args),
@@ -79,7 +83,14 @@ async def run(args: argparse.Namespace) -> None:
             num_layers=config.num_layers, max_context=config.max_context,
             dtype=str(dtype).removeprefix("torch."), device=str(device), path=str(args.model),
         )
-        servicer.host.attach(TargetEngine(model, limits), TargetDescription(geometry, list(tokenizer.eos_token_ids), str(path)))
+        engine = TargetEngine(model, limits)
+        servicer.host.attach(engine, TargetDescription(geometry, list(tokenizer.eos_token_ids), str(path)))
+        metrics.describe(device=str(device), backend=backend_name(device), dtype=geometry.dtype)
+        metrics.loaded(time.perf_counter() - t0)
+        metrics.watch(
+            live_sequences=lambda: len(engine.sequences), max_sequences=lambda: limits.max_sequences,
+            kv_cache_reserved_tokens=lambda: engine.reserved_tokens, kv_cache_capacity_tokens=lambda: limits.max_kv_tokens,
+        )
         logger.info(
             "loaded target %s: %d layers, hidden %d, vocab %d, on %s (%s, %s) in %.1f s; serving on %s",
             args.model, config.num_layers, config.hidden_size, config.vocab_size, device, backend_name(device),

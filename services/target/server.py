@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from splitspec.devices import DTYPES
 from splitspec.errors import InvalidArgument
+from splitspec.metrics import WorkerMetrics
 from splitspec.spec.sampling import SamplingParams
 from splitspec.v1 import common_pb2, target_pb2, target_pb2_grpc
 from splitspec.wire import tensor_to_pb
@@ -39,8 +40,9 @@ class TargetDescription:
 class TargetServicer(target_pb2_grpc.TargetWorkerServicer):
     """Serves before the model is loaded: every RPC answers UNAVAILABLE until the engine is attached."""
 
-    def __init__(self) -> None:
+    def __init__(self, metrics: WorkerMetrics) -> None:
         self.host = EngineHost("target")
+        self.metrics = metrics
 
     async def Info(self, request, context):
         engine: TargetEngine = self.host.require()
@@ -68,6 +70,7 @@ class TargetServicer(target_pb2_grpc.TargetWorkerServicer):
             feature_rows=request.feature_rows,
             feature_dtype=DTYPES[request.feature_dtype] if request.feature_dtype else None,
         )
+        self.metrics.forward("prefill", result.forward_ns)
         features = tensor_to_pb(result.features) if result.features is not None else None
         return target_pb2.PrefillResponse(next_token=result.next_token, features=features, forward_ns=result.forward_ns)
 
@@ -75,6 +78,7 @@ class TargetServicer(target_pb2_grpc.TargetWorkerServicer):
         result = await self.host.call(
             "verify", request.sequence_id, list(request.tokens), list(request.parents), request.return_features
         )
+        self.metrics.forward("verify", result.forward_ns)
         return target_pb2.VerifyResponse(
             committed_tokens=result.committed_tokens,
             accepted_nodes=result.accepted_nodes,
