@@ -237,7 +237,9 @@ def test_fallbacks_and_failures_are_counted_by_reason(system):
     p = system.prometheus
     fallbacks = sum(c.final.usage.draft_fallbacks for _, c in system.completions["fallback"])
     assert fallbacks > 0
-    assert p.wait_for('splitspec_draft_fallbacks_total{job="fallback", reason="deadline_exceeded"}', fallbacks) == fallbacks
+    # A missed deadline marks the draft down, so later steps of the same requests fall back as draft_down.
+    assert p.wait_for('sum(splitspec_draft_fallbacks_total{job="fallback"})', fallbacks) == fallbacks
+    assert p.value('splitspec_draft_fallbacks_total{job="fallback", reason="deadline_exceeded"}') >= 1
     assert p.value('splitspec_rpc_failures_total{job="fallback", rpc="DraftWorker/Propose", reason="deadline_exceeded"}') >= 1
     assert p.query('splitspec_draft_fallbacks_total{job="gateway"}') == []
     assert p.wait_for('splitspec_request_failure_total{job="gateway", reason="invalid_argument"}', 1) == 1
