@@ -68,6 +68,14 @@ class TinySpec:
     linear_head_dim: int = 16
     full_attention_interval: int = 4
 
+    def target_geometry(self, vocab_size: int) -> dict:
+        """The config fields every target family shares."""
+        return dict(
+            vocab_size=vocab_size, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+            num_layers=self.target_layers, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim, max_context=self.max_context,
+        )
+
 
 def _matrices(
     cfg, hidden_in: int, rng: np.random.Generator, scale: float, qk_norm: bool = True, bias: bool = False
@@ -185,15 +193,8 @@ def random_target(spec: TinySpec, vocab_size: int, rng: np.random.Generator) -> 
     """A random target of ``spec.architecture``: its config and float weights by module parameter name."""
     arch = spec.architecture
     target = DenseConfig(
-        vocab_size=vocab_size,
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_layers=spec.target_layers,
-        num_heads=spec.num_heads,
-        num_kv_heads=spec.num_kv_heads,
-        head_dim=spec.head_dim,
+        **spec.target_geometry(vocab_size),
         rms_norm_eps=1e-6,
-        max_context=spec.max_context,
         tie_word_embeddings=spec.tie_embeddings,
         qk_norm=arch == "qwen3",
         attention_bias=arch == "qwen2",

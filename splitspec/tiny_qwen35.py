@@ -21,20 +21,13 @@ from splitspec.tokenizer import write_gguf_tokenizer
 def tiny_qwen35_config(spec, vocab_size: int) -> Qwen35Config:
     """The hybrid geometry of a ``TinySpec`` (RoPE turns head_dim // 4 dims, as Qwen3.5's 64 of 256)."""
     return Qwen35Config(
-        vocab_size=vocab_size,
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_layers=spec.target_layers,
-        num_heads=spec.num_heads,
-        num_kv_heads=spec.num_kv_heads,
-        head_dim=spec.head_dim,
+        **spec.target_geometry(vocab_size),
         rotary_dim=spec.head_dim // 4,
         linear_num_key_heads=spec.linear_num_key_heads,
         linear_num_value_heads=spec.linear_num_value_heads,
         linear_key_head_dim=spec.linear_head_dim,
         linear_value_head_dim=spec.linear_head_dim,
         full_attention_interval=spec.full_attention_interval,
-        max_context=spec.max_context,
     )
 
 
