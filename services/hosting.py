@@ -11,6 +11,7 @@ from functools import partial
 from typing import Any
 
 from splitspec.errors import Unavailable
+from splitspec.v1 import common_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -97,3 +98,22 @@ class SequenceTable:
             for sid in stale:
                 del self._items[sid], self._last_used[sid]
         return stale
+
+
+def model_geometry(config: Any, dtype: str, device: str, path: str) -> common_pb2.ModelGeometry:
+    """The Info geometry of a target config (any family)."""
+    return common_pb2.ModelGeometry(
+        architecture=config.architecture, vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+        num_layers=config.num_layers, max_context=config.max_context, dtype=dtype, device=device, path=path,
+    )
+
+
+async def serve_worker(name: str, server, health, service: str, host: EngineHost, load, grace_s: float, ttl_s: float) -> None:
+    """Serve a worker: ``load()`` runs on the engine thread, idle sequences expire after ``ttl_s``."""
+    from splitspec import rpc
+
+    loop = asyncio.get_running_loop()
+    await rpc.serve(
+        name, server, health, [service], lambda: loop.run_in_executor(host.executor, load), grace_s,
+        [lambda: host.expire_periodically(ttl_s)],
+    )

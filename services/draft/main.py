@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import time
 
@@ -64,7 +63,8 @@ async def run(args: argparse.Namespace) -> None:
 
     from splitspec.devices import backend_name
     from splitspec.metrics import WorkerMetrics, model_name
-    from splitspec.v1 import common_pb2, draft_pb2_grpc
+    from splitspec.v1 import draft_pb2_grpc
+    from splitspec.services.hosting import model_geometry, serve_worker
     from splitspec.services.draft.server import SERVICE, DraftServicer
 
     if args.threads:
@@ -82,11 +82,7 @@ async def run(args: argparse.Namespace) -> None:
     def load() -> None:
         t0 = time.perf_counter()
         engine, target_config, dtype, device = _load_engine(args)
-        geometry = common_pb2.ModelGeometry(
-            architecture=target_config.architecture, vocab_size=target_config.vocab_size, hidden_size=target_config.hidden_size,
-            num_layers=target_config.num_layers, max_context=target_config.max_context,
-            dtype=dtype, device=device, path=str(args.target_model),
-        )
+        geometry = model_geometry(target_config, dtype, device, str(args.target_model))
         servicer.host.attach(engine, (geometry, str(args.model or args.replay)))
         metrics.describe(device=device, backend=backend_name(torch.device(device)), dtype=dtype, draft=model_name(args.model or args.replay))
         metrics.loaded(time.perf_counter() - t0)
@@ -96,8 +92,4 @@ async def run(args: argparse.Namespace) -> None:
         logger.info("draft worker serving on %s", args.listen)
 
     logger.info("draft worker listening on %s, loading %s", args.listen, args.model or args.replay)
-    loop = asyncio.get_running_loop()
-    await rpc.serve(
-        "draft", server, health, [SERVICE], lambda: loop.run_in_executor(servicer.host.executor, load),
-        args.shutdown_grace, [lambda: servicer.host.expire_periodically(args.sequence_ttl)],
-    )
+    await serve_worker("draft", server, health, SERVICE, servicer.host, load, args.shutdown_grace, args.sequence_ttl)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import time
 
@@ -46,7 +45,8 @@ async def run(args: argparse.Namespace) -> None:
     from splitspec.models.loader import load_target
     from splitspec.models.qwen35 import Qwen35Config, tree_node_bytes
     from splitspec.tokenizer import Tokenizer
-    from splitspec.v1 import common_pb2, target_pb2_grpc
+    from splitspec.v1 import target_pb2_grpc
+    from splitspec.services.hosting import model_geometry, serve_worker
     from splitspec.services.target.engine import TargetEngine, TargetLimits
     from splitspec.services.target.server import SERVICE, TargetDescription, TargetServicer
 
@@ -78,11 +78,7 @@ async def run(args: argparse.Namespace) -> None:
                 config.num_linear_layers, config.num_full_layers, node.total / 1e6, node.recurrent / 1e6, node.conv / 1e6, node.kv / 1e6,
             )
         limits = TargetLimits(max_sequences=args.max_sequences, max_kv_tokens=args.max_kv_tokens, max_tree_nodes=args.max_tree_nodes)
-        geometry = common_pb2.ModelGeometry(
-            architecture=config.architecture, vocab_size=config.vocab_size, hidden_size=config.hidden_size,
-            num_layers=config.num_layers, max_context=config.max_context,
-            dtype=str(dtype).removeprefix("torch."), device=str(device), path=str(args.model),
-        )
+        geometry = model_geometry(config, str(dtype).removeprefix("torch."), str(device), str(args.model))
         engine = TargetEngine(model, limits)
         servicer.host.attach(engine, TargetDescription(geometry, list(tokenizer.eos_token_ids), str(path)))
         metrics.describe(device=str(device), backend=backend_name(device), dtype=geometry.dtype)
@@ -98,8 +94,4 @@ async def run(args: argparse.Namespace) -> None:
         )
 
     logger.info("target worker listening on %s, loading %s", args.listen, args.model)
-    loop = asyncio.get_running_loop()
-    await rpc.serve(
-        "target", server, health, [SERVICE], lambda: loop.run_in_executor(servicer.host.executor, load),
-        args.shutdown_grace, [lambda: servicer.host.expire_periodically(args.sequence_ttl)],
-    )
+    await serve_worker("target", server, health, SERVICE, servicer.host, load, args.shutdown_grace, args.sequence_ttl)
