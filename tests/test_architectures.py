@@ -25,7 +25,7 @@ from splitspec.models.loader import read_target_config
 from splitspec.tiny import CHATML_TEMPLATE, TinySpec, make_tiny, random_draft, write_draft_gguf
 from splitspec.tokenizer import Tokenizer, byte_level_vocab, write_gguf_tokenizer
 from splitspec.v1 import gateway_pb2
-from test_tokenizer import write_gguf
+from tools import write_gguf
 
 pytestmark = pytest.mark.slow
 transformers = pytest.importorskip("transformers")

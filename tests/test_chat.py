@@ -6,7 +6,7 @@ import pytest
 
 from splitspec.chat import ChatTemplate, ChatTemplateError
 from splitspec.tokenizer import Tokenizer, byte_level_vocab, write_gguf_tokenizer
-from test_tokenizer import write_gguf
+from tools import write_gguf
 from test_tokenizer_transformers import _sentencepiece_gguf
 
 transformers = pytest.importorskip("transformers")

@@ -4,11 +4,10 @@ import json
 import random
 import subprocess
 import sys
-from collections.abc import Callable
 
 import gguf
-import numpy as np
 import pytest
+from tools import write_gguf
 import tokenizers
 
 from splitspec.tokenizer import ByteLevelVocab, Tokenizer, byte_level_vocab, write_gguf_tokenizer
@@ -28,18 +27,6 @@ MIXED_TEXT = (
     "Ελληνικά, русский текст, العربية, עברית, हिन्दी.\n"
 )
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>")
-
-
-def write_gguf(path, add_metadata: Callable[[gguf.GGUFWriter], None]) -> str:
-    """A GGUF file holding the metadata ``add_metadata`` writes and one dummy tensor."""
-    writer = gguf.GGUFWriter(path, "qwen3")
-    add_metadata(writer)
-    writer.add_tensor("dummy", np.zeros(4, dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return str(path)
 
 
 @pytest.fixture(scope="module")

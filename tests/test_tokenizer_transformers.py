@@ -14,8 +14,8 @@ import unicodedata
 from collections import Counter
 
 import gguf
-import numpy as np
 import pytest
+from tools import write_gguf
 
 from splitspec.tokenizer import Tokenizer, byte_level_vocab, write_gguf_tokenizer
 
@@ -75,17 +75,6 @@ def mixed_text(seed: int, size: int, specials: tuple[str, ...] = ()) -> list[str
         chunks.append(chunk)
         total += len(chunk)
     return chunks
-
-
-def _write(path, arch: str, add_metadata) -> str:
-    writer = gguf.GGUFWriter(path, arch)
-    add_metadata(writer)
-    writer.add_tensor("dummy", np.zeros(4, dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return str(path)
 
 
 def sentencepiece_vocab(text: str, num_chars: int, num_merges: int) -> tuple[list[str], list[float], list[int]]:
@@ -155,7 +144,7 @@ def _sentencepiece_gguf(path, chat_template: str = SPM_TEMPLATE) -> str:
         writer.add_add_bos_token(True)
         writer.add_chat_template(chat_template)
 
-    return _write(path, "llama", metadata)
+    return write_gguf(path, metadata, arch="llama")
 
 
 def _byte_level_gguf(path, pre: str) -> str:
@@ -165,7 +154,7 @@ def _byte_level_gguf(path, pre: str) -> str:
         if pre == "llama-bpe":
             writer.add_add_bos_token(True)  # as llama.cpp's converter writes for Llama 3
 
-    return _write(path, "qwen2" if pre == "qwen2" else "llama", metadata)
+    return write_gguf(path, metadata, arch="qwen2" if pre == "qwen2" else "llama")
 
 
 VOCABS = {

@@ -1,4 +1,5 @@
-"""Test helpers: Debian tools some tests drive (prometheus, promtool, docker-compose), free ports.
+"""Test helpers: Debian tools some tests drive (prometheus, promtool, docker-compose), free ports,
+and metadata-only GGUF files.
 
 A missing tool is a clear skip, with the package to install.
 
@@ -11,7 +12,10 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+from collections.abc import Callable
 
+import gguf
+import numpy as np
 import pytest
 
 
@@ -30,3 +34,15 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def write_gguf(path, add_metadata: Callable[[gguf.GGUFWriter], None], arch: str = "qwen3") -> str:
+    """A GGUF file holding the metadata ``add_metadata`` writes and one dummy tensor."""
+    writer = gguf.GGUFWriter(path, arch)
+    add_metadata(writer)
+    writer.add_tensor("dummy", np.zeros(4, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(path)
