@@ -105,6 +105,14 @@ class DenseDecoderLayer(nn.Module):
         h = h + self.self_attn.attend_cached(x, self.self_attn.query(x, cos, sin), cos, sin, k_cache, v_cache, start, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
 
+    def forward_causal(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """h [B, T, hidden] of whole sequences from position 0, no cache (training)."""
+        attn = self.self_attn
+        x = self.input_layernorm(h)
+        k, v = attn.key_value(x, cos, sin)
+        h = h + attn.attend(attn.query(x, cos, sin), k, v, None, causal=True)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
 
 class DenseForCausalLM(nn.Module):
     def __init__(self, config: DenseConfig) -> None:
@@ -117,6 +125,30 @@ class DenseForCausalLM(nn.Module):
 
     def new_cache(self, capacity: int, device: torch.device | str, dtype: torch.dtype) -> KVCache:
         return KVCache(self.config, capacity, torch.device(device), dtype)
+
+    def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        c = self.config
+        factors = None if c.rope_freq_factors is None else torch.tensor(c.rope_freq_factors, device=positions.device)
+        return rope_cos_sin(positions, c.head_dim, c.rope_theta, dtype, factors)
+
+    def forward_sequences(
+        self, tokens: torch.Tensor, taps: Sequence[int] = ()
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Whole sequences ``tokens`` [B, T] from position 0, causal, no KV cache, differentiable.
+
+        Returns the final normed hidden states [B, T, hidden] (apply ``lm_head`` for logits) and
+        tap features [B, T, len(taps) * hidden] or None, tapped as in :meth:`forward`. Used to
+        train a target from scratch and to run a frozen target online while training a draft.
+        """
+        h = self.embed_tokens(tokens)
+        cos, sin = self._rope(torch.arange(tokens.shape[1], device=tokens.device), h.dtype)
+        tapped: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            h = layer.forward_causal(h, cos, sin)
+            if i in taps:
+                tapped[i] = h
+        features = torch.cat([tapped[i] for i in taps], dim=-1) if taps else None
+        return self.norm(h), features
 
     @torch.inference_mode()
     def forward(
@@ -138,9 +170,7 @@ class DenseForCausalLM(nn.Module):
         Hugging Face's numbering, concatenated in ``taps`` order.
         """
         h = self.embed_tokens(tokens)
-        c = self.config
-        factors = None if c.rope_freq_factors is None else torch.tensor(c.rope_freq_factors, device=tokens.device)
-        cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, h.dtype, factors)
+        cos, sin = self._rope(positions, h.dtype)
         tapped: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, cache.k[i], cache.v[i], start, mask)

@@ -116,19 +116,20 @@ class QKVProjection(nn.Module):
         self.q_norm = RMSNorm(head_dim, eps) if qk_norm else nn.Identity()
         self.k_norm = RMSNorm(head_dim, eps) if qk_norm else nn.Identity()
 
+    # Every method takes an optional leading batch dimension ([B, T, hidden]): inference runs one
+    # sequence, training runs a batch through the same weights.
     def query(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [T, hidden] -> RoPE'd queries [H, T, D]."""
-        q = self.q_norm(self.q_proj(x).view(x.shape[0], self.num_heads, self.head_dim))
-        return apply_rope(q.transpose(0, 1), cos, sin)
+        """x [(B,) T, hidden] -> RoPE'd queries [(B,) H, T, D]."""
+        q = self.q_norm(self.q_proj(x).unflatten(-1, (self.num_heads, self.head_dim)))
+        return apply_rope(q.transpose(-3, -2), cos, sin)
 
     def key_value(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, hidden] -> RoPE'd keys and values, each [H_kv, T, D]."""
-        t = x.shape[0]
-        k = self.k_norm(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim))
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        return apply_rope(k.transpose(0, 1), cos, sin), v.transpose(0, 1)
+        """x [(B,) T, hidden] -> RoPE'd keys and values, each [(B,) H_kv, T, D]."""
+        k = self.k_norm(self.k_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim)))
+        v = self.v_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
+        return apply_rope(k.transpose(-3, -2), cos, sin), v.transpose(-3, -2)
 
     def attend(
         self,
@@ -137,15 +138,22 @@ class QKVProjection(nn.Module):
         v: torch.Tensor,
         mask: torch.Tensor | None,
         gate: torch.Tensor | None = None,
+        causal: bool = False,
     ) -> torch.Tensor:
-        """q [H, T, D], k/v [H_kv, S, D], mask [T, S] bool (True = visible) or None -> [T, hidden].
+        """q [(B,) H, T, D], k/v [(B,) H_kv, S, D], mask [(B,) T, S] bool (True = visible) or None
+        -> [(B,) T, hidden]. ``causal`` (with no mask) is the lower-triangular mask, S == T.
 
         ``gate`` [T, H * D] (Qwen3.5's output gate) scales the heads by ``sigmoid(gate)`` before ``o_proj``.
         """
-        out = F.scaled_dot_product_attention(
-            q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, enable_gqa=True
-        )  # [1, H, T, D]
-        out = out[0].transpose(0, 1).reshape(q.shape[1], -1)  # [T, H * D]
+        batched = q.dim() == 4
+        if not batched:
+            q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
+        if mask is not None and mask.dim() == 3:
+            mask = mask.unsqueeze(1)  # one mask per sequence, shared by the heads
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True)  # [B, H, T, D]
+        out = out.transpose(1, 2).flatten(2)  # [B, T, H * D]
+        if not batched:
+            out = out[0]
         if gate is not None:
             out = out * torch.sigmoid(gate)
         return self.o_proj(out)

@@ -83,6 +83,21 @@ def test_incremental_decode_and_taps_match_transformers(float_model, tmp_path):
     assert (features - torch.cat([hidden[2][0], hidden[1][0]], dim=-1)).abs().max().item() < TOLERANCE
 
 
+def test_batched_sequence_forward_matches_transformers(float_model, tmp_path):
+    """The cache-free batched forward (training path) gives the same logits and taps as HF."""
+    ours, config = load_target(write_gguf(float_model, tmp_path / "model.gguf", "f32"))
+    ids = torch.stack([_ids(config, 12, seed=s) for s in (3, 4)])  # [2, 12]
+    hidden, features = ours.forward_sequences(ids, taps=(0, 1))
+    with torch.no_grad():
+        ref = float_model(ids, output_hidden_states=True)
+    assert (ours.lm_head(hidden) - ref.logits).abs().max().item() < TOLERANCE
+    expected = torch.cat([ref.hidden_states[1], ref.hidden_states[2]], dim=-1)  # HF norms the last
+    assert (features - expected).abs().max().item() < TOLERANCE
+    loss = ours.lm_head(hidden).logsumexp(-1).mean()
+    loss.backward()  # differentiable: gradients reach the first layer
+    assert ours.layers[0].self_attn.q_proj.weight.grad.abs().sum() > 0
+
+
 @pytest.mark.parametrize("arch,rope", [("llama", LLAMA3_ROPE), ("qwen2", LINEAR_ROPE)], ids=["llama3", "linear"])
 def test_gguf_rope_scaling_matches_transformers(arch, rope, tmp_path):
     model = hf_model(arch, rope=rope, seed=7)
