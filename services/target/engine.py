@@ -24,6 +24,7 @@ import torch
 
 from splitspec.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from splitspec.services.hosting import SequenceTable
+from splitspec.services.target.graphs import PooledKVCache, StaticVerifier
 from splitspec.spec.acceptance import accept_path
 from splitspec.spec.sampling import SamplingParams, draw_tokens
 from splitspec.spec.tree import node_depths, tree_attention_mask, validate_tree
@@ -95,13 +96,14 @@ class VerifyResult:
 
 
 class TargetEngine:
-    def __init__(self, model: TargetModel, limits: TargetLimits | None = None) -> None:
+    def __init__(self, model: TargetModel, limits: TargetLimits | None = None, static: StaticVerifier | None = None) -> None:
         self.model = model
         self.config = model.config
         self.limits = limits or TargetLimits()
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.sequences = SequenceTable()  # of SequenceState
+        self.static = static  # fixed-shape (CUDA-graph) verify over pooled KV slots, when enabled
 
     @property
     def reserved_tokens(self) -> int:
@@ -151,7 +153,7 @@ class TargetEngine:
                 f"KV cache full: {self.reserved_tokens} of {self.limits.max_kv_tokens} positions reserved, {capacity} more asked"
             )
         t0 = time.perf_counter_ns()
-        cache = self.model.new_cache(capacity, self.device, self.dtype)
+        cache = (self.static and self.static.new_cache(capacity)) or self.model.new_cache(capacity, self.device, self.dtype)
         ids = torch.tensor(tokens, device=self.device, dtype=torch.int64)
         rows = n if feature_rows <= 0 else min(feature_rows, n)
         feature_chunks, logits = [], None
@@ -207,11 +209,16 @@ class TargetEngine:
         candidate; ``cache.commit`` after the walk keeps the accepted ones.
         """
         n, start, dev = len(tokens), state.length, self.device
-        ids = torch.tensor([state.pending_token, *tokens.tolist()], device=dev, dtype=torch.int64)  # [n+1]
+        row_tokens = [state.pending_token, *tokens.tolist()]  # [n+1]
+        positions = start + np.concatenate([[0], node_depths(parents)])  # [n+1] siblings share a position
+        tree_mask = tree_attention_mask(parents)  # [n+1, n+1] ancestor-only
+        if isinstance(state.cache, PooledKVCache):
+            out = self.static.forward(state.cache, row_tokens, positions, start, tree_mask, state.taps)
+            if out is not None:
+                return *out, torch.from_numpy(positions).to(dev)
+        ids = torch.tensor(row_tokens, device=dev, dtype=torch.int64)
         row_parents = torch.from_numpy(np.concatenate([[-1], parents])).to(dev)  # [n+1], node j is row j
-        depths = torch.from_numpy(np.concatenate([[0], node_depths(parents)])).to(dev)  # [n+1]
-        positions = start + depths  # siblings share a position
-        tree_mask = torch.from_numpy(tree_attention_mask(parents)).to(dev)  # [n+1, n+1] ancestor-only
-        mask = torch.cat([torch.ones(n + 1, start, dtype=torch.bool, device=dev), tree_mask], dim=1)
-        logits, features = self.model(ids, positions, state.cache, start, mask, state.taps, parents=row_parents)
-        return logits, features, positions
+        positions_t = torch.from_numpy(positions).to(dev)
+        mask = torch.cat([torch.ones(n + 1, start, dtype=torch.bool, device=dev), torch.from_numpy(tree_mask).to(dev)], dim=1)
+        logits, features = self.model(ids, positions_t, state.cache, start, mask, state.taps, parents=row_parents)
+        return logits, features, positions_t

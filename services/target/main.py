@@ -29,11 +29,40 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-sequences", type=int, default=64, help="live sequences at most")
     p.add_argument("--max-kv-tokens", type=int, default=1 << 20, help="KV positions reserved over all sequences at most")
     p.add_argument("--max-tree-nodes", type=int, default=256, help="largest tree a Verify accepts")
+    p.add_argument(
+        "--graph-slots", type=int, default=-1,
+        help="sequences that get the fast path: a preallocated KV slot and fixed-shape verify passes, replayed as "
+        "CUDA graphs on a GPU (on a CPU the same fixed shapes run eagerly); other sequences run eagerly "
+        "(-1 = 4 on CUDA, 0 on CPU; dense targets only)",
+    )
+    p.add_argument("--graph-context", type=int, default=4096, help="positions per fast-path KV slot (prompt + output)")
+    p.add_argument("--no-cuda-graphs", action="store_true", help="run the fast path's fixed shapes without capturing graphs (debugging)")
     p.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0 = torch's default)")
     p.add_argument("--sequence-ttl", type=float, default=600.0, help="release sequences idle this many seconds")
     p.add_argument("--metrics-port", type=int, default=9452, help="Prometheus /metrics port on the --listen host (0 = off)")
     p.add_argument("--shutdown-grace", type=float, default=10.0, help="seconds in-flight calls may finish after SIGTERM")
     add_server_arguments(p)
+
+
+def static_verifier(model, config, device, args: argparse.Namespace):
+    """The fast path's slot pool (see services/target/graphs.py), or None when it is off."""
+    from splitspec.models.dense import DenseForCausalLM
+    from splitspec.services.target.graphs import StaticVerifier
+
+    slots = args.graph_slots if args.graph_slots >= 0 else (4 if device.type == "cuda" else 0)
+    if slots == 0:
+        return None
+    if not isinstance(model, DenseForCausalLM):
+        logger.warning("--graph-slots: the fast path serves dense targets; %s runs eagerly", config.architecture)
+        return None
+    context = min(args.graph_context, config.max_context)
+    capture = device.type == "cuda" and not args.no_cuda_graphs
+    static = StaticVerifier(model, slots, context, capture)
+    logger.info(
+        "fast path: %d KV slots of %d positions (%.2f GB), %s", slots, context, static.nbytes / 1e9,
+        "CUDA graphs" if capture else "fixed shapes run eagerly",
+    )
+    return static
 
 
 async def run(args: argparse.Namespace) -> None:
@@ -79,7 +108,7 @@ async def run(args: argparse.Namespace) -> None:
             )
         limits = TargetLimits(max_sequences=args.max_sequences, max_kv_tokens=args.max_kv_tokens, max_tree_nodes=args.max_tree_nodes)
         geometry = model_geometry(config, str(dtype).removeprefix("torch."), str(device), str(args.model))
-        engine = TargetEngine(model, limits)
+        engine = TargetEngine(model, limits, static_verifier(model, config, device, args))
         servicer.host.attach(engine, TargetDescription(geometry, list(tokenizer.eos_token_ids), str(path)))
         metrics.describe(device=str(device), backend=backend_name(device), dtype=geometry.dtype)
         metrics.loaded(time.perf_counter() - t0)

@@ -60,10 +60,13 @@ class KVCache:
     prefix; acceptance then compacts the accepted rows down (see ``spec.acceptance``).
     """
 
-    def __init__(self, config: DenseConfig, capacity: int, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k, self.v = k, v  # [num_layers, H_kv, capacity, D]; may be views of a shared pool
+
+    @classmethod
+    def allocate(cls, config: DenseConfig, capacity: int, device: torch.device, dtype: torch.dtype) -> KVCache:
         shape = (config.num_layers, config.num_kv_heads, capacity, config.head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        return cls(torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype))
 
     @property
     def capacity(self) -> int:
@@ -98,8 +101,8 @@ class DenseDecoderLayer(nn.Module):
         sin: torch.Tensor,
         k_cache: torch.Tensor,  # [H_kv, capacity, D] of this layer
         v_cache: torch.Tensor,
-        start: int,
-        mask: torch.Tensor,  # [T, start + T] bool
+        start: int | torch.Tensor,  # see QKVProjection.attend_cached
+        mask: torch.Tensor,  # [T, S] bool
     ) -> torch.Tensor:
         x = self.input_layernorm(h)
         h = h + self.self_attn.attend_cached(x, self.self_attn.query(x, cos, sin), cos, sin, k_cache, v_cache, start, mask)
@@ -122,13 +125,19 @@ class DenseForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DenseDecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self._freq_factors: dict[torch.device, torch.Tensor] = {}
 
     def new_cache(self, capacity: int, device: torch.device | str, dtype: torch.dtype) -> KVCache:
-        return KVCache(self.config, capacity, torch.device(device), dtype)
+        return KVCache.allocate(self.config, capacity, torch.device(device), dtype)
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.config
-        factors = None if c.rope_freq_factors is None else torch.tensor(c.rope_freq_factors, device=positions.device)
+        factors = None
+        if c.rope_freq_factors is not None:
+            # Made once per device: a host-to-device copy inside a CUDA graph capture is not allowed.
+            factors = self._freq_factors.get(positions.device)
+            if factors is None:
+                factors = self._freq_factors[positions.device] = torch.tensor(c.rope_freq_factors, device=positions.device)
         return rope_cos_sin(positions, c.head_dim, c.rope_theta, dtype, factors)
 
     def forward_sequences(
@@ -156,8 +165,8 @@ class DenseForCausalLM(nn.Module):
         tokens: torch.Tensor,  # [T] int64
         positions: torch.Tensor,  # [T] int64, absolute
         cache: KVCache,
-        start: int,  # KV slot of tokens[0]
-        mask: torch.Tensor,  # [T, start + T] bool, True = visible
+        start: int | torch.Tensor,  # KV slot of tokens[0], or the KV slots [T] of every row
+        mask: torch.Tensor,  # [T, S] bool over KV slots 0 .. S (S = start + T for an int start), True = visible
         taps: Sequence[int] = (),
         logit_rows: torch.Tensor | None = None,  # [R] rows to project to logits; None = all
         parents: torch.Tensor | None = None,  # [T] a tree's parent rows; attention needs only the mask

@@ -166,13 +166,19 @@ class QKVProjection(nn.Module):
         sin: torch.Tensor,
         k_cache: torch.Tensor,  # [H_kv, capacity, D] of this layer
         v_cache: torch.Tensor,
-        start: int,  # cache slot of x[0]
-        mask: torch.Tensor,  # [T, start + T] bool
+        start: int | torch.Tensor,  # cache slot of x[0], or the slots [T] of every row
+        mask: torch.Tensor,  # [T, S] bool over cache slots 0 .. S
         gate: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Write this pass's K/V to slots ``start ..`` and attend over slots ``.. start + T``."""
+        """Write this pass's K/V to slots ``start ..`` (or to the slots ``start`` [T]) and attend over
+        slots ``.. S``. Slot tensors keep every shape and address fixed, so the pass can be
+        captured as a CUDA graph; the int form needs no index tensor on the eager path."""
         k, v = self.key_value(x, cos, sin)
-        end = start + x.shape[0]
-        k_cache[:, start:end] = k
-        v_cache[:, start:end] = v
-        return self.attend(q, k_cache[:, :end], v_cache[:, :end], mask, gate)
+        if isinstance(start, torch.Tensor):
+            k_cache.index_copy_(1, start, k)
+            v_cache.index_copy_(1, start, v)
+        else:
+            k_cache[:, start : start + x.shape[0]] = k
+            v_cache[:, start : start + x.shape[0]] = v
+        span = mask.shape[-1]
+        return self.attend(q, k_cache[:, :span], v_cache[:, :span], mask, gate)

@@ -32,7 +32,7 @@ def _ids(config, n: int, seed: int) -> torch.Tensor:
 
 
 def _our_logits(model, config, ids: torch.Tensor) -> torch.Tensor:
-    cache = KVCache(config, len(ids), torch.device("cpu"), torch.float32)
+    cache = KVCache.allocate(config, len(ids), torch.device("cpu"), torch.float32)
     logits, _ = model(ids, torch.arange(len(ids)), cache, 0, _causal(len(ids)))
     return logits
 
@@ -71,7 +71,7 @@ def test_incremental_decode_and_taps_match_transformers(float_model, tmp_path):
     path = write_gguf(float_model, tmp_path / "model.gguf", "f32")
     ours, config = load_target(path)
     ids = _ids(config, 10, seed=1)
-    cache = KVCache(config, 16, torch.device("cpu"), torch.float32)
+    cache = KVCache.allocate(config, 16, torch.device("cpu"), torch.float32)
     ours(ids[:4], torch.arange(4), cache, 0, _causal(4))
     for t in range(4, 10):
         step, _ = ours(ids[t : t + 1], torch.tensor([t]), cache, t, _causal(1, t))
@@ -79,7 +79,7 @@ def test_incremental_decode_and_taps_match_transformers(float_model, tmp_path):
     with torch.no_grad():
         hidden = float_model(ids[None, :6], output_hidden_states=True).hidden_states
     # hidden_states[i + 1] is the output of layer i (HF normalises only the last one, never a tap).
-    _, features = ours(ids[:6], torch.arange(6), KVCache(config, 8, torch.device("cpu"), torch.float32), 0, _causal(6), taps=(1, 0))
+    _, features = ours(ids[:6], torch.arange(6), KVCache.allocate(config, 8, torch.device("cpu"), torch.float32), 0, _causal(6), taps=(1, 0))
     assert (features - torch.cat([hidden[2][0], hidden[1][0]], dim=-1)).abs().max().item() < TOLERANCE
 
 

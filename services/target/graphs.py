@@ -1,0 +1,179 @@
+"""Fixed-shape verify passes over preallocated KV slots, replayed as CUDA graphs.
+
+Batch-1 decode on a GPU is bound by kernel launches long before it is bound by memory unless
+the whole pass is one CUDA graph, and a graph replays fixed shapes at fixed addresses. So:
+
+- **Slots.** A pool of ``slots`` KV caches of ``context`` positions each is allocated once;
+  a sequence takes a slot at prefill (a :class:`PooledKVCache`, a view into the pool) and gives
+  it back when nothing references its cache any more (release, TTL expiry or failure alike).
+- **Rows.** The ``[root, nodes]`` block of a verify is padded up to a row bucket (budget 22 →
+  24 rows). A pad row is token 0 at the root's position that sees only its own slot, written
+  after the tree: it never sees or is seen by a real row, and a fully masked row would put NaN
+  into the cache. Its K/V land in slots past the tree, which are rewritten before anyone can
+  see them.
+- **Span.** Attention reads the first ``span`` slots (a power of two ≥ 256 covering the block),
+  masked, so one graph serves every start position up to its span.
+
+One graph per (slot, rows, span, taps) is captured on first use and replayed after; graphs
+share one memory pool. On a CPU (``capture=False``) the same fixed-shape pass runs eagerly,
+which is how CI tests this path.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from splitspec.models.dense import DenseForCausalLM, KVCache
+
+ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 264)
+MIN_SPAN = 256
+
+
+class PooledKVCache(KVCache):
+    """A sequence's KV cache living in slot ``slot`` of a :class:`StaticVerifier`'s pool."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, slot: int) -> None:
+        super().__init__(k, v)
+        self.slot = slot
+
+
+def row_bucket(rows: int) -> int | None:
+    """The padded row count of a block of ``rows`` rows, or None when it is larger than any bucket."""
+    i = bisect.bisect_left(ROW_BUCKETS, rows)
+    return ROW_BUCKETS[i] if i < len(ROW_BUCKETS) else None
+
+
+def attention_span(end: int) -> int:
+    """Slots a pass reads when its block ends at slot ``end``: a power of two ≥ ``MIN_SPAN``."""
+    return max(MIN_SPAN, 1 << (end - 1).bit_length())
+
+
+@dataclass
+class _Pass:
+    """Static buffers of one captured shape: inputs are copied in, outputs read out."""
+
+    rows: int
+    span: int
+    head: torch.Tensor  # [1 + 2 * rows] int64: start, token ids, positions
+    tree: torch.Tensor  # [rows, rows] bool: the block's own visibility, pad rows on the diagonal
+    logits: torch.Tensor | None = None  # [rows, vocab] float32
+    features: torch.Tensor | None = None  # [rows, taps * hidden]
+    graph: torch.cuda.CUDAGraph | None = None
+
+
+class StaticVerifier:
+    def __init__(self, model: DenseForCausalLM, slots: int, context: int, capture: bool) -> None:
+        c = model.config
+        param = next(model.parameters())
+        self.model, self.device, self.context, self.capture = model, param.device, context, capture
+        shape = (c.num_layers, slots, c.num_kv_heads, context, c.head_dim)
+        self._k = torch.zeros(shape, device=self.device, dtype=param.dtype)
+        self._v = torch.zeros(shape, device=self.device, dtype=param.dtype)
+        self._free = list(range(slots - 1, -1, -1))
+        self._lock = threading.Lock()  # slots come back from whichever thread drops the last reference
+        self._passes: dict[tuple[int, int, int, tuple[int, ...]], _Pass] = {}
+        self._pool = torch.cuda.graph_pool_handle() if capture else None
+        self._cols = torch.arange(context, device=self.device)
+
+    @property
+    def nbytes(self) -> int:
+        return self._k.nbytes + self._v.nbytes
+
+    @property
+    def free_slots(self) -> int:
+        with self._lock:
+            return len(self._free)
+
+    @property
+    def graphs(self) -> int:
+        return sum(p.graph is not None for p in self._passes.values())
+
+    def new_cache(self, capacity: int) -> PooledKVCache | None:
+        """A pooled cache of ``context`` positions, or None when none is free or it is too short."""
+        if capacity > self.context:
+            return None
+        with self._lock:
+            if not self._free:
+                return None
+            slot = self._free.pop()
+        cache = PooledKVCache(self._k[:, slot], self._v[:, slot], slot)
+        weakref.finalize(cache, self._give_back, slot)
+        return cache
+
+    def _give_back(self, slot: int) -> None:
+        with self._lock:
+            self._free.append(slot)
+
+    def forward(
+        self,
+        cache: PooledKVCache,
+        tokens: Sequence[int],  # [n + 1] root first
+        positions: np.ndarray,  # [n + 1] absolute positions
+        start: int,  # slot of the root
+        tree_mask: np.ndarray,  # [n + 1, n + 1] bool, ancestor-only
+        taps: tuple[int, ...],
+    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """Logits [n + 1, vocab] and features [n + 1, taps * hidden] of one verify block, or None
+        when the block fits no bucket (the caller runs the eager pass instead)."""
+        n_rows = len(tokens)
+        rows = row_bucket(n_rows)
+        if rows is None or start + rows > self.context:
+            return None
+        span = min(attention_span(start + rows), self.context)
+        key = (cache.slot, rows, span, taps)
+        p = self._passes.get(key)
+        fresh = p is None
+        if fresh:
+            p = self._passes[key] = _Pass(
+                rows, span,
+                head=torch.zeros(1 + 2 * rows, dtype=torch.int64, device=self.device),
+                tree=torch.zeros(rows, rows, dtype=torch.bool, device=self.device),
+            )
+        head = np.zeros(1 + 2 * rows, dtype=np.int64)
+        head[0] = start
+        head[1 : 1 + n_rows] = tokens
+        head[1 + rows : 1 + rows + n_rows] = positions
+        head[1 + rows + n_rows :] = start
+        tree = np.eye(rows, dtype=bool)
+        tree[:n_rows, :n_rows] = tree_mask
+        p.head.copy_(torch.from_numpy(head), non_blocking=False)
+        p.tree.copy_(torch.from_numpy(tree))
+        if not self.capture:
+            p.logits, p.features = self._compute(cache, p, taps)
+        elif fresh:
+            self._capture(cache, p, taps)
+        else:
+            p.graph.replay()
+        features = None if p.features is None else p.features[:n_rows]
+        return p.logits[:n_rows], features
+
+    def _compute(self, cache: KVCache, p: _Pass, taps: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The pass itself, from the static inputs only (so that it can be captured)."""
+        start, ids, positions = p.head[0], p.head[1 : 1 + p.rows], p.head[1 + p.rows :]
+        slots = start + self._cols[: p.rows]  # [rows]
+        cols = self._cols[: p.span]  # [span]
+        offset = cols - start  # column of slot `cols` inside the block
+        inside = (offset >= 0) & (offset < p.rows)
+        mask = (cols < start)[None, :] | (inside[None, :] & p.tree[:, offset.clamp(0, p.rows - 1)])  # [rows, span]
+        return self.model(ids, positions, cache, slots, mask, taps)
+
+    def _capture(self, cache: KVCache, p: _Pass, taps: tuple[int, ...]) -> None:
+        # Warm-up runs on a side stream (as capture requires) and computes this step's real result;
+        # the capture records the same work without running it.
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            p.logits, p.features = self._compute(cache, p, taps)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            p.logits, p.features = self._compute(cache, p, taps)
+        p.graph = graph
+        graph.replay()
