@@ -1,6 +1,6 @@
 """Losslessness through the three real services: speculative output == target-only output.
 
-Both target families run: dense Qwen3 and the Qwen3.5 hybrid, whose Gated DeltaNet state follows
+Both target families run: dense Qwen3 (also on the fast path's fixed shapes) and the Qwen3.5 hybrid, whose Gated DeltaNet state follows
 each tree row's parent chain and is committed from the deepest accepted row. The target runs in
 float64 so that batching a tree differently from a single token cannot flip a near-tie. Two drafts are used: the real DFlash draft of the tiny pair (random, so it rarely hits)
 and the benchmark/test-only ReplayDrafter, which proposes the recorded target-only output
@@ -47,16 +47,18 @@ def _cases(vocab: int) -> list[dict]:
     return cases
 
 
-@pytest.fixture(scope="module", params=["qwen3", "qwen35"])
+@pytest.fixture(scope="module", params=["qwen3", "qwen3-fast-path", "qwen35"])
 def system(request, module_services, tiny_pair, tiny_qwen35_pair, tmp_path_factory):
     from splitspec.models.loader import read_target_config
 
     s, arch = module_services, request.param
-    pair = tiny_pair if arch == "qwen3" else tiny_qwen35_pair
+    pair = tiny_qwen35_pair if arch == "qwen35" else tiny_pair
     model = str(pair.target)
     table = tmp_path_factory.mktemp(f"replay-{arch}") / "table.jsonl"
+    # The fast path's fixed shapes (pooled KV slot, padded rows, bucketed spans; graphs on a GPU).
+    fast = ["--graph-slots", "1", "--graph-context", "512"] if arch.endswith("fast-path") else []
     # One torch thread per worker: two workers spinning all cores of a small CI machine stall each other.
-    target = s.start(f"{arch}-target", "target", "--model", model, "--dtype", "float64", "--threads", "1")
+    target = s.start(f"{arch}-target", "target", "--model", model, "--dtype", "float64", "--threads", "1", *fast)
     replay = s.start(f"{arch}-replay", "draft", "--replay", str(table), "--replay-corruption", "0.3", "--target-model", model)
     dflash = s.start(f"{arch}-dflash", "draft", "--model", str(pair.draft), "--target-model", model, "--threads", "1")
     gw_replay = s.start(f"{arch}-gw-replay", "gateway", "--target", target, "--draft", replay)
