@@ -21,6 +21,7 @@ Quick start:   splitspec serve            (tiny built-in models, all three servi
 
 def build_parser() -> argparse.ArgumentParser:
     from splitspec import generate, health, serve
+    from splitspec.bench import main as bench_main
     from splitspec.services.draft import main as draft_main
     from splitspec.services.gateway import main as gateway_main
     from splitspec.services.target import main as target_main
@@ -36,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
         "generate": (generate.add_arguments, "stream a completion from a gateway"),
         "make-tiny": (_make_tiny_arguments, "write a tiny random target GGUF (qwen3, qwen2, llama or the qwen35 hybrid) and a matching DFlash draft"),
         "health": (health.add_arguments, "check a service's gRPC health (exit 0 when serving)"),
+        "bench": (bench_main.add_arguments, "time the components and the whole system on random weights of a real shape"),
     }
     for name, (add, help_text) in commands.items():
         p = sub.add_parser(name, help=help_text, description=help_text, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -75,6 +77,10 @@ def main(argv: list[str] | None = None) -> int:
             from splitspec.health import run as run_health
 
             return run_health(args)
+        if args.command == "bench":
+            from splitspec.bench.main import run as run_bench
+
+            return run_bench(args)
         if args.command == "make-tiny":
             from splitspec.tiny import TinySpec, make_tiny
 

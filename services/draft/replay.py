@@ -90,7 +90,7 @@ class ReplayDrafter:
             if rng.random() < self.corruption:
                 wrong = (true + 1 + int(rng.integers(self.vocab_size - 1))) % self.vocab_size
                 ranked = [wrong, true] if rng.random() < 0.5 else [wrong]
-            others = (true + 1 + np.arange(self.vocab_size)) % self.vocab_size
+            others = (true + 1 + np.arange(top_k + 2)) % self.vocab_size  # enough to fill the ranks
             ranked += [int(t) for t in others if t not in ranked][: top_k - len(ranked)]
             ids[d] = ranked[:top_k]
         logprobs = np.tile(-np.arange(top_k, dtype=np.float32) - 0.1, (depth, 1))

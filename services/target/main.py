@@ -72,6 +72,7 @@ async def run(args: argparse.Namespace) -> None:
     from splitspec.hub import resolve_model
     from splitspec.metrics import WorkerMetrics, model_name
     from splitspec.models.loader import load_target
+    from splitspec.models.random_weights import is_random
     from splitspec.models.qwen35 import Qwen35Config, tree_node_bytes
     from splitspec.tokenizer import Tokenizer
     from splitspec.v1 import target_pb2_grpc
@@ -98,7 +99,8 @@ async def run(args: argparse.Namespace) -> None:
         t0 = time.perf_counter()
         path = resolve_model(args.model)
         model, config = load_target(path, device, dtype, state_dtype)
-        tokenizer = Tokenizer.load(path)
+        # random: shapes (benchmarks) have no tokenizer; their gateway is given one with --tokenizer.
+        eos, tokenizer_path = ([], "") if is_random(path) else (list(Tokenizer.load(path).eos_token_ids), str(path))
         if isinstance(config, Qwen35Config):
             node = tree_node_bytes(config, dtype, model.recurrent_dtype(dtype))
             logger.info(
@@ -109,7 +111,7 @@ async def run(args: argparse.Namespace) -> None:
         limits = TargetLimits(max_sequences=args.max_sequences, max_kv_tokens=args.max_kv_tokens, max_tree_nodes=args.max_tree_nodes)
         geometry = model_geometry(config, str(dtype).removeprefix("torch."), str(device), str(args.model))
         engine = TargetEngine(model, limits, static_verifier(model, config, device, args))
-        servicer.host.attach(engine, TargetDescription(geometry, list(tokenizer.eos_token_ids), str(path)))
+        servicer.host.attach(engine, TargetDescription(geometry, eos, tokenizer_path))
         metrics.describe(device=str(device), backend=backend_name(device), dtype=geometry.dtype)
         metrics.loaded(time.perf_counter() - t0)
         metrics.watch(

@@ -25,6 +25,7 @@ import torch
 from tqdm import tqdm
 
 from splitspec.hub import resolve_model
+from splitspec.models import random_weights
 from splitspec.models.dense import DenseConfig, DenseForCausalLM
 from splitspec.models.dequant import dequantize
 from splitspec.models.dflash import DFlashConfig, DFlashDraft, default_target_layer_ids
@@ -267,6 +268,8 @@ def _hybrid(path: str | os.PathLike):
 
 def read_target_config(path: str | os.PathLike) -> DenseConfig | Qwen35Config:
     """The geometry of a target checkpoint, whatever its family, without reading its weights."""
+    if random_weights.is_random(path):
+        return random_weights.random_target_config(path)
     hybrid = _hybrid(path)
     if hybrid:
         module, local = hybrid
@@ -286,6 +289,8 @@ def load_target(
     state_dtype: torch.dtype | None = None,
 ) -> tuple[DenseForCausalLM | Qwen35ForCausalLM, DenseConfig | Qwen35Config]:
     """``state_dtype``: storage of recurrent states (hybrid family only; see ``Qwen35ForCausalLM``)."""
+    if random_weights.is_random(path):
+        return random_weights.random_target(path, device, dtype)
     hybrid = _hybrid(path)
     if hybrid:
         module, local = hybrid
@@ -314,6 +319,8 @@ def load_target_head(
     path: str | os.PathLike, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
 ) -> tuple[torch.Tensor, torch.Tensor, DenseConfig | Qwen35Config]:
     """The target's token embedding [vocab, hidden] and LM head [vocab, hidden], for the draft."""
+    if random_weights.is_random(path):
+        return random_weights.random_target_head(path, device, dtype)
     hybrid = _hybrid(path)
     if hybrid:
         module, local = hybrid
@@ -344,6 +351,8 @@ def load_dflash_draft(
 ) -> tuple[DFlashDraft, DFlashConfig]:
     """A DFlash draft from a z-lab directory (``config.json`` + ``model.safetensors``) or a GGUF
     file. ``num_target_layers`` picks the default taps when the file does not list them."""
+    if random_weights.is_random(path):
+        return random_weights.random_draft(path, device, dtype)
     local = resolve_model(path)
     if local.is_dir():
         d = HFDirectory(local)

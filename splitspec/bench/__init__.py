@@ -1,0 +1,1 @@
+"""``splitspec bench``: how fast each part and the whole split system run (see ``main``)."""

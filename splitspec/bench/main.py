@@ -1,0 +1,120 @@
+"""``splitspec bench``: component timings, end-to-end throughput and a transformers baseline.
+
+All on random weights of a real shape drawn on the device (``random:NAME``, benchmark-only), so
+it runs on a machine with no network and no model files. Prints Markdown tables (ready for
+BENCHMARKS.md) and writes every figure as JSON with ``--json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import platform
+import tempfile
+import time
+from dataclasses import asdict
+from datetime import date
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+PARTS = ("components", "system", "baseline")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--shape", default="qwen3-8b", help="random-weight shape: qwen3-8b, qwen3-0.6b or tiny (CPU)")
+    p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated parts to run: {', '.join(PARTS)}")
+    p.add_argument("--device", default="cuda:0", help="target device")
+    p.add_argument("--draft-device", default="", help="draft device (default: --device)")
+    p.add_argument("--dtype", default="bfloat16", help="compute dtype")
+    p.add_argument("--budgets", default="16,22,32,64", help="verify budgets (tree nodes) of the component table")
+    p.add_argument("--budget", type=int, default=22, help="tree budget of the end-to-end runs")
+    p.add_argument(
+        "--corruptions", default="0.6,0.3,0.15,0.05",
+        help="replay-drafter corruption rates of the end-to-end runs (lower = longer acceptance)",
+    )
+    p.add_argument("--prompt-len", type=int, default=512, help="prompt tokens")
+    p.add_argument("--max-tokens", type=int, default=128, help="generated tokens per request")
+    p.add_argument("--prompts", type=int, default=4, help="timed requests per end-to-end row")
+    p.add_argument("--concurrency", type=int, default=1, help="requests in flight at once in the end-to-end runs")
+    p.add_argument("--iters", type=int, default=30, help="timed calls per component figure (median)")
+    p.add_argument("--json", default="", help="write all figures to this JSON file")
+
+
+def transformers_tokens_per_s(shape: str, device: str, dtype: str, prompt_len: int, new_tokens: int) -> float:
+    """Hugging Face ``generate`` (eager, greedy) on the same random shape: the baseline a user would
+    otherwise pick."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from splitspec.models.random_weights import random_target_config
+
+    c = random_target_config(f"random:{shape}")
+    config = Qwen3Config(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
+        head_dim=c.head_dim, max_position_embeddings=prompt_len + new_tokens + 16, tie_word_embeddings=c.tie_word_embeddings,
+    )
+    with torch.device(device):
+        model = Qwen3ForCausalLM(config).to(getattr(torch, dtype)).eval()
+    ids = torch.randint(0, c.vocab_size, (1, prompt_len), device=device)
+    kwargs = {"do_sample": False, "pad_token_id": 0, "eos_token_id": None}
+    model.generate(ids, max_new_tokens=8, min_new_tokens=8, **kwargs)
+    torch.cuda.synchronize() if device.startswith("cuda") else None
+    t0 = time.perf_counter()
+    out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kwargs)
+    torch.cuda.synchronize() if device.startswith("cuda") else None
+    return (out.shape[1] - prompt_len) / (time.perf_counter() - t0)
+
+
+def device_name(device: str) -> str:
+    import torch
+
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return torch.cuda.get_device_name(torch.device(device))
+    return platform.processor() or platform.machine()
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from splitspec.bench.components import time_draft, time_target
+    from splitspec.bench.report import markdown
+
+    parts = set(args.parts.split(","))
+    if parts - set(PARTS):
+        raise ValueError(f"--parts: unknown {sorted(parts - set(PARTS))}; choose from {', '.join(PARTS)}")
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    draft_device = args.draft_device or args.device
+    budgets = [int(b) for b in args.budgets.split(",")]
+    result: dict = {
+        "date": date.today().isoformat(), "card": device_name(args.device), "draft_card": device_name(draft_device),
+        "shape": args.shape, "dtype": args.dtype, "torch": torch.__version__, "args": vars(args),
+    }
+    path = f"random:{args.shape}"
+    if "components" in parts:
+        logger.info("component timings: %s on %s", path, args.device)
+        report = time_target(path, device, dtype, budgets, args.prompt_len, args.iters, graphs=True)
+        report.draft_ms = time_draft(path, torch.device(draft_device), dtype, args.prompt_len, args.iters)
+        result["components"] = {**asdict(report), "roofline_ms": report.roofline_ms}
+    if "system" in parts:
+        from splitspec.bench.system import run_system
+
+        logger.info("end-to-end runs through the three services")
+        with tempfile.TemporaryDirectory(prefix="splitspec-bench-") as work:
+            rows = run_system(
+                args.shape, args.device, draft_device, args.dtype, [float(c) for c in args.corruptions.split(",")],
+                args.budget, args.prompts, args.prompt_len, args.max_tokens, args.concurrency, Path(work),
+            )
+        result["system"] = [
+            {**asdict(r), "tokens_per_s": r.tokens_per_s, "acceptance_length": r.acceptance_length, "ms_per_step": r.ms_per_step}
+            for r in rows
+        ]
+    if "baseline" in parts:
+        logger.info("transformers baseline")
+        result["baseline_tokens_per_s"] = transformers_tokens_per_s(args.shape, args.device, args.dtype, args.prompt_len, args.max_tokens)
+    print(markdown(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1, default=str))
+    return 0

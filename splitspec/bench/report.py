@@ -1,0 +1,43 @@
+"""Markdown tables of a ``splitspec bench`` result (the JSON it writes), with the goal ratios."""
+
+from __future__ import annotations
+
+
+def markdown(result: dict) -> str:
+    lines = [f"### {result['shape']} ({result['dtype']}) on {result['card']}, {result['date']}, torch {result['torch']}", ""]
+    comp = result.get("components")
+    if comp:
+        roof = comp["roofline_ms"]
+        lines += [
+            f"Weights {comp['weight_bytes'] / 1e9:.2f} GB; copy bandwidth {comp['copy_bandwidth'] / 1e12:.2f} TB/s; "
+            f"roofline {roof:.2f} ms per step.",
+            "",
+            "| path | AR step ms (% of roofline) | " + " | ".join(f"verify b{b} ms (×AR)" for b in next(iter(comp["verify_ms"].values()))) + " |",
+            "|---|---|" + "---|" * len(next(iter(comp["verify_ms"].values()))),
+        ]
+        for path, ar in comp["ar_ms"].items():
+            cells = [f"{ms:.2f} ({ms / ar:.2f}×)" for ms in comp["verify_ms"][path].values()]
+            lines.append(f"| {path} | {ar:.2f} ({100 * roof / ar:.0f}%) | " + " | ".join(cells) + " |")
+        if comp.get("draft_ms") is not None:
+            verify = comp["verify_ms"][next(iter(comp["verify_ms"]))]
+            v22 = verify.get(22) or verify.get("22") or next(iter(verify.values()))
+            lines += ["", f"Draft step (16-token block, top-8): {comp['draft_ms']:.2f} ms = {100 * comp['draft_ms'] / v22:.0f}% of the verify step at budget 22."]
+        lines.append("")
+    rows = result.get("system")
+    if rows:
+        ar = rows[0]["tokens_per_s"]
+        lines += [
+            "| end-to-end (3 services) | budget | concurrency | AL | tok/s | ms/step | × AR |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for r in rows:
+            lines.append(
+                f"| {r['label']} | {r['budget']} | {r['concurrency']} | {r['acceptance_length']:.2f} | {r['tokens_per_s']:.1f} "
+                f"| {r['ms_per_step']:.2f} | {r['tokens_per_s'] / ar:.2f} |"
+            )
+        lines.append("")
+    if "baseline_tokens_per_s" in result:
+        base = result["baseline_tokens_per_s"]
+        extra = f" (our AR through the services: {rows[0]['tokens_per_s'] / base:.2f}×)" if rows else ""
+        lines += [f"transformers eager `generate`, same shape: {base:.1f} tok/s{extra}.", ""]
+    return "\n".join(lines)

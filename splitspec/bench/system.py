@@ -1,0 +1,189 @@
+"""End-to-end throughput through the three real services, on random weights of a real shape.
+
+The target's output is meaningless on random weights, so acceptance is set from outside: the
+benchmark first records the target's own greedy continuation of each prompt (speculation off,
+which is also the AR row), then replays it through the **ReplayDrafter** (benchmark-only),
+corrupted at a chosen rate per depth, so the whole gateway → draft → target path runs at a
+chosen acceptance length. A random DFlash draft of the real draft shape runs too: it accepts
+almost nothing, but its row is the true cost of a full round (draft pass, features on the wire,
+verify) at that budget.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+from splitspec.serve import wait_ready
+from splitspec.v1 import gateway_pb2, gateway_pb2_grpc
+
+Spec = gateway_pb2.Speculation
+
+
+@dataclass
+class SystemRow:
+    label: str
+    budget: int
+    completion_tokens: int
+    steps: int
+    seconds: float
+    concurrency: int
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.completion_tokens / self.seconds
+
+    @property
+    def acceptance_length(self) -> float:
+        return self.completion_tokens / max(1, self.steps)
+
+    @property
+    def ms_per_step(self) -> float:
+        # Steps of concurrent sequences overlap: this is the wall time per step of one sequence.
+        return 1e3 * self.seconds * self.concurrency / max(1, self.steps)
+
+
+def synthetic_tokenizer(vocab_size: int, path: Path) -> Path:
+    """A word-level tokenizer.json with ``vocab_size`` tokens ``t0 t1 ...``, for a random target
+    (which has none): the gateway streams text, and this makes any id decodable."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(path))
+    return path
+
+
+class Cluster:
+    """Service processes on Unix sockets in a private directory, stopped together."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.sockets = Path(tempfile.mkdtemp(prefix="splitspec-bench-"))
+        self.log_dir = log_dir
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, name: str, *args: str, timeout: float = 600.0) -> str:
+        address = f"unix:{self.sockets / name}.sock"
+        log = (self.log_dir / f"{name}.log").open("w")
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "splitspec", args[0], "--listen", address, "--metrics-port", "0", *args[1:]],
+            stdout=log, stderr=subprocess.STDOUT,
+        )
+        self.procs.append(proc)
+        wait_ready(address, [proc], timeout)
+        return address
+
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, *_) -> None:
+        for p in reversed(self.procs):
+            p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def generate(address: str, request: gateway_pb2.GenerateRequest) -> tuple[list[int], gateway_pb2.Usage]:
+    with grpc.insecure_channel(address) as ch:
+        tokens, usage = [], None
+        for r in gateway_pb2_grpc.GatewayStub(ch).Generate(request, timeout=600):
+            tokens.extend(r.token_ids)
+            if r.HasField("final"):
+                usage = r.final.usage
+    return tokens, usage
+
+
+def run_batch(address: str, requests: list[gateway_pb2.GenerateRequest], concurrency: int, label: str, budget: int) -> tuple[SystemRow, list[list[int]]]:
+    """All ``requests``, ``concurrency`` at a time; one row of aggregate figures."""
+    outputs: list[list[int]] = [[] for _ in requests]
+    usages: list[gateway_pb2.Usage | None] = [None] * len(requests)
+    queue = list(range(len(requests)))
+    lock = threading.Lock()
+
+    def worker() -> None:
+        while True:
+            with lock:
+                if not queue:
+                    return
+                i = queue.pop(0)
+            outputs[i], usages[i] = generate(address, requests[i])
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    seconds = time.perf_counter() - t0
+    steps = sum(u.steps for u in usages)
+    return SystemRow(label, budget, sum(len(o) for o in outputs), steps, seconds, concurrency), outputs
+
+
+def run_system(
+    shape: str,
+    device: str,
+    draft_device: str,
+    dtype: str,
+    corruptions: list[float],
+    budget: int,
+    prompts: int,
+    prompt_len: int,
+    max_tokens: int,
+    concurrency: int,
+    work_dir: Path,
+) -> list[SystemRow]:
+    from splitspec.models.random_weights import random_target_config
+
+    target_model = f"random:{shape}"
+    config = random_target_config(target_model)
+    tokenizer = synthetic_tokenizer(config.vocab_size, work_dir / "tokenizer.json")
+    table = work_dir / "replay.jsonl"
+    table.write_text("")
+    rng = np.random.default_rng(0)
+    prompt_ids = [rng.integers(0, config.vocab_size, prompt_len).tolist() for _ in range(prompts + concurrency)]
+    warm, timed = prompt_ids[:concurrency], prompt_ids[concurrency:]
+    context = str(prompt_len + max_tokens + 2 * budget + 64)
+
+    def requests(ids: list[list[int]], spec: gateway_pb2.Speculation) -> list[gateway_pb2.GenerateRequest]:
+        return [
+            gateway_pb2.GenerateRequest(tokens=gateway_pb2.TokenIds(ids=p), max_tokens=max_tokens, ignore_eos=True, speculation=spec)
+            for p in ids
+        ]
+
+    rows = []
+    with Cluster(work_dir) as c:
+        target = c.start(
+            "target", "target", "--model", target_model, "--device", device, "--dtype", dtype,
+            "--graph-slots", str(max(2, concurrency)), "--graph-context", context,
+        )
+        drafts = {f"replay {p:.2f}": ("--replay", str(table), "--replay-corruption", str(p)) for p in corruptions}
+        drafts["dflash (random weights)"] = ("--model", f"{target_model}-dflash", "--device", draft_device, "--dtype", dtype)
+        gateways = {}
+        for i, (label, args) in enumerate(drafts.items()):
+            draft = c.start(f"draft{i}", "draft", "--target-model", target_model, *args)
+            gateways[label] = c.start(f"gateway{i}", "gateway", "--target", target, "--draft", draft, "--tokenizer", str(tokenizer))
+        first = next(iter(gateways.values()))
+        off = Spec(mode=Spec.OFF)
+        run_batch(first, requests(warm, off), concurrency, "warm-up", 0)  # captures graphs, fills caches
+        row, outputs = run_batch(first, requests(timed, off), concurrency, "off (AR)", 0)
+        rows.append(row)
+        with table.open("w") as f:
+            for p, out in zip(timed + warm, outputs + [[]] * len(warm)):
+                f.write(json.dumps({"tokens": p + out}) + "\n")
+        tree = Spec(mode=Spec.DDTREE, budget=budget)
+        for label, address in gateways.items():
+            run_batch(address, requests(warm, tree), concurrency, "warm-up", budget)
+            rows.append(run_batch(address, requests(timed, tree), concurrency, label, budget)[0])
+    return rows
