@@ -2,9 +2,9 @@
 
 ``random:NAME`` is accepted wherever a target or draft path is: the benchmark machines have no
 network and no model files, and a step's speed depends on shapes, dtypes and kernels, not on the
-values. The weights are drawn on the device itself (normal, std 0.02), so a 16 GB model appears
-in a second instead of being written to and read from disk. Nothing about them is meaningful:
-a random target's greedy output is arbitrary, and a random draft accepts almost nothing.
+values. The weights are drawn on the device itself, so a 16 GB model appears in a second instead
+of being written to and read from disk. Nothing about them is meaningful: a random target's
+greedy output is a fixed permutation of its input tokens, and a random draft accepts almost nothing.
 """
 
 from __future__ import annotations
@@ -54,31 +54,53 @@ def random_target_config(path: str | os.PathLike) -> DenseConfig:
     return TARGETS[_name(path, TARGETS)]
 
 
-def _randomize(module: torch.nn.Module) -> None:
+def _randomize(module: torch.nn.Module, generator: torch.Generator) -> None:
     with torch.no_grad():
-        for p in module.parameters():
+        for name, p in module.named_parameters():
+            if name in ("embed_tokens.weight", "lm_head.weight"):
+                continue  # see random_target_head
             if p.dim() == 1:
                 p.fill_(1.0)  # norms
             else:
-                p.normal_(0.0, 0.02)
+                # Small writes into the residual stream keep each position's own token embedding
+                # dominant there, so the next token is decided by a wide margin (see the head).
+                std = RESIDUAL_WRITE_STD if name.endswith(("o_proj.weight", "down_proj.weight")) else 0.02
+                p.normal_(0.0, std, generator=generator)
+
+
+RESIDUAL_WRITE_STD = 1e-4
+
+
+def _generator(device: torch.device | str, seed: int) -> torch.Generator:
+    return torch.Generator(device=torch.device(device)).manual_seed(seed)
 
 
 def random_target(path: str | os.PathLike, device: torch.device | str, dtype: torch.dtype) -> tuple[DenseForCausalLM, DenseConfig]:
     config = random_target_config(path)
     with torch.device(device):
         model = DenseForCausalLM(config).to(dtype)
-    _randomize(model)
+    embed, head, _ = random_target_head(path, device, dtype)
+    with torch.no_grad():
+        model.embed_tokens.weight.copy_(embed)
+        model.lm_head.weight.copy_(head)
+    _randomize(model, _generator(device, 1))
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     return model.eval(), config
 
 
 def random_target_head(path: str | os.PathLike, device: torch.device | str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, DenseConfig]:
+    """Embedding [vocab, hidden] and LM head: head row ``j`` is the embedding of token ``perm[j]``
+    for a fixed random permutation, so the model continues token ``x`` with ``perm^-1(x)``
+    by a margin that no rounding difference between a tree pass and a single-token pass can flip:
+    greedy output is the same on every path, which the replay benchmark relies on. (Tied shapes
+    repeat the last token.) Seeded, so the draft worker draws the same tensors as the target."""
     config = random_target_config(path)
-    shape = (config.vocab_size, config.hidden_size)
-    embed = torch.randn(shape, device=device, dtype=dtype) * 0.02
-    head = embed if config.tie_word_embeddings else torch.randn(shape, device=device, dtype=dtype) * 0.02
-    return embed, head, config
+    embed = torch.randn((config.vocab_size, config.hidden_size), device=device, generator=_generator(device, 0)).to(dtype)
+    if config.tie_word_embeddings:
+        return embed, embed, config
+    perm = torch.randperm(config.vocab_size, generator=torch.Generator().manual_seed(0)).to(device)
+    return embed, embed[perm], config
 
 
 def random_draft(path: str | os.PathLike, device: torch.device | str, dtype: torch.dtype) -> tuple[DFlashDraft, DFlashConfig]:
@@ -95,5 +117,5 @@ def random_draft(path: str | os.PathLike, device: torch.device | str, dtype: tor
     )
     with torch.device(device):
         model = DFlashDraft(config).to(dtype)
-    _randomize(model)
+    _randomize(model, _generator(device, 2))
     return model.eval(), config
