@@ -105,7 +105,7 @@ class DenseDecoderLayer(nn.Module):
         mask: torch.Tensor,  # [T, S] bool
     ) -> torch.Tensor:
         x = self.input_layernorm(h)
-        h = h + self.self_attn.attend_cached(x, self.self_attn.query(x, cos, sin), cos, sin, k_cache, v_cache, start, mask)
+        h = h + self.self_attn.write_and_attend(*self.self_attn.query_key_value(x, cos, sin), k_cache, v_cache, start, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
 
     def forward_causal(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -129,6 +129,12 @@ class DenseForCausalLM(nn.Module):
 
     def new_cache(self, capacity: int, device: torch.device | str, dtype: torch.dtype) -> KVCache:
         return KVCache.allocate(self.config, capacity, torch.device(device), dtype)
+
+    def fuse_projections(self) -> None:
+        """Inference: q/k/v and gate/up each become one matmul (fewer, fuller kernels per step)."""
+        for layer in self.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.config

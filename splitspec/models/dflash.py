@@ -126,8 +126,7 @@ class DFlashLayer(nn.Module):
     ) -> torch.Tensor:
         attn = self.self_attn
         x = self.input_layernorm(h)
-        q = attn.query(x, cos, sin)
-        k, v = attn.key_value(x, cos, sin)
+        q, k, v = attn.query_key_value(x, cos, sin)
         # Non-causal: every block row sees the whole context and the whole block.
         h = h + attn.attend(q, torch.cat([ctx_k, k], dim=1), torch.cat([ctx_v, v], dim=1), None)
         return h + self.mlp(self.post_attention_layernorm(h))
@@ -141,6 +140,12 @@ class DFlashDraft(nn.Module):
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.layers = nn.ModuleList(DFlashLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def fuse_projections(self) -> None:
+        """Inference: q/k/v and gate/up each become one matmul (see ``layers.fuse_linears``)."""
+        for layer in self.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
 
     @torch.inference_mode()
     def context_kv(

@@ -312,6 +312,7 @@ def load_target(
     if config.tie_word_embeddings:
         state["lm_head.weight"] = state["embed_tokens.weight"]
     model.load_state_dict(state, assign=True, strict=True)
+    model.fuse_projections()
     return model.eval(), config
 
 
@@ -380,6 +381,7 @@ def load_dflash_draft(
         raise ModelFileError(f"{where}: unexpected tensor {unexpected[0]!r} for a DFlash draft")
     state = {name: read(src, expected[name]).to(device=device, dtype=dtype) for name, src in names.items()}
     model.load_state_dict(state, assign=True, strict=True)
+    model.fuse_projections()
     return model.eval(), config
 
 

@@ -86,6 +86,7 @@ def random_target(path: str | os.PathLike, device: torch.device | str, dtype: to
     _randomize(model, _generator(device, 1))
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
+    model.fuse_projections()
     return model.eval(), config
 
 
@@ -118,4 +119,5 @@ def random_draft(path: str | os.PathLike, device: torch.device | str, dtype: tor
     with torch.device(device):
         model = DFlashDraft(config).to(dtype)
     _randomize(model, _generator(device, 2))
+    model.fuse_projections()
     return model.eval(), config
