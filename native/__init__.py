@@ -1,4 +1,25 @@
 """GPU kernels (Triton) for the hot paths, each with a plain-torch reference that runs on the CPU.
 
-Nothing here yet: every model path currently runs on plain PyTorch, on the CPU and on GPUs.
+A kernel runs when its inputs are on a GPU (CUDA, or ROCm through the same Triton code), or on
+the CPU when ``SPLITSPEC_NATIVE_CPU=1`` under Triton's interpreter (``TRITON_INTERPRET=1`` set
+before triton is first imported), which is how CI checks kernels against their references;
+otherwise the reference runs.
 """
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import triton  # noqa: F401
+
+    HAVE_TRITON = True
+except ImportError:
+    HAVE_TRITON = False
+
+
+def use_triton(tensor: torch.Tensor) -> bool:
+    """Whether a kernel should run for inputs like ``tensor``."""
+    return HAVE_TRITON and (tensor.is_cuda or os.environ.get("SPLITSPEC_NATIVE_CPU") == "1")

@@ -14,11 +14,15 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import grpc
-import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+# Triton's interpreter is chosen when triton is first imported, so it is switched on before
+# anything imports it; kernels still run on the CPU only where a test asks (SPLITSPEC_NATIVE_CPU).
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from splitspec.tiny import TinySpec, make_tiny
+import grpc  # noqa: E402
+import pytest  # noqa: E402
+from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
+
+from splitspec.tiny import TinySpec, make_tiny  # noqa: E402
 
 # Services started by tests serve no /metrics unless the test passes --metrics-port, so that test
 # sessions running side by side never collide on the default ports.

@@ -105,7 +105,7 @@ class DenseDecoderLayer(nn.Module):
         mask: torch.Tensor,  # [T, S] bool
     ) -> torch.Tensor:
         x = self.input_layernorm(h)
-        h = h + self.self_attn.write_and_attend(*self.self_attn.query_key_value(x, cos, sin), k_cache, v_cache, start, mask)
+        h = h + self.self_attn.project_attend_cached(x, cos, sin, k_cache, v_cache, start, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
 
     def forward_causal(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

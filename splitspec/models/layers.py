@@ -11,6 +11,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from splitspec.native import qkv_rope, use_triton
+
 
 # cuDNN's attention builds a plan for every new shape: ~1.3 ms of host time per call measured on
 # an H200 when the key length grows by one each decode step. The flash / memory-efficient kernels
@@ -209,7 +211,18 @@ class QKVProjection(nn.Module):
             q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
         if mask is not None and mask.dim() == 3:
             mask = mask.unsqueeze(1)  # one mask per sequence, shared by the heads
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True)  # [B, H, T, D]
+        b, h, t, d = q.shape
+        group = h // k.shape[1]
+        if causal or group == 1:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True)  # [B, H, T, D]
+        else:
+            # The query heads of one K/V head as extra query rows of that head: plain attention, which
+            # the fused kernels take with a mask (with enable_gqa and a mask torch falls back to
+            # unfused math, ~2 ms per 8B step on an H200).
+            rows = q.reshape(b, k.shape[1], group * t, d)  # head i uses K/V head i // group
+            if mask is not None:
+                mask = mask.repeat(*([1] * (mask.dim() - 2)), group, 1)  # [.., group * T, S]
+            out = F.scaled_dot_product_attention(rows, k, v, attn_mask=mask).reshape(b, h, t, d)
         out = out.transpose(1, 2).flatten(2)  # [B, T, H * D]
         if not batched:
             out = out[0]
@@ -233,6 +246,29 @@ class QKVProjection(nn.Module):
         slots ``.. S``. Slot tensors keep every shape and address fixed, so the pass can be
         captured as a CUDA graph; the int form needs no index tensor on the eager path."""
         return self.write_and_attend(q, *self.key_value(x, cos, sin), k_cache, v_cache, start, mask, gate)
+
+    def project_attend_cached(
+        self,
+        x: torch.Tensor,  # [T, hidden] normed input of this pass
+        cos: torch.Tensor,  # [T, D]
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,  # [H_kv, capacity, D]
+        v_cache: torch.Tensor,
+        start: int | torch.Tensor,
+        mask: torch.Tensor,  # [T, S] bool
+    ) -> torch.Tensor:
+        """Project, write K/V to the cache, attend: :meth:`query_key_value` + :meth:`write_and_attend`,
+        with the norms, RoPE and cache writes as one native kernel when the weights are fused."""
+        if self._qkv is None or not use_triton(x) or isinstance(self.q_norm, nn.Identity) != isinstance(self.k_norm, nn.Identity):
+            return self.write_and_attend(*self.query_key_value(x, cos, sin), k_cache, v_cache, start, mask)
+        slots = start if isinstance(start, torch.Tensor) else torch.arange(start, start + x.shape[0], device=x.device)
+        norm = not isinstance(self.q_norm, nn.Identity)
+        q = qkv_rope.qkv_rope(
+            F.linear(x, *self._qkv), cos, sin, self.q_norm.weight if norm else None, self.k_norm.weight if norm else None,
+            self.q_norm.eps if norm else 0.0, k_cache, v_cache, slots, self.num_heads,
+        )
+        span = mask.shape[-1]
+        return self.attend(q, k_cache[:, :span], v_cache[:, :span], mask)
 
     def write_and_attend(
         self,
