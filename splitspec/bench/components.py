@@ -19,7 +19,7 @@ import torch
 from splitspec.models.loader import load_dflash_draft, load_target, load_target_head
 from splitspec.services.draft.engine import DraftEngine
 from splitspec.services.target.engine import TargetEngine, TargetLimits
-from splitspec.services.target.graphs import StaticVerifier
+from splitspec.services.target.graphs import StaticVerifier, row_bucket
 from splitspec.spec.sampling import SamplingParams
 from splitspec.spec.tree import build_ddtree
 
@@ -100,7 +100,7 @@ def time_target(
     vocab = model.config.vocab_size
     prompt = rng.integers(0, vocab, prompt_len).tolist()
     steps = (len(budgets) + 1) * (iters + 3)  # every verify commits at least its root
-    context = prompt_len + steps + max(budgets) + 8
+    context = prompt_len + steps + (row_bucket(max(budgets) + 1) or max(budgets) + 1)  # no step may fall off the fast path
     paths = {"graphs": True, "eager": False} if graphs and device.type == "cuda" else {"fixed shapes" if graphs else "eager": False}
     for label, capture in paths.items():
         static = StaticVerifier(model, 1, context, capture) if label != "eager" else None
