@@ -40,4 +40,25 @@ for shape in ("random:tiny", "random:qwen3-0.6b"):
     print(f"{'PASS' if passed else 'FAIL'} {shape}: max |logit/feature diff| {worst:.2e}, tokens identical {same}, graphs {graphs.static.graphs}")
     del model, eager, graphs
     torch.cuda.empty_cache()
+# The draft's graphed block pass against its eager pass, float32.
+from splitspec.models.loader import load_dflash_draft, load_target_head  # noqa: E402
+from splitspec.services.draft.engine import DraftEngine  # noqa: E402
+from splitspec.services.draft.graphs import BlockGraphs  # noqa: E402
+
+for shape in ("random:tiny", "random:qwen3-0.6b"):
+    model, config = load_dflash_draft(shape + "-dflash", "cuda", torch.float32)
+    embed, head, _ = load_target_head(shape, "cuda", torch.float32)
+    width = config.num_taps * config.hidden_size
+    engines = [DraftEngine(model, embed, head), DraftEngine(model, embed, head, graphs=BlockGraphs(model, embed, head, 1024, 1, capture=True))]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    feats = torch.randn(700, width, device="cuda", generator=gen)
+    worst, same, end = 0.0, True, 0
+    for step, (rows, window) in enumerate([(300, 0)] + [(1 + s % 5, 64 if s % 3 == 0 else 0) for s in range(40)]):
+        props = [e.propose("d", step % 100, end + rows, feats[end : end + rows], 8, window) for e in engines]
+        end += rows
+        same &= torch.equal(props[0].top_ids, props[1].top_ids)
+        worst = max(worst, (props[0].top_logprobs - props[1].top_logprobs).abs().max().item())
+    passed = same and worst < 1e-3
+    ok &= passed
+    print(f"{'PASS' if passed else 'FAIL'} draft {shape}: max |logprob diff| {worst:.2e}, ids identical {same}")
 sys.exit(0 if ok else 1)

@@ -12,29 +12,31 @@ Not thread-safe: the service calls it from one worker thread.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from splitspec.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from splitspec.models.dflash import DFlashConfig, DFlashDraft
+from splitspec.services.draft.graphs import BlockGraphs, top_k_proposal
 from splitspec.services.hosting import SequenceTable
 
 
 class ContextCache:
     """Growable per-layer K/V [H_kv, capacity, D] with amortised doubling and an optional window."""
 
-    def __init__(self, num_layers: int) -> None:
+    def __init__(self, num_layers: int, reserve: int = 0) -> None:
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
         self.num_layers = num_layers
+        self.reserve = reserve  # positions allocated up front (the graphed path needs fixed addresses)
         self.size = 0  # filled positions
 
     def append(self, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         m = kv[0][0].shape[1]
         if not self.k:
-            self.k = [torch.empty(k.shape[0], max(m, 64), k.shape[2], dtype=k.dtype, device=k.device) for k, _ in kv]
-            self.v = [torch.empty_like(k) for k in self.k]
+            self.k = [torch.zeros(k.shape[0], max(m, 64, self.reserve), k.shape[2], dtype=k.dtype, device=k.device) for k, _ in kv]
+            self.v = [torch.zeros_like(k) for k in self.k]  # zeros: masked slots must hold no NaN (0 * NaN = NaN)
         if self.size + m > self.k[0].shape[1]:
             new_cap = max(2 * self.k[0].shape[1], self.size + m)
             for i in range(self.num_layers):
@@ -72,6 +74,7 @@ class DraftSequence:
     cache: ContextCache
     ctx_start: int  # absolute position of cache slot 0
     ctx_end: int  # first position without features
+    graphs: dict = field(default_factory=dict)  # captured block passes (see graphs.BlockGraphs)
 
 
 @dataclass
@@ -89,9 +92,11 @@ class DraftEngine:
         lm_head: torch.Tensor,  # [vocab, hidden] the target's output projection
         max_sequences: int = 256,
         max_top_k: int = 64,
+        graphs: BlockGraphs | None = None,
     ) -> None:
         self.model, self.config = model, model.config
         self.embed, self.lm_head = embed, lm_head
+        self.graphs = graphs  # the CUDA-graph block pass, when enabled
         self.vocab_size = embed.shape[0]
         self.max_sequences, self.max_top_k = max_sequences, max_top_k
         self.device, self.dtype = embed.device, next(model.parameters()).dtype
@@ -146,7 +151,10 @@ class DraftEngine:
                 raise ResourceExhausted(f"{len(self.sequences)} draft contexts are live, the limit is {self.max_sequences}")
             if m == 0:
                 raise FailedPrecondition(f"sequence_id {sequence_id!r} is new to the draft worker and carries no features")
-            seq = DraftSequence(ContextCache(c.num_layers), anchor_position - m, anchor_position - m)
+            cache = ContextCache(c.num_layers, self.graphs.reserve() if self.graphs else 0)
+            seq = DraftSequence(cache, anchor_position - m, anchor_position - m)
+            if cache.reserve:
+                self.graphs.attach(seq)
             self.sequences.add(sequence_id, seq)
         if seq.ctx_end + m != anchor_position:
             raise FailedPrecondition(
@@ -162,10 +170,11 @@ class DraftEngine:
         if window and seq.cache.size > 2 * window:  # compact rarely; attention slices the window anyway
             seq.ctx_start += seq.cache.size - window
             seq.cache.drop_front(seq.cache.size - window)
-        block = torch.full((c.block_size,), c.mask_token_id, dtype=torch.int64, device=dev)
-        block[0] = anchor_token
-        positions = torch.arange(anchor_position, anchor_position + c.block_size, device=dev)
-        hidden = self.model(self.embed[block].to(self.dtype), positions, seq.cache.layers(window))
-        logprobs = torch.log_softmax((hidden[1:] @ self.lm_head.T.to(hidden.dtype)).float(), dim=-1)  # [B-1, vocab]
-        top = torch.topk(logprobs, top_k, dim=-1)
-        return Proposal(top.indices.to(torch.int32), top.values, time.perf_counter_ns() - t0)
+        first = max(0, seq.cache.size - window) if window else 0
+        out = self.graphs and self.graphs.run(seq.cache, seq.graphs, anchor_token, anchor_position, first, top_k)
+        if not out:
+            block = torch.full((c.block_size,), c.mask_token_id, dtype=torch.int64, device=dev)
+            block[0] = anchor_token
+            positions = torch.arange(anchor_position, anchor_position + c.block_size, device=dev)
+            out = top_k_proposal(self.model, self.embed, self.lm_head, block, positions, seq.cache.layers(window), top_k)
+        return Proposal(out[0].to(torch.int32), out[1], time.perf_counter_ns() - t0)

@@ -19,6 +19,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda:N")
     p.add_argument("--dtype", default="auto", help="auto (bfloat16 on GPU, float32 on CPU), float32, float16, bfloat16")
     p.add_argument("--max-sequences", type=int, default=256, help="live draft contexts at most")
+    p.add_argument(
+        "--graph-sequences", type=int, default=-1,
+        help="sequences whose block pass is replayed as a CUDA graph over a preallocated context of "
+        "--graph-context positions (on a CPU the same fixed shapes run eagerly); -1 = 8 on CUDA, 0 on CPU",
+    )
+    p.add_argument("--graph-context", type=int, default=4096, help="context positions preallocated per graphed sequence")
+    p.add_argument("--no-cuda-graphs", action="store_true", help="run the fixed shapes without capturing graphs (debugging)")
     p.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0 = torch's default)")
     p.add_argument("--sequence-ttl", type=float, default=600.0, help="release contexts idle this many seconds")
     p.add_argument("--metrics-port", type=int, default=9453, help="Prometheus /metrics port on the --listen host (0 = off)")
@@ -37,6 +44,7 @@ def _load_engine(args: argparse.Namespace):
     from splitspec.devices import resolve_device, resolve_dtype
     from splitspec.models.loader import check_draft_fits, load_dflash_draft, load_target_head, read_target_config
     from splitspec.services.draft.engine import DraftEngine
+    from splitspec.services.draft.graphs import BlockGraphs
     from splitspec.services.draft.replay import ReplayDrafter, ReplayTable
 
     if args.replay:
@@ -55,7 +63,14 @@ def _load_engine(args: argparse.Namespace):
         "loaded draft %s: %d layers, block %d, taps %s, on %s in %.1f s",
         args.model, config.num_layers, config.block_size, list(config.target_layer_ids), device, time.perf_counter() - t0,
     )
-    return DraftEngine(model, embed, head, max_sequences=args.max_sequences), target_config, str(dtype).removeprefix("torch."), str(device)
+    graphs = None
+    sequences = args.graph_sequences if args.graph_sequences >= 0 else (8 if device.type == "cuda" else 0)
+    if sequences:
+        capture = device.type == "cuda" and not args.no_cuda_graphs
+        graphs = BlockGraphs(model, embed, head, args.graph_context, sequences, capture)
+        logger.info("fast path: %d sequences of %d context positions, %s", sequences, args.graph_context, "CUDA graphs" if capture else "fixed shapes run eagerly")
+    engine = DraftEngine(model, embed, head, max_sequences=args.max_sequences, graphs=graphs)
+    return engine, target_config, str(dtype).removeprefix("torch."), str(device)
 
 
 async def run(args: argparse.Namespace) -> None:

@@ -30,10 +30,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from splitspec.cuda_graphs import attention_span, capture
 from splitspec.models.dense import DenseForCausalLM, KVCache
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 264)
-MIN_SPAN = 256
 
 
 class PooledKVCache(KVCache):
@@ -48,11 +48,6 @@ def row_bucket(rows: int) -> int | None:
     """The padded row count of a block of ``rows`` rows, or None when it is larger than any bucket."""
     i = bisect.bisect_left(ROW_BUCKETS, rows)
     return ROW_BUCKETS[i] if i < len(ROW_BUCKETS) else None
-
-
-def attention_span(end: int) -> int:
-    """Slots a pass reads when its block ends at slot ``end``: a power of two ≥ ``MIN_SPAN``."""
-    return max(MIN_SPAN, 1 << (end - 1).bit_length())
 
 
 @dataclass
@@ -148,7 +143,7 @@ class StaticVerifier:
         if not self.capture:
             p.logits, p.features = self._compute(cache, p, taps)
         elif fresh:
-            self._capture(cache, p, taps)
+            p.graph, (p.logits, p.features) = capture(lambda: self._compute(cache, p, taps), self.device, self._pool)
         else:
             p.graph.replay()
         features = None if p.features is None else p.features[:n_rows]
@@ -163,17 +158,3 @@ class StaticVerifier:
         inside = (offset >= 0) & (offset < p.rows)
         mask = (cols < start)[None, :] | (inside[None, :] & p.tree[:, offset.clamp(0, p.rows - 1)])  # [rows, span]
         return self.model(ids, positions, cache, slots, mask, taps)
-
-    def _capture(self, cache: KVCache, p: _Pass, taps: tuple[int, ...]) -> None:
-        # Warm-up runs on a side stream (as capture requires) and computes this step's real result;
-        # the capture records the same work without running it.
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            p.logits, p.features = self._compute(cache, p, taps)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            p.logits, p.features = self._compute(cache, p, taps)
-        p.graph = graph
-        graph.replay()

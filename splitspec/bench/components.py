@@ -18,6 +18,7 @@ import torch
 
 from splitspec.models.loader import load_dflash_draft, load_target, load_target_head
 from splitspec.services.draft.engine import DraftEngine
+from splitspec.services.draft.graphs import BlockGraphs
 from splitspec.services.target.engine import TargetEngine, TargetLimits
 from splitspec.services.target.graphs import StaticVerifier, row_bucket
 from splitspec.spec.sampling import SamplingParams
@@ -35,7 +36,7 @@ class ComponentReport:
     copy_bandwidth: float  # bytes/s, read + write
     ar_ms: dict[str, float] = field(default_factory=dict)  # path ("graphs", "eager") -> ms
     verify_ms: dict[str, dict[int, float]] = field(default_factory=dict)  # path -> budget -> ms
-    draft_ms: float | None = None
+    draft_ms: dict[str, float] = field(default_factory=dict)  # path -> ms
 
     @property
     def roofline_ms(self) -> float:
@@ -118,21 +119,27 @@ def time_target(
     return report
 
 
-def time_draft(target_path: str, device: torch.device, dtype: torch.dtype, prompt_len: int, iters: int, top_k: int = 8) -> float:
-    """Median ms of one 16-token block proposal with a grown context (one feature row per step)."""
+def time_draft(target_path: str, device: torch.device, dtype: torch.dtype, prompt_len: int, iters: int, top_k: int = 8) -> dict[str, float]:
+    """Median ms of one 16-token block proposal with a grown context (one feature row per step),
+    per path: CUDA graphs (on a GPU) and eager."""
     model, config = load_dflash_draft(target_path + "-dflash", device, dtype)
     embed, head, _ = load_target_head(target_path, device, dtype)
-    engine = DraftEngine(model, embed, head)
     width = config.num_taps * config.hidden_size
-    engine.propose("bench", 0, prompt_len, torch.randn(prompt_len, width, device=device, dtype=dtype), top_k)
-    position = prompt_len
+    times = {}
+    paths = {"graphs": True, "eager": False} if device.type == "cuda" else {"eager": False}
+    for label, graphed in paths.items():
+        graphs = BlockGraphs(model, embed, head, prompt_len + iters + 8, 1, capture=True) if graphed else None
+        engine = DraftEngine(model, embed, head, graphs=graphs)
+        engine.propose("bench", 0, prompt_len, torch.randn(prompt_len, width, device=device, dtype=dtype), top_k)
+        position = prompt_len
 
-    def step() -> None:
-        nonlocal position
-        position += 1
-        proposal = engine.propose("bench", 1, position, torch.randn(1, width, device=device, dtype=dtype), top_k)
-        proposal.top_ids.cpu()  # the service sends them: that read is part of the step
+        def step() -> None:
+            nonlocal position
+            position += 1
+            proposal = engine.propose("bench", 1, position, torch.randn(1, width, device=device, dtype=dtype), top_k)
+            proposal.top_ids.cpu()  # the service sends them: that read is part of the step
 
-    ms = median_ms(step, iters, 3, device)
+        times[label] = median_ms(step, iters, 3, device)
+        engine.sequences.pop("bench")
     del model, embed, head
-    return ms
+    return times

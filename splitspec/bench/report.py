@@ -18,10 +18,11 @@ def markdown(result: dict) -> str:
         for path, ar in comp["ar_ms"].items():
             cells = [f"{ms:.2f} ({ms / ar:.2f}×)" for ms in comp["verify_ms"][path].values()]
             lines.append(f"| {path} | {ar:.2f} ({100 * roof / ar:.0f}%) | " + " | ".join(cells) + " |")
-        if comp.get("draft_ms") is not None:
+        if comp.get("draft_ms"):
             verify = comp["verify_ms"][next(iter(comp["verify_ms"]))]
             v22 = verify.get(22) or verify.get("22") or next(iter(verify.values()))
-            lines += ["", f"Draft step (16-token block, top-8): {comp['draft_ms']:.2f} ms = {100 * comp['draft_ms'] / v22:.0f}% of the verify step at budget 22."]
+            steps = "; ".join(f"{path} {ms:.2f} ms ({100 * ms / v22:.0f}% of the verify step at budget 22)" for path, ms in comp["draft_ms"].items())
+            lines += ["", f"Draft step (16-token block, top-8): {steps}."]
         lines.append("")
     rows = result.get("system")
     if rows:

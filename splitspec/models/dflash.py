@@ -123,12 +123,13 @@ class DFlashLayer(nn.Module):
         sin: torch.Tensor,
         ctx_k: torch.Tensor,  # [H_kv, S, D] projected context keys of this layer
         ctx_v: torch.Tensor,
+        mask: torch.Tensor | None = None,  # [B, S + B] bool, None = all visible
     ) -> torch.Tensor:
         attn = self.self_attn
         x = self.input_layernorm(h)
         q, k, v = attn.query_key_value(x, cos, sin)
-        # Non-causal: every block row sees the whole context and the whole block.
-        h = h + attn.attend(q, torch.cat([ctx_k, k], dim=1), torch.cat([ctx_v, v], dim=1), None)
+        # Non-causal: every block row sees the (visible) context and the whole block.
+        h = h + attn.attend(q, torch.cat([ctx_k, k], dim=1), torch.cat([ctx_v, v], dim=1), mask)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -162,10 +163,15 @@ class DFlashDraft(nn.Module):
         noise: torch.Tensor,  # [B, hidden]: target embeddings of [anchor, MASK × (B-1)]
         positions: torch.Tensor,  # [B] absolute positions anchor_position + 0..B-1
         context: Sequence[tuple[torch.Tensor, torch.Tensor]],  # per layer (k, v) [H_kv, S, D]
+        context_mask: torch.Tensor | None = None,  # [S] bool: which context slots are visible; None = all
     ) -> torch.Tensor:
         """Returns the normalised block hidden states [B, hidden]; apply the target LM head to rows 1..B-1."""
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, noise.dtype)
+        mask = None
+        if context_mask is not None:
+            visible = torch.cat([context_mask, context_mask.new_ones(noise.shape[0])])  # [S + B]
+            mask = visible[None, :].expand(noise.shape[0], -1)
         h = noise
         for layer, (k, v) in zip(self.layers, context, strict=True):
-            h = layer(h, cos, sin, k, v)
+            h = layer(h, cos, sin, k, v, mask)
         return self.norm(h)

@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 from splitspec.errors import FailedPrecondition, InvalidArgument
 from splitspec.models.loader import load_dflash_draft, load_target_head
 from splitspec.services.draft.engine import DraftEngine
+from splitspec.services.draft.graphs import BlockGraphs
 
 
 def _rms(x, w, eps=1e-6):
@@ -63,10 +64,13 @@ def draft(tiny_pair):
     return model, cfg, embed, head, weights
 
 
+@pytest.mark.parametrize("fixed_shapes", [False, True], ids=["eager", "fixed-shapes"])
 @pytest.mark.parametrize("window", [0, 5])
-def test_incremental_proposals_match_reference(draft, window):
+def test_incremental_proposals_match_reference(draft, window, fixed_shapes):
+    """Both paths: the eager pass and the graph path's fixed shapes (preallocated context, masked span)."""
     model, cfg, embed, head, w = draft
-    engine = DraftEngine(model, embed, head)
+    graphs = BlockGraphs(model, embed, head, context=64, sequences=1, capture=False) if fixed_shapes else None
+    engine = DraftEngine(model, embed, head, graphs=graphs)
     g = torch.Generator().manual_seed(window)
     features = torch.randn(40, cfg.num_taps * cfg.hidden_size, generator=g)
     # Committed positions arrive in pieces: a prompt of 9, then steps of 1, 4 and 7.
@@ -78,6 +82,8 @@ def test_incremental_proposals_match_reference(draft, window):
         top = torch.topk(ref, 5, dim=-1)
         assert torch.equal(proposal.top_ids.long(), top.indices)
         assert torch.allclose(proposal.top_logprobs, top.values, atol=1e-5)
+    if fixed_shapes:  # the preallocated context never grew: the graph path served every step
+        assert engine.sequences.get("s").cache.k[0].shape[1] == 64
 
 
 def test_refuses_gaps_and_bad_arguments(draft):

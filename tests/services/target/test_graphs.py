@@ -14,7 +14,8 @@ import torch
 
 from splitspec.models.loader import load_target
 from splitspec.services.target.engine import TargetEngine
-from splitspec.services.target.graphs import ROW_BUCKETS, PooledKVCache, StaticVerifier, attention_span, row_bucket
+from splitspec.cuda_graphs import attention_span
+from splitspec.services.target.graphs import ROW_BUCKETS, PooledKVCache, StaticVerifier, row_bucket
 from splitspec.spec.sampling import SamplingParams
 from splitspec.spec.tree import build_ddtree
 
