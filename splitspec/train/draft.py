@@ -191,11 +191,17 @@ def greedy_tokens(hidden: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
 def target_pass(target: nn.Module, tokens: torch.Tensor, taps: Sequence[int], greedy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """tokens [N, T] -> tap features [N, T, taps·hidden] and, if ``greedy``, the target's argmax
     after every position [N, T]. Dense targets run batched without a cache
-    (``forward_sequences``); others run sequence by sequence through their cached forward."""
-    if hasattr(target, "forward_sequences"):
-        hidden, features = target.forward_sequences(tokens, taps)
-        return features, greedy_tokens(hidden, target.lm_head.weight) if greedy else None
-    n, t = tokens.shape
+    (``forward_sequences``); others run sequence by sequence (:func:`cached_target_pass`)."""
+    if not hasattr(target, "forward_sequences"):
+        return cached_target_pass(target, tokens, taps, greedy)
+    hidden, features = target.forward_sequences(tokens, taps)
+    return features, greedy_tokens(hidden, target.lm_head.weight) if greedy else None
+
+
+@torch.no_grad()
+def cached_target_pass(target: nn.Module, tokens: torch.Tensor, taps: Sequence[int], greedy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`target_pass` through the serving forward, one causal prefill per sequence: slower, any family."""
+    t = tokens.shape[1]
     positions = torch.arange(t, device=tokens.device)
     causal = torch.ones(t, t, dtype=torch.bool, device=tokens.device).tril()
     dtype = target.embed_tokens.weight.dtype
@@ -203,7 +209,7 @@ def target_pass(target: nn.Module, tokens: torch.Tensor, taps: Sequence[int], gr
     for row in tokens:
         cache = target.new_cache(t, tokens.device, dtype)
         logits, tapped = target(row, positions, cache, 0, causal, taps, logit_rows=None if greedy else positions[-1:])
-        features.append(tapped.clone())  # out of inference mode, so autograd may save it
+        features.append(tapped.clone())  # a normal tensor (not an inference one), so autograd may save it
         nexts.append(logits.argmax(-1))
     return torch.stack(features), torch.stack(nexts) if greedy else None
 
@@ -395,8 +401,7 @@ def write_draft(out: Path, draft: DFlashDraft, config: DFlashConfig, num_target_
 
 def _recipe(c: DraftTrainConfig) -> dict[str, Any]:
     """The config as JSON-ready values, run-steering fields included."""
-    raw = dataclasses.asdict(c)
-    return {k: list(v) if isinstance(v, tuple | list) else v for k, v in raw.items()}
+    return json.loads(json.dumps(dataclasses.asdict(c), default=str))  # tuples -> lists, paths -> str
 
 
 def _save_checkpoint(run: _Run, path: Path, draft, optimizer, scheduler, batches: Batches, step: int, losses, evals) -> None:

@@ -36,6 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=1000, help="optimizer steps of the whole run")
     p.add_argument("--batch-size", type=int, default=4, help="sequences per step")
     p.add_argument("--device", default="auto", help="auto (a GPU if there is one), cpu or cuda:N")
+    p.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0 = torch's default)")
     p.add_argument("--seed", type=int, default=0, help="seed of the draft's initial weights, the batch order and the anchors")
     p.add_argument("--eval-every", type=int, default=100, help="steps between held-out evaluations (loss and acceptance estimate)")
     p.add_argument("--eval-sequences", type=int, default=16, help="held-out sequences per evaluation")
@@ -45,8 +46,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
     from splitspec.train.draft import DraftTrainConfig, train_draft
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     config = DraftTrainConfig(
         target=args.target, data=args.data, out=args.out, glob=args.glob, seq_len=args.seq_len,
         heldout_fraction=args.heldout_fraction, layers=args.layers, taps=args.taps, block_size=args.block_size,
