@@ -1,4 +1,4 @@
-"""The ``splitspec`` command: one subcommand per service, plus serve, generate and make-tiny."""
+"""The ``splitspec`` command: one subcommand per service, plus serve, generate, make-tiny and train-draft."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     from splitspec.services.draft import main as draft_main
     from splitspec.services.gateway import main as gateway_main
     from splitspec.services.target import main as target_main
+    from splitspec.train import main as train_main
 
     parser = argparse.ArgumentParser(prog="splitspec", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"splitspec {__version__}")
@@ -38,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
         "make-tiny": (_make_tiny_arguments, "write a tiny random target GGUF (qwen3, qwen2, llama or the qwen35 hybrid) and a matching DFlash draft"),
         "health": (health.add_arguments, "check a service's gRPC health (exit 0 when serving)"),
         "bench": (bench_main.add_arguments, "time the components and the whole system on random weights of a real shape"),
+        "train-draft": (train_main.add_arguments, "train a DFlash draft for a target on your text (the target stays frozen)"),
     }
     for name, (add, help_text) in commands.items():
         p = sub.add_parser(name, help=help_text, description=help_text, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -81,6 +83,10 @@ def main(argv: list[str] | None = None) -> int:
             from splitspec.bench.main import run as run_bench
 
             return run_bench(args)
+        if args.command == "train-draft":
+            from splitspec.train.main import run as run_train
+
+            return run_train(args)
         if args.command == "make-tiny":
             from splitspec.tiny import TinySpec, make_tiny
 

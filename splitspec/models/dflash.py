@@ -118,18 +118,19 @@ class DFlashLayer(nn.Module):
 
     def forward(
         self,
-        h: torch.Tensor,  # [B, hidden] block rows
-        cos: torch.Tensor,  # [B, D] at the block positions
+        h: torch.Tensor,  # [(N,) Q, hidden] block rows
+        cos: torch.Tensor,  # [Q, D] at the block positions, or [N, 1, Q, D]
         sin: torch.Tensor,
-        ctx_k: torch.Tensor,  # [H_kv, S, D] projected context keys of this layer
+        ctx_k: torch.Tensor,  # [(N,) H_kv, S, D] projected context keys of this layer
         ctx_v: torch.Tensor,
-        mask: torch.Tensor | None = None,  # [B, S + B] bool, None = all visible
+        mask: torch.Tensor | None = None,  # [(N,) Q, S + Q] bool, True = visible; None = all visible
     ) -> torch.Tensor:
         attn = self.self_attn
         x = self.input_layernorm(h)
         q, k, v = attn.query_key_value(x, cos, sin)
+        keys, values = torch.cat([ctx_k, k], dim=-2), torch.cat([ctx_v, v], dim=-2)
         # Non-causal: every block row sees the (visible) context and the whole block.
-        h = h + attn.attend(q, torch.cat([ctx_k, k], dim=1), torch.cat([ctx_v, v], dim=1), mask)
+        h = h + attn.attend(q, keys, values, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -148,14 +149,30 @@ class DFlashDraft(nn.Module):
             layer.self_attn.fuse()
             layer.mlp.fuse()
 
+    def _context_kv(self, features: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        c = self.hidden_norm(self.fc(features))
+        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, c.dtype)
+        return [layer.self_attn.key_value(c, cos, sin) for layer in self.layers]
+
+    def _blocks(
+        self,
+        noise: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        context: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        h = noise
+        for layer, (k, v) in zip(self.layers, context, strict=True):
+            h = layer(h, cos, sin, k, v, mask)
+        return self.norm(h)
+
     @torch.inference_mode()
     def context_kv(
         self, features: torch.Tensor, positions: torch.Tensor
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Tap features [m, taps * hidden] at ``positions`` [m] -> per layer (k, v), each [H_kv, m, D]."""
-        c = self.hidden_norm(self.fc(features))
-        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, c.dtype)
-        return [layer.self_attn.key_value(c, cos, sin) for layer in self.layers]
+        return self._context_kv(features, positions)
 
     @torch.inference_mode()
     def forward(
@@ -171,7 +188,23 @@ class DFlashDraft(nn.Module):
         if context_mask is not None:
             visible = torch.cat([context_mask, context_mask.new_ones(noise.shape[0])])  # [S + B]
             mask = visible[None, :].expand(noise.shape[0], -1)
-        h = noise
-        for layer, (k, v) in zip(self.layers, context, strict=True):
-            h = layer(h, cos, sin, k, v, mask)
-        return self.norm(h)
+        return self._blocks(noise, cos, sin, context, mask)
+
+    def forward_blocks(
+        self,
+        noise: torch.Tensor,  # [N, Q, hidden]: target embeddings of several blocks per sequence, concatenated
+        positions: torch.Tensor,  # [N, Q] absolute position of every block row
+        features: torch.Tensor,  # [N, S, taps * hidden] tap features of whole sequences, positions 0..S-1
+        mask: torch.Tensor,  # [N, Q, S + Q] bool over keys [context ; all blocks], True = visible
+    ) -> torch.Tensor:
+        """Training form of :meth:`forward` (differentiable, batched): many blocks of N sequences in
+        one pass, kept apart by ``mask``. Returns the normalised block hidden states [N, Q, hidden].
+
+        With a mask that shows block rows the context positions before their anchor and their own
+        block, each block's rows equal :meth:`forward` over :meth:`context_kv` of that context.
+        """
+        c = self.config
+        ctx_positions = torch.arange(features.shape[1], device=features.device)
+        cos, sin = rope_cos_sin(positions.flatten(), c.head_dim, c.rope_theta, noise.dtype)
+        cos, sin = (t.unflatten(0, positions.shape).unsqueeze(1) for t in (cos, sin))  # [N, 1, Q, D]: shared by heads
+        return self._blocks(noise, cos, sin, self._context_kv(features, ctx_positions), mask)
