@@ -55,7 +55,7 @@ class TargetTrainConfig:
     rope_theta: float = 10_000.0
     seq_len: int = 512
     batch_size: int = 32
-    epochs: float = 8.0
+    epochs: float = 6.0
     max_steps: int = 0
     lr: float = 2e-3
     min_lr_ratio: float = 0.1
