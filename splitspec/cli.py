@@ -14,8 +14,8 @@ DESCRIPTION = """\
 splitspec serves LLMs with DFlash block drafting and DDTree tree verification, split into three
 gRPC services: a gateway (public API), a draft worker and a target worker.
 
-Quick start:   splitspec serve            (tiny built-in models, all three services locally)
-               splitspec generate "def fib(n):" --max-tokens 64
+Quick start:   splitspec serve            (the built-in pair, all three services locally)
+               splitspec generate "def parse_args(" --max-tokens 128
 """
 
 

@@ -1,8 +1,10 @@
 """``splitspec serve``: run target, draft and gateway as three local processes, stopped together.
 
 The workers listen on Unix sockets in a private directory (no ports to collide, and cheaper
-than TCP loopback); the gateway listens on ``--listen``. Without ``--target-model`` the
-built-in tiny pair is written to ``--work-dir`` and served.
+than TCP loopback); the gateway listens on ``--listen``. Without ``--target-model`` it serves the
+built-in pair (``splitspec.builtin``: a small target trained on Python's standard library and
+its DFlash draft); a checkout without those weights writes a random tiny pair to ``--work-dir``
+and serves that instead.
 """
 
 from __future__ import annotations
@@ -23,15 +25,15 @@ DEFAULT_WORK_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target-model", default="", help="target model: GGUF file, model directory or hf://... (default: the built-in tiny pair)")
-    p.add_argument("--draft-model", default="", help="DFlash draft: directory, GGUF or hf://... (default: the tiny pair's; 'none' = no draft)")
+    p.add_argument("--target-model", default="", help="target model: GGUF file, model directory or hf://... (default: the built-in pair)")
+    p.add_argument("--draft-model", default="", help="DFlash draft: directory, GGUF or hf://... (default: the built-in pair's; 'none' = no draft)")
     p.add_argument("--listen", default="127.0.0.1:50051", help="public gateway address")
     p.add_argument("--device", default="cpu", help="target device (cpu or cuda:N)")
     p.add_argument("--draft-device", default="", help="draft device (default: same as --device)")
     p.add_argument("--dtype", default="auto", help="compute dtype of both workers")
     p.add_argument("--mode", choices=["ddtree", "chain", "off"], default="ddtree", help="default speculation mode")
     p.add_argument("--budget", type=int, default=22, help="default tree nodes per step")
-    p.add_argument("--work-dir", default=str(DEFAULT_WORK_DIR), help="where the tiny pair is written")
+    p.add_argument("--work-dir", default=str(DEFAULT_WORK_DIR), help="where the random tiny pair is written when the built-in weights are absent")
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for the gateway to be ready")
     p.add_argument(
         "--metrics-port", type=int, default=9451,
@@ -60,17 +62,29 @@ def wait_ready(address: str, procs: list[subprocess.Popen], timeout: float) -> N
     raise TimeoutError(f"gateway at {address} not ready after {timeout:.0f} s")
 
 
+def default_pair(work_dir: Path, builtin_dir: Path | None = None) -> tuple[Path, Path]:
+    """(target, draft) served without ``--target-model``: the built-in pair in ``builtin_dir``
+    (default: the installed one) when its weights are there, else a random tiny pair in ``work_dir/tiny``."""
+    from splitspec.builtin import HERE, builtin_pair
+
+    pair = builtin_pair(builtin_dir or HERE)
+    if pair is not None:
+        logger.info("serving the built-in pair: target %s, draft %s", *pair)
+        return pair
+    from splitspec.tiny import DRAFT_DIR, TARGET_FILE, make_tiny
+
+    tiny = Path(work_dir) / "tiny"
+    logger.warning("the built-in pair's weights are not installed; serving a random tiny pair from %s", tiny)
+    if not (tiny / TARGET_FILE).exists():
+        make_tiny(tiny)
+    return tiny / TARGET_FILE, tiny / DRAFT_DIR
+
+
 def run(args: argparse.Namespace, log_args: list[str]) -> int:
     target_model, draft_model = args.target_model, args.draft_model
     if not target_model:
-        from splitspec.tiny import DRAFT_DIR, TARGET_FILE, make_tiny
-
-        tiny = Path(args.work_dir) / "tiny"
-        if not (tiny / TARGET_FILE).exists():
-            logger.info("writing the built-in tiny pair to %s", tiny)
-            make_tiny(tiny)
-        target_model = str(tiny / TARGET_FILE)
-        draft_model = draft_model or str(tiny / DRAFT_DIR)
+        target, draft = default_pair(Path(args.work_dir))
+        target_model, draft_model = str(target), draft_model or str(draft)
     sockets = Path(tempfile.mkdtemp(prefix="splitspec-"))
     target_addr, draft_addr = f"unix:{sockets / 'target.sock'}", f"unix:{sockets / 'draft.sock'}"
     base = [sys.executable, "-m", "splitspec"]

@@ -149,16 +149,20 @@ def write_target_gguf(
     weight_type: str | Encoder = "f32",
     *,
     tokenizer_pre: str = "qwen2",
+    eos: str = "<|im_end|>",
+    chat_template: str | None = CHATML_TEMPLATE,
+    name: str = "splitspec-tiny",
     rope_scaling_factor: float | None = None,
     split_max_tensors: int = 0,
 ) -> None:
     """Write a GGUF of ``config.architecture``. ``weights`` uses GGUF tensor names (llama.cpp's layout);
-    ``weight_type`` names a type or is an :data:`Encoder` choosing one per tensor.
+    ``weight_type`` names a type or is an :data:`Encoder` choosing one per tensor; ``eos`` names
+    the end-of-sequence token of ``vocab`` (its BOS is ``<|endoftext|>``).
     ``rope_scaling_factor`` writes linear RoPE scaling metadata; ``split_max_tensors`` > 0 splits the
     file into parts ``NAME-00001-of-0000N.gguf`` of at most that many tensors, as llama.cpp's gguf-split does."""
     encode = encoder(weight_type) if isinstance(weight_type, str) else weight_type
     writer = GGUFWriter(str(path), config.architecture, split_max_tensors=split_max_tensors)
-    writer.add_name("splitspec-tiny")
+    writer.add_name(name)
     writer.add_block_count(config.num_layers)
     writer.add_context_length(config.max_context)
     writer.add_embedding_length(config.hidden_size)
@@ -173,7 +177,7 @@ def write_target_gguf(
     if rope_scaling_factor is not None:
         writer.add_rope_scaling_type(RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(rope_scaling_factor)
-    write_gguf_tokenizer(writer, vocab, pre=tokenizer_pre, chat_template=CHATML_TEMPLATE)
+    write_gguf_tokenizer(writer, vocab, eos=eos, pre=tokenizer_pre, chat_template=chat_template)
     finish_gguf(writer, weights, encode)
 
 
@@ -233,10 +237,15 @@ def make_tiny(out_dir: str | Path, spec: TinySpec = TinySpec(), weight_type: str
 
     draft, tensors = random_draft(target, spec, vocab.special_ids["<|mask|>"], rng)
     draft_dir = out / DRAFT_DIR
-    draft_dir.mkdir(exist_ok=True)
-    save_file(tensors, str(draft_dir / "model.safetensors"))
-    (draft_dir / "config.json").write_text(json.dumps(draft.to_dict(target.num_layers), indent=2) + "\n")
+    write_draft_dir(draft_dir, draft, tensors, target.num_layers)
     return target_path, draft_dir
+
+
+def write_draft_dir(path: Path, draft: DFlashConfig, tensors: dict[str, np.ndarray], num_target_layers: int) -> None:
+    """A DFlash draft in z-lab's directory layout: ``config.json`` and ``model.safetensors``."""
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(draft.to_dict(num_target_layers), indent=2) + "\n")
 
 
 def random_draft(

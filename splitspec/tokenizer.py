@@ -29,7 +29,7 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, proc
 
 from splitspec.models.gguf_file import split_parts
 
-__all__ = ["ByteLevelVocab", "Tokenizer", "byte_level_vocab", "write_gguf_tokenizer"]
+__all__ = ["ByteLevelVocab", "Tokenizer", "byte_level_backend", "byte_level_vocab", "write_gguf_tokenizer"]
 
 # Pre-tokenizer split patterns, keyed by llama.cpp's `tokenizer.ggml.pre` names.
 _GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
@@ -197,7 +197,7 @@ class Tokenizer:
                 raise ValueError(f"{path}: tokenizer.ggml.pre {pre!r} is not supported; known: {sorted(_SPLITS)}")
             merges = get("tokenizer.ggml.merges") or []  # GGUF cannot store an empty array
             vocab = {_byte_level_spelling(token): i for i, token in enumerate(tokens)}
-            backend = _byte_level_backend(vocab, merges, pre)
+            backend = byte_level_backend(vocab, merges, pre)
             if add_bos is None:
                 add_bos = pre in _LLAMA3_PRES
         elif model == "llama":
@@ -254,7 +254,9 @@ class Tokenizer:
         return self._backend.token_to_id(token)
 
 
-def _byte_level_backend(vocab: dict[str, int], merges: Sequence[str], pre: str) -> tokenizers.Tokenizer:
+def byte_level_backend(vocab: dict[str, int], merges: Sequence[str], pre: str) -> tokenizers.Tokenizer:
+    """A byte-level BPE ``tokenizers.Tokenizer`` as llama.cpp's "gpt2" model with pre-tokenizer ``pre``
+    runs it: ``vocab`` spelled in GPT-2's byte alphabet, ``merges`` as ``"a b"``."""
     bpe = models.BPE(vocab, [tuple(m.split(" ", 1)) for m in merges], ignore_merges=pre in _LLAMA3_PRES)
     backend = tokenizers.Tokenizer(bpe)
     backend.pre_tokenizer = _pre_tokenizer(_SPLITS[pre])

@@ -15,14 +15,14 @@ import sys
 
 import numpy as np
 import pytest
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import load_file
 
 from client import generate, live_sequences
 from dense_fixtures import hf_model
 from splitspec.chat import ChatTemplate
 from splitspec.models.dflash import DFlashConfig
 from splitspec.models.loader import read_target_config
-from splitspec.tiny import CHATML_TEMPLATE, TinySpec, make_tiny, random_draft, write_draft_gguf
+from splitspec.tiny import CHATML_TEMPLATE, TinySpec, make_tiny, random_draft, write_draft_dir, write_draft_gguf
 from splitspec.tokenizer import Tokenizer, byte_level_vocab, write_gguf_tokenizer
 from splitspec.v1 import gateway_pb2
 from tools import write_gguf
@@ -51,9 +51,7 @@ def _qwen2(out):
     draft, tensors = random_draft(config, TinySpec(num_heads=4, num_kv_heads=2, head_dim=64, intermediate_size=256),
                                   vocab.special_ids["<|mask|>"], np.random.default_rng(4))
     draft_dir = out / "draft"
-    draft_dir.mkdir()
-    save_file(tensors, str(draft_dir / "model.safetensors"))
-    (draft_dir / "config.json").write_text(json.dumps(draft.to_dict(config.num_layers)))
+    write_draft_dir(draft_dir, draft, tensors, config.num_layers)
     return target, draft_dir
 
 

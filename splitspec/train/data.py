@@ -135,7 +135,14 @@ def load_corpus(
     heldout_fraction: float,
     glob: str = DEFAULT_GLOB,
 ) -> PackedCorpus:
-    """Read, split, tokenize and pack; the separator is the tokenizer's first end-of-text id."""
+    """Read, split, tokenize and pack; the separator is the tokenizer's first end-of-text id.
+
+    A single ``.npz`` path is a corpus already packed by ``splitspec.train.corpus`` (ids of the
+    target's own tokenizer, such as the built-in pair's): its training and held-out streams are
+    cut into sequences as they are."""
+    paths = [str(p) for p in paths]
+    if len(paths) == 1 and paths[0].endswith(".npz"):
+        return _load_packed_corpus(Path(paths[0]), tokenizer, seq_len)
     train_docs, heldout_docs = split_heldout(read_documents(paths, glob), heldout_fraction)
     separator = tokenizer.eos_token_ids[0] if tokenizer.eos_token_ids else None
     train = pack(tokenize(train_docs, tokenizer), seq_len, separator)
@@ -147,3 +154,14 @@ def load_corpus(
                 "add text, lower --seq-len or change --heldout-fraction"
             )
     return PackedCorpus(train, heldout, len(train_docs), len(heldout_docs))
+
+
+def _load_packed_corpus(path: Path, tokenizer: Tokenizer, seq_len: int) -> PackedCorpus:
+    from splitspec.train.corpus import load_packed
+
+    train, heldout, _ = load_packed(path)
+    eos = tokenizer.eos_token_ids[0] if tokenizer.eos_token_ids else -1
+    rows = [stream[: len(stream) // seq_len * seq_len].astype(np.int64).reshape(-1, seq_len) for stream in (train, heldout)]
+    if not (len(rows[0]) and len(rows[1])):
+        raise ValueError(f"{path}: fewer tokens than one sequence of --seq-len {seq_len} in a split")
+    return PackedCorpus(rows[0], rows[1], int((train == eos).sum()), int((heldout == eos).sum()))
