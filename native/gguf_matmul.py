@@ -58,9 +58,12 @@ def gguf_matmul_reference(x: torch.Tensor, raw: torch.Tensor, qtype: Q, out_feat
     return F.linear(x, w)
 
 
+KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
 def triton_enabled(x: torch.Tensor) -> bool:
-    """Whether ``gguf_matmul`` runs for x: on CUDA, or on the CPU under ``TRITON_INTERPRET=1``."""
-    return triton is not None and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+    """Whether ``gguf_matmul`` runs for x: a kernel dtype, on CUDA or under ``TRITON_INTERPRET=1``."""
+    return triton is not None and x.dtype in KERNEL_DTYPES and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
 
 
 # ------------------------------------------------------------------------------------------ kernels
@@ -177,6 +180,8 @@ def gguf_matmul(x: torch.Tensor, raw: torch.Tensor, qtype: Q, out_features: int)
     [out_features, row_bytes] (uint8) -> [..., out_features] in x's dtype, by the Triton kernel."""
     if qtype not in KERNEL_TYPES:
         raise ValueError(f"no kernel for {qtype.name} (kernels: {', '.join(sorted(t.name for t in KERNEL_TYPES))})")
+    if x.dtype not in KERNEL_DTYPES:
+        raise ValueError(f"x must be bfloat16, float16 or float32, got {x.dtype}")
     K = x.shape[-1]
     if raw.dtype != torch.uint8 or tuple(raw.shape) != (out_features, row_bytes(qtype, K)):
         raise ValueError(f"raw {qtype.name} weight must be uint8 [{out_features}, {row_bytes(qtype, K)}], got {raw.dtype} {list(raw.shape)}")
