@@ -143,7 +143,7 @@ if triton is not None:
         """y[split, m, n] = sum over this split's K range of x[m, k] * W[n, k] (see the module doc)."""
         pid_n, split, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] output features
-        rows = tl.minimum(cols, N - 1)  # W rows to read; the tail repeats the last one, unstored
+        rows = tl.minimum(cols, N - 1).to(tl.int64)  # W rows to read (the tail repeats the last, unstored); int64: a vocab-sized W passes 2 GiB
         m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         m_ok = m < M
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
