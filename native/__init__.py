@@ -1,4 +1,4 @@
 """GPU kernels (Triton) for the hot paths, each with a plain-torch reference that runs on the CPU.
 
-Nothing here yet: every model path currently runs on plain PyTorch, on the CPU and on GPUs.
+``gguf_matmul``: ``x @ W^T`` with W kept in its GGUF blocks (Q8_0, Q4_K, Q6_K), and ``QuantLinear``.
 """
