@@ -25,6 +25,7 @@ dtype holds it, and products accumulate in float32; the output has x's dtype.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
@@ -147,6 +148,8 @@ if triton is not None:
         m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         m_ok = m < M
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        # A constant trip count: triton 3.6's CPU interpreter cannot take a runtime loop bound
+        # under numpy >= 2.4, and the compiler can pipeline a known count.
         for i in range(CHUNKS_PER_SPLIT):
             k0 = (split * CHUNKS_PER_SPLIT + i) * CHUNK
             if QTYPE == 0:
@@ -167,6 +170,30 @@ if triton is not None:
         tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & (cols < N)[None, :])
 
 
+@dataclass(frozen=True)
+class Tiling:
+    """How ``gguf_matmul`` cuts its work: ``block_n`` output features per program, ``chunk`` K
+    values per loop step, ``num_warps`` per program, and ``split_k`` programs sharing one tile's K
+    range (0: enough to make about two waves of programs on the device)."""
+
+    block_n: int
+    chunk: int
+    num_warps: int
+    split_k: int = 0
+
+
+def default_tiling(m: int) -> Tiling:
+    """The tiling for ``m`` input rows: wide K steps for decode, narrower tiles as m grows, so the
+    accumulator and the tiles stay in registers."""
+    if m == 1:
+        return Tiling(block_n=32, chunk=256, num_warps=4)
+    if m <= 16:
+        return Tiling(block_n=64, chunk=128, num_warps=4)
+    if m <= 32:
+        return Tiling(block_n=64, chunk=64, num_warps=4)
+    return Tiling(block_n=32, chunk=64, num_warps=8)
+
+
 def _next_power_of_2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
@@ -175,9 +202,12 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else _DEFAULT_SMS
 
 
-def gguf_matmul(x: torch.Tensor, raw: torch.Tensor, qtype: Q, out_features: int) -> torch.Tensor:
+def gguf_matmul(
+    x: torch.Tensor, raw: torch.Tensor, qtype: Q, out_features: int, tiling: Tiling | None = None
+) -> torch.Tensor:
     """x [..., K] (bf16, fp16 or fp32) @ W^T for W [out_features, K] held as GGUF blocks ``raw``
-    [out_features, row_bytes] (uint8) -> [..., out_features] in x's dtype, by the Triton kernel."""
+    [out_features, row_bytes] (uint8) -> [..., out_features] in x's dtype, by the Triton kernel.
+    ``tiling`` overrides ``default_tiling`` (benchmarks compare tilings)."""
     if qtype not in KERNEL_TYPES:
         raise ValueError(f"no kernel for {qtype.name} (kernels: {', '.join(sorted(t.name for t in KERNEL_TYPES))})")
     if x.dtype not in KERNEL_DTYPES:
@@ -192,21 +222,22 @@ def gguf_matmul(x: torch.Tensor, raw: torch.Tensor, qtype: Q, out_features: int)
     M, N = x2.shape[0], out_features
     if M == 0:
         return x.new_empty(*lead, N)
-    block_m = 1 if M == 1 else min(128, max(16, _next_power_of_2(M)))
-    block_n = 16 if block_m == 1 else (64 if block_m <= 32 else 32)  # keeps acc + tiles in registers
-    chunk = 256 if block_m <= 16 else 64
+    tiling = tiling or default_tiling(M)
+    block_m = 1 if M == 1 else min(128, max(16, _next_power_of_2(M)))  # tl.dot wants 16 rows at least
+    block_n, chunk = tiling.block_n, tiling.chunk
     while K % chunk:  # Q8_0 rows are multiples of 32 only; K-quant rows always fit 256
         chunk //= 2
     tiles = triton.cdiv(N, block_n) * triton.cdiv(M, block_m)
     chunks = K // chunk
-    wanted = max(1, min((2 * _sm_count(x.device)) // tiles, 16))  # about two waves of programs
+    wanted = tiling.split_k or max(1, min((2 * _sm_count(x.device)) // tiles, 16))
     split_k = max(s for s in range(1, wanted + 1) if chunks % s == 0)  # equal K ranges, no tail
     y = x.new_empty(M, N) if split_k == 1 else torch.empty(split_k, M, N, device=x.device, dtype=torch.float32)
     grid = (triton.cdiv(N, block_n), split_k, triton.cdiv(M, block_m))
     _gguf_matmul_kernel[grid](
         x2, raw, y, M, N, K, x2.stride(0), y.stride(0) if split_k > 1 else 0, y.stride(-2), raw.stride(0),
         QTYPE=_TYPE_IDS[qtype], BLOCK_M=block_m, BLOCK_N=block_n, CHUNK=chunk, CHUNKS_PER_SPLIT=chunks // split_k,
-        FP32_DOT=x.dtype == torch.float32, num_warps=4 if block_m <= 32 else 8,
+        FP32_DOT=x.dtype == torch.float32,
+        num_warps=tiling.num_warps,
     )
     if split_k > 1:
         y = y.sum(0).to(x.dtype)  # fixed order, unlike atomics: the same input gives the same bits
