@@ -4,6 +4,9 @@ A kernel runs when its inputs are on a GPU (CUDA, or ROCm through the same Trito
 the CPU when ``SPLITSPEC_NATIVE_CPU=1`` under Triton's interpreter (``TRITON_INTERPRET=1`` set
 before triton is first imported), which is how CI checks kernels against their references;
 otherwise the reference runs.
+
+Kernels: ``qkv_rope`` (q/k norm, RoPE and K/V cache writes in one launch); ``gguf_matmul``
+(``x @ W^T`` with W kept in its GGUF blocks: Q8_0, Q4_K, Q6_K) and ``QuantLinear``.
 """
 
 from __future__ import annotations

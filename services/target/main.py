@@ -26,6 +26,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="hybrid (qwen35) targets: storage of recurrent states, per sequence and per tree node: "
         "auto (float32; float64 with --dtype float64), float32, bfloat16, float16",
     )
+    p.add_argument(
+        "--keep-quantized", action="store_true",
+        help="GGUF dense targets (llama, qwen2, qwen3): keep Q8_0/Q4_K/Q6_K linear weights in their GGUF blocks and "
+        "multiply with Triton kernels that read the blocks (on the CPU each call dequantizes: slow, for tests); other "
+        "weights and the embeddings dequantize as usual",
+    )
     p.add_argument("--max-sequences", type=int, default=64, help="live sequences at most")
     p.add_argument("--max-kv-tokens", type=int, default=1 << 20, help="KV positions reserved over all sequences at most")
     p.add_argument("--max-tree-nodes", type=int, default=256, help="largest tree a Verify accepts")
@@ -98,7 +104,7 @@ async def run(args: argparse.Namespace) -> None:
     def load() -> None:
         t0 = time.perf_counter()
         path = resolve_model(args.model)
-        model, config = load_target(path, device, dtype, state_dtype)
+        model, config = load_target(path, device, dtype, state_dtype, keep_quantized=args.keep_quantized)
         # random: shapes (benchmarks) have no tokenizer; their gateway is given one with --tokenizer.
         eos, tokenizer_path = ([], "") if is_random(path) else (list(Tokenizer.load(path).eos_token_ids), str(path))
         if isinstance(config, Qwen35Config):

@@ -22,6 +22,8 @@ from typing import Protocol
 
 import numpy as np
 import torch
+from gguf import GGMLQuantizationType as Q
+from torch import nn
 from tqdm import tqdm
 
 from splitspec.hub import resolve_model
@@ -33,6 +35,7 @@ from splitspec.models.gguf_file import GGUFFile, ModelFileError
 from splitspec.models.hf_dir import HFDirectory
 from splitspec.models.layers import llama3_freq_factors
 from splitspec.models.qwen35 import QWEN35_ARCHS, Qwen35Config, Qwen35ForCausalLM
+from splitspec.native.gguf_matmul import KERNEL_TYPES, QuantLinear
 
 logger = logging.getLogger(__name__)
 
@@ -104,10 +107,17 @@ def _unpermute_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.reshape(heads, per_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def load_gguf_tensor(f: GGUFFile, name: str, shape: tuple[int, ...], device: torch.device | str) -> torch.Tensor:
-    """A GGUF tensor as float32 on ``device``: the packed bytes move there and expand there."""
+def load_gguf_raw(f: GGUFFile, name: str, shape: tuple[int, ...], device: torch.device | str) -> tuple[torch.Tensor, Q]:
+    """A GGUF tensor's packed bytes on ``device``, one row per ``shape[0]`` (uint8 [rows, row_bytes]
+    for the block types), and its type."""
     data, qtype = f.raw(name, shape)
     raw = torch.from_numpy(np.array(data, copy=True)).to(device)  # the memory map is read-only
+    return raw.reshape(shape[0], -1), qtype
+
+
+def load_gguf_tensor(f: GGUFFile, name: str, shape: tuple[int, ...], device: torch.device | str) -> torch.Tensor:
+    """A GGUF tensor as float32 on ``device``: the packed bytes move there and expand there."""
+    raw, qtype = load_gguf_raw(f, name, shape, device)
     return dequantize(raw, qtype, shape)
 
 
@@ -120,11 +130,16 @@ class _GGUFSource:
         return {name: gguf_name(name) for name in model_names}
 
     def load(self, name, shape):
-        tensor = load_gguf_tensor(self.file, name, shape, self.device)
+        return dequantize(*self.load_raw(name, shape), shape)
+
+    def load_raw(self, name: str, shape: tuple[int, ...]) -> tuple[torch.Tensor, Q]:
+        """Packed rows in the model's row order: a row is whole blocks, so permuting rows of
+        bytes equals permuting rows of values."""
+        raw, qtype = load_gguf_raw(self.file, name, shape, self.device)
         c = self.config
         if c.architecture == "llama" and (".attn_q." in name or ".attn_k." in name):
-            tensor = _unpermute_rows(tensor, c.num_heads if ".attn_q." in name else c.num_kv_heads)
-        return tensor
+            raw = _unpermute_rows(raw, c.num_heads if ".attn_q." in name else c.num_kv_heads)
+        return raw, qtype
 
     def tensor_names(self):
         return [n for n in self.file.tensor_names() if n != "rope_freqs.weight"]
@@ -287,8 +302,11 @@ def load_target(
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
     state_dtype: torch.dtype | None = None,
+    keep_quantized: bool = False,
 ) -> tuple[DenseForCausalLM | Qwen35ForCausalLM, DenseConfig | Qwen35Config]:
-    """``state_dtype``: storage of recurrent states (hybrid family only; see ``Qwen35ForCausalLM``)."""
+    """``state_dtype``: storage of recurrent states (hybrid family only; see ``Qwen35ForCausalLM``).
+    ``keep_quantized``: the dense family's linear layers whose GGUF weights are Q8_0, Q4_K or Q6_K
+    stay in their blocks (``native.gguf_matmul.QuantLinear``); the rest dequantize as usual."""
     if random_weights.is_random(path):
         return random_weights.random_target(path, device, dtype)
     hybrid = _hybrid(path)
@@ -306,14 +324,36 @@ def load_target(
     unexpected = sorted(set(source.tensor_names()) - set(names.values()))
     if unexpected:
         raise ModelFileError(f"{source.where}: unexpected tensor {unexpected[0]!r} for a {config.architecture} model")
+    quantized = _quantized_linears(model, source, names) if keep_quantized else {}
     state = {}
     for dst, src in progress(list(names.items()), f"loading {source.where.name}"):
-        state[dst] = source.load(src, expected[dst]).to(device=device, dtype=dtype)
+        if dst in quantized:
+            state[quantized[dst]] = source.load_raw(src, expected[dst])[0]
+        else:
+            state[dst] = source.load(src, expected[dst]).to(device=device, dtype=dtype)
     if config.tie_word_embeddings:
         state["lm_head.weight"] = state["embed_tokens.weight"]
     model.load_state_dict(state, assign=True, strict=True)
     model.fuse_projections()
     return model.eval(), config
+
+
+def _quantized_linears(model: DenseForCausalLM, source: _Source, names: dict[str, str]) -> dict[str, str]:
+    """Swap every ``nn.Linear`` of ``model`` (on the meta device) whose GGUF weight has a kernel
+    type for a ``QuantLinear``; returns weight name -> the name of its packed bytes."""
+    if not isinstance(source, _GGUFSource):
+        return {}
+    swapped = {}
+    for module_name, module in list(model.named_modules()):
+        weight = f"{module_name}.weight"
+        if not isinstance(module, nn.Linear) or weight not in names:
+            continue
+        qtype = source.file.raw(names[weight])[1]
+        if qtype in KERNEL_TYPES:
+            linear = QuantLinear(qtype, module.in_features, module.out_features, bias=module.bias is not None, device="meta")
+            model.set_submodule(module_name, linear)
+            swapped[weight] = f"{module_name}.raw"
+    return swapped
 
 
 def load_target_head(

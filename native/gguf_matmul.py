@@ -1,0 +1,271 @@
+"""``y = x @ W^T`` straight from GGUF-quantized blocks (Q8_0, Q4_K, Q6_K), as Triton kernels.
+
+A batch-1 decode step reads every weight once and does little arithmetic per byte, so it is bound
+by memory bandwidth: keeping the weights quantized in GPU memory and expanding them in registers
+reads 2-4x fewer bytes than a bf16 matmul. ``W`` [N, K] is held as the file's raw bytes: a uint8
+tensor [N, K / block_values * block_bytes], row n being the blocks of output feature n, exactly as
+GGUF stores it (see ``models.dequant`` for the block layouts).
+
+Kernel shape: one program per tile of ``BLOCK_N`` output features (and ``BLOCK_M`` input rows),
+walking K in chunks of ``CHUNK`` values; each chunk's bytes are loaded, expanded to float32 in
+registers and multiplied with the matching slice of x: by a broadcast multiply-add and row sums
+when M = 1 (decode), by ``tl.dot`` (tensor cores, M padded to 16) otherwise (tree verify, prefill).
+When the tiles are too few to fill the GPU, K is split over ``SPLIT_K`` programs whose float32
+partial sums are added afterwards in a fixed order, so a result never depends on scheduling.
+
+Terms: a *block* is GGUF's unit of quantization (32 values for Q8_0, a 256-value *super-block*
+for the K-quants); a *sub-block* shares one scale inside a super-block (32 values for Q4_K, 16
+for Q6_K). The weight is rounded to x's dtype before the multiply, as a dequantized model in that
+dtype holds it, and products accumulate in float32; the output has x's dtype.
+
+``gguf_matmul_reference`` is the plain-torch definition the kernels are tested against, and
+``QuantLinear`` is the ``nn.Linear`` stand-in the loader builds (``load_target(keep_quantized=True)``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
+from torch import nn
+from torch.nn import functional as F
+
+from splitspec.models.dequant import dequantize
+from splitspec.native import use_triton
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU installs without triton run the reference only
+    triton = None
+
+KERNEL_TYPES = frozenset({Q.Q8_0, Q.Q4_K, Q.Q6_K})
+_TYPE_IDS = {Q.Q8_0: 0, Q.Q4_K: 1, Q.Q6_K: 2}  # the kernels' QTYPE constant
+_DEFAULT_SMS = 132  # H100/H200; used when the device cannot be asked (the CPU interpreter)
+
+
+def row_bytes(qtype: Q, in_features: int) -> int:
+    """Bytes of one packed row of ``in_features`` values."""
+    block_values, block_bytes = GGML_QUANT_SIZES[qtype]
+    if in_features % block_values:
+        raise ValueError(f"{qtype.name} rows hold multiples of {block_values} values, got {in_features}")
+    return in_features // block_values * block_bytes
+
+
+def gguf_matmul_reference(x: torch.Tensor, raw: torch.Tensor, qtype: Q, out_features: int) -> torch.Tensor:
+    """x [..., K] @ dequantize(raw)^T in x's dtype -> [..., out_features]: the definition."""
+    w = dequantize(raw, qtype, (out_features, x.shape[-1])).to(x.dtype)
+    return F.linear(x, w)
+
+
+KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def triton_enabled(x: torch.Tensor) -> bool:
+    """Whether ``gguf_matmul`` runs for x: a kernel dtype where ``native.use_triton`` says kernels run."""
+    return use_triton(x) and x.dtype in KERNEL_DTYPES
+
+
+# ------------------------------------------------------------------------------------------ kernels
+
+if triton is not None:
+
+    @triton.jit
+    def _f16(w_ptr, byte_offset):
+        """The little-endian f16 at ``byte_offset`` (even: every block starts 2-byte aligned) -> f32."""
+        return tl.load(w_ptr.to(tl.pointer_type(tl.float16)) + byte_offset // 2).to(tl.float32)
+
+    @triton.jit
+    def _q8_0_chunk(w_ptr, rows, row_nbytes, k0, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
+        """Values k0 .. k0 + CHUNK of ``rows`` [BLOCK_N] -> f32 [BLOCK_N, CHUNK]; CHUNK / 32 blocks
+        of f16 d + 32 int8 q, value = d * q."""
+        G: tl.constexpr = CHUNK // 32
+        blocks = k0 // 32 + tl.arange(0, G)
+        base = rows[:, None] * row_nbytes + blocks[None, :] * 34  # [BLOCK_N, G]
+        d = _f16(w_ptr, base)
+        q = tl.load(w_ptr + base[:, :, None] + 2 + tl.arange(0, 32)[None, None, :]).to(tl.int8, bitcast=True)
+        return tl.reshape(q.to(tl.float32) * d[:, :, None], (BLOCK_N, CHUNK))
+
+    @triton.jit
+    def _q4_k_chunk(w_ptr, rows, row_nbytes, k0, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
+        """Values k0 .. k0 + CHUNK (inside one super-block) -> f32 [BLOCK_N, CHUNK]. A super-block
+        is f16 d, f16 dmin, 12 bytes of eight 6-bit scales and mins, then 128 bytes where 32-byte
+        group j holds sub-block 2j in its low nibbles and 2j + 1 in its high nibbles;
+        value = d * scale[s] * q - dmin * min[s]."""
+        G: tl.constexpr = CHUNK // 32
+        s = (k0 % 256) // 32 + tl.arange(0, G)  # [G] sub-blocks of this chunk
+        base = rows * row_nbytes + (k0 // 256) * 144  # [BLOCK_N]
+        scale_bytes = base[:, None] + 4
+        lo = tl.load(w_ptr + scale_bytes + s[None, :])  # byte s
+        hi = tl.load(w_ptr + scale_bytes + 4 + s[None, :])  # byte s + 4
+        low = tl.load(w_ptr + scale_bytes + (s % 4)[None, :])  # byte s - 4 for s >= 4
+        first = (s < 4)[None, :]
+        scale = tl.where(first, lo & 63, (hi & 15) | ((low >> 6) << 4)).to(tl.float32)  # [BLOCK_N, G]
+        minimum = tl.where(first, hi & 63, (hi >> 4) | ((lo >> 6) << 4)).to(tl.float32)
+        d = _f16(w_ptr, base)[:, None] * scale
+        dmin = _f16(w_ptr, base + 2)[:, None] * minimum
+        offsets = 16 + 32 * (s // 2)[:, None] + tl.arange(0, 32)[None, :]  # [G, 32]
+        shifts = (4 * (s % 2))[:, None]
+        q = (tl.load(w_ptr + base[:, None, None] + offsets[None, :, :]) >> shifts[None, :, :]) & 15
+        return tl.reshape(d[:, :, None] * q.to(tl.float32) - dmin[:, :, None], (BLOCK_N, CHUNK))
+
+    @triton.jit
+    def _q6_k_chunk(w_ptr, rows, row_nbytes, k0, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
+        """Values k0 .. k0 + CHUNK (inside one super-block) -> f32 [BLOCK_N, CHUNK]. A super-block
+        is 128 bytes of low 4 bits, 64 of high 2 bits, sixteen int8 scales, f16 d. Value
+        v = 128 h + 32 r + l (h < 2, r < 4, l < 32) has its low bits in nibble r // 2 of byte
+        64 h + 32 (r % 2) + l, its high bits at bit 2 r of byte 128 + 32 h + l, and scale v // 16;
+        value = d * scale * (q - 32)."""
+        G: tl.constexpr = CHUNK // 32
+        g = (k0 % 256) // 32 + tl.arange(0, G)  # [G] groups of 32 values: g = 4 h + r
+        h, r = g // 4, g % 4
+        lane = tl.arange(0, 32)[None, :]
+        base = rows * row_nbytes + (k0 // 256) * 210  # [BLOCK_N]
+        low_at = (64 * h + 32 * (r % 2))[:, None] + lane  # [G, 32]
+        high_at = 128 + (32 * h)[:, None] + lane
+        low = (tl.load(w_ptr + base[:, None, None] + low_at[None]) >> (4 * (r // 2))[None, :, None]) & 15
+        high = (tl.load(w_ptr + base[:, None, None] + high_at[None]) >> (2 * r)[None, :, None]) & 3
+        q = (low | (high << 4)).to(tl.float32) - 32.0  # [BLOCK_N, G, 32]
+        scales = w_ptr + base[:, None] + 192 + 2 * g[None, :]  # [BLOCK_N, G]: sub-blocks 2g, 2g + 1
+        first = tl.load(scales).to(tl.int8, bitcast=True).to(tl.float32)
+        second = tl.load(scales + 1).to(tl.int8, bitcast=True).to(tl.float32)
+        d = _f16(w_ptr, base + 208)[:, None, None]
+        scale = tl.where(lane[None] < 16, (d * first[:, :, None]), (d * second[:, :, None]))
+        return tl.reshape(scale * q, (BLOCK_N, CHUNK))
+
+    @triton.jit
+    def _gguf_matmul_kernel(
+        x_ptr, w_ptr, y_ptr,
+        M, N, K, stride_xm, stride_ys, stride_ym, row_nbytes,
+        QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
+        CHUNKS_PER_SPLIT: tl.constexpr, FP32_DOT: tl.constexpr,
+    ):
+        """y[split, m, n] = sum over this split's K range of x[m, k] * W[n, k] (see the module doc)."""
+        pid_n, split, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] output features
+        rows = tl.minimum(cols, N - 1).to(tl.int64)  # W rows to read (the tail repeats the last, unstored); int64: a vocab-sized W passes 2 GiB
+        m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_ok = m < M
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        # A constant trip count: triton 3.6's CPU interpreter cannot take a runtime loop bound
+        # under numpy >= 2.4, and the compiler can pipeline a known count.
+        for i in range(CHUNKS_PER_SPLIT):
+            k0 = (split * CHUNKS_PER_SPLIT + i) * CHUNK
+            if QTYPE == 0:
+                w = _q8_0_chunk(w_ptr, rows, row_nbytes, k0, BLOCK_N, CHUNK)
+            elif QTYPE == 1:
+                w = _q4_k_chunk(w_ptr, rows, row_nbytes, k0, BLOCK_N, CHUNK)
+            else:
+                w = _q6_k_chunk(w_ptr, rows, row_nbytes, k0, BLOCK_N, CHUNK)
+            x = tl.load(x_ptr + m[:, None] * stride_xm + (k0 + tl.arange(0, CHUNK))[None, :], mask=m_ok[:, None], other=0.0)
+            w = w.to(x.dtype)  # the weight as a dequantized model in x's dtype holds it
+            if BLOCK_M == 1:
+                acc += tl.sum(x.to(tl.float32) * w.to(tl.float32), axis=1)[None, :]
+            elif FP32_DOT:
+                acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+            else:
+                acc += tl.dot(x, tl.trans(w))
+        y = y_ptr + split * stride_ys + m[:, None] * stride_ym + cols[None, :]
+        tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & (cols < N)[None, :])
+
+
+@dataclass(frozen=True)
+class Tiling:
+    """How ``gguf_matmul`` cuts its work: ``block_n`` output features per program, ``chunk`` K
+    values per loop step, ``num_warps`` per program, and ``split_k`` programs sharing one tile's K
+    range (0: enough to make about two waves of programs on the device)."""
+
+    block_n: int
+    chunk: int
+    num_warps: int
+    split_k: int = 0
+
+
+def default_tiling(m: int) -> Tiling:
+    """The tiling for ``m`` input rows: wide K steps for decode, narrower tiles as m grows, so the
+    accumulator and the tiles stay in registers."""
+    if m == 1:
+        return Tiling(block_n=32, chunk=256, num_warps=4)
+    if m <= 16:
+        return Tiling(block_n=64, chunk=128, num_warps=4)
+    if m <= 32:
+        return Tiling(block_n=64, chunk=64, num_warps=4)
+    return Tiling(block_n=32, chunk=64, num_warps=8)
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else _DEFAULT_SMS
+
+
+def gguf_matmul(
+    x: torch.Tensor, raw: torch.Tensor, qtype: Q, out_features: int, tiling: Tiling | None = None
+) -> torch.Tensor:
+    """x [..., K] (bf16, fp16 or fp32) @ W^T for W [out_features, K] held as GGUF blocks ``raw``
+    [out_features, row_bytes] (uint8) -> [..., out_features] in x's dtype, by the Triton kernel.
+    ``tiling`` overrides ``default_tiling`` (benchmarks compare tilings)."""
+    if qtype not in KERNEL_TYPES:
+        raise ValueError(f"no kernel for {qtype.name} (kernels: {', '.join(sorted(t.name for t in KERNEL_TYPES))})")
+    if x.dtype not in KERNEL_DTYPES:
+        raise ValueError(f"x must be bfloat16, float16 or float32, got {x.dtype}")
+    K = x.shape[-1]
+    if raw.dtype != torch.uint8 or tuple(raw.shape) != (out_features, row_bytes(qtype, K)):
+        raise ValueError(f"raw {qtype.name} weight must be uint8 [{out_features}, {row_bytes(qtype, K)}], got {raw.dtype} {list(raw.shape)}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, K)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    M, N = x2.shape[0], out_features
+    if M == 0:
+        return x.new_empty(*lead, N)
+    tiling = tiling or default_tiling(M)
+    block_m = 1 if M == 1 else min(128, max(16, _next_power_of_2(M)))  # tl.dot wants 16 rows at least
+    block_n, chunk = tiling.block_n, tiling.chunk
+    while K % chunk:  # Q8_0 rows are multiples of 32 only; K-quant rows always fit 256
+        chunk //= 2
+    tiles = triton.cdiv(N, block_n) * triton.cdiv(M, block_m)
+    chunks = K // chunk
+    wanted = tiling.split_k or max(1, min((2 * _sm_count(x.device)) // tiles, 16))
+    split_k = max(s for s in range(1, wanted + 1) if chunks % s == 0)  # equal K ranges, no tail
+    y = x.new_empty(M, N) if split_k == 1 else torch.empty(split_k, M, N, device=x.device, dtype=torch.float32)
+    grid = (triton.cdiv(N, block_n), split_k, triton.cdiv(M, block_m))
+    _gguf_matmul_kernel[grid](
+        x2, raw, y, M, N, K, x2.stride(0), y.stride(0) if split_k > 1 else 0, y.stride(-2), raw.stride(0),
+        QTYPE=_TYPE_IDS[qtype], BLOCK_M=block_m, BLOCK_N=block_n, CHUNK=chunk, CHUNKS_PER_SPLIT=chunks // split_k,
+        FP32_DOT=x.dtype == torch.float32,
+        num_warps=tiling.num_warps,
+    )
+    if split_k > 1:
+        y = y.sum(0).to(x.dtype)  # fixed order, unlike atomics: the same input gives the same bits
+    return y.reshape(*lead, N)
+
+
+class QuantLinear(nn.Module):
+    """A bias-optional linear layer whose weight [out_features, in_features] stays in GGUF blocks.
+
+    ``raw`` (buffer, uint8 [out_features, row_bytes]) holds the rows exactly as in the file. The
+    forward runs the Triton kernel when ``triton_enabled``, else ``gguf_matmul_reference``.
+    """
+
+    def __init__(self, qtype: Q, in_features: int, out_features: int, bias: bool = False,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        if qtype not in KERNEL_TYPES:
+            raise ValueError(f"QuantLinear supports {', '.join(sorted(t.name for t in KERNEL_TYPES))}, not {qtype.name}")
+        self.qtype, self.in_features, self.out_features = qtype, in_features, out_features
+        self.register_buffer("raw", torch.empty(out_features, row_bytes(qtype, in_features), dtype=torch.uint8, device=device))
+        self.bias = nn.Parameter(torch.empty(out_features, device=device)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if triton_enabled(x):
+            y = gguf_matmul(x, self.raw, self.qtype, self.out_features)
+        else:
+            y = gguf_matmul_reference(x, self.raw, self.qtype, self.out_features)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.qtype.name}, in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

@@ -1,0 +1,127 @@
+"""The GGUF-block matmul kernels (splitspec.native.gguf_matmul) against their torch reference, and a
+model loaded with ``keep_quantized=True`` against the dequantized load.
+
+Triton kernels run on the CPU only under the interpreter and ``SPLITSPEC_NATIVE_CPU=1``. The
+kernel checks run in one subprocess with both set: this file, run as a script, prints every
+check's result as JSON; the tests assert on them.
+
+The interpreter's ``tl.dot`` mishandles bfloat16 (numpy has no bfloat16), so bfloat16 is checked
+here on the M = 1 path only; ``scripts/gpu_gguf_matmul.py`` checks it on a GPU for every M.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+pytest.importorskip("triton", reason="triton is not installed (pip install triton==3.6.0; the CPU interpreter runs these)")
+
+# (qtype, N, K, M, dtype): M = 1 takes the multiply-add path, larger M ``tl.dot``; small N splits K.
+CASES = [
+    (qtype, n, k, m, dtype)
+    for qtype in ("Q8_0", "Q4_K", "Q6_K")
+    for n, k in ((16, 512), (40, 768))
+    for m in (1, 3, 17)
+    for dtype in ("float32", "float16", *(("bfloat16",) if m == 1 else ()))
+] + [("Q8_0", 640, 224, 1, "float32")]  # rows not a multiple of 256, and too many tiles to split K
+# Relative to the largest output: float32 accumulation order only; half types round their output.
+TOLERANCE = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1.6e-2}
+MODELS = [("llama", "q4_k_m"), ("qwen2", "q8_0"), ("qwen3", "q6_k")]  # permuted q/k rows; biases; Q6_K everywhere
+
+
+def _quantize(w: np.ndarray, qtype: Q) -> np.ndarray:
+    from gguf.quants import quantize
+
+    from kquants import quantize_k
+
+    return quantize(w, qtype) if qtype == Q.Q8_0 else quantize_k(w, qtype)
+
+
+def _kernel_checks() -> dict[str, float]:
+    from splitspec.native.gguf_matmul import gguf_matmul, gguf_matmul_reference
+
+    rng = np.random.default_rng(0)
+    errors = {}
+    for name, n, k, m, dtype in CASES:
+        qtype = Q[name]
+        raw = torch.from_numpy(_quantize((rng.standard_normal((n, k)) * 0.05).astype(np.float32), qtype))
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(getattr(torch, dtype))
+        ours = gguf_matmul(x, raw, qtype, n)
+        assert ours.dtype == x.dtype and ours.shape == (m, n)
+        expected = gguf_matmul_reference(x, raw, qtype, n).float()
+        errors[repr((name, n, k, m, dtype))] = ((ours.float() - expected).abs().max() / expected.abs().max()).item()
+    return errors
+
+
+def _model_checks(work: Path) -> dict[str, dict]:
+    from dense_fixtures import hf_model, write_gguf
+    from splitspec.models.loader import load_target
+    from splitspec.native.gguf_matmul import QuantLinear
+
+    tokens = torch.tensor([[1, 17, 42, 99, 7, 250, 3, 64, 128]])
+    results = {}
+    for arch, quant in MODELS:
+        path = write_gguf(hf_model(arch, seed=3, layers=1), work / f"{arch}-{quant}.gguf", quant)
+        dense, _ = load_target(path)
+        packed, _ = load_target(path, keep_quantized=True)
+        with torch.inference_mode():
+            expected = dense.lm_head(dense.forward_sequences(tokens)[0]).float()
+            ours = packed.lm_head(packed.forward_sequences(tokens)[0]).float()
+        kinds = sorted({m.qtype.name for m in packed.modules() if isinstance(m, QuantLinear)})
+        error = ((ours - expected).abs().max() / expected.abs().max()).item()
+        results[f"{arch}-{quant}"] = {"error": error, "quant_linear_types": kinds}
+    return results
+
+
+@pytest.fixture(scope="module")
+def interpreted(tmp_path_factory) -> dict:
+    """Every check's result, computed by this file run as a script under TRITON_INTERPRET=1."""
+    work = tmp_path_factory.mktemp("interpreted")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "SPLITSPEC_NATIVE_CPU": "1"}
+    done = subprocess.run([sys.executable, __file__, str(work)], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def test_kernel_matches_the_reference(interpreted, case):
+    assert interpreted["kernels"][repr(case)] < TOLERANCE[case[-1]]
+
+
+@pytest.mark.parametrize("arch, quant", MODELS)
+def test_keep_quantized_model_matches_the_dequantized_load(interpreted, arch, quant):
+    result = interpreted["models"][f"{arch}-{quant}"]
+    # q4_k_m mixes Q4_K and Q6_K; the kernels, not the fallback, must have run in every layer kind.
+    assert result["quant_linear_types"] == {"q4_k_m": ["Q4_K", "Q6_K"], "q8_0": ["Q8_0"], "q6_k": ["Q6_K"]}[quant]
+    assert result["error"] < 1e-5
+
+
+def test_keep_quantized_without_triton_runs_the_reference_bit_for_bit(tmp_path):
+    """Without a GPU or the interpreter, QuantLinear falls back to dequantize + F.linear: the same
+    weights, so the same logits to the bit."""
+    from dense_fixtures import hf_model, write_gguf
+    from splitspec.models.loader import load_target
+    from splitspec.native.gguf_matmul import QuantLinear
+
+    assert os.environ.get("SPLITSPEC_NATIVE_CPU") != "1"
+    path = write_gguf(hf_model("llama", seed=3, layers=1), tmp_path / "model.gguf", "q4_k_m")
+    dense, _ = load_target(path)
+    packed, _ = load_target(path, keep_quantized=True)
+    assert isinstance(packed.layers[0].self_attn.q_proj, QuantLinear) and isinstance(packed.lm_head, QuantLinear)
+    assert isinstance(packed.embed_tokens, torch.nn.Embedding)
+    tokens = torch.tensor([[5, 9, 200, 31]])
+    with torch.inference_mode():
+        assert torch.equal(packed.forward_sequences(tokens)[0], dense.forward_sequences(tokens)[0])
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).parents[1]))  # tests/: kquants, dense_fixtures
+    print(json.dumps({"kernels": _kernel_checks(), "models": _model_checks(Path(sys.argv[1]))}))
