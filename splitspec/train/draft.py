@@ -78,6 +78,7 @@ class DraftTrainConfig:
     block_size: int = 16  # B: anchor + B-1 drafted tokens
     mask_token_id: int | None = None  # None = the tokenizer's "<|mask|>"
     anchors: int = 512  # blocks per sequence per step (capped by the positions available)
+    labels: str = "text"  # "text": the next tokens of the text (recipe); "target": the target's greedy tokens on it
     gamma: float = 7.0  # loss decay over block rows
     lr: float = 6e-4  # peak learning rate (AdamW)
     warmup_fraction: float = 0.04  # linear warmup share of the steps, then cosine decay to 0
@@ -135,14 +136,18 @@ def block_attention_mask(anchors: torch.Tensor, seq_len: int, block_size: int) -
     return torch.cat([context, own], dim=-1)
 
 
-def make_blocks(tokens: torch.Tensor, anchors: torch.Tensor, block_size: int, mask_token_id: int, gamma: float) -> Blocks:
-    """tokens [N, T], anchors [N, A] -> the blocks' inputs, targets and mask."""
+def make_blocks(
+    tokens: torch.Tensor, anchors: torch.Tensor, block_size: int, mask_token_id: int, gamma: float,
+    label_tokens: torch.Tensor | None = None,
+) -> Blocks:
+    """tokens [N, T], anchors [N, A] -> the blocks' inputs, targets and mask. Row labels come from
+    ``label_tokens`` [N, T] (default: ``tokens``) at the rows' positions."""
     n, t = tokens.shape
     offsets = torch.arange(block_size, device=tokens.device)
     positions = anchors[..., None] + offsets  # [N, A, B]
     inputs = torch.full_like(positions, mask_token_id)
     inputs[..., 0] = tokens.gather(1, anchors)
-    labels = tokens.gather(1, positions.clamp(max=t - 1).flatten(1))
+    labels = (tokens if label_tokens is None else label_tokens).gather(1, positions.clamp(max=t - 1).flatten(1))
     decay = torch.exp(-(offsets - 1).clamp(min=0) / gamma) * (offsets > 0)  # [B]: w_k, w_0 = 0
     weights = decay * (positions < t)
     return Blocks(inputs.flatten(1), positions.flatten(1), labels, weights.flatten(1).float(), block_attention_mask(anchors, t, block_size))
@@ -292,6 +297,8 @@ def check_config(c: DraftTrainConfig) -> None:
         raise ValueError(f"--stop-at {c.stop_at}: must be between 1 and --steps {c.steps}")
     if not c.data:
         raise ValueError("no training data given")
+    if c.labels not in ("text", "target"):
+        raise ValueError(f"--labels {c.labels!r}: choose text or target")
 
 
 def _device(name: str) -> torch.device:
@@ -351,9 +358,12 @@ def _new_draft(config: DFlashConfig, seed: int, device: torch.device) -> DFlashD
 def _train_step(run: _Run, draft: DFlashDraft, optimizer, scheduler, batches: Batches) -> float:
     c = run.config
     tokens = torch.from_numpy(run.corpus.train[batches.next().numpy()]).to(run.device)
-    features, _ = target_pass(run.target, tokens, run.draft_config.target_layer_ids, greedy=False)
+    distill = c.labels == "target"
+    features, target_next = target_pass(run.target, tokens, run.draft_config.target_layer_ids, greedy=distill)
     anchors = sample_anchors(batches.generator, len(tokens), 1, c.seq_len - 2, min(c.anchors, c.seq_len - 2)).to(run.device)
-    blocks = make_blocks(tokens, anchors, c.block_size, run.draft_config.mask_token_id, c.gamma)
+    # Self-distillation: the label at position p is the target's argmax after p - 1 (teacher-forced).
+    label_tokens = torch.cat([tokens[:, :1], target_next[:, :-1]], dim=1) if distill else tokens
+    blocks = make_blocks(tokens, anchors, c.block_size, run.draft_config.mask_token_id, c.gamma, label_tokens)
     with run.autocast():
         hidden = block_hidden(draft, run.target.embed_tokens, blocks, features)
         total, weight = weighted_ce_sum(hidden.flatten(0, 1), run.head, blocks.labels.flatten(), blocks.weights.flatten())
@@ -391,9 +401,10 @@ def evaluate(run: _Run, draft: DFlashDraft) -> tuple[float, float]:
 
 
 def write_draft(out: Path, draft: DFlashDraft, config: DFlashConfig, num_target_layers: int) -> None:
-    """The z-lab DFlash directory: ``config.json`` + ``model.safetensors`` (float32)."""
+    """The z-lab DFlash directory: ``config.json`` + ``model.safetensors`` (bfloat16, as the
+    published drafts: half the bytes of float32, and drafting tolerates the rounding)."""
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {name: p.detach().float().cpu().contiguous() for name, p in draft.state_dict().items()}
+    tensors = {name: p.detach().to(torch.bfloat16).cpu().contiguous() for name, p in draft.state_dict().items()}
     save_file(tensors, str(out / "model.safetensors"))
     (out / "config.json").write_text(json.dumps(config.to_dict(num_target_layers), indent=2) + "\n")
 

@@ -29,6 +29,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mask-token-id", type=int, default=None, help="token id that fills the block after the anchor "
                    "(default: the tokenizer's <|mask|>)")
     p.add_argument("--anchors", type=int, default=512, help="blocks per sequence per step, at random distinct positions")
+    p.add_argument(
+        "--labels", choices=["text", "target"], default="text",
+        help="what block rows learn to predict: the text's next tokens (the published recipe), or the target's "
+        "own greedy tokens on that text (self-distillation: the draft learns what verification accepts)",
+    )
     p.add_argument("--gamma", type=float, default=7.0, help="loss weight decay over block rows: row k weighs exp(-(k-1)/gamma)")
     p.add_argument("--lr", type=float, default=6e-4, help="peak learning rate of AdamW")
     p.add_argument("--warmup-fraction", type=float, default=0.04, help="share of the steps with linear warmup, before cosine decay")
@@ -55,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     config = DraftTrainConfig(
         target=args.target, data=args.data, out=args.out, glob=args.glob, seq_len=args.seq_len,
         heldout_fraction=args.heldout_fraction, layers=args.layers, taps=args.taps, block_size=args.block_size,
-        mask_token_id=args.mask_token_id, anchors=args.anchors, gamma=args.gamma, lr=args.lr,
+        mask_token_id=args.mask_token_id, anchors=args.anchors, labels=args.labels, gamma=args.gamma, lr=args.lr,
         warmup_fraction=args.warmup_fraction, grad_clip=args.grad_clip, steps=args.steps, batch_size=args.batch_size,
         device=args.device, seed=args.seed, eval_every=args.eval_every, eval_sequences=args.eval_sequences,
         checkpoint_every=args.checkpoint_every, resume=args.resume, stop_at=args.stop_at,

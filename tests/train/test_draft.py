@@ -134,6 +134,23 @@ def test_blocks_inputs_labels_and_weights():
     assert mask[1, 10:].tolist() == [True] * 4 + [False] * 4 and mask[6, 10:].tolist() == [False] * 4 + [True] * 4
 
 
+def test_blocks_take_labels_from_label_tokens():
+    tokens = torch.arange(100, 110)[None]
+    blocks = make_blocks(tokens, torch.tensor([[2]]), 4, 99, 7.0, label_tokens=tokens + 1000)
+    assert blocks.tokens.tolist() == [[102, 99, 99, 99]]  # inputs still come from the text
+    assert blocks.labels.tolist() == [[1102, 1103, 1104, 1105]]
+
+
+def test_self_distillation_learns_the_targets_own_tokens(looping, tmp_path):
+    """--labels target: rows learn the target's greedy tokens, which the acceptance estimate counts."""
+    target, data = looping
+    result = train_draft(_config(target, data, tmp_path / "distilled", steps=40, eval_every=10, labels="target"))
+    assert np.mean(result.losses[-10:]) < np.mean(result.losses[:10]) - 1.0
+    assert result.heldout_acceptance > result.evals[0]["acceptance"]
+    with pytest.raises(ValueError, match="--labels 'teacher'"):
+        train_draft(_config(target, data, tmp_path / "bad", labels="teacher"))
+
+
 def test_cached_fallback_equals_batched_target_pass(tiny_pair):
     """The per-sequence path that hybrid targets train through gives what the batched one gives."""
     target, _ = load_target(tiny_pair.target)
