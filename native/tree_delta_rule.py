@@ -1,0 +1,171 @@
+"""Triton kernels for the tree-aware Gated DeltaNet: the conv over each row's ancestors, and the
+delta rule with every row starting from its parent's state (spec 3.3).
+
+They compute what :func:`splitspec.models.delta_rule.conv_windows` (plus the depthwise conv and
+SiLU of ``GatedDeltaNet``) and :func:`splitspec.models.delta_rule.gated_delta_tree` compute, with
+the same terms (block, parents, history, ancestor table, recurrent state) and the same rounding
+points; those torch functions are the references. The torch path is launch-bound: a few small ops
+per depth level per layer. Here each is one launch.
+
+- :func:`tree_conv_silu`: one program per (row, channel block) sums the ``K`` taps of the row's
+  window, read through the ancestor table straight from the history and the block's inputs (no
+  ``[T, K, C]`` gather), and applies SiLU.
+- :func:`tree_gated_delta`: one program per (value head, ``Dv`` tile) holds the ``[Dk, BV]`` state
+  tile in registers and walks the rows in order (parents come first). A row whose parent is the
+  previous row continues in registers; any other row reloads its parent's stored state (or the
+  state before the block). Every row's state is stored, since the deepest accepted row's becomes
+  the sequence's state on commit. The state is rounded to the storage dtype after every row, as
+  the torch path does by reading its parent's *stored* state.
+
+Import this module only where Triton can run (CUDA, or ``TRITON_INTERPRET=1`` set before the
+import); :mod:`splitspec.models.delta_rule` decides when and imports it lazily.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["tree_conv_silu", "tree_gated_delta"]
+
+
+@triton.jit
+def _conv_silu_kernel(
+    history,  # [K-1, C]
+    inputs,  # [T, C]
+    ancestors,  # [T, K] int64
+    weight,  # [C, K]
+    out,  # [T, C]
+    C,
+    K: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    row = tl.program_id(0)
+    channels = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    valid = channels < C
+    acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+    for tap in tl.static_range(K):
+        a = tl.load(ancestors + row * K + tap)  # a row of the block, or -1, -2, ... into the history
+        in_block = a >= 0
+        # Both indices clamped in range; the masks pick the one that applies.
+        x_block = tl.load(inputs + tl.maximum(a, 0) * C + channels, mask=valid & in_block, other=0.0)
+        x_history = tl.load(history + tl.maximum(a + K - 1, 0) * C + channels, mask=valid & (a < 0), other=0.0)
+        w = tl.load(weight + channels * K + tap, mask=valid, other=0.0)
+        acc += (x_block.to(tl.float32) + x_history.to(tl.float32)) * w.to(tl.float32)
+    y = acc * tl.sigmoid(acc)
+    tl.store(out + row * C + channels, y.to(out.dtype.element_ty), mask=valid)
+
+
+def tree_conv_silu(
+    history: torch.Tensor,  # [K-1, C] conv inputs before the block
+    inputs: torch.Tensor,  # [T, C]
+    ancestors: torch.Tensor,  # [T, K] int64, see delta_rule.ancestor_table
+    weight: torch.Tensor,  # [C, K], oldest tap first
+    block_c: int = 512,
+) -> torch.Tensor:
+    """``SiLU(sum_k window[t, k] * weight[:, k])`` for every row ``t``: ``[T, C]`` in ``inputs.dtype``,
+    accumulated in float32."""
+    num_rows, channels = inputs.shape
+    width = weight.shape[1]
+    if history.shape != (width - 1, channels) or ancestors.shape != (num_rows, width) or weight.shape[0] != channels:
+        raise ValueError(
+            f"tree_conv_silu: history {tuple(history.shape)}, inputs {tuple(inputs.shape)}, ancestors "
+            f"{tuple(ancestors.shape)} and weight {tuple(weight.shape)} disagree"
+        )
+    out = torch.empty_like(inputs)
+    if num_rows == 0:
+        return out
+    history, inputs, ancestors, weight = (x.contiguous() for x in (history.to(inputs.dtype), inputs, ancestors.long(), weight))
+    block_c = min(block_c, triton.next_power_of_2(channels))
+    _conv_silu_kernel[(num_rows, triton.cdiv(channels, block_c))](
+        history, inputs, ancestors, weight, out, channels, K=width, BLOCK_C=block_c
+    )
+    return out
+
+
+@triton.jit
+def _tree_delta_kernel(
+    q,  # [T, H, DK] normalised and scaled
+    k,  # [T, H, DK] normalised
+    v,  # [T, H, DV]
+    g,  # [T, H] log-decay
+    beta,  # [T, H]
+    initial,  # [H, DK, DV] the state before the block, storage dtype
+    parents,  # [T] int64
+    out,  # [T, H, DV] float32
+    states,  # [T, H, DK, DV] storage dtype
+    T,
+    H,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+):
+    head = tl.program_id(0)
+    cols = tl.program_id(1) * BV + tl.arange(0, BV)  # [BV] value dims of this tile
+    keys = tl.arange(0, BK)  # [BK]
+    col_ok, key_ok = cols < DV, keys < DK
+    tile_ok = key_ok[:, None] & col_ok[None, :]
+    tile = keys[:, None] * DV + cols[None, :]  # [BK, BV] offsets inside one head's state
+    state_size = H * DK * DV
+    s = tl.load(initial + head * DK * DV + tile, mask=tile_ok, other=0.0).to(tl.float32)
+    t = 0
+    while t < T:  # not `for t in range(T)`: the interpreter cannot index with a runtime T under numpy >= 2.4
+        p = tl.load(parents + t)
+        if p != t - 1:  # not a continuation of the previous row: fetch the parent's stored state
+            if p < 0:
+                s = tl.load(initial + head * DK * DV + tile, mask=tile_ok, other=0.0).to(tl.float32)
+            else:
+                tl.debug_barrier()  # make the parent's stored tile visible to every thread
+                s = tl.load(states + p * state_size + head * DK * DV + tile, mask=tile_ok, other=0.0).to(tl.float32)
+        th = t * H + head  # T * H stays far below 2**31; T * state_size need not
+        row_state = t.to(tl.int64) * state_size
+        qt = tl.load(q + th * DK + keys, mask=key_ok, other=0.0).to(tl.float32)  # [BK]
+        kt = tl.load(k + th * DK + keys, mask=key_ok, other=0.0).to(tl.float32)  # [BK]
+        vt = tl.load(v + th * DV + cols, mask=col_ok, other=0.0).to(tl.float32)  # [BV]
+        decay = tl.exp(tl.load(g + th).to(tl.float32))
+        bt = tl.load(beta + th).to(tl.float32)
+        s = s * decay
+        predicted = tl.sum(s * kt[:, None], axis=0)  # [BV]  S^T k
+        s = s + kt[:, None] * ((vt - predicted) * bt)[None, :]
+        tl.store(out + th * DV + cols, tl.sum(s * qt[:, None], axis=0), mask=col_ok)
+        stored = s.to(states.dtype.element_ty)
+        tl.store(states + row_state + head * DK * DV + tile, stored, mask=tile_ok)
+        s = stored.to(tl.float32)  # children read the stored (rounded) state, as in the torch path
+        t += 1
+
+
+def tree_gated_delta(
+    q: torch.Tensor,  # [T, H, Dk] normalised and scaled
+    k: torch.Tensor,  # [T, H, Dk] normalised
+    v: torch.Tensor,  # [T, H, Dv]
+    g: torch.Tensor,  # [T, H] log-decay
+    beta: torch.Tensor,  # [T, H]
+    state: torch.Tensor,  # [H, Dk, Dv] the state before the block
+    parents: torch.Tensor,  # [T], parents[t] < t
+    store_dtype: torch.dtype,
+    block_v: int = 16,
+    num_warps: int = 4,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`splitspec.models.delta_rule.gated_delta_tree` as one launch: outputs ``[T, H, Dv]``
+    (float32) and the state after every row ``[T, H, Dk, Dv]`` (``store_dtype``)."""
+    num_rows, heads, dk = k.shape
+    dv = v.shape[-1]
+    expected = {"q": (num_rows, heads, dk), "v": (num_rows, heads, dv), "g": (num_rows, heads), "beta": (num_rows, heads),
+                "state": (heads, dk, dv), "parents": (num_rows,)}
+    for name, tensor in (("q", q), ("v", v), ("g", g), ("beta", beta), ("state", state), ("parents", parents)):
+        if tuple(tensor.shape) != expected[name]:
+            raise ValueError(f"tree_gated_delta: {name} has shape {tuple(tensor.shape)}, expected {expected[name]}")
+    out = torch.empty(num_rows, heads, dv, dtype=torch.float32, device=v.device)
+    states = torch.empty(num_rows, heads, dk, dv, dtype=store_dtype, device=v.device)
+    if num_rows == 0:
+        return out, states
+    q, k, v, g, beta, parents = (x.contiguous() for x in (q, k, v, g, beta, parents.long()))
+    initial = state.to(store_dtype).contiguous()
+    block_v = min(block_v, triton.next_power_of_2(dv))
+    _tree_delta_kernel[(heads, triton.cdiv(dv, block_v))](
+        q, k, v, g, beta, initial, parents, out, states, num_rows, heads,
+        DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV=block_v, num_warps=num_warps,
+    )
+    return out, states
