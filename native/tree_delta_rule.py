@@ -31,6 +31,18 @@ __all__ = ["tree_conv_silu", "tree_gated_delta"]
 
 
 @triton.jit
+def _rounded(x, dtype: tl.constexpr):
+    """float32 ``x`` in ``dtype``, rounded to nearest even as torch's ``.to`` does. bfloat16 is rounded
+    by hand: on GPUs Triton's cast gives the same bits, but its CPU interpreter truncates."""
+    if dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        y = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        y = x.to(dtype)
+    return y
+
+
+@triton.jit
 def _conv_silu_kernel(
     history,  # [K-1, C]
     inputs,  # [T, C]
@@ -54,7 +66,7 @@ def _conv_silu_kernel(
         w = tl.load(weight + channels * K + tap, mask=valid, other=0.0)
         acc += (x_block.to(tl.float32) + x_history.to(tl.float32)) * w.to(tl.float32)
     y = acc * tl.sigmoid(acc)
-    tl.store(out + row * C + channels, y.to(out.dtype.element_ty), mask=valid)
+    tl.store(out + row * C + channels, _rounded(y, out.dtype.element_ty), mask=valid)
 
 
 def tree_conv_silu(
@@ -130,7 +142,7 @@ def _tree_delta_kernel(
         predicted = tl.sum(s * kt[:, None], axis=0)  # [BV]  S^T k
         s = s + kt[:, None] * ((vt - predicted) * bt)[None, :]
         tl.store(out + th * DV + cols, tl.sum(s * qt[:, None], axis=0), mask=col_ok)
-        stored = s.to(states.dtype.element_ty)
+        stored = _rounded(s, states.dtype.element_ty)
         tl.store(states + row_state + head * DK * DV + tile, stored, mask=tile_ok)
         s = stored.to(tl.float32)  # children read the stored (rounded) state, as in the torch path
         t += 1
