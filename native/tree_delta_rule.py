@@ -13,7 +13,7 @@ per depth level per layer. Here each is one launch.
 - :func:`tree_gated_delta`: one program per (value head, ``Dv`` tile) holds the ``[Dk, BV]`` state
   tile in registers and walks the rows in order (parents come first). A row whose parent is the
   previous row continues in registers; any other row reloads its parent's stored state (or the
-  state before the block). Every row's state is stored, since the deepest accepted row's becomes
+  state before the block), prefetched with its inputs while the previous row computes. Every row's state is stored, since the deepest accepted row's becomes
   the sequence's state on commit. The state is rounded to the storage dtype after every row, as
   the torch path does by reading its parent's *stored* state.
 
@@ -119,33 +119,46 @@ def _tree_delta_kernel(
     keys = tl.arange(0, BK)  # [BK]
     col_ok, key_ok = cols < DV, keys < DK
     tile_ok = key_ok[:, None] & col_ok[None, :]
-    tile = keys[:, None] * DV + cols[None, :]  # [BK, BV] offsets inside one head's state
+    tile = head * DK * DV + keys[:, None] * DV + cols[None, :]  # [BK, BV] offsets of this tile in one state
     state_size = H * DK * DV
-    s = tl.load(initial + head * DK * DV + tile, mask=tile_ok, other=0.0).to(tl.float32)
+    # Row t's inputs and starting state are loaded during row t - 1 (row 0's before the loop), so
+    # their latency hides behind a row of arithmetic. A starting state other than the previous
+    # row's is the state before the block or a row < t - 1, both stored by then.
+    s = tl.load(initial + tile, mask=tile_ok, other=0.0).to(tl.float32)  # row 0's parent is -1
+    qt = tl.load(q + head * DK + keys, mask=key_ok, other=0.0).to(tl.float32)  # [BK]
+    kt = tl.load(k + head * DK + keys, mask=key_ok, other=0.0).to(tl.float32)  # [BK]
+    vt = tl.load(v + head * DV + cols, mask=col_ok, other=0.0).to(tl.float32)  # [BV]
+    gt = tl.load(g + head).to(tl.float32)
+    bt = tl.load(beta + head).to(tl.float32)
     t = 0
     while t < T:  # not `for t in range(T)`: the interpreter cannot index with a runtime T under numpy >= 2.4
-        p = tl.load(parents + t)
-        if p != t - 1:  # not a continuation of the previous row: fetch the parent's stored state
-            if p < 0:
-                s = tl.load(initial + head * DK * DV + tile, mask=tile_ok, other=0.0).to(tl.float32)
-            else:
-                tl.debug_barrier()  # make the parent's stored tile visible to every thread
-                s = tl.load(states + p * state_size + head * DK * DV + tile, mask=tile_ok, other=0.0).to(tl.float32)
-        th = t * H + head  # T * H stays far below 2**31; T * state_size need not
-        row_state = t.to(tl.int64) * state_size
-        qt = tl.load(q + th * DK + keys, mask=key_ok, other=0.0).to(tl.float32)  # [BK]
-        kt = tl.load(k + th * DK + keys, mask=key_ok, other=0.0).to(tl.float32)  # [BK]
-        vt = tl.load(v + th * DV + cols, mask=col_ok, other=0.0).to(tl.float32)  # [BV]
-        decay = tl.exp(tl.load(g + th).to(tl.float32))
-        bt = tl.load(beta + th).to(tl.float32)
-        s = s * decay
+        # Prefetch row t + 1 (masked off past the end).
+        nt = t + 1
+        more = nt < T
+        nth = nt * H + head  # T * H stays far below 2**31; T * state_size need not
+        pn = tl.load(parents + nt, mask=more, other=t)
+        reload = more & (pn != t)  # row t + 1 does not continue row t
+        tl.debug_barrier()  # rows stored by earlier iterations are visible to every thread
+        from_initial = tl.load(initial + tile, mask=tile_ok & reload & (pn < 0), other=0.0)
+        from_row = tl.load(states + tl.maximum(pn, 0) * state_size + tile, mask=tile_ok & reload & (pn >= 0), other=0.0)
+        qn = tl.load(q + nth * DK + keys, mask=key_ok & more, other=0.0)
+        kn = tl.load(k + nth * DK + keys, mask=key_ok & more, other=0.0)
+        vn = tl.load(v + nth * DV + cols, mask=col_ok & more, other=0.0)
+        gn = tl.load(g + nth, mask=more, other=0.0)
+        bn = tl.load(beta + nth, mask=more, other=0.0)
+        # Row t.
+        th = t * H + head
+        s = s * tl.exp(gt)
         predicted = tl.sum(s * kt[:, None], axis=0)  # [BV]  S^T k
         s = s + kt[:, None] * ((vt - predicted) * bt)[None, :]
         tl.store(out + th * DV + cols, tl.sum(s * qt[:, None], axis=0), mask=col_ok)
         stored = _rounded(s, states.dtype.element_ty)
-        tl.store(states + row_state + head * DK * DV + tile, stored, mask=tile_ok)
-        s = stored.to(tl.float32)  # children read the stored (rounded) state, as in the torch path
-        t += 1
+        tl.store(states + t.to(tl.int64) * state_size + tile, stored, mask=tile_ok)
+        # Children read the stored (rounded) state, as in the torch path.
+        s = tl.where(reload, from_initial.to(tl.float32) + from_row.to(tl.float32), stored.to(tl.float32))
+        qt, kt, vt = qn.to(tl.float32), kn.to(tl.float32), vn.to(tl.float32)
+        gt, bt = gn.to(tl.float32), bn.to(tl.float32)
+        t = nt
 
 
 def tree_gated_delta(
