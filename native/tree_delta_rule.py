@@ -107,6 +107,9 @@ def _tree_delta_kernel(
     parents,  # [T] int64
     out,  # [T, H, DV] float32
     states,  # [T, H, DK, DV] storage dtype
+    q_row,  # elements between rows of q, k and v (heads and dims are packed within a row)
+    k_row,
+    v_row,
     T,
     H,
     DK: tl.constexpr,
@@ -141,9 +144,9 @@ def _tree_delta_kernel(
         tl.debug_barrier()  # rows stored by earlier iterations are visible to every thread
         from_initial = tl.load(initial + tile, mask=tile_ok & reload & (pn < 0), other=0.0)
         from_row = tl.load(states + tl.maximum(pn, 0) * state_size + tile, mask=tile_ok & reload & (pn >= 0), other=0.0)
-        qn = tl.load(q + nth * DK + keys, mask=key_ok & more, other=0.0)
-        kn = tl.load(k + nth * DK + keys, mask=key_ok & more, other=0.0)
-        vn = tl.load(v + nth * DV + cols, mask=col_ok & more, other=0.0)
+        qn = tl.load(q + nt * q_row + head * DK + keys, mask=key_ok & more, other=0.0)
+        kn = tl.load(k + nt * k_row + head * DK + keys, mask=key_ok & more, other=0.0)
+        vn = tl.load(v + nt * v_row + head * DV + cols, mask=col_ok & more, other=0.0)
         gn = tl.load(g + nth, mask=more, other=0.0)
         bn = tl.load(beta + nth, mask=more, other=0.0)
         # Row t.
@@ -186,11 +189,14 @@ def tree_gated_delta(
     states = torch.empty(num_rows, heads, dk, dv, dtype=store_dtype, device=v.device)
     if num_rows == 0:
         return out, states
-    q, k, v, g, beta, parents = (x.contiguous() for x in (q, k, v, g, beta, parents.long()))
+    # q, k, v may be views with rows apart (v is a slice of the conv output): only heads and dims
+    # need to be packed.
+    q, k, v = (x if x.stride(-1) == 1 and x.stride(-2) == x.shape[-1] else x.contiguous() for x in (q, k, v))
+    g, beta, parents = (x.contiguous() for x in (g, beta, parents.long()))
     initial = state.to(store_dtype).contiguous()
     block_v = min(block_v, triton.next_power_of_2(dv))
     _tree_delta_kernel[(heads, triton.cdiv(dv, block_v))](
-        q, k, v, g, beta, initial, parents, out, states, num_rows, heads,
+        q, k, v, g, beta, initial, parents, out, states, q.stride(0), k.stride(0), v.stride(0), num_rows, heads,
         DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV=block_v, num_warps=num_warps,
     )
     return out, states

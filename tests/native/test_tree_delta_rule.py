@@ -70,7 +70,7 @@ def delta_inputs(gen: torch.Generator, n: int):
     """Inputs as GatedDeltaNet hands them over: q, k normalised (q scaled), g <= 0, beta in (0, 1)."""
     q = l2_normalize(torch.randn(n, H, DK, generator=gen)) * DK**-0.5
     k = l2_normalize(torch.randn(n, H, DK, generator=gen))
-    v = torch.randn(n, H, DV, generator=gen)
+    v = torch.randn(n, 3 + H * DV, generator=gen)[:, 3:].view(n, H, DV)  # rows apart, as v sliced from the conv output
     g = -2 * torch.rand(n, H, generator=gen)
     beta = torch.rand(n, H, generator=gen)
     return q, k, v, g, beta
