@@ -1,11 +1,10 @@
 """Triton kernels for the tree-aware Gated DeltaNet: the conv over each row's ancestors, and the
 delta rule with every row starting from its parent's state (spec 3.3).
 
-They compute what :func:`splitspec.models.delta_rule.conv_windows` (plus the depthwise conv and
-SiLU of ``GatedDeltaNet``) and :func:`splitspec.models.delta_rule.gated_delta_tree` compute, with
-the same terms (block, parents, history, ancestor table, recurrent state) and the same rounding
-points; those torch functions are the references. The torch path is launch-bound: a few small ops
-per depth level per layer. Here each is one launch.
+They compute what :func:`splitspec.models.delta_rule.conv_silu_reference` and
+:func:`splitspec.models.delta_rule.gated_delta_tree` compute, with the same terms (block, parents,
+history, ancestor table, recurrent state); those torch functions are the references. The torch
+path is launch-bound: a few small ops per depth level per layer. Here each is one launch.
 
 - :func:`tree_conv_silu`: one program per (row, channel block) sums the ``K`` taps of the row's
   window, read through the ancestor table straight from the history and the block's inputs (no
@@ -13,9 +12,10 @@ per depth level per layer. Here each is one launch.
 - :func:`tree_gated_delta`: one program per (value head, ``Dv`` tile) holds the ``[Dk, BV]`` state
   tile in registers and walks the rows in order (parents come first). A row whose parent is the
   previous row continues in registers; any other row reloads its parent's stored state (or the
-  state before the block), prefetched with its inputs while the previous row computes. Every row's state is stored, since the deepest accepted row's becomes
-  the sequence's state on commit. The state is rounded to the storage dtype after every row, as
-  the torch path does by reading its parent's *stored* state.
+  state before the block), prefetched with its inputs while the previous row computes. Every
+  row's state is stored, since the deepest accepted row's becomes the sequence's state on commit.
+  The state is rounded to the storage dtype after every row, as the torch path does by reading its
+  parent's *stored* state, so both give the same stored bits up to float32 rounding.
 
 Import this module only where Triton can run (CUDA, or ``TRITON_INTERPRET=1`` set before the
 import); :mod:`splitspec.models.delta_rule` decides when and imports it lazily.
@@ -23,11 +23,18 @@ import); :mod:`splitspec.models.delta_rule` decides when and imports it lazily.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
 
 __all__ = ["tree_conv_silu", "tree_gated_delta"]
+
+
+def _on_device_of(x: torch.Tensor):
+    """Triton launches on the *current* CUDA device, whatever device the tensors are on."""
+    return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
 
 
 @triton.jit
@@ -77,7 +84,7 @@ def tree_conv_silu(
     block_c: int = 512,
 ) -> torch.Tensor:
     """``SiLU(sum_k window[t, k] * weight[:, k])`` for every row ``t``: ``[T, C]`` in ``inputs.dtype``,
-    accumulated in float32."""
+    accumulated in float32 (the torch reference rounds each product to ``inputs.dtype`` first)."""
     num_rows, channels = inputs.shape
     width = weight.shape[1]
     if history.shape != (width - 1, channels) or ancestors.shape != (num_rows, width) or weight.shape[0] != channels:
@@ -90,9 +97,10 @@ def tree_conv_silu(
         return out
     history, inputs, ancestors, weight = (x.contiguous() for x in (history.to(inputs.dtype), inputs, ancestors.long(), weight))
     block_c = min(block_c, triton.next_power_of_2(channels))
-    _conv_silu_kernel[(num_rows, triton.cdiv(channels, block_c))](
-        history, inputs, ancestors, weight, out, channels, K=width, BLOCK_C=block_c
-    )
+    with _on_device_of(inputs):
+        _conv_silu_kernel[(num_rows, triton.cdiv(channels, block_c))](
+            history, inputs, ancestors, weight, out, channels, K=width, BLOCK_C=block_c
+        )
     return out
 
 
@@ -195,8 +203,9 @@ def tree_gated_delta(
     g, beta, parents = (x.contiguous() for x in (g, beta, parents.long()))
     initial = state.to(store_dtype).contiguous()
     block_v = min(block_v, triton.next_power_of_2(dv))
-    _tree_delta_kernel[(heads, triton.cdiv(dv, block_v))](
-        q, k, v, g, beta, initial, parents, out, states, q.stride(0), k.stride(0), v.stride(0), num_rows, heads,
-        DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV=block_v, num_warps=num_warps,
-    )
+    with _on_device_of(v):
+        _tree_delta_kernel[(heads, triton.cdiv(dv, block_v))](
+            q, k, v, g, beta, initial, parents, out, states, q.stride(0), k.stride(0), v.stride(0), num_rows, heads,
+            DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV=block_v, num_warps=num_warps,
+        )
     return out, states
