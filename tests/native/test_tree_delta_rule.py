@@ -21,6 +21,7 @@ from splitspec.models.delta_rule import ancestor_table, chain_parents, conv_silu
 from splitspec.models.loader import load_target
 from splitspec.spec.tree import node_depths, tree_attention_mask
 
+
 def _import_interpreted_kernels():
     """Import Triton and the kernels with the interpreter on, then restore ``TRITON_INTERPRET``.
     Triton's own helpers (``tl.sum``, ``tl.sigmoid``) are kernels too, so Triton itself must be
@@ -49,6 +50,7 @@ native = _import_interpreted_kernels()
 def _interpreter(monkeypatch):
     """Triton also consults the variable while running a kernel, so it is on during every test here."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+
 
 H, DK, DV = 2, 6, 12  # DK, DV not powers of two and BLOCK_V = 8 < DV: the masks and the Dv tiles are exercised
 BLOCK_V = 8
