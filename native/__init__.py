@@ -6,7 +6,9 @@ before triton is first imported), which is how CI checks kernels against their r
 otherwise the reference runs.
 
 Kernels: ``qkv_rope`` (q/k norm, RoPE and K/V cache writes in one launch); ``gguf_matmul``
-(``x @ W^T`` with W kept in its GGUF blocks: Q8_0, Q4_K, Q6_K) and ``QuantLinear``.
+(``x @ W^T`` with W kept in its GGUF blocks: Q8_0, Q4_K, Q6_K) and ``QuantLinear``;
+``tree_delta_rule`` (the tree-aware Gated DeltaNet conv and delta rule; references in
+``splitspec.models.delta_rule``, which dispatches to them).
 """
 
 from __future__ import annotations

@@ -35,20 +35,32 @@ recurrent state
 The arithmetic runs in float32 (float64 when the inputs are); ``store_dtype`` is the dtype states
 are kept in between tokens. A row reads its parent's *stored* state, so a tree row and a
 sequential step compute the same thing for any ``store_dtype``.
+
+:func:`conv_silu` and :func:`gated_delta` are what the model calls: they run the Triton kernels of
+:mod:`splitspec.native.tree_delta_rule` where :func:`native_kernels_for` says so, and otherwise
+the torch functions here (:func:`conv_silu_reference`, :func:`gated_delta_tree`), which are the
+kernels' references.
 """
 
 from __future__ import annotations
 
 import torch
+from torch.nn import functional as F
+
+from splitspec.native import use_triton
 
 __all__ = [
     "ancestor_table",
     "chain_parents",
+    "conv_silu",
+    "conv_silu_reference",
     "conv_windows",
     "depth_levels",
+    "gated_delta",
     "gated_delta_chunked",
     "gated_delta_tree",
     "l2_normalize",
+    "native_kernels_for",
 ]
 
 
@@ -78,6 +90,12 @@ def conv_windows(history: torch.Tensor, inputs: torch.Tensor, ancestors: torch.T
     """
     sequence = torch.cat([history.to(inputs.dtype), inputs])  # [K-1+T, C]; virtual row -1 is index K-2
     return sequence[ancestors + history.shape[0]]
+
+
+def conv_silu_reference(history: torch.Tensor, inputs: torch.Tensor, ancestors: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """SiLU of the depthwise conv of every row's window: ``history`` [K-1, C], ``inputs`` [T, C],
+    ``ancestors`` [T, K], ``weight`` [C, K] (oldest tap first) -> ``[T, C]``."""
+    return F.silu((conv_windows(history, inputs, ancestors) * weight.T).sum(1))
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -172,3 +190,30 @@ def gated_delta_chunked(
         out[:, sl] = c.exp()[..., None] * (qc @ s) + ((qc @ kc.transpose(-1, -2)) * decay) @ d
         s = c[:, -1, None, None].exp() * s + ((c[:, -1:] - c).exp()[..., None] * kc).transpose(-1, -2) @ d
     return out.transpose(0, 1), s
+
+
+def native_kernels_for(x: torch.Tensor) -> bool:
+    """Whether the Triton kernels run for tensors like ``x``: where ``native.use_triton`` says
+    kernels run (CUDA, or the CPU tests), unless the math is float64 (it stays on torch)."""
+    return use_triton(x) and x.dtype != torch.float64
+
+
+def conv_silu(history: torch.Tensor, inputs: torch.Tensor, ancestors: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """:func:`conv_silu_reference`, by a Triton kernel where :func:`native_kernels_for` says so."""
+    if native_kernels_for(inputs):
+        from splitspec.native.tree_delta_rule import tree_conv_silu
+
+        return tree_conv_silu(history, inputs, ancestors, weight)
+    return conv_silu_reference(history, inputs, ancestors, weight)
+
+
+def gated_delta(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    state: torch.Tensor, parents: torch.Tensor, store_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`gated_delta_tree`, by a Triton kernel where :func:`native_kernels_for` says so."""
+    if native_kernels_for(v):
+        from splitspec.native.tree_delta_rule import tree_gated_delta
+
+        return tree_gated_delta(q, k, v, g, beta, state, parents, store_dtype)
+    return gated_delta_tree(q, k, v, g, beta, state, parents, store_dtype)

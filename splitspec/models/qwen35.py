@@ -36,9 +36,10 @@ from torch.nn import functional as F
 from splitspec.models.delta_rule import (
     ancestor_table,
     chain_parents,
+    conv_silu,
     conv_windows,
+    gated_delta,
     gated_delta_chunked,
-    gated_delta_tree,
     l2_normalize,
 )
 from splitspec.models.layers import QKVProjection, RMSNorm, SwiGLU, apply_rope, rope_cos_sin
@@ -230,8 +231,7 @@ class GatedDeltaNet(nn.Module):
         c, t = self.config, x.shape[0]
         math = torch.promote_types(x.dtype, torch.float32)
         inputs = self.in_proj_qkv(x)  # [T, C]
-        windows = conv_windows(history, inputs, ancestors)  # [T, K, C]
-        mixed = F.silu((windows * self.conv_weight.T).sum(1)).to(math)  # [T, C]
+        mixed = conv_silu(history, inputs, ancestors, self.conv_weight).to(math)  # [T, C]
         q, k, v = mixed.split([c.key_dim, c.key_dim, c.value_dim], dim=-1)
         group = c.linear_num_value_heads // c.linear_num_key_heads
         q = l2_normalize(q.view(t, -1, c.linear_key_head_dim)).repeat_interleave(group, 1) * c.linear_key_head_dim**-0.5
@@ -244,7 +244,7 @@ class GatedDeltaNet(nn.Module):
             states = final[None].to(state.dtype)
         else:
             tree = parents if parents is not None else chain_parents(1, x.device)
-            out, states = gated_delta_tree(q, k, v, g, beta, state, tree, state.dtype)
+            out, states = gated_delta(q, k, v, g, beta, state, tree, state.dtype)
         z = self.in_proj_z(x).view(t, -1, c.linear_value_head_dim)
         y = self.norm(out.to(x.dtype)) * F.silu(z)  # [T, Hv, Dv]
         return self.out_proj(y.reshape(t, -1)), inputs, states

@@ -1,0 +1,191 @@
+"""The Triton tree conv and tree delta rule (splitspec.native.tree_delta_rule) against their torch
+references in splitspec.models.delta_rule, run on the CPU by Triton's interpreter; and a tiny
+Qwen3.5 target verifying a tree with the kernels against the same target on the torch path.
+
+Triton picks the interpreter when a kernel is *defined*, so Triton and the kernel module are
+imported with ``TRITON_INTERPRET=1`` set and the variable is restored right after; an autouse
+fixture sets it again around each test here. Other test modules keep the torch path.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from splitspec.models import delta_rule
+from splitspec.models.delta_rule import ancestor_table, chain_parents, conv_silu_reference, gated_delta_tree, l2_normalize
+from splitspec.models.loader import load_target
+from splitspec.spec.tree import node_depths, tree_attention_mask
+
+
+def _import_interpreted_kernels():
+    """Import Triton and the kernels with the interpreter on, then restore ``TRITON_INTERPRET``.
+    Triton's own helpers (``tl.sum``, ``tl.sigmoid``) are kernels too, so Triton itself must be
+    first imported here (or under ``TRITON_INTERPRET=1``)."""
+    before = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        triton = pytest.importorskip("triton", reason="the Triton kernels need the triton package (pip install triton)")
+        module = importlib.import_module("splitspec.native.tree_delta_rule")
+    finally:
+        if before is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = before
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if not all(isinstance(fn, InterpretedFunction) for fn in (triton.language.sum, module._tree_delta_kernel)):
+        pytest.skip("Triton was imported for a GPU before this module; run it with TRITON_INTERPRET=1", allow_module_level=True)
+    return module
+
+
+native = _import_interpreted_kernels()
+
+
+@pytest.fixture(autouse=True)
+def _interpreter(monkeypatch):
+    """Triton also consults the variable while running a kernel, so it is on during every test here,
+    and the kernels run on the CPU (native.use_triton)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("SPLITSPEC_NATIVE_CPU", "1")
+
+
+H, DK, DV = 2, 6, 12  # DK, DV not powers of two and BLOCK_V = 8 < DV: the masks and the Dv tiles are exercised
+BLOCK_V = 8
+
+
+def tree_parents(kind: str, n: int, rng: np.random.Generator) -> torch.Tensor:
+    """``[n]`` parents of a block: a chain, a root with n-1 children, a deep tree whose rows mostly
+    continue the previous row, or random rows (some restarting from the committed state)."""
+    if kind == "chain":
+        return chain_parents(n)
+    if kind == "wide":
+        return torch.tensor([-1] + [0] * (n - 1))
+    if kind == "deep":
+        return torch.tensor([-1] + [t - 1 if rng.random() < 0.7 else int(rng.integers(0, t)) for t in range(1, n)])
+    return torch.tensor([-1] + [int(rng.integers(-1, t)) for t in range(1, n)])
+
+
+def delta_inputs(gen: torch.Generator, n: int):
+    """Inputs as GatedDeltaNet hands them over: q, k normalised (q scaled), g <= 0, beta in (0, 1)."""
+    q = l2_normalize(torch.randn(n, H, DK, generator=gen)) * DK**-0.5
+    k = l2_normalize(torch.randn(n, H, DK, generator=gen))
+    v = torch.randn(n, 3 + H * DV, generator=gen)[:, 3:].view(n, H, DV)  # rows apart, as v sliced from the conv output
+    g = -2 * torch.rand(n, H, generator=gen)
+    beta = torch.rand(n, H, generator=gen)
+    return q, k, v, g, beta
+
+
+@pytest.mark.parametrize("store_dtype", [torch.float32, torch.bfloat16], ids=["f32-state", "bf16-state"])
+@pytest.mark.parametrize("committed", [True, False], ids=["committed", "zero-state"])
+@pytest.mark.parametrize("kind", ["chain", "wide", "deep", "random"])
+def test_tree_delta_rule_matches_torch(kind, committed, store_dtype):
+    seed = ["chain", "wide", "deep", "random"].index(kind)
+    rng, gen = np.random.default_rng(seed), torch.Generator().manual_seed(seed)
+    n = 9
+    parents = tree_parents(kind, n, rng)
+    q, k, v, g, beta = delta_inputs(gen, n)
+    state = (torch.randn(H, DK, DV, generator=gen) if committed else torch.zeros(H, DK, DV)).to(store_dtype)
+    out, states = native.tree_gated_delta(q, k, v, g, beta, state, parents, store_dtype, block_v=BLOCK_V)
+    ref_out, ref_states = gated_delta_tree(q, k, v, g, beta, state, parents, store_dtype)
+    assert out.dtype == torch.float32 and states.dtype == store_dtype
+    assert out.shape == ref_out.shape and states.shape == ref_states.shape
+    if store_dtype == torch.float32:
+        torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(states, ref_states, atol=1e-5, rtol=1e-5)
+    else:
+        # Rows continue from the *rounded* state, as in torch: nearly every stored element has the
+        # same bits (a float32 rounding difference may flip one); without that rounding most differ.
+        assert (states == ref_states).float().mean().item() > 0.99
+        torch.testing.assert_close(states.float(), ref_states.float(), atol=1e-2, rtol=1e-2)
+        torch.testing.assert_close(out, ref_out, atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [2, 4])
+@pytest.mark.parametrize("kind", ["chain", "wide", "random"])
+def test_tree_conv_silu_matches_torch(kind, width, dtype):
+    rng, gen = np.random.default_rng(width), torch.Generator().manual_seed(width)
+    n, channels = 7, 20  # block_c 8: three channel blocks, the last one masked
+    ancestors = ancestor_table(tree_parents(kind, n, rng), width)
+    history = torch.randn(width - 1, channels, generator=gen).to(dtype)
+    inputs = torch.randn(n, channels, generator=gen).to(dtype)
+    weight = torch.randn(channels, width, generator=gen).to(dtype)
+    out = native.tree_conv_silu(history, inputs, ancestors, weight, block_c=8)
+    ref = conv_silu_reference(history, inputs, ancestors, weight)
+    assert out.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 3e-2  # torch rounds the bfloat16 products, the kernel adds in float32
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+
+
+def test_shape_mismatch_names_the_tensor():
+    q, k, v, g, beta = delta_inputs(torch.Generator().manual_seed(0), 3)
+    with pytest.raises(ValueError, match="beta has shape"):
+        native.tree_gated_delta(q, k, v, g, beta[:2], torch.zeros(H, DK, DV), chain_parents(3), torch.float32)
+
+
+def test_dispatch_uses_the_kernels_on_cuda_or_under_the_interpreter(monkeypatch):
+    monkeypatch.delenv("SPLITSPEC_NATIVE_CPU")
+    assert not delta_rule.native_kernels_for(torch.zeros(1))
+    monkeypatch.setenv("SPLITSPEC_NATIVE_CPU", "1")
+    assert delta_rule.native_kernels_for(torch.zeros(1))
+    assert delta_rule.native_kernels_for(torch.zeros(1, dtype=torch.bfloat16))
+    assert not delta_rule.native_kernels_for(torch.zeros(1, dtype=torch.float64))  # float64 math stays on torch
+
+
+# A verify block: root row 0 and seven nodes in three branches; rows 0 -> 1 -> 3 -> 5 are accepted.
+TREE_NODE_PARENTS = np.array([0, 0, 1, 1, 3, 2, 6])  # parent row of node i + 1 (0 = root)
+ACCEPTED = [0, 1, 3, 5]
+
+
+def _prefill_verify_commit(model, prompt: torch.Tensor, nodes: torch.Tensor):
+    """Prefill, verify the tree, commit ``ACCEPTED``, decode one more token: logits of each pass and the cache."""
+    n, rows = len(prompt), len(nodes) + 1
+    cache = model.new_cache(n + rows + 1, "cpu", torch.float32)
+    prefill, _ = model(prompt, torch.arange(n), cache, 0, torch.tril(torch.ones(n, n, dtype=torch.bool)))
+    row_parents = torch.from_numpy(np.concatenate([[-1], TREE_NODE_PARENTS])).long()
+    positions = n + torch.from_numpy(np.concatenate([[0], node_depths(TREE_NODE_PARENTS)])).long()
+    mask = torch.cat([torch.ones(rows, n, dtype=torch.bool), torch.from_numpy(tree_attention_mask(TREE_NODE_PARENTS))], dim=1)
+    ids = torch.cat([prompt[-1:], nodes])
+    verify, _ = model(ids, positions, cache, n, mask, parents=row_parents)
+    cache.commit(n, ACCEPTED)
+    length = n + len(ACCEPTED)
+    step, _ = model(nodes[:1], torch.tensor([length]), cache, length, torch.ones(1, length + 1, dtype=torch.bool))
+    return prefill, verify, step, cache
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["f32-state", "bf16-state"])
+def test_tiny_qwen35_verifies_a_tree_alike_on_kernels_and_torch(tiny_qwen35_pair, monkeypatch, state_dtype):
+    model, config = load_target(tiny_qwen35_pair.target, dtype=torch.float32, state_dtype=state_dtype)
+    gen = torch.Generator().manual_seed(5)
+    prompt = torch.randint(0, config.vocab_size, (5,), generator=gen)
+    nodes = torch.randint(0, config.vocab_size, (len(TREE_NODE_PARENTS),), generator=gen)
+
+    monkeypatch.delenv("SPLITSPEC_NATIVE_CPU")  # the torch path
+    torch_passes = _prefill_verify_commit(model, prompt, nodes)
+
+    calls = {"conv": 0, "delta": 0}  # count the kernel launches, to know the kernel path really ran
+
+    def counted(name, fn):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(native, "tree_conv_silu", counted("conv", native.tree_conv_silu))
+    monkeypatch.setattr(native, "tree_gated_delta", counted("delta", native.tree_gated_delta))
+    monkeypatch.setenv("SPLITSPEC_NATIVE_CPU", "1")
+    kernel_passes = _prefill_verify_commit(model, prompt, nodes)
+
+    linear = config.num_linear_layers
+    assert calls == {"conv": 3 * linear, "delta": 2 * linear}  # conv: every pass; delta: verify and decode (prefill is chunked)
+    for ours, ref in zip(kernel_passes[:3], torch_passes[:3]):  # prefill, verify and decode logits
+        torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
+    ours, ref = kernel_passes[3], torch_passes[3]
+    assert ours.recurrent.dtype == ref.recurrent.dtype == state_dtype
+    torch.testing.assert_close(ours.conv, ref.conv, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours.recurrent.float(), ref.recurrent.float(), atol=1e-4, rtol=1e-4)
