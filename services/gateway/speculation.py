@@ -167,14 +167,16 @@ class SpeculativeSequence:
         yield [anchor]
         while len(self.generated) < self.max_new_tokens:
             start = len(self.prompt) + len(self.generated) - 1  # positions in the target's KV cache
-            # The tree's depth is bounded by the tokens still wanted and by the reserved positions.
-            max_depth = min(self.max_new_tokens - len(self.generated) - 1, self.capacity - start - 1)
+            # The tree's depth is bounded by the tokens still wanted and by the reserved positions,
+            # its size by the reserved positions (near the end of the context they are fewer than the budget).
+            max_nodes = self.capacity - start - 1
+            max_depth = min(self.max_new_tokens - len(self.generated) - 1, max_nodes)
             if max_depth < 0:
                 return
             tree, fallback = DraftTree.empty(), ""
             # Features are missing after steps run without the draft; a resumed draft needs them.
             if self._speculating() and (features is not None or not self.shape.taps):
-                tree, fallback = await self._draft_tree(anchor, start, features, max_depth)
+                tree, fallback = await self._draft_tree(anchor, start, features, max_depth, max_nodes)
             elif self.wants_draft:
                 fallback = "draft_down"
             elif self.options.mode is not Mode.OFF:
@@ -218,8 +220,9 @@ class SpeculativeSequence:
             except grpc.aio.AioRpcError:
                 pass  # a draft that cannot be reached holds nothing we can free now; its TTL will
 
-    async def _draft_tree(self, anchor: int, start: int, features, max_depth: int) -> tuple[DraftTree, str]:
-        """Propose from the draft and build the tree; returns it and the fallback reason ("" = none). ``features`` are the rows ending at ``start``;
+    async def _draft_tree(self, anchor: int, start: int, features, max_depth: int, max_nodes: int) -> tuple[DraftTree, str]:
+        """Propose from the draft and build a tree of at most ``max_nodes`` nodes and ``max_depth``
+        depth; returns it and the fallback reason ("" = none). ``features`` are the rows ending at ``start``;
         the token ids sent are those of every position the draft has not seen (all of them when a
         fresh context starts: token-based drafters need the whole history)."""
         opts = self.options
@@ -244,9 +247,10 @@ class SpeculativeSequence:
                 self.on_draft_failure()
             await self._forget_draft()
             return DraftTree.empty(), exc.code().name.lower()
+        budget = min(opts.budget, max_nodes)
         if opts.mode is Mode.CHAIN:
-            return build_chain(top_ids, min(opts.budget, max_depth)), ""
-        return build_ddtree(top_ids, top_logprobs, opts.budget, chain_seed=opts.chain_seed, max_depth=max_depth), ""
+            return build_chain(top_ids, min(budget, max_depth)), ""
+        return build_ddtree(top_ids, top_logprobs, budget, chain_seed=opts.chain_seed, max_depth=max_depth), ""
 
     async def release(self) -> None:
         """Free the sequence on both workers; errors are logged, never raised. Survives cancellation."""

@@ -111,14 +111,18 @@ def run_batch(address: str, requests: list[gateway_pb2.GenerateRequest], concurr
     usages: list[gateway_pb2.Usage | None] = [None] * len(requests)
     queue = list(range(len(requests)))
     lock = threading.Lock()
+    errors: list[Exception] = []
 
     def worker() -> None:
         while True:
             with lock:
-                if not queue:
+                if not queue or errors:
                     return
                 i = queue.pop(0)
-            outputs[i], usages[i] = generate(address, requests[i])
+            try:
+                outputs[i], usages[i] = generate(address, requests[i])
+            except grpc.RpcError as exc:
+                errors.append(exc)
 
     t0 = time.perf_counter()
     threads = [threading.Thread(target=worker) for _ in range(concurrency)]
@@ -127,6 +131,8 @@ def run_batch(address: str, requests: list[gateway_pb2.GenerateRequest], concurr
     for t in threads:
         t.join()
     seconds = time.perf_counter() - t0
+    if errors:
+        raise RuntimeError(f"{label}: {errors[0].code().name}: {errors[0].details()}")
     steps = sum(u.steps for u in usages)
     return SystemRow(label, budget, sum(len(o) for o in outputs), steps, seconds, concurrency), outputs
 

