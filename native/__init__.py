@@ -26,5 +26,8 @@ except ImportError:
 
 
 def use_triton(tensor: torch.Tensor) -> bool:
-    """Whether a kernel should run for inputs like ``tensor``."""
-    return HAVE_TRITON and (tensor.is_cuda or os.environ.get("SPLITSPEC_NATIVE_CPU") == "1")
+    """Whether a kernel should run for inputs like ``tensor``. ``SPLITSPEC_NATIVE=0`` turns every
+    kernel off (the plain-torch references run, on GPUs too: for comparisons and debugging)."""
+    if not HAVE_TRITON or os.environ.get("SPLITSPEC_NATIVE") == "0":
+        return False
+    return tensor.is_cuda or os.environ.get("SPLITSPEC_NATIVE_CPU") == "1"

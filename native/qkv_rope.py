@@ -43,9 +43,11 @@ if triton is not None:
         else:
             if NORM:
                 inv = 1.0 / tl.sqrt((tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)) / (2 * HALF) + eps)
-                w_ptr = qw_ptr if head < NUM_HEADS else kw_ptr
-                x1 = x1 * inv * tl.load(w_ptr + offs).to(tl.float32)
-                x2 = x2 * inv * tl.load(w_ptr + HALF + offs).to(tl.float32)
+                is_q = head < NUM_HEADS  # a q head or a k head: both weights are [D], load both and pick
+                w1 = tl.where(is_q, tl.load(qw_ptr + offs), tl.load(kw_ptr + offs)).to(tl.float32)
+                w2 = tl.where(is_q, tl.load(qw_ptr + HALF + offs), tl.load(kw_ptr + HALF + offs)).to(tl.float32)
+                x1 = x1 * inv * w1
+                x2 = x2 * inv * w2
             c1 = tl.load(cos_ptr + row * 2 * HALF + offs).to(tl.float32)
             c2 = tl.load(cos_ptr + row * 2 * HALF + HALF + offs).to(tl.float32)
             s1 = tl.load(sin_ptr + row * 2 * HALF + offs).to(tl.float32)

@@ -40,6 +40,31 @@ for shape in ("random:tiny", "random:qwen3-0.6b"):
     print(f"{'PASS' if passed else 'FAIL'} {shape}: max |logit/feature diff| {worst:.2e}, tokens identical {same}, graphs {graphs.static.graphs}")
     del model, eager, graphs
     torch.cuda.empty_cache()
+# The native kernels (qkv_rope on every dense step) against the plain-torch path on the same GPU.
+import os  # noqa: E402
+
+for dtype, tolerance in ((torch.float32, 1e-3), (torch.bfloat16, 0.25)):
+    model, config = load_target("random:qwen3-0.6b", "cuda", dtype)
+    with torch.no_grad():  # full-size attention outputs, so that q's path shows in the logits too
+        for layer in model.layers:
+            layer.self_attn.o_proj.weight.normal_(0.0, 0.02)
+    ids = torch.randint(0, config.vocab_size, (40,), device="cuda", generator=torch.Generator(device="cuda").manual_seed(0))
+    runs = []
+    for native in ("1", "0"):
+        os.environ["SPLITSPEC_NATIVE"] = native
+        cache = model.new_cache(64, "cuda", dtype)
+        mask = torch.ones(40, 40, dtype=torch.bool, device="cuda").tril()
+        logits, feats = model(ids, torch.arange(40, device="cuda"), cache, 0, mask, taps=(3, 9))
+        runs.append((logits.float(), feats.float(), cache.k.float()))
+    os.environ.pop("SPLITSPEC_NATIVE")
+    worst = max((a - b).abs().max().item() for a, b in zip(*runs))
+    agree = (runs[0][0].argmax(-1) == runs[1][0].argmax(-1)).float().mean().item()
+    passed = worst < tolerance and agree > 0.9
+    ok &= passed
+    print(f"{'PASS' if passed else 'FAIL'} native kernels vs torch, qwen3-0.6b {dtype}: max diff {worst:.2e}, argmax agreement {agree:.2f}")
+    del model
+    torch.cuda.empty_cache()
+
 # The draft's graphed block pass against its eager pass, float32.
 from splitspec.models.loader import load_dflash_draft, load_target_head  # noqa: E402
 from splitspec.services.draft.engine import DraftEngine  # noqa: E402
