@@ -59,6 +59,7 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=8, help="prompts per set")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--out", default="", help="JSON rows for the model card")
+    p.add_argument("--modes", default="", help="only these, e.g. off-0,ddtree-22 (default: all)")
     args = p.parse_args()
     pair = builtin_pair()
     if pair is None:
@@ -74,6 +75,8 @@ def main() -> None:
         for name, prompts in sets.items():
             reference = None
             for mode, enum, budget in MODES:
+                if args.modes and f"{mode}-{budget}" not in args.modes.split(","):
+                    continue
                 requests = [
                     gateway_pb2.GenerateRequest(text=t, max_tokens=args.max_tokens, ignore_eos=True, speculation=Spec(mode=enum, budget=budget))
                     for t in prompts

@@ -27,13 +27,15 @@ def capture(compute: Callable[[], T], device: torch.device, pool=None) -> tuple[
     The warm-up run on a side stream, which capture requires, already computes this call's
     result; the replay after capture writes it into the outputs that later replays reuse.
     """
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        compute()
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        outputs = compute()
-    graph.replay()
+    # Capture records on the current device: make it the tensors' one (a worker on cuda:1, say).
+    with torch.cuda.device(device):
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            compute()
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            outputs = compute()
+        graph.replay()
     return graph, outputs
