@@ -122,6 +122,8 @@ def time_target(
 def time_draft(target_path: str, device: torch.device, dtype: torch.dtype, prompt_len: int, iters: int, top_k: int = 8) -> dict[str, float]:
     """Median ms of one 16-token block proposal with a grown context (one feature row per step),
     per path: CUDA graphs (on a GPU) and eager."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # graph capture and cuBLAS follow the current device
     model, config = load_dflash_draft(target_path + "-dflash", device, dtype)
     embed, head, _ = load_target_head(target_path, device, dtype)
     width = config.num_taps * config.hidden_size
