@@ -119,19 +119,22 @@ def time_target(
     return report
 
 
-def time_draft(target_path: str, device: torch.device, dtype: torch.dtype, prompt_len: int, iters: int, top_k: int = 8) -> dict[str, float]:
+def time_draft(
+    target_path: str, device: torch.device, dtype: torch.dtype, prompt_len: int, iters: int, top_k: int = 8, graphs: bool = False
+) -> dict[str, float]:
     """Median ms of one 16-token block proposal with a grown context (one feature row per step),
-    per path: CUDA graphs (on a GPU) and eager."""
+    on the path the draft worker serves by default (eager; ``graphs`` also runs the experimental
+    CUDA-graph block pass)."""
     if device.type == "cuda":
         torch.cuda.set_device(device)  # graph capture and cuBLAS follow the current device
     model, config = load_dflash_draft(target_path + "-dflash", device, dtype)
     embed, head, _ = load_target_head(target_path, device, dtype)
     width = config.num_taps * config.hidden_size
     times = {}
-    paths = {"graphs": True, "eager": False} if device.type == "cuda" else {"eager": False}
+    paths = {"graphs": True, "eager": False} if graphs and device.type == "cuda" else {"eager": False}
     for label, graphed in paths.items():
-        graphs = BlockGraphs(model, embed, head, prompt_len + iters + 8, 1, capture=True) if graphed else None
-        engine = DraftEngine(model, embed, head, graphs=graphs)
+        blocks = BlockGraphs(model, embed, head, prompt_len + iters + 8, 1, capture=True) if graphed else None
+        engine = DraftEngine(model, embed, head, graphs=blocks)
         engine.propose("bench", 0, prompt_len, torch.randn(prompt_len, width, device=device, dtype=dtype), top_k)
         position = prompt_len
 
