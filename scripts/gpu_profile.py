@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 
 import numpy as np
 import torch
