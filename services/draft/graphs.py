@@ -54,7 +54,6 @@ class BlockGraphs:
         self.device = embed.device
         self._live = 0
         self._lock = threading.Lock()  # caches are dropped on whichever thread releases them last
-        self._pool = torch.cuda.graph_pool_handle() if capture else None
         b = model.config.block_size
         self._rows = torch.arange(b, device=self.device)
         self._cols = torch.arange(context, device=self.device)
@@ -89,7 +88,9 @@ class BlockGraphs:
             return self._compute(cache, head.to(self.device), span, top_k)
         if p is None:
             buf = head.to(self.device)
-            graph, (ids, logprobs) = capture(lambda: self._compute(cache, buf, span, top_k), self.device, self._pool)
+            # Each graph gets its own memory pool: graphs die with their sequence, and a pool shared
+            # with dead graphs is gone (capturing into it again fails inside the CUDA allocator).
+            graph, (ids, logprobs) = capture(lambda: self._compute(cache, buf, span, top_k), self.device)
             p = graphs[key] = BlockPass(buf, graph, ids, logprobs)
         else:
             p.head.copy_(head)
