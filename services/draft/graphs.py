@@ -16,6 +16,7 @@ Without ``capture`` (a CPU) the same fixed-shape pass runs eagerly, which is how
 
 from __future__ import annotations
 
+import logging
 import threading
 import weakref
 from dataclasses import dataclass
@@ -24,6 +25,8 @@ import torch
 
 from splitspec.cuda_graphs import attention_span, capture
 from splitspec.models.dflash import DFlashDraft
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -53,6 +56,7 @@ class BlockGraphs:
         self.context, self.sequences, self.capture = context, sequences, capture
         self.device = embed.device
         self._live = 0
+        self.failed = False  # a capture failed: every sequence runs the eager pass
         self._lock = threading.Lock()  # caches are dropped on whichever thread releases them last
         b = model.config.block_size
         self._rows = torch.arange(b, device=self.device)
@@ -86,11 +90,18 @@ class BlockGraphs:
         head = torch.tensor([anchor_token, anchor_position, first, cache.size], dtype=torch.int64)
         if not self.capture:  # the same fixed-shape pass, run eagerly (CPU; how CI tests it)
             return self._compute(cache, head.to(self.device), span, top_k)
+        if self.failed:
+            return None
         if p is None:
             buf = head.to(self.device)
             # Each graph gets its own memory pool: graphs die with their sequence, and a pool shared
             # with dead graphs is gone (capturing into it again fails inside the CUDA allocator).
-            graph, (ids, logprobs) = capture(lambda: self._compute(cache, buf, span, top_k), self.device)
+            try:
+                graph, (ids, logprobs) = capture(lambda: self._compute(cache, buf, span, top_k), self.device)
+            except RuntimeError as exc:  # contained: the worker keeps serving on the eager pass
+                logger.error("CUDA graph capture of the draft's block pass failed; serving eagerly from now on: %s", exc)
+                self.failed = True
+                return None
             p = graphs[key] = BlockPass(buf, graph, ids, logprobs)
         else:
             p.head.copy_(head)

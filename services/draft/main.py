@@ -20,11 +20,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help="auto (bfloat16 on GPU, float32 on CPU), float32, float16, bfloat16")
     p.add_argument("--max-sequences", type=int, default=256, help="live draft contexts at most")
     p.add_argument(
-        "--graph-sequences", type=int, default=0,
-        help="EXPERIMENTAL, off by default: sequences whose block pass is replayed as a CUDA graph over a "
-        "preallocated context of --graph-context positions (on a CPU the same fixed shapes run eagerly). "
-        "With the built-in pair on an H200 it lowered the acceptance length (3.2 -> 1.5) although it matches "
-        "the eager pass on random weights; under investigation",
+        "--graph-sequences", type=int, default=-1,
+        help="sequences whose block pass is replayed as a CUDA graph over a preallocated context of "
+        "--graph-context positions (on a CPU the same fixed shapes run eagerly); -1 = 8 on CUDA, 0 on CPU",
     )
     p.add_argument("--graph-context", type=int, default=4096, help="context positions preallocated per graphed sequence")
     p.add_argument("--no-cuda-graphs", action="store_true", help="run the fixed shapes without capturing graphs (debugging)")
@@ -70,7 +68,7 @@ def _load_engine(args: argparse.Namespace):
         args.model, config.num_layers, config.block_size, list(config.target_layer_ids), device, time.perf_counter() - t0,
     )
     graphs = None
-    sequences = args.graph_sequences
+    sequences = args.graph_sequences if args.graph_sequences >= 0 else (8 if device.type == "cuda" else 0)
     if sequences:
         capture = device.type == "cuda" and not args.no_cuda_graphs
         graphs = BlockGraphs(model, embed, head, args.graph_context, sequences, capture)
