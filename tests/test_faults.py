@@ -88,9 +88,9 @@ def test_running_sequence_resumes_speculation_when_the_draft_returns(services, t
     then starts a fresh draft context and speculates again, with unchanged output."""
     table = tmp_path / "table.jsonl"
     target, draft, gateway = start_system(services, tiny_pair, table)
-    reference = record_reference(gateway, table, max_tokens=1600)
+    reference = record_reference(gateway, table, max_tokens=2400)
     with grpc.insecure_channel(gateway, options=CHANNEL_OPTIONS) as ch:
-        stream = open_stream(ch, tokens=PROMPT, max_tokens=1600, ignore_eos=True)
+        stream = open_stream(ch, tokens=PROMPT, max_tokens=2400, ignore_eos=True)
         tokens = list(next(stream).token_ids)
         services.stop("draft", signal.SIGKILL)
         services.start("draft", "draft", "--replay", str(table), "--replay-corruption", "0.2", "--target-model", str(tiny_pair.target))
@@ -98,8 +98,11 @@ def test_running_sequence_resumes_speculation_when_the_draft_returns(services, t
     assert tokens == reference
     usage = final.usage
     assert usage.draft_fallbacks > 0
-    # Had it stayed target-only after the kill, AL would be close to 1.
-    assert usage.mean_acceptance_length > 1.5, usage
+    # Steps after the restart speculate again, and accept: a fallback step commits one token, so the
+    # others committed the rest. (How many steps fall back depends on how fast the draft restarts.)
+    speculated = usage.steps - usage.draft_fallbacks
+    assert speculated >= 10, usage
+    assert (usage.completion_tokens - usage.draft_fallbacks) / speculated > 1.5, usage
 
 
 def test_target_killed_mid_stream_then_back(services, tiny_pair, tmp_path):
