@@ -5,7 +5,7 @@ and checks through Prometheus' HTTP API that the services' counters equal those 
 the histograms observed every request, token and worker call. The draft is the replay drafter
 (benchmark/test only): it proposes the target's own recorded output corrupted at 30% per depth,
 so steps accept several tokens and every speculation counter moves. A second gateway, whose draft
-deadline no call can meet, exercises the fallback path. The Grafana dashboard's queries then run
+deadline its (deliberately slow, replayed) drafter cannot meet, exercises the fallback path. The Grafana dashboard's queries then run
 against the same server.
 """
 
@@ -151,8 +151,12 @@ def system(module_services, tiny_pair, tmp_path_factory):
         "--metrics-port", str(ports["draft"]),
     )
     gateway = s.start("gateway", "gateway", "--target", target, "--draft", draft, "--metrics-port", str(ports["gateway"]), "--log-json")
+    # A drafter slower than the fallback gateway's draft deadline: every proposal misses it.
+    slow_draft = s.start(
+        "slow-draft", "draft", "--replay", str(table), "--replay-delay", "0.5", "--target-model", str(tiny_pair.target),
+    )
     fallback = s.start(
-        "fallback", "gateway", "--target", target, "--draft", draft, "--draft-timeout", "1e-9",
+        "fallback", "gateway", "--target", target, "--draft", slow_draft, "--draft-timeout", "0.05",
         "--metrics-port", str(ports["fallback"]),
     )
     prometheus = Prometheus(root, {job: f"127.0.0.1:{port}" for job, port in ports.items()})

@@ -36,6 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "({\"tokens\": [...]} per line), corrupted at --replay-corruption",
     )
     p.add_argument("--replay-corruption", type=float, default=0.0, help="BENCHMARK/TEST ONLY: per-depth corruption rate of the replay drafter")
+    p.add_argument("--replay-delay", type=float, default=0.0, help="BENCHMARK/TEST ONLY: seconds each replayed proposal takes (a slow drafter)")
     add_server_arguments(p)
 
 
@@ -51,7 +52,7 @@ def _load_engine(args: argparse.Namespace):
 
     if args.replay:
         target_config = read_target_config(args.target_model)
-        engine = ReplayDrafter(ReplayTable(args.replay), target_config.vocab_size, corruption=args.replay_corruption)
+        engine = ReplayDrafter(ReplayTable(args.replay), target_config.vocab_size, corruption=args.replay_corruption, delay_s=args.replay_delay)
         logger.warning("REPLAY drafter (benchmark/test only): %s, corruption %.2f", args.replay, args.replay_corruption)
         return engine, target_config, "n/a", "cpu"
     device = resolve_device(args.device)

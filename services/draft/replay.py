@@ -56,11 +56,15 @@ class ReplayDrafter:
     mask_token_id = 0
     num_layers = 0
 
-    def __init__(self, table: ReplayTable, vocab_size: int, block_size: int = 16, corruption: float = 0.0, max_top_k: int = 64) -> None:
+    def __init__(
+        self, table: ReplayTable, vocab_size: int, block_size: int = 16, corruption: float = 0.0, max_top_k: int = 64,
+        delay_s: float = 0.0,
+    ) -> None:
         if not 0.0 <= corruption <= 1.0:
             raise ValueError(f"--replay-corruption {corruption} must be in [0, 1]")
         self.table, self.vocab_size, self.block_size = table, vocab_size, block_size
         self.corruption, self.max_top_k = corruption, max_top_k
+        self.delay_s = delay_s  # a slow drafter, for deadline tests
         self.sequences = SequenceTable()  # of token histories
 
     @property
@@ -71,6 +75,7 @@ class ReplayDrafter:
         self, sequence_id: str, anchor_token: int, anchor_position: int, features, top_k: int, window: int = 0, tokens=()
     ) -> Proposal:
         t0 = time.perf_counter_ns()
+        time.sleep(self.delay_s)
         if not 1 <= top_k <= min(self.max_top_k, self.vocab_size - 1):
             raise InvalidArgument(f"top_k: {top_k} is outside [1, {min(self.max_top_k, self.vocab_size - 1)}]")
         history = self.sequences.get(sequence_id)
