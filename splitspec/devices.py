@@ -8,12 +8,15 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 
 def resolve_device(name: str) -> torch.device:
+    """The device of a ``--device`` flag; a GPU also becomes the process's current device, which
+    libraries that follow it (cuBLAS, CUDA graph capture) then use."""
     device = torch.device(name)
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError(f"--device {name}: this torch build sees no CUDA/ROCm GPU")
         if device.index is not None and device.index >= torch.cuda.device_count():
             raise ValueError(f"--device {name}: only {torch.cuda.device_count()} GPU(s) visible")
+        torch.cuda.set_device(device)
     elif device.type != "cpu":
         raise ValueError(f"--device {name}: use cpu or cuda:N")
     return device

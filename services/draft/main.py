@@ -42,8 +42,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _load_engine(args: argparse.Namespace):
     """Build the engine named by the flags; returns (engine, target config, dtype name, device name)."""
-    import torch
-
     from splitspec.devices import resolve_device, resolve_dtype
     from splitspec.models.loader import check_draft_fits, load_dflash_draft, load_target_head, read_target_config
     from splitspec.services.draft.engine import DraftEngine
@@ -57,8 +55,6 @@ def _load_engine(args: argparse.Namespace):
         return engine, target_config, "n/a", "cpu"
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)  # libraries that follow the current device (cuBLAS, graph capture) use this GPU
     t0 = time.perf_counter()
     target_config = read_target_config(args.target_model)
     model, config = load_dflash_draft(args.model, device, dtype, num_target_layers=target_config.num_layers)

@@ -90,8 +90,6 @@ async def run(args: argparse.Namespace) -> None:
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)  # libraries that follow the current device (cuBLAS, graph capture) use this GPU
     if args.state_dtype not in ("auto", "float32", "bfloat16", "float16"):
         raise ValueError(f"--state-dtype {args.state_dtype}: choose auto, float32, bfloat16 or float16")
     state_dtype = None if args.state_dtype == "auto" else DTYPES[args.state_dtype]
