@@ -5,7 +5,9 @@ the CPU when ``SPLITSPEC_NATIVE_CPU=1`` under Triton's interpreter (``TRITON_INT
 before triton is first imported), which is how CI checks kernels against their references;
 otherwise the reference runs.
 
-Kernels: ``qkv_rope`` (q/k norm, RoPE and K/V cache writes in one launch); ``gguf_matmul``
+Kernels: ``qkv_rope`` (q/k norm, RoPE and K/V cache writes in one launch); ``rms_norm`` (RMSNorm
+and the residual add before it); ``silu_mul`` (SwiGLU's activation); ``tree_attention`` (masked
+grouped-query attention for decode and verify shapes); ``gguf_matmul``
 (``x @ W^T`` with W kept in its GGUF blocks: Q8_0, Q4_K, Q6_K) and ``QuantLinear``;
 ``tree_delta_rule`` (the tree-aware Gated DeltaNet conv and delta rule; references in
 ``splitspec.models.delta_rule``, which dispatches to them).
@@ -25,9 +27,13 @@ except ImportError:
     HAVE_TRITON = False
 
 
-def use_triton(tensor: torch.Tensor) -> bool:
+def use_triton(tensor: torch.Tensor, kernel: str = "") -> bool:
     """Whether a kernel should run for inputs like ``tensor``. ``SPLITSPEC_NATIVE=0`` turns every
-    kernel off (the plain-torch references run, on GPUs too: for comparisons and debugging)."""
+    kernel off and ``SPLITSPEC_NATIVE_OFF=rms_norm,tree_attention`` the named ones (the
+    plain-torch references run instead, on GPUs too: for comparisons and debugging). The switch
+    is read at call time; a CUDA graph keeps the kernels it was captured with."""
     if not HAVE_TRITON or os.environ.get("SPLITSPEC_NATIVE") == "0":
+        return False
+    if kernel and kernel in os.environ.get("SPLITSPEC_NATIVE_OFF", "").split(","):
         return False
     return tensor.is_cuda or os.environ.get("SPLITSPEC_NATIVE_CPU") == "1"

@@ -78,9 +78,8 @@ class KVCache:
 
     def commit(self, start: int, accepted: Sequence[int]) -> None:
         """Keep the accepted rows (``[AL]``, root row 0 first) of the verify block at ``start``."""
-        index = torch.as_tensor(accepted, dtype=torch.long, device=self.k.device)
-        compact_rows(self.k, start, index)
-        compact_rows(self.v, start, index)
+        compact_rows(self.k, start, accepted)
+        compact_rows(self.v, start, accepted)
 
 
 class DenseDecoderLayer(nn.Module):
@@ -96,17 +95,20 @@ class DenseDecoderLayer(nn.Module):
 
     def forward(
         self,
-        h: torch.Tensor,  # [T, hidden]
+        x: torch.Tensor,  # [T, hidden] this layer's normed input
+        h: torch.Tensor,  # [T, hidden] the residual stream it was normed from
         cos: torch.Tensor,  # [T, D]
         sin: torch.Tensor,
         k_cache: torch.Tensor,  # [H_kv, capacity, D] of this layer
         v_cache: torch.Tensor,
         start: int | torch.Tensor,  # see QKVProjection.attend_cached
         mask: torch.Tensor,  # [T, S] bool
-    ) -> torch.Tensor:
-        x = self.input_layernorm(h)
-        h = h + self.self_attn.project_attend_cached(x, cos, sin, k_cache, v_cache, start, mask)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        next_norm: RMSNorm,  # the next layer's input norm, or the final norm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns ``(next_norm(h'), h')`` for the residual stream ``h'`` after this layer: each
+        residual add is fused with the norm that follows it."""
+        x, h = self.post_attention_layernorm.forward_add(self.self_attn.project_attend_cached(x, cos, sin, k_cache, v_cache, start, mask), h)
+        return next_norm.forward_add(self.mlp(x), h)
 
     def forward_causal(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """h [B, T, hidden] of whole sequences from position 0, no cache (training)."""
@@ -186,12 +188,14 @@ class DenseForCausalLM(nn.Module):
         """
         h = self.embed_tokens(tokens)
         cos, sin = self._rope(positions, h.dtype)
+        x = self.layers[0].input_layernorm(h)
         tapped: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, cache.k[i], cache.v[i], start, mask)
+            next_norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
+            x, h = layer(x, h, cos, sin, cache.k[i], cache.v[i], start, mask, next_norm)
             if i in taps:
                 tapped[i] = h
         features = torch.cat([tapped[i] for i in taps], dim=-1) if taps else None
         if logit_rows is not None:
-            h = h[logit_rows]
-        return self.lm_head(self.norm(h)).float(), features
+            x = x[logit_rows]
+        return self.lm_head(x).float(), features

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from splitspec.native import qkv_rope, use_triton
+from splitspec.native import qkv_rope, rms_norm, silu_mul, tree_attention, use_triton
 
 
 # cuDNN's attention builds a plan for every new shape: ~1.3 ms of host time per call measured on
@@ -19,6 +19,7 @@ from splitspec.native import qkv_rope, use_triton
 # have no such cost, so splitspec never asks for cuDNN's.
 torch.backends.cuda.enable_cudnn_sdp(False)
 SMALL_ATTENTION = 1 << 20  # query rows x key slots up to which attention runs as plain matmuls
+TREE_ATTENTION_ROWS = 2048  # query rows (heads x tokens) up to which the native kernel runs: decode and verify
 
 
 class RMSNorm(nn.Module):
@@ -30,6 +31,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if use_triton(x, "rms_norm") and rms_norm.supported(x, self.weight):
+            return rms_norm.rms_norm(x, self.weight, self.eps)
         if x.is_cuda and x.dtype == self.weight.dtype:
             # One fused kernel (statistics in float32) instead of seven: a decode step runs ~150 norms.
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
@@ -37,6 +40,14 @@ class RMSNorm(nn.Module):
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (xf * self.weight.float()).to(x.dtype)
+
+    def forward_add(self, delta: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual step and the norm after it: ``(norm(residual + delta), residual + delta)``,
+        one kernel where the native kernels run."""
+        if use_triton(delta, "rms_norm") and rms_norm.supported(delta, self.weight) and residual.is_contiguous() and residual.dtype == delta.dtype:
+            return rms_norm.add_rms_norm(delta, residual, self.weight, self.eps)
+        residual = residual + delta
+        return self(residual), residual
 
 
 def fuse_linears(*linears: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
@@ -74,7 +85,10 @@ class SwiGLU(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._gate_up is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        gate, up = F.linear(x, *self._gate_up).chunk(2, dim=-1)
+        gate_up = F.linear(x, *self._gate_up)
+        if use_triton(gate_up, "silu_mul") and silu_mul.supported(gate_up):
+            return self.down_proj(silu_mul.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -208,6 +222,12 @@ class QKVProjection(nn.Module):
         ``gate`` [T, H * D] (Qwen3.5's output gate) scales the heads by ``sigmoid(gate)`` before ``o_proj``.
         """
         batched = q.dim() == 4
+        if (
+            not batched and mask is not None and mask.dim() == 2 and q.shape[0] * q.shape[1] <= TREE_ATTENTION_ROWS
+            and use_triton(q, "tree_attention") and tree_attention.supported(q, k, v, mask)
+        ):
+            out = tree_attention.tree_attention(q, k, v, mask)  # [T, H * D]
+            return self.o_proj(out if gate is None else out * torch.sigmoid(gate))
         if not batched:
             q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
         if mask is not None and mask.dim() == 3:
@@ -268,7 +288,7 @@ class QKVProjection(nn.Module):
     ) -> torch.Tensor:
         """Project, write K/V to the cache, attend: :meth:`query_key_value` + :meth:`write_and_attend`,
         with the norms, RoPE and cache writes as one native kernel when the weights are fused."""
-        if self._qkv is None or not use_triton(x) or isinstance(self.q_norm, nn.Identity) != isinstance(self.k_norm, nn.Identity):
+        if self._qkv is None or not use_triton(x, "qkv_rope") or isinstance(self.q_norm, nn.Identity) != isinstance(self.k_norm, nn.Identity):
             return self.write_and_attend(*self.query_key_value(x, cos, sin), k_cache, v_cache, start, mask)
         slots = start if isinstance(start, torch.Tensor) else torch.arange(start, start + x.shape[0], device=x.device)
         norm = not isinstance(self.q_norm, nn.Identity)
