@@ -173,9 +173,8 @@ class Qwen35Cache:
         compact their K/V, and adopt the conv window and recurrent state of the deepest one."""
         if self.pending is None:
             raise RuntimeError("commit without a tree pass to commit")
-        index = torch.as_tensor(accepted, dtype=torch.long, device=self.k.device)
-        compact_rows(self.k, start, index)
-        compact_rows(self.v, start, index)
+        compact_rows(self.k, start, accepted)
+        compact_rows(self.v, start, accepted)
         deepest = int(accepted[-1])
         ancestors = self.pending.ancestors[deepest : deepest + 1]  # [1, K]
         for i, (inputs, states) in enumerate(zip(self.pending.inputs, self.pending.states)):

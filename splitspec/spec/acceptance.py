@@ -79,7 +79,15 @@ def compact_rows(
 
     Example: ``accepted = [0, 2, 5]`` copies row ``start + 2`` to ``start + 1`` and row
     ``start + 5`` to ``start + 2``; row ``start`` (the root) stays. ``accepted = [0]`` is a no-op.
+
+    Rows already in place (a leading ``accepted[d] == d``, as on a decode step or an accepted
+    first-child chain) are not touched: a host list of them costs no kernel and no copy.
     """
+    if not isinstance(accepted, torch.Tensor) and np.ndim(accepted) == 1:
+        moved = next((d for d, a in enumerate(accepted) if a != d), len(accepted))
+        start, accepted = start + moved, [a - moved for a in accepted[moved:]]
+        if not accepted:
+            return
     index = torch.as_tensor(accepted, dtype=torch.long, device=cache.device)  # [AL]
     if index.ndim != 1:
         raise ValueError(f"accepted must be 1-D, got shape {tuple(index.shape)}")

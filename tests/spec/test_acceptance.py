@@ -86,9 +86,10 @@ def expected_cache(sources: list[int]) -> torch.Tensor:
         (4, [0, 3], [0, 1, 2, 3, 4, 7, 6, 7, 8]),
     ],
 )
-def test_compact_rows(start, accepted, sources):
+@pytest.mark.parametrize("as_tensor", [False, True])  # a host list skips the rows already in place
+def test_compact_rows(start, accepted, sources, as_tensor):
     cache = make_cache()
-    compact_rows(cache, start, accepted)
+    compact_rows(cache, start, torch.tensor(accepted) if as_tensor else accepted)
     assert torch.equal(cache, expected_cache(sources))
 
 
