@@ -163,15 +163,22 @@ class DraftEngine:
             )
         t0 = time.perf_counter_ns()
         dev = self.device
-        if m:
+        out = None
+        if m and self.graphs:  # the graphed pass appends up to a block of new rows itself
+            first = max(0, seq.cache.size + m - window) if window else 0
+            out = self.graphs.run(seq.cache, seq.graphs, anchor_token, anchor_position, first, top_k, features, seq.ctx_end)
+            if out:
+                seq.cache.size += m
+        if m and not out:
             positions = torch.arange(seq.ctx_end, anchor_position, device=dev)
             seq.cache.append(self.model.context_kv(features.to(device=dev, dtype=self.dtype), positions))
-            seq.ctx_end = anchor_position
+        seq.ctx_end = anchor_position
         if window and seq.cache.size > 2 * window:  # compact rarely; attention slices the window anyway
             seq.ctx_start += seq.cache.size - window
             seq.cache.drop_front(seq.cache.size - window)
-        first = max(0, seq.cache.size - window) if window else 0
-        out = self.graphs and self.graphs.run(seq.cache, seq.graphs, anchor_token, anchor_position, first, top_k)
+        if not out:
+            first = max(0, seq.cache.size - window) if window else 0
+            out = self.graphs and self.graphs.run(seq.cache, seq.graphs, anchor_token, anchor_position, first, top_k)
         if not out:
             block = torch.full((c.block_size,), c.mask_token_id, dtype=torch.int64, device=dev)
             block[0] = anchor_token

@@ -9,9 +9,14 @@ A graph needs fixed shapes and addresses, so:
   mask of the visible slots (``[first, end)``: a draft window hides the older ones);
 - the anchor token and positions are read from a static buffer inside the graph.
 
-One graph per (span, top_k) is kept with its sequence and dropped with it. The context append
-(the ``fc`` projection of new tap features) stays eager: its row count changes every step.
-Without ``capture`` (a CPU) the same fixed-shape pass runs eagerly, which is how CI tests it.
+- the block's own keys and values are written to the ``B`` slots after the context (rewritten by
+  the next append), so attention reads one cache instead of a concatenation;
+- the context append (``fc`` of the new tap features and every layer's K/V of them) runs inside
+  the same graph for up to ``B`` new rows, padded to ``B``: the pad rows land in slots the block
+  overwrites. Larger appends (a prompt) run eagerly before a block-only pass.
+
+One graph per (span, top_k, append) is kept with its sequence and dropped with it. Without
+``capture`` (a CPU) the same fixed-shape pass runs eagerly, which is how CI tests it.
 """
 
 from __future__ import annotations
@@ -29,23 +34,33 @@ from splitspec.models.dflash import DFlashDraft
 logger = logging.getLogger(__name__)
 
 
+# head [6] int64: anchor token, anchor position, first visible slot, end of the context (the
+# block's first slot), first slot and first position of the appended rows.
+HEAD = 6
+
+
 @dataclass
 class BlockPass:
-    head: torch.Tensor  # [4] int64: anchor token, anchor position, first visible slot, end slot
-    graph: torch.cuda.CUDAGraph
+    head: torch.Tensor  # [HEAD] int64
+    features: torch.Tensor | None  # [B, taps * hidden]: rows to append, or None (block only)
+    graph: torch.cuda.CUDAGraph | None
     top_ids: torch.Tensor  # [B-1, K] int64
     top_logprobs: torch.Tensor  # [B-1, K] float32
 
 
-def top_k_proposal(
-    model: DFlashDraft, embed: torch.Tensor, lm_head: torch.Tensor, block: torch.Tensor, positions: torch.Tensor,
-    context: list[tuple[torch.Tensor, torch.Tensor]], top_k: int, context_mask: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One block pass: per-depth top-K ids and log-probs [B-1, K] (the eager and graphed paths alike)."""
-    hidden = model(embed[block].to(model.fc.weight.dtype), positions, context, context_mask)
+def top_k_of(hidden: torch.Tensor, lm_head: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block hidden states [B, hidden] -> per-depth top-K ids and log-probs [B-1, K] (row 0 is the anchor's)."""
     logprobs = torch.log_softmax((hidden[1:] @ lm_head.T.to(hidden.dtype)).float(), dim=-1)  # [B-1, vocab]
     top = torch.topk(logprobs, top_k, dim=-1)
     return top.indices, top.values
+
+
+def top_k_proposal(
+    model: DFlashDraft, embed: torch.Tensor, lm_head: torch.Tensor, block: torch.Tensor, positions: torch.Tensor,
+    context: list[tuple[torch.Tensor, torch.Tensor]], top_k: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One eager block pass over ``context`` (per layer (k, v) [H_kv, S, D])."""
+    return top_k_of(model(embed[block].to(model.fc.weight.dtype), positions, context), lm_head, top_k)
 
 
 class BlockGraphs:
@@ -79,40 +94,56 @@ class BlockGraphs:
             self._live -= 1
 
     def run(
-        self, cache, graphs: dict, anchor_token: int, anchor_position: int, first: int, top_k: int
+        self, cache, graphs: dict, anchor_token: int, anchor_position: int, first: int, top_k: int,
+        features: torch.Tensor | None = None, feature_position: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Top-K ids and log-probs of one block, or None when the cache has outgrown its preallocation."""
-        if cache.k[0].shape[1] != self.context:
+        """Top-K ids and log-probs of one block, appending ``features`` [m, taps * hidden] (m <= B,
+        positions ``feature_position ..``) to ``cache`` first; None when the pass cannot run here
+        (the cache outgrew its preallocation, or capture failed): the caller runs it eagerly and
+        appends nothing itself before asking again."""
+        b = self.model.config.block_size
+        m = 0 if features is None else features.shape[0]
+        end = cache.size + m
+        if self.failed or not cache.k or cache.k[0].shape[1] != self.context or end + b > self.context or m > b:
             return None
-        span = min(attention_span(cache.size), self.context)
-        key = (span, top_k)
+        span = min(attention_span(end + b), self.context)
+        key = (span, top_k, features is not None)
         p = graphs.get(key)
-        head = torch.tensor([anchor_token, anchor_position, first, cache.size], dtype=torch.int64)
+        head = torch.tensor([anchor_token, anchor_position, first, end, cache.size, feature_position], dtype=torch.int64)
+        fresh = p is None
+        if fresh:
+            width = self.model.fc.in_features
+            buffer = None if features is None else torch.zeros(b, width, device=self.device, dtype=self.model.fc.weight.dtype)
+            p = BlockPass(torch.zeros(HEAD, dtype=torch.int64, device=self.device), buffer, None, None, None)
+        p.head.copy_(head)
+        if features is not None:
+            p.features[:m].copy_(features)
+        compute = lambda: self._compute(cache, p.head, p.features, span, top_k)  # noqa: E731
         if not self.capture:  # the same fixed-shape pass, run eagerly (CPU; how CI tests it)
-            return self._compute(cache, head.to(self.device), span, top_k)
-        if self.failed:
-            return None
-        if p is None:
-            buf = head.to(self.device)
+            return compute()
+        if fresh:
             # Each graph gets its own memory pool: graphs die with their sequence, and a pool shared
             # with dead graphs is gone (capturing into it again fails inside the CUDA allocator).
             try:
-                graph, (ids, logprobs) = capture(lambda: self._compute(cache, buf, span, top_k), self.device)
+                p.graph, (p.top_ids, p.top_logprobs) = capture(compute, self.device)
             except RuntimeError as exc:  # contained: the worker keeps serving on the eager pass
                 logger.error("CUDA graph capture of the draft's block pass failed; serving eagerly from now on: %s", exc)
                 self.failed = True
                 return None
-            p = graphs[key] = BlockPass(buf, graph, ids, logprobs)
+            graphs[key] = p
         else:
-            p.head.copy_(head)
             p.graph.replay()
         return p.top_ids, p.top_logprobs
 
-    def _compute(self, cache, head: torch.Tensor, span: int, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _compute(self, cache, head: torch.Tensor, features: torch.Tensor | None, span: int, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.model.config
-        block = torch.where(self._rows == 0, head[0], c.mask_token_id)  # [B]: anchor, MASK × (B-1)
-        positions = head[1] + self._rows
+        rows = self._rows  # [B]
+        caches = list(zip(cache.k, cache.v))
+        if features is not None:
+            self.model.append_cached(features, head[5] + rows, caches, head[4] + rows)
+        block = torch.where(rows == 0, head[0], c.mask_token_id)  # [B]: anchor, MASK × (B-1)
         cols = self._cols[:span]
-        visible = (cols >= head[2]) & (cols < head[3])  # [span]
-        context = [(k[:, :span], v[:, :span]) for k, v in zip(cache.k, cache.v)]
-        return top_k_proposal(self.model, self.embed, self.lm_head, block, positions, context, top_k, visible)
+        visible = (cols >= head[2]) & (cols < head[3] + c.block_size)  # [span]: the window, then the block
+        mask = visible[None, :].expand(c.block_size, -1)
+        hidden = self.model.forward_cached(self.embed[block].to(self.model.fc.weight.dtype), head[1] + rows, caches, head[3] + rows, mask)
+        return top_k_of(hidden, self.lm_head, top_k)

@@ -133,6 +133,21 @@ class DFlashLayer(nn.Module):
         h = h + attn.attend(q, keys, values, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
 
+    def forward_cached(
+        self,
+        h: torch.Tensor,  # [B, hidden] block rows
+        cos: torch.Tensor,  # [B, D]
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,  # [H_kv, capacity, D]: the context's keys, then room for the block's
+        v_cache: torch.Tensor,
+        slots: torch.Tensor,  # [B] where the block's own keys and values go
+        mask: torch.Tensor,  # [B, S] bool over cache slots: the visible context and the block
+    ) -> torch.Tensor:
+        """:meth:`forward` with the block's keys written next to the context in its cache instead
+        of concatenated to it: fixed shapes and addresses (CUDA graphs), one attention kernel."""
+        h = h + self.self_attn.project_attend_cached(self.input_layernorm(h), cos, sin, k_cache, v_cache, slots, mask)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
 
 class DFlashDraft(nn.Module):
     def __init__(self, config: DFlashConfig) -> None:
@@ -153,6 +168,34 @@ class DFlashDraft(nn.Module):
         c = self.hidden_norm(self.fc(features))
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, c.dtype)
         return [layer.self_attn.key_value(c, cos, sin) for layer in self.layers]
+
+    def append_cached(
+        self,
+        features: torch.Tensor,  # [R, taps * hidden]
+        positions: torch.Tensor,  # [R] absolute
+        caches: Sequence[tuple[torch.Tensor, torch.Tensor]],  # per layer (k, v) [H_kv, capacity, D]
+        slots: torch.Tensor,  # [R] cache slots of the rows
+    ) -> None:
+        """:meth:`context_kv` written straight into the cache slots (fixed shapes: CUDA graphs)."""
+        for (k_cache, v_cache), (k, v) in zip(caches, self._context_kv(features, positions), strict=True):
+            k_cache.index_copy_(1, slots, k)
+            v_cache.index_copy_(1, slots, v)
+
+    @torch.inference_mode()
+    def forward_cached(
+        self,
+        noise: torch.Tensor,  # [B, hidden]
+        positions: torch.Tensor,  # [B] absolute
+        caches: Sequence[tuple[torch.Tensor, torch.Tensor]],  # per layer (k, v) [H_kv, capacity, D]
+        slots: torch.Tensor,  # [B] free cache slots for the block's own keys and values
+        mask: torch.Tensor,  # [B, S] bool over cache slots 0 .. S: visible context and the block's slots
+    ) -> torch.Tensor:
+        """:meth:`forward` over a preallocated cache (see ``DFlashLayer.forward_cached``)."""
+        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, noise.dtype)
+        h = noise
+        for layer, (k, v) in zip(self.layers, caches, strict=True):
+            h = layer.forward_cached(h, cos, sin, k, v, slots, mask)
+        return self.norm(h)
 
     def _blocks(
         self,
@@ -179,16 +222,11 @@ class DFlashDraft(nn.Module):
         self,
         noise: torch.Tensor,  # [B, hidden]: target embeddings of [anchor, MASK × (B-1)]
         positions: torch.Tensor,  # [B] absolute positions anchor_position + 0..B-1
-        context: Sequence[tuple[torch.Tensor, torch.Tensor]],  # per layer (k, v) [H_kv, S, D]
-        context_mask: torch.Tensor | None = None,  # [S] bool: which context slots are visible; None = all
+        context: Sequence[tuple[torch.Tensor, torch.Tensor]],  # per layer (k, v) [H_kv, S, D], all visible
     ) -> torch.Tensor:
         """Returns the normalised block hidden states [B, hidden]; apply the target LM head to rows 1..B-1."""
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, noise.dtype)
-        mask = None
-        if context_mask is not None:
-            visible = torch.cat([context_mask, context_mask.new_ones(noise.shape[0])])  # [S + B]
-            mask = visible[None, :].expand(noise.shape[0], -1)
-        return self._blocks(noise, cos, sin, context, mask)
+        return self._blocks(noise, cos, sin, context, None)
 
     def forward_blocks(
         self,

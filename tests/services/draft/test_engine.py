@@ -64,17 +64,27 @@ def draft(tiny_pair):
     return model, cfg, embed, head, weights
 
 
-@pytest.mark.parametrize("fixed_shapes", [False, True], ids=["eager", "fixed-shapes"])
-@pytest.mark.parametrize("window", [0, 5])
-def test_incremental_proposals_match_reference(draft, window, fixed_shapes):
-    """Both paths: the eager pass and the graph path's fixed shapes (preallocated context, masked span)."""
+@pytest.mark.parametrize(
+    ("window", "fixed_shapes", "native"),
+    [(0, False, "0"), (5, False, "0"), (0, True, "0"), (5, True, "0"), (5, True, "1")],  # kernels: slow in the interpreter
+    ids=["eager", "eager-window", "fixed-shapes", "fixed-shapes-window", "fixed-shapes-window-kernels"],
+)
+def test_incremental_proposals_match_reference(draft, window, fixed_shapes, native, monkeypatch):
+    """Both paths: the eager pass and the graph path's fixed shapes (preallocated context, masked
+    span, appends of up to a block inside the pass), with the plain-torch layers and with the
+    native kernels (Triton's interpreter)."""
+    monkeypatch.setenv("SPLITSPEC_NATIVE_CPU", native)
     model, cfg, embed, head, w = draft
-    graphs = BlockGraphs(model, embed, head, context=64, sequences=1, capture=False) if fixed_shapes else None
+    graphs = BlockGraphs(model, embed, head, context=96, sequences=1, capture=False) if fixed_shapes else None
     engine = DraftEngine(model, embed, head, graphs=graphs)
+    in_pass_appends = []  # a spy: the real method runs
+    append_cached = model.append_cached
+    monkeypatch.setattr(model, "append_cached", lambda f, *a: in_pass_appends.append(len(f)) or append_cached(f, *a))
     g = torch.Generator().manual_seed(window)
-    features = torch.randn(40, cfg.num_taps * cfg.hidden_size, generator=g)
-    # Committed positions arrive in pieces: a prompt of 9, then steps of 1, 4 and 7.
-    for end, anchor in [(9, 17), (10, 3), (14, 200), (21, 64)]:
+    features = torch.randn(80, cfg.num_taps * cfg.hidden_size, generator=g)
+    big = 21 + cfg.block_size + 3  # more new rows than a block: appended eagerly, then a block-only pass
+    # Committed positions arrive in pieces: a prompt of 9, then steps of 1, 4, 7, more than a block, 2.
+    for end, anchor in [(9, 17), (10, 3), (14, 200), (21, 64), (big, 5), (big + 2, 9)]:
         prev = max((s.ctx_end for s in engine.sequences.values()), default=0)
         proposal = engine.propose("s", anchor, end, features[prev:end], top_k=5, window=window)
         first = max(0, end - window) if window else 0
@@ -83,7 +93,9 @@ def test_incremental_proposals_match_reference(draft, window, fixed_shapes):
         assert torch.equal(proposal.top_ids.long(), top.indices)
         assert torch.allclose(proposal.top_logprobs, top.values, atol=1e-5)
     if fixed_shapes:  # the preallocated context never grew: the graph path served every step
-        assert engine.sequences.get("s").cache.k[0].shape[1] == 64
+        assert engine.sequences.get("s").cache.k[0].shape[1] == 96
+    # The steps of 1, 4, 7 and 2 new rows were appended inside the pass (padded to a block).
+    assert in_pass_appends == ([cfg.block_size] * 4 if fixed_shapes else [])
 
 
 def test_refuses_gaps_and_bad_arguments(draft):
