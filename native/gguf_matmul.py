@@ -77,6 +77,15 @@ if triton is not None:
         return tl.load(w_ptr.to(tl.pointer_type(tl.float16)) + byte_offset // 2).to(tl.float32)
 
     @triton.jit
+    def _exact_f32(q, offset: tl.constexpr):
+        """int32 0 <= q < 2**23 -> float32 ``q - offset``, exactly: q ORed into the mantissa of 2**23
+        (bits 0x4B000000) is the float 2**23 + q. Two full-rate ALU operations, where an integer
+        to float conversion runs at a quarter of the rate on NVIDIA GPUs and would bound the kernel."""
+        return (q | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + offset)
+
+    # -------------------------------------------------------------------- tl.dot path (M > 8)
+
+    @triton.jit
     def _q8_0_chunk(w_ptr, rows, row_nbytes, k0, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
         """Values k0 .. k0 + CHUNK of ``rows`` [BLOCK_N] -> f32 [BLOCK_N, CHUNK]; CHUNK / 32 blocks
         of f16 d + 32 int8 q, value = d * q."""
@@ -84,8 +93,23 @@ if triton is not None:
         blocks = k0 // 32 + tl.arange(0, G)
         base = rows[:, None] * row_nbytes + blocks[None, :] * 34  # [BLOCK_N, G]
         d = _f16(w_ptr, base)
-        q = tl.load(w_ptr + base[:, :, None] + 2 + tl.arange(0, 32)[None, None, :]).to(tl.int8, bitcast=True)
-        return tl.reshape(q.to(tl.float32) * d[:, :, None], (BLOCK_N, CHUNK))
+        q = tl.load(w_ptr + base[:, :, None] + 2 + tl.arange(0, 32)[None, None, :]).to(tl.int32)
+        return tl.reshape(_exact_f32(q ^ 128, 128.0) * d[:, :, None], (BLOCK_N, CHUNK))  # q ^ 128: int8 + 128
+
+    @triton.jit
+    def _q4_k_scale_min(w_ptr, block_byte, s):
+        """Sub-block ``s`` [G] of the Q4_K super-blocks at ``block_byte`` [BLOCK_N, G] -> its 6-bit
+        (scale, min) as int32 [BLOCK_N, G]: bytes 4 .. 15 hold scale s and min s in the low 6 bits of
+        bytes s and s + 4 for s < 4; for s >= 4 the low and high nibbles of byte s + 4 plus the top two
+        bits of bytes s - 4 and s."""
+        scale_bytes = block_byte + 4
+        lo = tl.load(w_ptr + scale_bytes + s[None, :]).to(tl.int32)  # byte s
+        hi = tl.load(w_ptr + scale_bytes + 4 + s[None, :]).to(tl.int32)  # byte s + 4
+        low = tl.load(w_ptr + scale_bytes + (s % 4)[None, :]).to(tl.int32)  # byte s - 4 for s >= 4
+        first = (s < 4)[None, :]
+        scale = tl.where(first, lo & 63, (hi & 15) | ((low >> 6) << 4))
+        minimum = tl.where(first, hi & 63, (hi >> 4) | ((lo >> 6) << 4))
+        return scale, minimum
 
     @triton.jit
     def _q4_k_chunk(w_ptr, rows, row_nbytes, k0, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
@@ -96,19 +120,13 @@ if triton is not None:
         G: tl.constexpr = CHUNK // 32
         s = (k0 % 256) // 32 + tl.arange(0, G)  # [G] sub-blocks of this chunk
         base = rows * row_nbytes + (k0 // 256) * 144  # [BLOCK_N]
-        scale_bytes = base[:, None] + 4
-        lo = tl.load(w_ptr + scale_bytes + s[None, :])  # byte s
-        hi = tl.load(w_ptr + scale_bytes + 4 + s[None, :])  # byte s + 4
-        low = tl.load(w_ptr + scale_bytes + (s % 4)[None, :])  # byte s - 4 for s >= 4
-        first = (s < 4)[None, :]
-        scale = tl.where(first, lo & 63, (hi & 15) | ((low >> 6) << 4)).to(tl.float32)  # [BLOCK_N, G]
-        minimum = tl.where(first, hi & 63, (hi >> 4) | ((lo >> 6) << 4)).to(tl.float32)
-        d = _f16(w_ptr, base)[:, None] * scale
-        dmin = _f16(w_ptr, base + 2)[:, None] * minimum
+        scale, minimum = _q4_k_scale_min(w_ptr, base[:, None], s)
+        d = _f16(w_ptr, base)[:, None] * scale.to(tl.float32)  # [BLOCK_N, G]
+        dmin = _f16(w_ptr, base + 2)[:, None] * minimum.to(tl.float32)
         offsets = 16 + 32 * (s // 2)[:, None] + tl.arange(0, 32)[None, :]  # [G, 32]
         shifts = (4 * (s % 2))[:, None]
-        q = (tl.load(w_ptr + base[:, None, None] + offsets[None, :, :]) >> shifts[None, :, :]) & 15
-        return tl.reshape(d[:, :, None] * q.to(tl.float32) - dmin[:, :, None], (BLOCK_N, CHUNK))
+        q = (tl.load(w_ptr + base[:, None, None] + offsets[None, :, :]).to(tl.int32) >> shifts[None, :, :]) & 15
+        return tl.reshape(d[:, :, None] * _exact_f32(q, 0.0) - dmin[:, :, None], (BLOCK_N, CHUNK))
 
     @triton.jit
     def _q6_k_chunk(w_ptr, rows, row_nbytes, k0, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
@@ -124,9 +142,9 @@ if triton is not None:
         base = rows * row_nbytes + (k0 // 256) * 210  # [BLOCK_N]
         low_at = (64 * h + 32 * (r % 2))[:, None] + lane  # [G, 32]
         high_at = 128 + (32 * h)[:, None] + lane
-        low = (tl.load(w_ptr + base[:, None, None] + low_at[None]) >> (4 * (r // 2))[None, :, None]) & 15
-        high = (tl.load(w_ptr + base[:, None, None] + high_at[None]) >> (2 * r)[None, :, None]) & 3
-        q = (low | (high << 4)).to(tl.float32) - 32.0  # [BLOCK_N, G, 32]
+        low = (tl.load(w_ptr + base[:, None, None] + low_at[None]).to(tl.int32) >> (4 * (r // 2))[None, :, None]) & 15
+        high = (tl.load(w_ptr + base[:, None, None] + high_at[None]).to(tl.int32) >> (2 * r)[None, :, None]) & 3
+        q = _exact_f32(low | (high << 4), 32.0)  # [BLOCK_N, G, 32]
         scales = w_ptr + base[:, None] + 192 + 2 * g[None, :]  # [BLOCK_N, G]: sub-blocks 2g, 2g + 1
         first = tl.load(scales).to(tl.int8, bitcast=True).to(tl.float32)
         second = tl.load(scales + 1).to(tl.int8, bitcast=True).to(tl.float32)
@@ -134,7 +152,7 @@ if triton is not None:
         scale = tl.where(lane[None] < 16, (d * first[:, :, None]), (d * second[:, :, None]))
         return tl.reshape(scale * q, (BLOCK_N, CHUNK))
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["M"])
     def _gguf_matmul_kernel(
         x_ptr, w_ptr, y_ptr,
         M, N, K, stride_xm, stride_ys, stride_ym, row_nbytes,
@@ -160,33 +178,154 @@ if triton is not None:
                 w = _q6_k_chunk(w_ptr, rows, row_nbytes, k0, BLOCK_N, CHUNK)
             x = tl.load(x_ptr + m[:, None] * stride_xm + (k0 + tl.arange(0, CHUNK))[None, :], mask=m_ok[:, None], other=0.0)
             w = w.to(x.dtype)  # the weight as a dequantized model in x's dtype holds it
-            if BLOCK_M == 1:
-                acc += tl.sum(x.to(tl.float32) * w.to(tl.float32), axis=1)[None, :]
-            elif FP32_DOT:
+            if FP32_DOT:
                 acc += tl.dot(x, tl.trans(w), input_precision="ieee")
             else:
                 acc += tl.dot(x, tl.trans(w))
         y = y_ptr + split * stride_ys + m[:, None] * stride_ym + cols[None, :]
         tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & (cols < N)[None, :])
 
+    # -------------------------------------------------------------------- GEMV path (M <= 8)
+    # Each step expands BLOCK_N rows x CHUNK values once into float32 registers, in the order the
+    # bytes lie (a lane's loads are whole 4/16-byte words of one row), loads x in that same order,
+    # and reduces each sub-block's products before applying its scale (one multiply per sub-block,
+    # not per value). Then every one of the program's M_TILE x rows reuses the expanded step.
+
+    @triton.jit
+    def _accumulate(acc, part, mi, M_POW2: tl.constexpr):
+        """acc [M_POW2, BLOCK_N] with ``part`` [BLOCK_N] added to row ``mi``."""
+        return acc + tl.where(tl.arange(0, M_POW2)[:, None] == mi, part[None, :], 0.0)
+
+    @triton.jit
+    def _q8_0_gemv(acc, x_ptr, w_ptr, rows, row_nbytes, k0, m0, M, stride_xm,
+                   M_TILE: tl.constexpr, M_POW2: tl.constexpr, CHUNK: tl.constexpr):
+        """Q8_0: G = CHUNK / 32 blocks of f16 d then 32 int8 q; value = d * q."""
+        G: tl.constexpr = CHUNK // 32
+        g = tl.arange(0, G)
+        block = rows[:, None] * row_nbytes + (k0 // 32 + g)[None, :] * 34  # [BLOCK_N, G]
+        lane = tl.arange(0, 32)
+        q = tl.load(w_ptr + block[:, :, None] + 2 + lane[None, None, :]).to(tl.int32)  # [BLOCK_N, G, 32]
+        q = _exact_f32(q ^ 128, 128.0)  # q ^ 128 = int8 + 128
+        d = _f16(w_ptr, block)  # [BLOCK_N, G]
+        x_at = k0 + 32 * g[:, None] + lane[None, :]  # [G, 32]
+        for mi in tl.static_range(M_TILE):
+            x = tl.load(x_ptr + (m0 + mi) * stride_xm + x_at, mask=m0 + mi < M, other=0.0).to(tl.float32)
+            acc = _accumulate(acc, tl.sum(d * tl.sum(q * x[None], axis=2), axis=1), mi, M_POW2)
+        return acc
+
+    @triton.jit
+    def _q4_k_gemv(acc, x_ptr, w_ptr, rows, row_nbytes, k0, m0, M, stride_xm,
+                   M_TILE: tl.constexpr, M_POW2: tl.constexpr, CHUNK: tl.constexpr):
+        """Q4_K (layout in ``_q4_k_chunk``): G = CHUNK / 64 groups of 32 quant bytes, read as eight
+        int32 words; byte b of word i of group j holds value 64 j + 4 i + b of its super-block in
+        its low nibble (sub-block 2 j) and value 64 j + 32 + 4 i + b in its high one (2 j + 1)."""
+        G: tl.constexpr = CHUNK // 64
+        g = tl.arange(0, G)
+        j = g % 4
+        block = rows[:, None] * row_nbytes + (k0 // 256 + g // 4)[None, :] * 144  # [BLOCK_N, G] super-block bytes
+        word_at = tl.multiple_of((block + 16 + 32 * j[None, :]) // 4, (4, 4))  # 16-byte aligned: 144 = 9 * 16
+        words = tl.load(w_ptr.to(tl.pointer_type(tl.int32)) + word_at[:, :, None] + tl.arange(0, 8)[None, None, :])
+        byte = words[:, :, :, None] >> (8 * tl.arange(0, 4))[None, None, None, :]  # [BLOCK_N, G, 8, 4]
+        low = _exact_f32(byte & 15, 0.0)
+        high = _exact_f32((byte >> 4) & 15, 0.0)
+        scale_lo, min_lo = _q4_k_scale_min(w_ptr, block, 2 * j)
+        scale_hi, min_hi = _q4_k_scale_min(w_ptr, block, 2 * j + 1)
+        d, dmin = _f16(w_ptr, block), _f16(w_ptr, block + 2)  # [BLOCK_N, G]
+        x_at = k0 + 64 * g[:, None, None] + 4 * tl.arange(0, 8)[None, :, None] + tl.arange(0, 4)[None, None, :]  # [G, 8, 4]
+        for mi in tl.static_range(M_TILE):
+            x_row = x_ptr + (m0 + mi) * stride_xm
+            x_lo = tl.load(x_row + x_at, mask=m0 + mi < M, other=0.0).to(tl.float32)
+            x_hi = tl.load(x_row + x_at + 32, mask=m0 + mi < M, other=0.0).to(tl.float32)
+            dot_lo = tl.sum(tl.sum(low * x_lo[None], axis=3), axis=2)  # [BLOCK_N, G]
+            dot_hi = tl.sum(tl.sum(high * x_hi[None], axis=3), axis=2)
+            sum_lo = tl.sum(tl.sum(x_lo, axis=2), axis=1)[None, :]  # [1, G]
+            sum_hi = tl.sum(tl.sum(x_hi, axis=2), axis=1)[None, :]
+            part = d * (scale_lo.to(tl.float32) * dot_lo + scale_hi.to(tl.float32) * dot_hi) \
+                - dmin * (min_lo.to(tl.float32) * sum_lo + min_hi.to(tl.float32) * sum_hi)
+            acc = _accumulate(acc, tl.sum(part, axis=1), mi, M_POW2)
+        return acc
+
+    @triton.jit
+    def _q6_k_gemv(acc, x_ptr, w_ptr, rows, row_nbytes, k0, m0, M, stride_xm,
+                   M_TILE: tl.constexpr, M_POW2: tl.constexpr, CHUNK: tl.constexpr):
+        """Q6_K (layout in ``_q6_k_chunk``): G = CHUNK / 64 groups g = 4 sb + 2 h + p of 32 low-bit
+        bytes 64 h + 32 p + l, each in two halves t of 16 (a sub-block each); the low nibble is
+        value v = 128 h + 32 p + l (r = p), the high one v + 64 (r = p + 2), whose high bits are
+        bits 2 r of byte 128 + 32 h + l."""
+        G: tl.constexpr = CHUNK // 64
+        g = tl.arange(0, G)
+        h, p = (g % 4) // 2, g % 2
+        block = rows[:, None] * row_nbytes + (k0 // 256 + g // 4)[None, :] * 210  # [BLOCK_N, G]
+        l = 16 * tl.arange(0, 2)[:, None] + tl.arange(0, 16)[None, :]  # [2, 16]: t, lane
+        low_at = (64 * h + 32 * p)[:, None, None] + l[None]  # [G, 2, 16]
+        high_at = (128 + 32 * h)[:, None, None] + l[None]
+        ql = tl.load(w_ptr + block[:, :, None, None] + low_at[None]).to(tl.int32)  # [BLOCK_N, G, 2, 16]
+        qh = tl.load(w_ptr + block[:, :, None, None] + high_at[None]).to(tl.int32) >> (2 * p)[None, :, None, None]
+        low = _exact_f32((ql & 15) | ((qh & 3) << 4), 32.0)
+        high = _exact_f32((ql >> 4) | ((qh & 48)), 32.0)  # bits 2 r = 2 p + 4, moved to bits 4, 5
+        sub = (8 * h + 2 * p)[:, None] + tl.arange(0, 2)[None, :]  # [G, 2] sub-block of the low nibbles
+        scales = w_ptr + block[:, :, None] + 192 + sub[None]  # [BLOCK_N, G, 2]
+        d = _f16(w_ptr, block + 208)[:, :, None]
+        scale_lo = d * tl.load(scales).to(tl.int8, bitcast=True).to(tl.float32)
+        scale_hi = d * tl.load(scales + 4).to(tl.int8, bitcast=True).to(tl.float32)  # r + 2: sub-block + 4
+        x_at = k0 + 256 * (g // 4)[:, None, None] + (128 * h + 32 * p)[:, None, None] + l[None]  # [G, 2, 16]
+        for mi in tl.static_range(M_TILE):
+            x_row = x_ptr + (m0 + mi) * stride_xm
+            x_lo = tl.load(x_row + x_at, mask=m0 + mi < M, other=0.0).to(tl.float32)
+            x_hi = tl.load(x_row + x_at + 64, mask=m0 + mi < M, other=0.0).to(tl.float32)
+            part = scale_lo * tl.sum(low * x_lo[None], axis=3) + scale_hi * tl.sum(high * x_hi[None], axis=3)
+            acc = _accumulate(acc, tl.sum(tl.sum(part, axis=2), axis=1), mi, M_POW2)
+        return acc
+
+    @triton.jit(do_not_specialize=["M"])
+    def _gguf_gemv_kernel(
+        x_ptr, w_ptr, y_ptr,
+        M, N, stride_xm, stride_ys, stride_ym, row_nbytes,
+        QTYPE: tl.constexpr, M_TILE: tl.constexpr, M_POW2: tl.constexpr, BLOCK_N: tl.constexpr,
+        CHUNK: tl.constexpr, CHUNKS_PER_SPLIT: tl.constexpr,
+    ):
+        """y[split, m, n] for this program's M_TILE rows m and BLOCK_N features n (see above)."""
+        pid_n, split, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows = tl.minimum(cols, N - 1).to(tl.int64)
+        m0 = pid_m * M_TILE
+        acc = tl.zeros((M_POW2, BLOCK_N), dtype=tl.float32)
+        for i in range(CHUNKS_PER_SPLIT):
+            k0 = (split * CHUNKS_PER_SPLIT + i) * CHUNK
+            if QTYPE == 0:
+                acc = _q8_0_gemv(acc, x_ptr, w_ptr, rows, row_nbytes, k0, m0, M, stride_xm, M_TILE, M_POW2, CHUNK)
+            elif QTYPE == 1:
+                acc = _q4_k_gemv(acc, x_ptr, w_ptr, rows, row_nbytes, k0, m0, M, stride_xm, M_TILE, M_POW2, CHUNK)
+            else:
+                acc = _q6_k_gemv(acc, x_ptr, w_ptr, rows, row_nbytes, k0, m0, M, stride_xm, M_TILE, M_POW2, CHUNK)
+        m = m0 + tl.arange(0, M_POW2)
+        y = y_ptr + split * stride_ys + m[:, None] * stride_ym + cols[None, :]
+        tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=(m < M)[:, None] & (tl.arange(0, M_POW2) < M_TILE)[:, None] & (cols < N)[None, :])
+
 
 @dataclass(frozen=True)
 class Tiling:
     """How ``gguf_matmul`` cuts its work: ``block_n`` output features per program, ``chunk`` K
-    values per loop step, ``num_warps`` per program, and ``split_k`` programs sharing one tile's K
-    range (0: enough to make about two waves of programs on the device)."""
+    values per loop step, ``num_warps`` per program, ``split_k`` programs sharing one tile's K
+    range (0: enough to make about two waves of programs on the device), and ``gemv``: the GEMV
+    kernel (up to ``GEMV_ROWS`` x rows per program, CUDA cores) instead of ``tl.dot`` tiles."""
 
     block_n: int
     chunk: int
     num_warps: int
     split_k: int = 0
+    gemv: bool = False
+
+
+GEMV_ROWS = 8  # x rows one GEMV program multiplies with each expanded step
 
 
 def default_tiling(m: int) -> Tiling:
-    """The tiling for ``m`` input rows: wide K steps for decode, narrower tiles as m grows, so the
-    accumulator and the tiles stay in registers."""
-    if m == 1:
-        return Tiling(block_n=32, chunk=256, num_warps=4)
+    """The tiling for ``m`` input rows: the GEMV kernel up to ``GEMV_ROWS`` rows (decode, small
+    batches), where the weight's bytes dominate; ``tl.dot`` tiles above, narrower as m grows so
+    the accumulator and the tiles stay in registers."""
+    if m <= GEMV_ROWS:
+        return Tiling(block_n=8, chunk=1024, num_warps=4, gemv=True)
     if m <= 16:
         return Tiling(block_n=64, chunk=128, num_warps=4)
     if m <= 32:
@@ -215,6 +354,8 @@ def gguf_matmul(
     K = x.shape[-1]
     if raw.dtype != torch.uint8 or tuple(raw.shape) != (out_features, row_bytes(qtype, K)):
         raise ValueError(f"raw {qtype.name} weight must be uint8 [{out_features}, {row_bytes(qtype, K)}], got {raw.dtype} {list(raw.shape)}")
+    if not raw.is_contiguous():  # the GEMV kernel's 16-byte loads rely on whole packed rows
+        raise ValueError(f"raw {qtype.name} weight must be contiguous, got strides {raw.stride()}")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, K)
     if x2.stride(-1) != 1:
@@ -223,8 +364,13 @@ def gguf_matmul(
     if M == 0:
         return x.new_empty(*lead, N)
     tiling = tiling or default_tiling(M)
-    block_m = 1 if M == 1 else min(128, max(16, _next_power_of_2(M)))  # tl.dot wants 16 rows at least
-    block_n, chunk = tiling.block_n, tiling.chunk
+    if tiling.gemv:
+        block_m = min(M, GEMV_ROWS)
+        smallest_chunk = GGML_QUANT_SIZES[qtype][0]  # a step holds whole blocks (super-blocks)
+    else:
+        block_m = min(128, max(16, _next_power_of_2(M)))  # tl.dot wants 16 rows at least
+        smallest_chunk = 32
+    block_n, chunk = tiling.block_n, max(tiling.chunk, smallest_chunk)
     while K % chunk:  # Q8_0 rows are multiples of 32 only; K-quant rows always fit 256
         chunk //= 2
     tiles = triton.cdiv(N, block_n) * triton.cdiv(M, block_m)
@@ -233,12 +379,12 @@ def gguf_matmul(
     split_k = max(s for s in range(1, wanted + 1) if chunks % s == 0)  # equal K ranges, no tail
     y = x.new_empty(M, N) if split_k == 1 else torch.empty(split_k, M, N, device=x.device, dtype=torch.float32)
     grid = (triton.cdiv(N, block_n), split_k, triton.cdiv(M, block_m))
-    _gguf_matmul_kernel[grid](
-        x2, raw, y, M, N, K, x2.stride(0), y.stride(0) if split_k > 1 else 0, y.stride(-2), raw.stride(0),
-        QTYPE=_TYPE_IDS[qtype], BLOCK_M=block_m, BLOCK_N=block_n, CHUNK=chunk, CHUNKS_PER_SPLIT=chunks // split_k,
-        FP32_DOT=x.dtype == torch.float32,
-        num_warps=tiling.num_warps,
-    )
+    common = dict(QTYPE=_TYPE_IDS[qtype], BLOCK_N=block_n, CHUNK=chunk, CHUNKS_PER_SPLIT=chunks // split_k, num_warps=tiling.num_warps)
+    strides = (x2.stride(0), y.stride(0) if split_k > 1 else 0, y.stride(-2), raw.stride(0))
+    if tiling.gemv:
+        _gguf_gemv_kernel[grid](x2, raw, y, M, N, *strides, M_TILE=block_m, M_POW2=_next_power_of_2(block_m), **common)
+    else:
+        _gguf_matmul_kernel[grid](x2, raw, y, M, N, K, *strides, BLOCK_M=block_m, FP32_DOT=x.dtype == torch.float32, **common)
     if split_k > 1:
         y = y.sum(0).to(x.dtype)  # fixed order, unlike atomics: the same input gives the same bits
     return y.reshape(*lead, N)
