@@ -6,17 +6,25 @@ reads 2-4x fewer bytes than a bf16 matmul. ``W`` [N, K] is held as the file's ra
 tensor [N, K / block_values * block_bytes], row n being the blocks of output feature n, exactly as
 GGUF stores it (see ``models.dequant`` for the block layouts).
 
-Kernel shape: one program per tile of ``BLOCK_N`` output features (and ``BLOCK_M`` input rows),
-walking K in chunks of ``CHUNK`` values; each chunk's bytes are loaded, expanded to float32 in
-registers and multiplied with the matching slice of x: by a broadcast multiply-add and row sums
-when M = 1 (decode), by ``tl.dot`` (tensor cores, M padded to 16) otherwise (tree verify, prefill).
-When the tiles are too few to fill the GPU, K is split over ``SPLIT_K`` programs whose float32
-partial sums are added afterwards in a fixed order, so a result never depends on scheduling.
+Two kernels, chosen by ``Tiling.gemv`` (``default_tiling`` picks by M). The GEMV kernel (M = 1,
+decode): one program per ``BLOCK_N`` output features and x row; each step of ``CHUNK`` values
+loads the rows' bytes as whole runs (16-byte vectors for Q4_K), expands them with their scales to
+float32 in registers, in the order the bytes lie, and multiply-adds them with x loaded in that
+order into a per-lane accumulator that is reduced once, after the K loop: the work per byte is a
+few ALU operations and no cross-lane traffic, so the kernel can run at memory speed. Integers
+become floats by the 2**23 mantissa trick (``_exact_f32``): conversion instructions run at a
+quarter rate and would bound it. The ``tl.dot`` kernel (tree verify, prefill): one program per
+tile of ``BLOCK_N`` features and ``BLOCK_M`` (16-128) rows, each chunk's blocks expanded once
+and multiplied on tensor cores. When the tiles are too few to fill the GPU, K is split over
+``SPLIT_K`` programs whose float32 partial sums are added afterwards in a fixed order, so a
+result never depends on scheduling.
 
 Terms: a *block* is GGUF's unit of quantization (32 values for Q8_0, a 256-value *super-block*
 for the K-quants); a *sub-block* shares one scale inside a super-block (32 values for Q4_K, 16
-for Q6_K). The weight is rounded to x's dtype before the multiply, as a dequantized model in that
-dtype holds it, and products accumulate in float32; the output has x's dtype.
+for Q6_K). Products accumulate in float32. The ``tl.dot`` kernel rounds the weight to x's dtype
+before the multiply, as a dequantized model in that dtype holds it; the GEMV kernel multiplies
+the float32 weight (closer to the exact product; both stay within x's dtype rounding of the
+reference). The output has x's dtype.
 
 ``gguf_matmul_reference`` is the plain-torch definition the kernels are tested against, and
 ``QuantLinear`` is the ``nn.Linear`` stand-in the loader builds (``load_target(keep_quantized=True)``).
@@ -185,122 +193,99 @@ if triton is not None:
         y = y_ptr + split * stride_ys + m[:, None] * stride_ym + cols[None, :]
         tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & (cols < N)[None, :])
 
-    # -------------------------------------------------------------------- GEMV path (M <= 8)
-    # Each step expands BLOCK_N rows x CHUNK values once into float32 registers, in the order the
-    # bytes lie (a lane's loads are whole 4/16-byte words of one row), loads x in that same order,
-    # and reduces each sub-block's products before applying its scale (one multiply per sub-block,
-    # not per value). Then every one of the program's M_TILE x rows reuses the expanded step.
+    # -------------------------------------------------------------------- GEMV path (M = 1)
+    # One x row per program. Each step loads BLOCK_N rows x CHUNK values as whole runs of bytes
+    # (16-byte vectors where the block layout allows), expands them to float32 with their scales
+    # in registers, in the order the bytes lie, and multiply-adds them with x loaded in that same
+    # order into an accumulator of the step's shape: no cross-lane work until the one reduction
+    # after the K loop. The returned (weights, x offsets) pairs cover the step's values once.
 
     @triton.jit
-    def _accumulate(acc, part, mi, M_POW2: tl.constexpr):
-        """acc [M_POW2, BLOCK_N] with ``part`` [BLOCK_N] added to row ``mi``."""
-        return acc + tl.where(tl.arange(0, M_POW2)[:, None] == mi, part[None, :], 0.0)
-
-    @triton.jit
-    def _q8_0_gemv(acc, x_ptr, w_ptr, rows, row_nbytes, k0, m0, M, stride_xm,
-                   M_TILE: tl.constexpr, M_POW2: tl.constexpr, CHUNK: tl.constexpr):
-        """Q8_0: G = CHUNK / 32 blocks of f16 d then 32 int8 q; value = d * q."""
+    def _q8_0_step(w_ptr, rows, row_nbytes, k0, CHUNK: tl.constexpr):
+        """Q8_0: G = CHUNK / 32 blocks of f16 d then 32 int8 q -> w [BLOCK_N, G, 32], x offsets [G, 32]."""
         G: tl.constexpr = CHUNK // 32
         g = tl.arange(0, G)
-        block = rows[:, None] * row_nbytes + (k0 // 32 + g)[None, :] * 34  # [BLOCK_N, G]
         lane = tl.arange(0, 32)
-        q = tl.load(w_ptr + block[:, :, None] + 2 + lane[None, None, :]).to(tl.int32)  # [BLOCK_N, G, 32]
-        q = _exact_f32(q ^ 128, 128.0)  # q ^ 128 = int8 + 128
-        d = _f16(w_ptr, block)  # [BLOCK_N, G]
-        x_at = k0 + 32 * g[:, None] + lane[None, :]  # [G, 32]
-        for mi in tl.static_range(M_TILE):
-            x = tl.load(x_ptr + (m0 + mi) * stride_xm + x_at, mask=m0 + mi < M, other=0.0).to(tl.float32)
-            acc = _accumulate(acc, tl.sum(d * tl.sum(q * x[None], axis=2), axis=1), mi, M_POW2)
-        return acc
+        block = rows[:, None] * row_nbytes + (k0 // 32 + g)[None, :] * 34  # [BLOCK_N, G]
+        q = tl.load(w_ptr + block[:, :, None] + 2 + lane[None, None, :]).to(tl.int32)
+        w = _exact_f32(q ^ 128, 128.0) * _f16(w_ptr, block)[:, :, None]  # q ^ 128 = int8 + 128
+        return w, k0 + 32 * g[:, None] + lane[None, :]
 
     @triton.jit
-    def _q4_k_gemv(acc, x_ptr, w_ptr, rows, row_nbytes, k0, m0, M, stride_xm,
-                   M_TILE: tl.constexpr, M_POW2: tl.constexpr, CHUNK: tl.constexpr):
-        """Q4_K (layout in ``_q4_k_chunk``): G = CHUNK / 64 groups of 32 quant bytes, read as eight
-        int32 words; byte b of word i of group j holds value 64 j + 4 i + b of its super-block in
-        its low nibble (sub-block 2 j) and value 64 j + 32 + 4 i + b in its high one (2 j + 1)."""
+    def _q4_k_step(w_ptr, rows, row_nbytes, k0, CHUNK: tl.constexpr):
+        """Q4_K (layout in ``_q4_k_chunk``): G = CHUNK / 64 groups of 32 quant bytes (16-byte
+        aligned: 144 = 9 * 16); byte l of group j holds value 64 j + l of its super-block in its low
+        nibble (sub-block 2 j) and 64 j + 32 + l in its high one -> (w_lo, w_hi) [BLOCK_N, G, 32]
+        and the x offsets of w_lo [G, 32] (w_hi's are 32 on)."""
         G: tl.constexpr = CHUNK // 64
         g = tl.arange(0, G)
         j = g % 4
-        block = rows[:, None] * row_nbytes + (k0 // 256 + g // 4)[None, :] * 144  # [BLOCK_N, G] super-block bytes
-        word_at = tl.multiple_of((block + 16 + 32 * j[None, :]) // 4, (4, 4))  # 16-byte aligned: 144 = 9 * 16
-        words = tl.load(w_ptr.to(tl.pointer_type(tl.int32)) + word_at[:, :, None] + tl.arange(0, 8)[None, None, :])
-        byte = words[:, :, :, None] >> (8 * tl.arange(0, 4))[None, None, None, :]  # [BLOCK_N, G, 8, 4]
-        low = _exact_f32(byte & 15, 0.0)
-        high = _exact_f32((byte >> 4) & 15, 0.0)
+        lane = tl.arange(0, 32)
+        block = rows[:, None] * row_nbytes + (k0 // 256 + g // 4)[None, :] * 144  # [BLOCK_N, G]
+        at = tl.multiple_of(block + 16 + 32 * j[None, :], (16, 16))
+        q = tl.load(w_ptr + at[:, :, None] + lane[None, None, :]).to(tl.int32)  # [BLOCK_N, G, 32]
         scale_lo, min_lo = _q4_k_scale_min(w_ptr, block, 2 * j)
         scale_hi, min_hi = _q4_k_scale_min(w_ptr, block, 2 * j + 1)
         d, dmin = _f16(w_ptr, block), _f16(w_ptr, block + 2)  # [BLOCK_N, G]
-        x_at = k0 + 64 * g[:, None, None] + 4 * tl.arange(0, 8)[None, :, None] + tl.arange(0, 4)[None, None, :]  # [G, 8, 4]
-        for mi in tl.static_range(M_TILE):
-            x_row = x_ptr + (m0 + mi) * stride_xm
-            x_lo = tl.load(x_row + x_at, mask=m0 + mi < M, other=0.0).to(tl.float32)
-            x_hi = tl.load(x_row + x_at + 32, mask=m0 + mi < M, other=0.0).to(tl.float32)
-            dot_lo = tl.sum(tl.sum(low * x_lo[None], axis=3), axis=2)  # [BLOCK_N, G]
-            dot_hi = tl.sum(tl.sum(high * x_hi[None], axis=3), axis=2)
-            sum_lo = tl.sum(tl.sum(x_lo, axis=2), axis=1)[None, :]  # [1, G]
-            sum_hi = tl.sum(tl.sum(x_hi, axis=2), axis=1)[None, :]
-            part = d * (scale_lo.to(tl.float32) * dot_lo + scale_hi.to(tl.float32) * dot_hi) \
-                - dmin * (min_lo.to(tl.float32) * sum_lo + min_hi.to(tl.float32) * sum_hi)
-            acc = _accumulate(acc, tl.sum(part, axis=1), mi, M_POW2)
-        return acc
+        w_lo = _exact_f32(q & 15, 0.0) * (d * scale_lo.to(tl.float32))[:, :, None] - (dmin * min_lo.to(tl.float32))[:, :, None]
+        w_hi = _exact_f32(q >> 4, 0.0) * (d * scale_hi.to(tl.float32))[:, :, None] - (dmin * min_hi.to(tl.float32))[:, :, None]
+        return w_lo, w_hi, k0 + 64 * g[:, None] + lane[None, :]
 
     @triton.jit
-    def _q6_k_gemv(acc, x_ptr, w_ptr, rows, row_nbytes, k0, m0, M, stride_xm,
-                   M_TILE: tl.constexpr, M_POW2: tl.constexpr, CHUNK: tl.constexpr):
-        """Q6_K (layout in ``_q6_k_chunk``): G = CHUNK / 64 groups g = 4 sb + 2 h + p of 32 low-bit
-        bytes 64 h + 32 p + l, each in two halves t of 16 (a sub-block each); the low nibble is
-        value v = 128 h + 32 p + l (r = p), the high one v + 64 (r = p + 2), whose high bits are
-        bits 2 r of byte 128 + 32 h + l."""
-        G: tl.constexpr = CHUNK // 64
-        g = tl.arange(0, G)
-        h, p = (g % 4) // 2, g % 2
-        block = rows[:, None] * row_nbytes + (k0 // 256 + g // 4)[None, :] * 210  # [BLOCK_N, G]
-        l = 16 * tl.arange(0, 2)[:, None] + tl.arange(0, 16)[None, :]  # [2, 16]: t, lane
-        low_at = (64 * h + 32 * p)[:, None, None] + l[None]  # [G, 2, 16]
-        high_at = (128 + 32 * h)[:, None, None] + l[None]
-        ql = tl.load(w_ptr + block[:, :, None, None] + low_at[None]).to(tl.int32)  # [BLOCK_N, G, 2, 16]
-        qh = tl.load(w_ptr + block[:, :, None, None] + high_at[None]).to(tl.int32) >> (2 * p)[None, :, None, None]
-        low = _exact_f32((ql & 15) | ((qh & 3) << 4), 32.0)
-        high = _exact_f32((ql >> 4) | ((qh & 48)), 32.0)  # bits 2 r = 2 p + 4, moved to bits 4, 5
-        sub = (8 * h + 2 * p)[:, None] + tl.arange(0, 2)[None, :]  # [G, 2] sub-block of the low nibbles
-        scales = w_ptr + block[:, :, None] + 192 + sub[None]  # [BLOCK_N, G, 2]
-        d = _f16(w_ptr, block + 208)[:, :, None]
+    def _q6_k_step(w_ptr, rows, row_nbytes, k0, CHUNK: tl.constexpr):
+        """Q6_K (layout in ``_q6_k_chunk``): U = CHUNK / 32 runs u = 8 sb + v of 16 low-bit bytes
+        16 v + i, v = 4 h + 2 p + t; the low nibble is value 128 h + 32 p + 16 t + i (r = p,
+        sub-block v + 4 h), the high one that + 64 (r = p + 2, sub-block + 4); their high bits are
+        bits 2 r of byte 128 + 32 h + 16 t + i -> (w_lo, w_hi) [BLOCK_N, U, 16] and the x offsets
+        of w_lo [U, 16] (w_hi's are 64 on)."""
+        U: tl.constexpr = CHUNK // 32
+        u = tl.arange(0, U)
+        v = u % 8
+        h, p, t = v // 4, (v // 2) % 2, v % 2
+        lane = tl.arange(0, 16)
+        block = rows[:, None] * row_nbytes + (k0 // 256 + u // 8)[None, :] * 210  # [BLOCK_N, U]
+        ql = tl.load(w_ptr + block[:, :, None] + (16 * v)[None, :, None] + lane[None, None, :]).to(tl.int32)
+        qh_at = (128 + 32 * h + 16 * t)[None, :, None] + lane[None, None, :]
+        qh = tl.load(w_ptr + block[:, :, None] + qh_at).to(tl.int32) >> (2 * p)[None, :, None]
+        scales = w_ptr + block + 192 + (v + 4 * h)[None, :]  # [BLOCK_N, U]
+        d = _f16(w_ptr, block + 208)
         scale_lo = d * tl.load(scales).to(tl.int8, bitcast=True).to(tl.float32)
-        scale_hi = d * tl.load(scales + 4).to(tl.int8, bitcast=True).to(tl.float32)  # r + 2: sub-block + 4
-        x_at = k0 + 256 * (g // 4)[:, None, None] + (128 * h + 32 * p)[:, None, None] + l[None]  # [G, 2, 16]
-        for mi in tl.static_range(M_TILE):
-            x_row = x_ptr + (m0 + mi) * stride_xm
-            x_lo = tl.load(x_row + x_at, mask=m0 + mi < M, other=0.0).to(tl.float32)
-            x_hi = tl.load(x_row + x_at + 64, mask=m0 + mi < M, other=0.0).to(tl.float32)
-            part = scale_lo * tl.sum(low * x_lo[None], axis=3) + scale_hi * tl.sum(high * x_hi[None], axis=3)
-            acc = _accumulate(acc, tl.sum(tl.sum(part, axis=2), axis=1), mi, M_POW2)
-        return acc
+        scale_hi = d * tl.load(scales + 4).to(tl.int8, bitcast=True).to(tl.float32)
+        w_lo = _exact_f32((ql & 15) | ((qh & 3) << 4), 32.0) * scale_lo[:, :, None]
+        w_hi = _exact_f32((ql >> 4) | (qh & 48), 32.0) * scale_hi[:, :, None]  # bits 2 p + 4 land on 4, 5
+        x_at = k0 + 256 * (u // 8)[:, None] + (128 * h + 32 * p + 16 * t)[:, None] + lane[None, :]
+        return w_lo, w_hi, x_at
 
-    @triton.jit(do_not_specialize=["M"])
+    @triton.jit
     def _gguf_gemv_kernel(
         x_ptr, w_ptr, y_ptr,
-        M, N, stride_xm, stride_ys, stride_ym, row_nbytes,
-        QTYPE: tl.constexpr, M_TILE: tl.constexpr, M_POW2: tl.constexpr, BLOCK_N: tl.constexpr,
-        CHUNK: tl.constexpr, CHUNKS_PER_SPLIT: tl.constexpr,
+        N, stride_xm, stride_ys, stride_ym, row_nbytes,
+        QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, CHUNKS_PER_SPLIT: tl.constexpr,
     ):
-        """y[split, m, n] for this program's M_TILE rows m and BLOCK_N features n (see above)."""
-        pid_n, split, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        """y[split, m, n] for x row m = program_id(2) and this program's BLOCK_N features n (see above)."""
+        pid_n, split, m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rows = tl.minimum(cols, N - 1).to(tl.int64)
-        m0 = pid_m * M_TILE
-        acc = tl.zeros((M_POW2, BLOCK_N), dtype=tl.float32)
+        x_row = x_ptr + m * stride_xm
+        if QTYPE == 0:
+            acc = tl.zeros((BLOCK_N, CHUNK // 32, 32), dtype=tl.float32)
+        elif QTYPE == 1:
+            acc = tl.zeros((BLOCK_N, CHUNK // 64, 32), dtype=tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_N, CHUNK // 32, 16), dtype=tl.float32)
         for i in range(CHUNKS_PER_SPLIT):
             k0 = (split * CHUNKS_PER_SPLIT + i) * CHUNK
             if QTYPE == 0:
-                acc = _q8_0_gemv(acc, x_ptr, w_ptr, rows, row_nbytes, k0, m0, M, stride_xm, M_TILE, M_POW2, CHUNK)
+                w, x_at = _q8_0_step(w_ptr, rows, row_nbytes, k0, CHUNK)
+                acc += w * tl.load(x_row + x_at).to(tl.float32)[None]
             elif QTYPE == 1:
-                acc = _q4_k_gemv(acc, x_ptr, w_ptr, rows, row_nbytes, k0, m0, M, stride_xm, M_TILE, M_POW2, CHUNK)
+                w_lo, w_hi, x_at = _q4_k_step(w_ptr, rows, row_nbytes, k0, CHUNK)
+                acc += w_lo * tl.load(x_row + x_at).to(tl.float32)[None] + w_hi * tl.load(x_row + x_at + 32).to(tl.float32)[None]
             else:
-                acc = _q6_k_gemv(acc, x_ptr, w_ptr, rows, row_nbytes, k0, m0, M, stride_xm, M_TILE, M_POW2, CHUNK)
-        m = m0 + tl.arange(0, M_POW2)
-        y = y_ptr + split * stride_ys + m[:, None] * stride_ym + cols[None, :]
-        tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=(m < M)[:, None] & (tl.arange(0, M_POW2) < M_TILE)[:, None] & (cols < N)[None, :])
+                w_lo, w_hi, x_at = _q6_k_step(w_ptr, rows, row_nbytes, k0, CHUNK)
+                acc += w_lo * tl.load(x_row + x_at).to(tl.float32)[None] + w_hi * tl.load(x_row + x_at + 64).to(tl.float32)[None]
+        y = tl.sum(tl.sum(acc, axis=2), axis=1)  # [BLOCK_N]
+        tl.store(y_ptr + split * stride_ys + m * stride_ym + cols, y.to(y_ptr.dtype.element_ty), mask=cols < N)
 
 
 @dataclass(frozen=True)
@@ -308,7 +293,7 @@ class Tiling:
     """How ``gguf_matmul`` cuts its work: ``block_n`` output features per program, ``chunk`` K
     values per loop step, ``num_warps`` per program, ``split_k`` programs sharing one tile's K
     range (0: enough to make about two waves of programs on the device), and ``gemv``: the GEMV
-    kernel (up to ``GEMV_ROWS`` x rows per program, CUDA cores) instead of ``tl.dot`` tiles."""
+    kernel (one x row per program, CUDA cores) instead of ``tl.dot`` tiles."""
 
     block_n: int
     chunk: int
@@ -317,15 +302,12 @@ class Tiling:
     gemv: bool = False
 
 
-GEMV_ROWS = 8  # x rows one GEMV program multiplies with each expanded step
-
-
 def default_tiling(m: int) -> Tiling:
-    """The tiling for ``m`` input rows: the GEMV kernel up to ``GEMV_ROWS`` rows (decode, small
-    batches), where the weight's bytes dominate; ``tl.dot`` tiles above, narrower as m grows so
-    the accumulator and the tiles stay in registers."""
-    if m <= GEMV_ROWS:
-        return Tiling(block_n=8, chunk=1024, num_warps=4, gemv=True)
+    """The tiling for ``m`` input rows: the GEMV kernel for one row (decode), where the weight's
+    bytes are all the work; ``tl.dot`` tiles above, which expand each weight value once for up to
+    16 rows, narrower as m grows so the accumulator and the tiles stay in registers."""
+    if m == 1:
+        return Tiling(block_n=8, chunk=512, num_warps=4, gemv=True)
     if m <= 16:
         return Tiling(block_n=64, chunk=128, num_warps=4)
     if m <= 32:
@@ -365,7 +347,7 @@ def gguf_matmul(
         return x.new_empty(*lead, N)
     tiling = tiling or default_tiling(M)
     if tiling.gemv:
-        block_m = min(M, GEMV_ROWS)
+        block_m = 1
         smallest_chunk = GGML_QUANT_SIZES[qtype][0]  # a step holds whole blocks (super-blocks)
     else:
         block_m = min(128, max(16, _next_power_of_2(M)))  # tl.dot wants 16 rows at least
@@ -382,7 +364,7 @@ def gguf_matmul(
     common = dict(QTYPE=_TYPE_IDS[qtype], BLOCK_N=block_n, CHUNK=chunk, CHUNKS_PER_SPLIT=chunks // split_k, num_warps=tiling.num_warps)
     strides = (x2.stride(0), y.stride(0) if split_k > 1 else 0, y.stride(-2), raw.stride(0))
     if tiling.gemv:
-        _gguf_gemv_kernel[grid](x2, raw, y, M, N, *strides, M_TILE=block_m, M_POW2=_next_power_of_2(block_m), **common)
+        _gguf_gemv_kernel[grid](x2, raw, y, N, *strides, **common)
     else:
         _gguf_matmul_kernel[grid](x2, raw, y, M, N, K, *strides, BLOCK_M=block_m, FP32_DOT=x.dtype == torch.float32, **common)
     if split_k > 1:
