@@ -227,8 +227,8 @@ if triton is not None:
         scale_lo, min_lo = _q4_k_scale_min(w_ptr, block, 2 * j)
         scale_hi, min_hi = _q4_k_scale_min(w_ptr, block, 2 * j + 1)
         d, dmin = _f16(w_ptr, block), _f16(w_ptr, block + 2)  # [BLOCK_N, G]
-        w_lo = _exact_f32(q & 15, 0.0) * (d * scale_lo.to(tl.float32))[:, :, None] - (dmin * min_lo.to(tl.float32))[:, :, None]
-        w_hi = _exact_f32(q >> 4, 0.0) * (d * scale_hi.to(tl.float32))[:, :, None] - (dmin * min_hi.to(tl.float32))[:, :, None]
+        w_lo = tl.fma(_exact_f32(q & 15, 0.0), (d * scale_lo.to(tl.float32))[:, :, None], -(dmin * min_lo.to(tl.float32))[:, :, None])
+        w_hi = tl.fma(_exact_f32(q >> 4, 0.0), (d * scale_hi.to(tl.float32))[:, :, None], -(dmin * min_hi.to(tl.float32))[:, :, None])
         return w_lo, w_hi, k0 + 64 * g[:, None] + lane[None, :]
 
     @triton.jit
@@ -277,13 +277,15 @@ if triton is not None:
             k0 = (split * CHUNKS_PER_SPLIT + i) * CHUNK
             if QTYPE == 0:
                 w, x_at = _q8_0_step(w_ptr, rows, row_nbytes, k0, CHUNK)
-                acc += w * tl.load(x_row + x_at).to(tl.float32)[None]
+                acc = tl.fma(w, tl.load(x_row + x_at).to(tl.float32)[None], acc)  # fma: the compiler does not fuse a += b * c here
             elif QTYPE == 1:
                 w_lo, w_hi, x_at = _q4_k_step(w_ptr, rows, row_nbytes, k0, CHUNK)
-                acc += w_lo * tl.load(x_row + x_at).to(tl.float32)[None] + w_hi * tl.load(x_row + x_at + 32).to(tl.float32)[None]
+                acc = tl.fma(w_lo, tl.load(x_row + x_at).to(tl.float32)[None], acc)
+                acc = tl.fma(w_hi, tl.load(x_row + x_at + 32).to(tl.float32)[None], acc)
             else:
                 w_lo, w_hi, x_at = _q6_k_step(w_ptr, rows, row_nbytes, k0, CHUNK)
-                acc += w_lo * tl.load(x_row + x_at).to(tl.float32)[None] + w_hi * tl.load(x_row + x_at + 64).to(tl.float32)[None]
+                acc = tl.fma(w_lo, tl.load(x_row + x_at).to(tl.float32)[None], acc)
+                acc = tl.fma(w_hi, tl.load(x_row + x_at + 64).to(tl.float32)[None], acc)
         y = tl.sum(tl.sum(acc, axis=2), axis=1)  # [BLOCK_N]
         tl.store(y_ptr + split * stride_ys + m * stride_ym + cols, y.to(y_ptr.dtype.element_ty), mask=cols < N)
 
