@@ -6,17 +6,25 @@ reads 2-4x fewer bytes than a bf16 matmul. ``W`` [N, K] is held as the file's ra
 tensor [N, K / block_values * block_bytes], row n being the blocks of output feature n, exactly as
 GGUF stores it (see ``models.dequant`` for the block layouts).
 
-Kernel shape: one program per tile of ``BLOCK_N`` output features (and ``BLOCK_M`` input rows),
-walking K in chunks of ``CHUNK`` values; each chunk's bytes are loaded, expanded to float32 in
-registers and multiplied with the matching slice of x: by a broadcast multiply-add and row sums
-when M = 1 (decode), by ``tl.dot`` (tensor cores, M padded to 16) otherwise (tree verify, prefill).
-When the tiles are too few to fill the GPU, K is split over ``SPLIT_K`` programs whose float32
-partial sums are added afterwards in a fixed order, so a result never depends on scheduling.
+Two kernels, chosen by ``Tiling.gemv`` (``default_tiling`` picks by M). The GEMV kernel (M = 1,
+decode): one program per ``BLOCK_N`` output features and x row; each step of ``CHUNK`` values
+loads the rows' bytes as whole runs (16-byte vectors for Q4_K), expands them with their scales to
+float32 in registers, in the order the bytes lie, and multiply-adds them with x loaded in that
+order into a per-lane accumulator that is reduced once, after the K loop: the work per byte is a
+few ALU operations and no cross-lane traffic, so the kernel can run at memory speed. Integers
+become floats by the 2**23 mantissa trick (``_exact_f32``): conversion instructions run at a
+quarter rate and would bound it. The ``tl.dot`` kernel (tree verify, prefill): one program per
+tile of ``BLOCK_N`` features and ``BLOCK_M`` (16-128) rows, each chunk's blocks expanded once
+and multiplied on tensor cores. When the tiles are too few to fill the GPU, K is split over
+``SPLIT_K`` programs whose float32 partial sums are added afterwards in a fixed order, so a
+result never depends on scheduling.
 
 Terms: a *block* is GGUF's unit of quantization (32 values for Q8_0, a 256-value *super-block*
 for the K-quants); a *sub-block* shares one scale inside a super-block (32 values for Q4_K, 16
-for Q6_K). The weight is rounded to x's dtype before the multiply, as a dequantized model in that
-dtype holds it, and products accumulate in float32; the output has x's dtype.
+for Q6_K). Products accumulate in float32. The ``tl.dot`` kernel rounds the weight to x's dtype
+before the multiply, as a dequantized model in that dtype holds it; the GEMV kernel multiplies
+the float32 weight (closer to the exact product; both stay within x's dtype rounding of the
+reference). The output has x's dtype.
 
 ``gguf_matmul_reference`` is the plain-torch definition the kernels are tested against, and
 ``QuantLinear`` is the ``nn.Linear`` stand-in the loader builds (``load_target(keep_quantized=True)``).
@@ -77,6 +85,15 @@ if triton is not None:
         return tl.load(w_ptr.to(tl.pointer_type(tl.float16)) + byte_offset // 2).to(tl.float32)
 
     @triton.jit
+    def _exact_f32(q, offset: tl.constexpr):
+        """int32 0 <= q < 2**23 -> float32 ``q - offset``, exactly: q ORed into the mantissa of 2**23
+        (bits 0x4B000000) is the float 2**23 + q. Two full-rate ALU operations, where an integer
+        to float conversion runs at a quarter of the rate on NVIDIA GPUs and would bound the kernel."""
+        return (q | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + offset)
+
+    # -------------------------------------------------------------------- tl.dot path (M > 8)
+
+    @triton.jit
     def _q8_0_chunk(w_ptr, rows, row_nbytes, k0, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
         """Values k0 .. k0 + CHUNK of ``rows`` [BLOCK_N] -> f32 [BLOCK_N, CHUNK]; CHUNK / 32 blocks
         of f16 d + 32 int8 q, value = d * q."""
@@ -84,8 +101,23 @@ if triton is not None:
         blocks = k0 // 32 + tl.arange(0, G)
         base = rows[:, None] * row_nbytes + blocks[None, :] * 34  # [BLOCK_N, G]
         d = _f16(w_ptr, base)
-        q = tl.load(w_ptr + base[:, :, None] + 2 + tl.arange(0, 32)[None, None, :]).to(tl.int8, bitcast=True)
-        return tl.reshape(q.to(tl.float32) * d[:, :, None], (BLOCK_N, CHUNK))
+        q = tl.load(w_ptr + base[:, :, None] + 2 + tl.arange(0, 32)[None, None, :]).to(tl.int32)
+        return tl.reshape(_exact_f32(q ^ 128, 128.0) * d[:, :, None], (BLOCK_N, CHUNK))  # q ^ 128: int8 + 128
+
+    @triton.jit
+    def _q4_k_scale_min(w_ptr, block_byte, s):
+        """Sub-block ``s`` [G] of the Q4_K super-blocks at ``block_byte`` [BLOCK_N, G] -> its 6-bit
+        (scale, min) as int32 [BLOCK_N, G]: bytes 4 .. 15 hold scale s and min s in the low 6 bits of
+        bytes s and s + 4 for s < 4; for s >= 4 the low and high nibbles of byte s + 4 plus the top two
+        bits of bytes s - 4 and s."""
+        scale_bytes = block_byte + 4
+        lo = tl.load(w_ptr + scale_bytes + s[None, :]).to(tl.int32)  # byte s
+        hi = tl.load(w_ptr + scale_bytes + 4 + s[None, :]).to(tl.int32)  # byte s + 4
+        low = tl.load(w_ptr + scale_bytes + (s % 4)[None, :]).to(tl.int32)  # byte s - 4 for s >= 4
+        first = (s < 4)[None, :]
+        scale = tl.where(first, lo & 63, (hi & 15) | ((low >> 6) << 4))
+        minimum = tl.where(first, hi & 63, (hi >> 4) | ((lo >> 6) << 4))
+        return scale, minimum
 
     @triton.jit
     def _q4_k_chunk(w_ptr, rows, row_nbytes, k0, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
@@ -96,19 +128,13 @@ if triton is not None:
         G: tl.constexpr = CHUNK // 32
         s = (k0 % 256) // 32 + tl.arange(0, G)  # [G] sub-blocks of this chunk
         base = rows * row_nbytes + (k0 // 256) * 144  # [BLOCK_N]
-        scale_bytes = base[:, None] + 4
-        lo = tl.load(w_ptr + scale_bytes + s[None, :])  # byte s
-        hi = tl.load(w_ptr + scale_bytes + 4 + s[None, :])  # byte s + 4
-        low = tl.load(w_ptr + scale_bytes + (s % 4)[None, :])  # byte s - 4 for s >= 4
-        first = (s < 4)[None, :]
-        scale = tl.where(first, lo & 63, (hi & 15) | ((low >> 6) << 4)).to(tl.float32)  # [BLOCK_N, G]
-        minimum = tl.where(first, hi & 63, (hi >> 4) | ((lo >> 6) << 4)).to(tl.float32)
-        d = _f16(w_ptr, base)[:, None] * scale
-        dmin = _f16(w_ptr, base + 2)[:, None] * minimum
+        scale, minimum = _q4_k_scale_min(w_ptr, base[:, None], s)
+        d = _f16(w_ptr, base)[:, None] * scale.to(tl.float32)  # [BLOCK_N, G]
+        dmin = _f16(w_ptr, base + 2)[:, None] * minimum.to(tl.float32)
         offsets = 16 + 32 * (s // 2)[:, None] + tl.arange(0, 32)[None, :]  # [G, 32]
         shifts = (4 * (s % 2))[:, None]
-        q = (tl.load(w_ptr + base[:, None, None] + offsets[None, :, :]) >> shifts[None, :, :]) & 15
-        return tl.reshape(d[:, :, None] * q.to(tl.float32) - dmin[:, :, None], (BLOCK_N, CHUNK))
+        q = (tl.load(w_ptr + base[:, None, None] + offsets[None, :, :]).to(tl.int32) >> shifts[None, :, :]) & 15
+        return tl.reshape(d[:, :, None] * _exact_f32(q, 0.0) - dmin[:, :, None], (BLOCK_N, CHUNK))
 
     @triton.jit
     def _q6_k_chunk(w_ptr, rows, row_nbytes, k0, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
@@ -124,9 +150,9 @@ if triton is not None:
         base = rows * row_nbytes + (k0 // 256) * 210  # [BLOCK_N]
         low_at = (64 * h + 32 * (r % 2))[:, None] + lane  # [G, 32]
         high_at = 128 + (32 * h)[:, None] + lane
-        low = (tl.load(w_ptr + base[:, None, None] + low_at[None]) >> (4 * (r // 2))[None, :, None]) & 15
-        high = (tl.load(w_ptr + base[:, None, None] + high_at[None]) >> (2 * r)[None, :, None]) & 3
-        q = (low | (high << 4)).to(tl.float32) - 32.0  # [BLOCK_N, G, 32]
+        low = (tl.load(w_ptr + base[:, None, None] + low_at[None]).to(tl.int32) >> (4 * (r // 2))[None, :, None]) & 15
+        high = (tl.load(w_ptr + base[:, None, None] + high_at[None]).to(tl.int32) >> (2 * r)[None, :, None]) & 3
+        q = _exact_f32(low | (high << 4), 32.0)  # [BLOCK_N, G, 32]
         scales = w_ptr + base[:, None] + 192 + 2 * g[None, :]  # [BLOCK_N, G]: sub-blocks 2g, 2g + 1
         first = tl.load(scales).to(tl.int8, bitcast=True).to(tl.float32)
         second = tl.load(scales + 1).to(tl.int8, bitcast=True).to(tl.float32)
@@ -134,7 +160,7 @@ if triton is not None:
         scale = tl.where(lane[None] < 16, (d * first[:, :, None]), (d * second[:, :, None]))
         return tl.reshape(scale * q, (BLOCK_N, CHUNK))
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["M"])
     def _gguf_matmul_kernel(
         x_ptr, w_ptr, y_ptr,
         M, N, K, stride_xm, stride_ys, stride_ym, row_nbytes,
@@ -160,33 +186,130 @@ if triton is not None:
                 w = _q6_k_chunk(w_ptr, rows, row_nbytes, k0, BLOCK_N, CHUNK)
             x = tl.load(x_ptr + m[:, None] * stride_xm + (k0 + tl.arange(0, CHUNK))[None, :], mask=m_ok[:, None], other=0.0)
             w = w.to(x.dtype)  # the weight as a dequantized model in x's dtype holds it
-            if BLOCK_M == 1:
-                acc += tl.sum(x.to(tl.float32) * w.to(tl.float32), axis=1)[None, :]
-            elif FP32_DOT:
+            if FP32_DOT:
                 acc += tl.dot(x, tl.trans(w), input_precision="ieee")
             else:
                 acc += tl.dot(x, tl.trans(w))
         y = y_ptr + split * stride_ys + m[:, None] * stride_ym + cols[None, :]
         tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & (cols < N)[None, :])
 
+    # -------------------------------------------------------------------- GEMV path (M = 1)
+    # One x row per program. Each step loads BLOCK_N rows x CHUNK values as whole runs of bytes
+    # (16-byte vectors where the block layout allows), expands them to float32 with their scales
+    # in registers, in the order the bytes lie, and multiply-adds them with x loaded in that same
+    # order into an accumulator of the step's shape: no cross-lane work until the one reduction
+    # after the K loop. The returned (weights, x offsets) pairs cover the step's values once.
+
+    @triton.jit
+    def _q8_0_step(w_ptr, rows, row_nbytes, k0, CHUNK: tl.constexpr):
+        """Q8_0: G = CHUNK / 32 blocks of f16 d then 32 int8 q -> w [BLOCK_N, G, 32], x offsets [G, 32]."""
+        G: tl.constexpr = CHUNK // 32
+        g = tl.arange(0, G)
+        lane = tl.arange(0, 32)
+        block = rows[:, None] * row_nbytes + (k0 // 32 + g)[None, :] * 34  # [BLOCK_N, G]
+        q = tl.load(w_ptr + block[:, :, None] + 2 + lane[None, None, :]).to(tl.int32)
+        w = _exact_f32(q ^ 128, 128.0) * _f16(w_ptr, block)[:, :, None]  # q ^ 128 = int8 + 128
+        return w, k0 + 32 * g[:, None] + lane[None, :]
+
+    @triton.jit
+    def _q4_k_step(w_ptr, rows, row_nbytes, k0, CHUNK: tl.constexpr):
+        """Q4_K (layout in ``_q4_k_chunk``): G = CHUNK / 64 groups of 32 quant bytes (16-byte
+        aligned: 144 = 9 * 16); byte l of group j holds value 64 j + l of its super-block in its low
+        nibble (sub-block 2 j) and 64 j + 32 + l in its high one -> (w_lo, w_hi) [BLOCK_N, G, 32]
+        and the x offsets of w_lo [G, 32] (w_hi's are 32 on)."""
+        G: tl.constexpr = CHUNK // 64
+        g = tl.arange(0, G)
+        j = g % 4
+        lane = tl.arange(0, 32)
+        block = rows[:, None] * row_nbytes + (k0 // 256 + g // 4)[None, :] * 144  # [BLOCK_N, G]
+        at = tl.multiple_of(block + 16 + 32 * j[None, :], (16, 16))
+        q = tl.load(w_ptr + at[:, :, None] + lane[None, None, :]).to(tl.int32)  # [BLOCK_N, G, 32]
+        scale_lo, min_lo = _q4_k_scale_min(w_ptr, block, 2 * j)
+        scale_hi, min_hi = _q4_k_scale_min(w_ptr, block, 2 * j + 1)
+        d, dmin = _f16(w_ptr, block), _f16(w_ptr, block + 2)  # [BLOCK_N, G]
+        w_lo = tl.fma(_exact_f32(q & 15, 0.0), (d * scale_lo.to(tl.float32))[:, :, None], -(dmin * min_lo.to(tl.float32))[:, :, None])
+        w_hi = tl.fma(_exact_f32(q >> 4, 0.0), (d * scale_hi.to(tl.float32))[:, :, None], -(dmin * min_hi.to(tl.float32))[:, :, None])
+        return w_lo, w_hi, k0 + 64 * g[:, None] + lane[None, :]
+
+    @triton.jit
+    def _q6_k_step(w_ptr, rows, row_nbytes, k0, CHUNK: tl.constexpr):
+        """Q6_K (layout in ``_q6_k_chunk``): U = CHUNK / 32 runs u = 8 sb + v of 16 low-bit bytes
+        16 v + i, v = 4 h + 2 p + t; the low nibble is value 128 h + 32 p + 16 t + i (r = p,
+        sub-block v + 4 h), the high one that + 64 (r = p + 2, sub-block + 4); their high bits are
+        bits 2 r of byte 128 + 32 h + 16 t + i -> (w_lo, w_hi) [BLOCK_N, U, 16] and the x offsets
+        of w_lo [U, 16] (w_hi's are 64 on)."""
+        U: tl.constexpr = CHUNK // 32
+        u = tl.arange(0, U)
+        v = u % 8
+        h, p, t = v // 4, (v // 2) % 2, v % 2
+        lane = tl.arange(0, 16)
+        block = rows[:, None] * row_nbytes + (k0 // 256 + u // 8)[None, :] * 210  # [BLOCK_N, U]
+        ql = tl.load(w_ptr + block[:, :, None] + (16 * v)[None, :, None] + lane[None, None, :]).to(tl.int32)
+        qh_at = (128 + 32 * h + 16 * t)[None, :, None] + lane[None, None, :]
+        qh = tl.load(w_ptr + block[:, :, None] + qh_at).to(tl.int32) >> (2 * p)[None, :, None]
+        scales = w_ptr + block + 192 + (v + 4 * h)[None, :]  # [BLOCK_N, U]
+        d = _f16(w_ptr, block + 208)
+        scale_lo = d * tl.load(scales).to(tl.int8, bitcast=True).to(tl.float32)
+        scale_hi = d * tl.load(scales + 4).to(tl.int8, bitcast=True).to(tl.float32)
+        w_lo = _exact_f32((ql & 15) | ((qh & 3) << 4), 32.0) * scale_lo[:, :, None]
+        w_hi = _exact_f32((ql >> 4) | (qh & 48), 32.0) * scale_hi[:, :, None]  # bits 2 p + 4 land on 4, 5
+        x_at = k0 + 256 * (u // 8)[:, None] + (128 * h + 32 * p + 16 * t)[:, None] + lane[None, :]
+        return w_lo, w_hi, x_at
+
+    @triton.jit
+    def _gguf_gemv_kernel(
+        x_ptr, w_ptr, y_ptr,
+        N, stride_xm, stride_ys, stride_ym, row_nbytes,
+        QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, CHUNKS_PER_SPLIT: tl.constexpr,
+    ):
+        """y[split, m, n] for x row m = program_id(2) and this program's BLOCK_N features n (see above)."""
+        pid_n, split, m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows = tl.minimum(cols, N - 1).to(tl.int64)
+        x_row = x_ptr + m * stride_xm
+        if QTYPE == 0:
+            acc = tl.zeros((BLOCK_N, CHUNK // 32, 32), dtype=tl.float32)
+        elif QTYPE == 1:
+            acc = tl.zeros((BLOCK_N, CHUNK // 64, 32), dtype=tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_N, CHUNK // 32, 16), dtype=tl.float32)
+        for i in range(CHUNKS_PER_SPLIT):
+            k0 = (split * CHUNKS_PER_SPLIT + i) * CHUNK
+            if QTYPE == 0:
+                w, x_at = _q8_0_step(w_ptr, rows, row_nbytes, k0, CHUNK)
+                acc = tl.fma(w, tl.load(x_row + x_at).to(tl.float32)[None], acc)  # fma: the compiler does not fuse a += b * c here
+            elif QTYPE == 1:
+                w_lo, w_hi, x_at = _q4_k_step(w_ptr, rows, row_nbytes, k0, CHUNK)
+                acc = tl.fma(w_lo, tl.load(x_row + x_at).to(tl.float32)[None], acc)
+                acc = tl.fma(w_hi, tl.load(x_row + x_at + 32).to(tl.float32)[None], acc)
+            else:
+                w_lo, w_hi, x_at = _q6_k_step(w_ptr, rows, row_nbytes, k0, CHUNK)
+                acc = tl.fma(w_lo, tl.load(x_row + x_at).to(tl.float32)[None], acc)
+                acc = tl.fma(w_hi, tl.load(x_row + x_at + 64).to(tl.float32)[None], acc)
+        y = tl.sum(tl.sum(acc, axis=2), axis=1)  # [BLOCK_N]
+        tl.store(y_ptr + split * stride_ys + m * stride_ym + cols, y.to(y_ptr.dtype.element_ty), mask=cols < N)
+
 
 @dataclass(frozen=True)
 class Tiling:
     """How ``gguf_matmul`` cuts its work: ``block_n`` output features per program, ``chunk`` K
-    values per loop step, ``num_warps`` per program, and ``split_k`` programs sharing one tile's K
-    range (0: enough to make about two waves of programs on the device)."""
+    values per loop step, ``num_warps`` per program, ``split_k`` programs sharing one tile's K
+    range (0: enough to make about two waves of programs on the device), and ``gemv``: the GEMV
+    kernel (one x row per program, CUDA cores) instead of ``tl.dot`` tiles."""
 
     block_n: int
     chunk: int
     num_warps: int
     split_k: int = 0
+    gemv: bool = False
 
 
 def default_tiling(m: int) -> Tiling:
-    """The tiling for ``m`` input rows: wide K steps for decode, narrower tiles as m grows, so the
-    accumulator and the tiles stay in registers."""
+    """The tiling for ``m`` input rows: the GEMV kernel for one row (decode), where the weight's
+    bytes are all the work; ``tl.dot`` tiles above, which expand each weight value once for up to
+    16 rows, narrower as m grows so the accumulator and the tiles stay in registers."""
     if m == 1:
-        return Tiling(block_n=32, chunk=256, num_warps=4)
+        return Tiling(block_n=8, chunk=512, num_warps=4, gemv=True)
     if m <= 16:
         return Tiling(block_n=64, chunk=128, num_warps=4)
     if m <= 32:
@@ -215,6 +338,8 @@ def gguf_matmul(
     K = x.shape[-1]
     if raw.dtype != torch.uint8 or tuple(raw.shape) != (out_features, row_bytes(qtype, K)):
         raise ValueError(f"raw {qtype.name} weight must be uint8 [{out_features}, {row_bytes(qtype, K)}], got {raw.dtype} {list(raw.shape)}")
+    if not raw.is_contiguous():  # the GEMV kernel's 16-byte loads rely on whole packed rows
+        raise ValueError(f"raw {qtype.name} weight must be contiguous, got strides {raw.stride()}")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, K)
     if x2.stride(-1) != 1:
@@ -223,8 +348,13 @@ def gguf_matmul(
     if M == 0:
         return x.new_empty(*lead, N)
     tiling = tiling or default_tiling(M)
-    block_m = 1 if M == 1 else min(128, max(16, _next_power_of_2(M)))  # tl.dot wants 16 rows at least
-    block_n, chunk = tiling.block_n, tiling.chunk
+    if tiling.gemv:
+        block_m = 1
+        smallest_chunk = GGML_QUANT_SIZES[qtype][0]  # a step holds whole blocks (super-blocks)
+    else:
+        block_m = min(128, max(16, _next_power_of_2(M)))  # tl.dot wants 16 rows at least
+        smallest_chunk = 32
+    block_n, chunk = tiling.block_n, max(tiling.chunk, smallest_chunk)
     while K % chunk:  # Q8_0 rows are multiples of 32 only; K-quant rows always fit 256
         chunk //= 2
     tiles = triton.cdiv(N, block_n) * triton.cdiv(M, block_m)
@@ -233,12 +363,12 @@ def gguf_matmul(
     split_k = max(s for s in range(1, wanted + 1) if chunks % s == 0)  # equal K ranges, no tail
     y = x.new_empty(M, N) if split_k == 1 else torch.empty(split_k, M, N, device=x.device, dtype=torch.float32)
     grid = (triton.cdiv(N, block_n), split_k, triton.cdiv(M, block_m))
-    _gguf_matmul_kernel[grid](
-        x2, raw, y, M, N, K, x2.stride(0), y.stride(0) if split_k > 1 else 0, y.stride(-2), raw.stride(0),
-        QTYPE=_TYPE_IDS[qtype], BLOCK_M=block_m, BLOCK_N=block_n, CHUNK=chunk, CHUNKS_PER_SPLIT=chunks // split_k,
-        FP32_DOT=x.dtype == torch.float32,
-        num_warps=tiling.num_warps,
-    )
+    common = dict(QTYPE=_TYPE_IDS[qtype], BLOCK_N=block_n, CHUNK=chunk, CHUNKS_PER_SPLIT=chunks // split_k, num_warps=tiling.num_warps)
+    strides = (x2.stride(0), y.stride(0) if split_k > 1 else 0, y.stride(-2), raw.stride(0))
+    if tiling.gemv:
+        _gguf_gemv_kernel[grid](x2, raw, y, N, *strides, **common)
+    else:
+        _gguf_matmul_kernel[grid](x2, raw, y, M, N, K, *strides, BLOCK_M=block_m, FP32_DOT=x.dtype == torch.float32, **common)
     if split_k > 1:
         y = y.sum(0).to(x.dtype)  # fixed order, unlike atomics: the same input gives the same bits
     return y.reshape(*lead, N)

@@ -24,7 +24,7 @@ from gguf import GGMLQuantizationType as Q
 
 pytest.importorskip("triton", reason="triton is not installed (pip install triton==3.6.0; the CPU interpreter runs these)")
 
-# (qtype, N, K, M, dtype): M = 1 takes the multiply-add path, larger M ``tl.dot``; small N splits K.
+# (qtype, N, K, M, dtype): M = 1 takes the GEMV kernel, larger M ``tl.dot``; small N splits K.
 CASES = [
     (qtype, n, k, m, dtype)
     for qtype in ("Q8_0", "Q4_K", "Q6_K")
@@ -32,6 +32,17 @@ CASES = [
     for m in (1, 3, 17)
     for dtype in ("float32", "float16", *(("bfloat16",) if m == 1 else ()))
 ] + [("Q8_0", 640, 224, 1, "float32")]  # rows not a multiple of 256, and too many tiles to split K
+# (qtype, N, K, M, Tiling fields): every kernel with N not a multiple of block_n, K not a multiple
+# of the asked chunk (it halves), odd M, and split-K; each runs twice and must give the same bits.
+TILED = [
+    (qtype, 40, 768, m, tiling)
+    for qtype in ("Q8_0", "Q4_K", "Q6_K")
+    for m, tiling in (
+        (1, {"block_n": 16, "chunk": 512, "num_warps": 4, "split_k": 3, "gemv": True}),
+        (3, {"block_n": 32, "chunk": 1024, "num_warps": 2, "gemv": True}),
+        (5, {"block_n": 32, "chunk": 128, "num_warps": 4, "split_k": 2}),
+    )
+] + [("Q8_0", 24, 96, 2, {"block_n": 16, "chunk": 64, "num_warps": 4, "split_k": 3, "gemv": True})]  # K = 3 blocks of 32
 # Relative to the largest output: float32 accumulation order only; half types round their output.
 TOLERANCE = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1.6e-2}
 MODELS = [("llama", "q4_k_m"), ("qwen2", "q8_0"), ("qwen3", "q6_k")]  # permuted q/k rows; biases; Q6_K everywhere
@@ -46,19 +57,26 @@ def _quantize(w: np.ndarray, qtype: Q) -> np.ndarray:
 
 
 def _kernel_checks() -> dict[str, float]:
-    from splitspec.native.gguf_matmul import gguf_matmul, gguf_matmul_reference
+    from splitspec.native.gguf_matmul import Tiling, gguf_matmul, gguf_matmul_reference
 
     rng = np.random.default_rng(0)
-    errors = {}
-    for name, n, k, m, dtype in CASES:
+    results = {}
+    for name, n, k, m, dtype in dict.fromkeys(CASES + [(name, n, k, m, "float32") for name, n, k, m, _ in TILED]):
         qtype = Q[name]
         raw = torch.from_numpy(_quantize((rng.standard_normal((n, k)) * 0.05).astype(np.float32), qtype))
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(getattr(torch, dtype))
-        ours = gguf_matmul(x, raw, qtype, n)
-        assert ours.dtype == x.dtype and ours.shape == (m, n)
         expected = gguf_matmul_reference(x, raw, qtype, n).float()
-        errors[repr((name, n, k, m, dtype))] = ((ours.float() - expected).abs().max() / expected.abs().max()).item()
-    return errors
+        if (name, n, k, m, dtype) in CASES:
+            ours = gguf_matmul(x, raw, qtype, n)
+            assert ours.dtype == x.dtype and ours.shape == (m, n)
+            results[repr((name, n, k, m, dtype))] = ((ours.float() - expected).abs().max() / expected.abs().max()).item()
+        for case in TILED:
+            if case[:4] == (name, n, k, m) and dtype == "float32":
+                tiling = Tiling(**case[4])
+                first, again = gguf_matmul(x, raw, qtype, n, tiling), gguf_matmul(x, raw, qtype, n, tiling)
+                error = ((first - expected).abs().max() / expected.abs().max()).item()
+                results[repr(case)] = {"error": error, "same_bits": torch.equal(first, again)}
+    return results
 
 
 def _model_checks(work: Path) -> dict[str, dict]:
@@ -94,6 +112,13 @@ def interpreted(tmp_path_factory) -> dict:
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
 def test_kernel_matches_the_reference(interpreted, case):
     assert interpreted["kernels"][repr(case)] < TOLERANCE[case[-1]]
+
+
+@pytest.mark.parametrize("case", TILED, ids=lambda c: "-".join(map(str, c[:4])) + "-" + "-".join(f"{k}{v}" for k, v in c[4].items()))
+def test_every_tiling_matches_the_reference_and_repeats_its_bits(interpreted, case):
+    result = interpreted["kernels"][repr(case)]
+    assert result["error"] < TOLERANCE["float32"]
+    assert result["same_bits"]
 
 
 @pytest.mark.parametrize("arch, quant", MODELS)
