@@ -304,17 +304,16 @@ class Tiling:
     gemv: bool = False
 
 
-def default_tiling(m: int) -> Tiling:
+def default_tiling(m: int, qtype: Q | None = None) -> Tiling:
     """The tiling for ``m`` input rows: the GEMV kernel for one row (decode), where the weight's
-    bytes are all the work; ``tl.dot`` tiles above, which expand each weight value once for up to
-    16 rows, narrower as m grows so the accumulator and the tiles stay in registers."""
+    bytes are all the work; ``tl.dot`` tiles above, which expand each weight value once per tile.
+    Chosen by ``scripts/gpu_gguf_matmul.py`` on an H200 (BENCHMARKS.md): the fastest candidate
+    over one Qwen3-8B step's linears per type and row count, within ~10% of it for every m >= 2."""
     if m == 1:
-        return Tiling(block_n=8, chunk=512, num_warps=4, gemv=True)
-    if m <= 16:
-        return Tiling(block_n=64, chunk=128, num_warps=4)
-    if m <= 32:
-        return Tiling(block_n=64, chunk=64, num_warps=4)
-    return Tiling(block_n=32, chunk=64, num_warps=8)
+        if qtype == Q.Q6_K:
+            return Tiling(block_n=8, chunk=1024, num_warps=4, gemv=True)
+        return Tiling(block_n=4, chunk=1024, num_warps=2, gemv=True)
+    return Tiling(block_n=64, chunk=128, num_warps=4)
 
 
 def _next_power_of_2(n: int) -> int:
@@ -347,7 +346,7 @@ def gguf_matmul(
     M, N = x2.shape[0], out_features
     if M == 0:
         return x.new_empty(*lead, N)
-    tiling = tiling or default_tiling(M)
+    tiling = tiling or default_tiling(M, qtype)
     if tiling.gemv:
         block_m = 1
         smallest_chunk = GGML_QUANT_SIZES[qtype][0]  # a step holds whole blocks (super-blocks)

@@ -43,7 +43,7 @@ for shape in ("random:tiny", "random:qwen3-0.6b"):
 # The native kernels (qkv_rope on every dense step) against the plain-torch path on the same GPU.
 import os  # noqa: E402
 
-for dtype, tolerance in ((torch.float32, 1e-3), (torch.bfloat16, 0.25)):
+for dtype, tolerance in ((torch.float32, 1e-4), (torch.bfloat16, 0.05)):
     model, config = load_target("random:qwen3-0.6b", "cuda", dtype)
     with torch.no_grad():  # full-size attention outputs, so that q's path shows in the logits too
         for layer in model.layers:
@@ -57,11 +57,12 @@ for dtype, tolerance in ((torch.float32, 1e-3), (torch.bfloat16, 0.25)):
         logits, feats = model(ids, torch.arange(40, device="cuda"), cache, 0, mask, taps=(3, 9))
         runs.append((logits.float(), feats.float(), cache.k.float()))
     os.environ.pop("SPLITSPEC_NATIVE")
-    worst = max((a - b).abs().max().item() for a, b in zip(*runs))
+    # Relative to each output's scale: bf16 rounding differs between fused and unfused kernels.
+    worst = max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(*runs))
     agree = (runs[0][0].argmax(-1) == runs[1][0].argmax(-1)).float().mean().item()
     passed = worst < tolerance and agree > 0.9
     ok &= passed
-    print(f"{'PASS' if passed else 'FAIL'} native kernels vs torch, qwen3-0.6b {dtype}: max diff {worst:.2e}, argmax agreement {agree:.2f}")
+    print(f"{'PASS' if passed else 'FAIL'} native kernels vs torch, qwen3-0.6b {dtype}: max diff {worst:.2e} of the output scale, argmax agreement {agree:.2f}")
     del model
     torch.cuda.empty_cache()
 

@@ -96,6 +96,20 @@ for label, off in variants.items():
     result["steps"][label] = row
     print(f"{label:>20}: AR {row['ar']:.2f} ms ({100 * roof / row['ar']:.0f}% of roofline); verify " + " / ".join(f"{row[f'b{b}']:.2f}" for b in trees), flush=True)
     if label == "all":
+        # Where the AR step's time goes: GPU work (back-to-back replays), one replay waited for,
+        # the engine's forward (inputs copied in), and the whole verify (sampling, acceptance).
+        graph = next(p.graph for k, p in static._passes.items() if k[1] == 1)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(20):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        state, none = engine.sequences.get("s"), np.zeros(0, dtype=np.int64)
+        row["replay_back_to_back"] = start.elapsed_time(end) / 20
+        row["replay_and_wait"] = median_ms(graph.replay, args.iters, 3, dev)
+        row["tree_forward"] = median_ms(lambda: engine.tree_forward(state, none, none), args.iters, 3, dev)
+        print("AR step parts: " + ", ".join(f"{k} {row[k]:.2f} ms" for k in ("replay_back_to_back", "replay_and_wait", "tree_forward", "ar")), flush=True)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(5):
                 engine.verify("s", [], [])

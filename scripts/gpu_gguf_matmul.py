@@ -48,11 +48,11 @@ GEMV = [Tiling(8, 512, 4, gemv=True), Tiling(4, 512, 4, gemv=True), Tiling(16, 5
 DOT = [Tiling(64, 128, 4), Tiling(32, 128, 4), Tiling(64, 64, 4), Tiling(32, 64, 8)]
 
 
-def candidates(m: int) -> list[Tiling]:
+def candidates(m: int, qtype: Q) -> list[Tiling]:
     """The tilings timed for m rows: GEMV ones for one row, tl.dot ones above (and one GEMV up
     to 4 rows, to see where the tl.dot tiles take over); the default first."""
     pool = GEMV if m == 1 else DOT + (GEMV[:1] if m <= 4 else [])
-    default = default_tiling(m)
+    default = default_tiling(m, qtype)
     return [default] + [t for t in pool if t != default]
 
 
@@ -126,7 +126,7 @@ def main() -> int:
                 x = torch.randn(m, k, device=device, dtype=dtype)
                 expected = gguf_matmul_reference(x, raw, qtype, n)
                 timed = []
-                for tiling in candidates(m):
+                for tiling in candidates(m, qtype):
                     error = relative_error(gguf_matmul(x, raw, qtype, n, tiling), expected)
                     if not error < TOLERANCE[dtype]:
                         ok = False
@@ -142,7 +142,7 @@ def main() -> int:
                 default_us = timed[0]["us"]
                 gbs = raw.numel() / best["us"] / 1e3
                 row = {"type": qtype.name, "shape": label, "K": k, "N": n, "M": m, "dtype": args.dtype,
-                       "quantized_bytes": raw.numel(), "default_tiling": default_tiling(m).__dict__, "default_us": default_us,
+                       "quantized_bytes": raw.numel(), "default_tiling": default_tiling(m, qtype).__dict__, "default_us": default_us,
                        "best_tiling": best["tiling"], "best_us": best["us"], "best_GBps": gbs, "percent_of_copy_bw": 100 * gbs / roofline,
                        "bf16_linear_us": dense_us, "bf16_linear_GBps": w16.numel() * 2 / dense_us / 1e3, "candidates": timed}
                 rows.append(row)
@@ -164,7 +164,7 @@ def main() -> int:
                     key = repr(Tiling(**c["tiling"]))
                     totals[key] = totals.get(key, 0.0) + weight[r["shape"]] * c["us"]
             best_key = min(totals, key=totals.get)
-            default_key = repr(default_tiling(m))
+            default_key = repr(default_tiling(m, qtype))
             dense = sum(weight[r["shape"]] * r["bf16_linear_us"] for r in mine)
             summary.append({"type": qtype.name, "M": m, "default": default_key, "default_step_us": totals[default_key],
                             "best": best_key, "best_step_us": totals[best_key], "bf16_step_us": dense})
