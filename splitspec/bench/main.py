@@ -40,6 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=int, default=1, help="requests in flight at once in the end-to-end runs")
     p.add_argument("--iters", type=int, default=30, help="timed calls per component figure (median)")
     p.add_argument("--json", default="", help="write all figures to this JSON file")
+    p.add_argument("--log-dir", default="", help="keep the end-to-end services' logs in this directory (default: discarded)")
 
 
 def transformers_tokens_per_s(shape: str, device: str, dtype: str, prompt_len: int, new_tokens: int) -> float:
@@ -103,9 +104,12 @@ def run(args: argparse.Namespace) -> int:
 
         logger.info("end-to-end runs through the three services")
         with tempfile.TemporaryDirectory(prefix="splitspec-bench-") as work:
+            if args.log_dir:
+                Path(args.log_dir).mkdir(parents=True, exist_ok=True)
             rows = run_system(
                 args.shape, args.device, draft_device, args.dtype, [float(c) for c in args.corruptions.split(",")],
                 args.budget, args.prompts, args.prompt_len, args.max_tokens, args.concurrency, Path(work),
+                Path(args.log_dir) if args.log_dir else Path(work),
             )
         result["system"] = [
             {**asdict(r), "tokens_per_s": r.tokens_per_s, "acceptance_length": r.acceptance_length, "ms_per_step": r.ms_per_step}

@@ -28,13 +28,13 @@ def markdown(result: dict) -> str:
     if rows:
         ar = rows[0]["tokens_per_s"]
         lines += [
-            "| end-to-end (3 services) | budget | concurrency | AL | tok/s | ms/step | × AR |",
-            "|---|---|---|---|---|---|---|",
+            "| end-to-end (3 services) | budget | concurrency | AL | tok/s | decode ms/step | × AR | draft fallbacks |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         for r in rows:
             lines.append(
                 f"| {r['label']} | {r['budget']} | {r['concurrency']} | {r['acceptance_length']:.2f} | {r['tokens_per_s']:.1f} "
-                f"| {r['ms_per_step']:.2f} | {r['tokens_per_s'] / ar:.2f} |"
+                f"| {r['ms_per_step']:.2f} | {r['tokens_per_s'] / ar:.2f} | {r.get('draft_fallbacks', 0)} |"
             )
         lines.append("")
     if "baseline_tokens_per_s" in result:

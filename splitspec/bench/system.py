@@ -35,8 +35,10 @@ class SystemRow:
     budget: int
     completion_tokens: int
     steps: int
-    seconds: float
+    seconds: float  # wall time of the whole batch
     concurrency: int
+    decode_seconds: float = 0.0  # per request, first response to last, summed: steps without prefill
+    draft_fallbacks: int = 0  # steps that ran target-only because the draft failed or was late
 
     @property
     def tokens_per_s(self) -> float:
@@ -48,8 +50,8 @@ class SystemRow:
 
     @property
     def ms_per_step(self) -> float:
-        # Steps of concurrent sequences overlap: this is the wall time per step of one sequence.
-        return 1e3 * self.seconds * self.concurrency / max(1, self.steps)
+        """Wall time of one sequence's decode step (prefill excluded; concurrent steps overlap)."""
+        return 1e3 * self.decode_seconds / max(1, self.steps)
 
 
 def synthetic_tokenizer(vocab_size: int, path: Path) -> Path:
@@ -95,20 +97,23 @@ class Cluster:
                 p.kill()
 
 
-def generate(address: str, request: gateway_pb2.GenerateRequest) -> tuple[list[int], gateway_pb2.Usage]:
+def generate(address: str, request: gateway_pb2.GenerateRequest) -> tuple[list[int], gateway_pb2.Usage, float]:
+    """Token ids, usage, and seconds from the first response (prefill done) to the last."""
     with grpc.insecure_channel(address) as ch:
-        tokens, usage = [], None
+        tokens, usage, first = [], None, None
         for r in gateway_pb2_grpc.GatewayStub(ch).Generate(request, timeout=600):
+            first = first or time.perf_counter()
             tokens.extend(r.token_ids)
             if r.HasField("final"):
                 usage = r.final.usage
-    return tokens, usage
+    return tokens, usage, time.perf_counter() - first
 
 
 def run_batch(address: str, requests: list[gateway_pb2.GenerateRequest], concurrency: int, label: str, budget: int) -> tuple[SystemRow, list[list[int]]]:
     """All ``requests``, ``concurrency`` at a time; one row of aggregate figures."""
     outputs: list[list[int]] = [[] for _ in requests]
     usages: list[gateway_pb2.Usage | None] = [None] * len(requests)
+    decode = [0.0] * len(requests)
     queue = list(range(len(requests)))
     lock = threading.Lock()
     errors: list[Exception] = []
@@ -120,7 +125,7 @@ def run_batch(address: str, requests: list[gateway_pb2.GenerateRequest], concurr
                     return
                 i = queue.pop(0)
             try:
-                outputs[i], usages[i] = generate(address, requests[i])
+                outputs[i], usages[i], decode[i] = generate(address, requests[i])
             except grpc.RpcError as exc:
                 errors.append(exc)
 
@@ -134,7 +139,10 @@ def run_batch(address: str, requests: list[gateway_pb2.GenerateRequest], concurr
     if errors:
         raise RuntimeError(f"{label}: {errors[0].code().name}: {errors[0].details()}")
     steps = sum(u.steps for u in usages)
-    return SystemRow(label, budget, sum(len(o) for o in outputs), steps, seconds, concurrency), outputs
+    row = SystemRow(
+        label, budget, sum(len(o) for o in outputs), steps, seconds, concurrency, sum(decode), sum(u.draft_fallbacks for u in usages)
+    )
+    return row, outputs
 
 
 def run_system(
@@ -149,6 +157,7 @@ def run_system(
     max_tokens: int,
     concurrency: int,
     work_dir: Path,
+    log_dir: Path,
 ) -> list[SystemRow]:
     from splitspec.models.random_weights import random_target_config
 
@@ -169,7 +178,7 @@ def run_system(
         ]
 
     rows = []
-    with Cluster(work_dir) as c:
+    with Cluster(log_dir) as c:
         target = c.start(
             "target", "target", "--model", target_model, "--device", device, "--dtype", dtype,
             "--graph-slots", str(max(2, concurrency)), "--graph-context", context,

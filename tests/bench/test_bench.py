@@ -28,7 +28,7 @@ def test_bench_runs_every_part(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "splitspec", "bench", "--shape", "tiny", "--device", "cpu", "--dtype", "float32",
          "--budgets", "4,22", "--corruptions", "0.9,0.0", "--prompts", "2", "--prompt-len", "24", "--max-tokens", "24",
-         "--iters", "3", "--json", str(out)],
+         "--iters", "3", "--json", str(out), "--log-dir", str(tmp_path / "logs")],
         capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -40,5 +40,9 @@ def test_bench_runs_every_part(tmp_path):
     # An uncorrupted replay is the target's own continuation: nearly every drafted token is accepted.
     assert rows["replay 0.00"]["acceptance_length"] > 2 * rows["replay 0.90"]["acceptance_length"]
     assert all(r["completion_tokens"] == 2 * 24 for r in result["system"])
+    # Decode steps alone (prefill excluded) are shorter than the whole batch's time per step.
+    assert all(0 < r["ms_per_step"] < 1e3 * r["seconds"] / r["steps"] for r in result["system"])
+    assert rows["replay 0.00"]["draft_fallbacks"] == 0
+    assert {"target.log", "draft0.log", "gateway0.log"} <= {p.name for p in (tmp_path / "logs").iterdir()}
     assert result["baseline_tokens_per_s"] > 0
     assert "| off (AR) |" in proc.stdout and "transformers eager" in proc.stdout
