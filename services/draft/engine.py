@@ -12,7 +12,7 @@ Not thread-safe: the service calls it from one worker thread.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -23,19 +23,20 @@ from splitspec.services.hosting import SequenceTable
 
 
 class ContextCache:
-    """Growable per-layer K/V [H_kv, capacity, D] with amortised doubling and an optional window."""
+    """Per-layer K/V [H_kv, capacity, D] with an optional window: in the storage of a
+    ``BlockGraphs`` slot (``slot``), or growable with amortised doubling."""
 
-    def __init__(self, num_layers: int, reserve: int = 0) -> None:
+    def __init__(self, num_layers: int) -> None:
+        self.num_layers = num_layers
+        self.slot: int | None = None
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
-        self.num_layers = num_layers
-        self.reserve = reserve  # positions allocated up front (the graphed path needs fixed addresses)
         self.size = 0  # filled positions
 
     def append(self, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         m = kv[0][0].shape[1]
         if not self.k:
-            self.k = [torch.zeros(k.shape[0], max(m, 64, self.reserve), k.shape[2], dtype=k.dtype, device=k.device) for k, _ in kv]
+            self.k = [torch.zeros(k.shape[0], max(m, 64), k.shape[2], dtype=k.dtype, device=k.device) for k, _ in kv]
             self.v = [torch.zeros_like(k) for k in self.k]  # zeros: masked slots must hold no NaN (0 * NaN = NaN)
         if self.size + m > self.k[0].shape[1]:
             new_cap = max(2 * self.k[0].shape[1], self.size + m)
@@ -74,7 +75,6 @@ class DraftSequence:
     cache: ContextCache
     ctx_start: int  # absolute position of cache slot 0
     ctx_end: int  # first position without features
-    graphs: dict = field(default_factory=dict)  # captured block passes (see graphs.BlockGraphs)
 
 
 @dataclass
@@ -151,10 +151,10 @@ class DraftEngine:
                 raise ResourceExhausted(f"{len(self.sequences)} draft contexts are live, the limit is {self.max_sequences}")
             if m == 0:
                 raise FailedPrecondition(f"sequence_id {sequence_id!r} is new to the draft worker and carries no features")
-            cache = ContextCache(c.num_layers, self.graphs.reserve() if self.graphs else 0)
+            cache = ContextCache(c.num_layers)
+            if self.graphs:  # the slot comes back when the cache is garbage
+                cache.slot, cache.k, cache.v = self.graphs.take(cache) or (None, [], [])
             seq = DraftSequence(cache, anchor_position - m, anchor_position - m)
-            if cache.reserve:
-                self.graphs.attach(seq)
             self.sequences.add(sequence_id, seq)
         if seq.ctx_end + m != anchor_position:
             raise FailedPrecondition(
@@ -166,7 +166,7 @@ class DraftEngine:
         out = None
         if m and self.graphs:  # the graphed pass appends up to a block of new rows itself
             first = max(0, seq.cache.size + m - window) if window else 0
-            out = self.graphs.run(seq.cache, seq.graphs, anchor_token, anchor_position, first, top_k, features, seq.ctx_end)
+            out = self.graphs.run(seq.cache, anchor_token, anchor_position, first, top_k, features, seq.ctx_end)
             if out:
                 seq.cache.size += m
         if m and not out:
@@ -178,7 +178,7 @@ class DraftEngine:
             seq.cache.drop_front(seq.cache.size - window)
         if not out:
             first = max(0, seq.cache.size - window) if window else 0
-            out = self.graphs and self.graphs.run(seq.cache, seq.graphs, anchor_token, anchor_position, first, top_k)
+            out = self.graphs and self.graphs.run(seq.cache, anchor_token, anchor_position, first, top_k)
         if not out:
             block = torch.full((c.block_size,), c.mask_token_id, dtype=torch.int64, device=dev)
             block[0] = anchor_token

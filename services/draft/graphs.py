@@ -3,8 +3,9 @@
 Eagerly, a 5-layer draft of an 8B target spends most of a proposal launching ~200 small kernels.
 A graph needs fixed shapes and addresses, so:
 
-- a sequence's context K/V (a ``ContextCache``) is preallocated to ``context`` positions and never
-  regrown while it fits (the first ``sequences`` sequences only: the preallocation costs memory);
+- a sequence's context K/V (a ``ContextCache``) lives in one of ``sequences`` preallocated slots
+  of ``context`` positions and is never regrown while it fits (sequences beyond the slots grow
+  their own and run eagerly: the preallocation costs memory);
 - a pass attends over the first ``span`` slots (a power of two covering the filled ones) with a
   mask of the visible slots (``[first, end)``: a draft window hides the older ones);
 - the anchor token and positions are read from a static buffer inside the graph.
@@ -15,8 +16,9 @@ A graph needs fixed shapes and addresses, so:
   the same graph for up to ``B`` new rows, padded to ``B``: the pad rows land in slots the block
   overwrites. Larger appends (a prompt) run eagerly before a block-only pass.
 
-One graph per (span, top_k, append) is kept with its sequence and dropped with it. Without
-``capture`` (a CPU) the same fixed-shape pass runs eagerly, which is how CI tests it.
+One graph per (slot, span, top_k, append) is captured on first use and replayed by every later
+sequence in that slot. Without ``capture`` (a CPU) the same fixed-shape pass runs eagerly, which
+is how CI tests it.
 """
 
 from __future__ import annotations
@@ -64,51 +66,69 @@ def top_k_proposal(
 
 
 class BlockGraphs:
+    """``sequences`` context slots of ``context`` positions each, and the graphs captured over them.
+
+    A new sequence takes a free slot (its ``ContextCache`` stores into the slot's tensors) and
+    gives it back when it is garbage. Graphs belong to the slot, not to the sequence, so the next
+    sequence in that slot replays them: after warm-up no request pays for a capture.
+    """
+
     def __init__(
         self, model: DFlashDraft, embed: torch.Tensor, lm_head: torch.Tensor, context: int, sequences: int, capture: bool
     ) -> None:
         self.model, self.embed, self.lm_head = model, embed, lm_head
         self.context, self.sequences, self.capture = context, sequences, capture
         self.device = embed.device
-        self._live = 0
         self.failed = False  # a capture failed: every sequence runs the eager pass
-        self._lock = threading.Lock()  # caches are dropped on whichever thread releases them last
+        self._lock = threading.Lock()  # slots come back on whichever thread drops the last reference
+        self._free = list(range(sequences - 1, -1, -1))
+        self._slots: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}  # allocated on first use
+        self._passes: dict[tuple[int, int, int, bool], BlockPass] = {}  # (slot, span, top_k, append)
+        self._pool = torch.cuda.graph_pool_handle() if capture else None
         b = model.config.block_size
         self._rows = torch.arange(b, device=self.device)
         self._cols = torch.arange(context, device=self.device)
 
-    def reserve(self) -> int:
-        """Context positions to preallocate for a new sequence (0 = none left: grow as needed)."""
-        with self._lock:
-            if self._live >= self.sequences:
-                return 0
-            self._live += 1
-        return self.context
+    @property
+    def graphs(self) -> int:
+        return sum(p.graph is not None for p in self._passes.values())
 
-    def attach(self, owner: object) -> None:
-        """Count ``owner``'s reservation until it is garbage."""
-        weakref.finalize(owner, self._give_back)
-
-    def _give_back(self) -> None:
+    def take(self, owner: object) -> tuple[int, list[torch.Tensor], list[torch.Tensor]] | None:
+        """A free slot for ``owner`` (returned when ``owner`` is garbage): its number and per-layer
+        K and V storage [H_kv, context, D]; None when all are taken (the sequence grows its own)."""
         with self._lock:
-            self._live -= 1
+            if not self._free:
+                return None
+            slot = self._free.pop()
+        if slot not in self._slots:
+            c = self.model.config
+            shape = (c.num_kv_heads, self.context, c.head_dim)
+            dtype = self.model.fc.weight.dtype
+            # Zeros: a masked slot is multiplied by 0 in attention, and 0 * NaN would be NaN.
+            self._slots[slot] = tuple([torch.zeros(shape, device=self.device, dtype=dtype) for _ in range(c.num_layers)] for _ in "kv")
+        weakref.finalize(owner, self._give_back, slot)
+        return slot, *self._slots[slot]
+
+    def _give_back(self, slot: int) -> None:
+        with self._lock:
+            self._free.append(slot)
 
     def run(
-        self, cache, graphs: dict, anchor_token: int, anchor_position: int, first: int, top_k: int,
+        self, cache, anchor_token: int, anchor_position: int, first: int, top_k: int,
         features: torch.Tensor | None = None, feature_position: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Top-K ids and log-probs of one block, appending ``features`` [m, taps * hidden] (m <= B,
         positions ``feature_position ..``) to ``cache`` first; None when the pass cannot run here
-        (the cache outgrew its preallocation, or capture failed): the caller runs it eagerly and
+        (no slot, the cache outgrew it, or capture failed): the caller runs it eagerly and
         appends nothing itself before asking again."""
         b = self.model.config.block_size
         m = 0 if features is None else features.shape[0]
         end = cache.size + m
-        if self.failed or not cache.k or cache.k[0].shape[1] != self.context or end + b > self.context or m > b:
+        if self.failed or cache.slot is None or cache.k[0].shape[1] != self.context or end + b > self.context or m > b:
             return None
         span = min(attention_span(end + b), self.context)
-        key = (span, top_k, features is not None)
-        p = graphs.get(key)
+        key = (cache.slot, span, top_k, features is not None)
+        p = self._passes.get(key)
         head = torch.tensor([anchor_token, anchor_position, first, end, cache.size, feature_position], dtype=torch.int64)
         fresh = p is None
         if fresh:
@@ -122,15 +142,14 @@ class BlockGraphs:
         if not self.capture:  # the same fixed-shape pass, run eagerly (CPU; how CI tests it)
             return compute()
         if fresh:
-            # Each graph gets its own memory pool: graphs die with their sequence, and a pool shared
-            # with dead graphs is gone (capturing into it again fails inside the CUDA allocator).
+            # Graphs live as long as the worker and replay one at a time: they share one memory pool.
             try:
-                p.graph, (p.top_ids, p.top_logprobs) = capture(compute, self.device)
+                p.graph, (p.top_ids, p.top_logprobs) = capture(compute, self.device, self._pool)
             except RuntimeError as exc:  # contained: the worker keeps serving on the eager pass
                 logger.error("CUDA graph capture of the draft's block pass failed; serving eagerly from now on: %s", exc)
                 self.failed = True
                 return None
-            graphs[key] = p
+            self._passes[key] = p
         else:
             p.graph.replay()
         return p.top_ids, p.top_logprobs
