@@ -128,7 +128,7 @@ embed, head, _ = load_target_head(args.shape, dev, torch.bfloat16)
 width = dconfig.num_taps * dconfig.hidden_size
 for label, off in (("all", ""), ("none of the three", ",".join(KERNELS))):
     os.environ["SPLITSPEC_NATIVE_OFF"] = off
-    blocks = BlockGraphs(draft, embed, head, 512 + args.iters + 16, 1, capture=True)
+    blocks = BlockGraphs(draft, embed, head, 512 + args.iters + 64, 1, capture=True)
     d = DraftEngine(draft, embed, head, graphs=blocks)
     d.propose("d", 0, 512, torch.randn(512, width, device=dev, dtype=torch.bfloat16), 8)
     pos = [512]

@@ -132,7 +132,7 @@ def time_draft(
     times = {}
     paths = {"graphs": True, "eager": False} if device.type == "cuda" else {"eager": False}
     for label, graphed in paths.items():
-        blocks = BlockGraphs(model, embed, head, prompt_len + iters + 8, 1, capture=True) if graphed else None
+        blocks = BlockGraphs(model, embed, head, prompt_len + iters + 64, 1, capture=True) if graphed else None
         engine = DraftEngine(model, embed, head, graphs=blocks)
         engine.propose("bench", 0, prompt_len, torch.randn(prompt_len, width, device=device, dtype=dtype), top_k)
         position = prompt_len
