@@ -31,6 +31,7 @@ KERNELS = ("rms_norm", "silu_mul", "tree_attention")
 p = argparse.ArgumentParser()
 p.add_argument("--shape", default="random:qwen3-8b")
 p.add_argument("--iters", type=int, default=30)
+p.add_argument("--quick", action="store_true", help="all kernels only (no switched-off variants)")
 args = p.parse_args()
 dev = torch.device("cuda")
 out_dir = os.environ.get("OUT")
@@ -85,6 +86,8 @@ rng = np.random.default_rng(0)
 prompt = rng.integers(0, config.vocab_size, 512).tolist()
 trees = {b: random_tree(rng, config.vocab_size, b) for b in (16, 22, 32, 64)}
 variants = {"all": "", **{f"no {k}": k for k in KERNELS}, "none of the three": ",".join(KERNELS)}
+if args.quick:
+    variants = {"all": ""}
 for label, off in variants.items():
     os.environ["SPLITSPEC_NATIVE_OFF"] = off
     static = StaticVerifier(model, 1, 2048, capture=True)
@@ -139,6 +142,14 @@ for label, off in (("all", ""), ("none of the three", ",".join(KERNELS))):
 
     ms = median_ms(step, args.iters, 3, dev)
     result.setdefault("draft_ms", {})[label] = None if blocks.failed else ms
+    if label == "all":
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                step()
+            torch.cuda.synchronize()
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70)
+        print("== graphed draft step (5 steps), by CUDA time\n" + table, flush=True)
+        result["draft_profile"] = table
     print(f"draft step ({label}): {ms:.2f} ms{' (capture FAILED: eager)' if blocks.failed else ''}", flush=True)
     d.sequences.pop("d")
     del d, blocks
