@@ -177,9 +177,10 @@ class DFlashDraft(nn.Module):
         slots: torch.Tensor,  # [R] cache slots of the rows
     ) -> None:
         """:meth:`context_kv` written straight into the cache slots (fixed shapes: CUDA graphs)."""
-        for (k_cache, v_cache), (k, v) in zip(caches, self._context_kv(features, positions), strict=True):
-            k_cache.index_copy_(1, slots, k)
-            v_cache.index_copy_(1, slots, v)
+        c = self.hidden_norm(self.fc(features))
+        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, c.dtype)
+        for layer, (k_cache, v_cache) in zip(self.layers, caches, strict=True):
+            layer.self_attn.write_key_value(c, cos, sin, k_cache, v_cache, slots)
 
     @torch.inference_mode()
     def forward_cached(

@@ -276,6 +276,38 @@ class QKVProjection(nn.Module):
         captured as a CUDA graph; the int form needs no index tensor on the eager path."""
         return self.write_and_attend(q, *self.key_value(x, cos, sin), k_cache, v_cache, start, mask, gate)
 
+    def write_key_value(
+        self,
+        x: torch.Tensor,  # [T, hidden] rows that only give keys and values (a draft's context)
+        cos: torch.Tensor,  # [T, D]
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,  # [H_kv, capacity, D]
+        v_cache: torch.Tensor,
+        slots: torch.Tensor,  # [T] int64
+    ) -> None:
+        """:meth:`key_value` written to the cache ``slots``: one matmul over the k/v rows of the
+        fused weight and the ``qkv_rope`` kernel (with no query heads) where the kernels run."""
+        if self._fused_native(x):
+            weight, bias = self._qkv
+            q_rows = self.q_proj.out_features
+            kv = F.linear(x, weight[q_rows:], None if bias is None else bias[q_rows:])
+            norm = not isinstance(self.k_norm, nn.Identity)
+            qkv_rope.qkv_rope(
+                kv, cos, sin, self.q_norm.weight if norm else None, self.k_norm.weight if norm else None,
+                self.k_norm.eps if norm else 0.0, k_cache, v_cache, slots, 0,
+            )
+            return
+        k, v = self.key_value(x, cos, sin)
+        k_cache.index_copy_(1, slots, k)
+        v_cache.index_copy_(1, slots, v)
+
+    def _fused_native(self, x: torch.Tensor) -> bool:
+        """Whether the fused projection feeds the ``qkv_rope`` kernel (both norms or neither)."""
+        return (
+            self._qkv is not None and use_triton(x, "qkv_rope")
+            and isinstance(self.q_norm, nn.Identity) == isinstance(self.k_norm, nn.Identity)
+        )
+
     def project_attend_cached(
         self,
         x: torch.Tensor,  # [T, hidden] normed input of this pass
@@ -288,7 +320,7 @@ class QKVProjection(nn.Module):
     ) -> torch.Tensor:
         """Project, write K/V to the cache, attend: :meth:`query_key_value` + :meth:`write_and_attend`,
         with the norms, RoPE and cache writes as one native kernel when the weights are fused."""
-        if self._qkv is None or not use_triton(x, "qkv_rope") or isinstance(self.q_norm, nn.Identity) != isinstance(self.k_norm, nn.Identity):
+        if not self._fused_native(x):
             return self.write_and_attend(*self.query_key_value(x, cos, sin), k_cache, v_cache, start, mask)
         slots = start if isinstance(start, torch.Tensor) else torch.arange(start, start + x.shape[0], device=x.device)
         norm = not isinstance(self.q_norm, nn.Identity)
