@@ -62,7 +62,9 @@ async def set_serving(health_servicer: health.aio.HealthServicer, names: Iterabl
         await health_servicer.set(name, status)
 
 
-class _MetadataInterceptor(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClientInterceptor):
+class _MetadataInterceptor(
+    grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClientInterceptor, grpc.aio.StreamStreamClientInterceptor
+):
     """Adds fixed metadata (the bearer token) to every call of a channel."""
 
     def __init__(self, metadata: tuple[tuple[str, str], ...]) -> None:
@@ -77,6 +79,9 @@ class _MetadataInterceptor(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryS
 
     async def intercept_unary_stream(self, continuation, details, request):
         return await continuation(self._details(details), request)
+
+    async def intercept_stream_stream(self, continuation, details, request_iterator):
+        return await continuation(self._details(details), request_iterator)
 
 
 def channel(
