@@ -42,6 +42,7 @@ class Verified:
     next_token: int  # bonus: the next root
     committed_length: int
     features: common_pb2.Tensor | None
+    forward_ns: int  # the target's time for the pass, as it reports it
 
 
 def deadline_exceeded() -> grpc.aio.AioRpcError:
@@ -150,7 +151,8 @@ class TargetClient(WorkerClient):
             ),
             timeout,
         )
-        return Verified(list(r.committed_tokens), r.next_token, r.committed_length, r.features if r.HasField("features") else None)
+        features = r.features if r.HasField("features") else None
+        return Verified(list(r.committed_tokens), r.next_token, r.committed_length, features, r.forward_ns)
 
 
 class DraftClient(WorkerClient):
