@@ -120,7 +120,7 @@ async def measure(address: str, transport: str, args, taps, vocab: int) -> tuple
 
 def start_target(args, address: str, log: Path) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "splitspec", "target", "--model", args.model, "--device", args.device, "--dtype", args.dtype,
-           "--listen", address, "--metrics-port", "0"]
+           "--listen", address, "--metrics-port", "0", *(["--threads", "1"] if args.device == "cpu" else [])]  # the client needs a core too
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
     wait_ready(address, [proc], 900)
     return proc

@@ -37,8 +37,8 @@ def run(coroutine):
     return asyncio.run(coroutine)
 
 
-async def prefill(client: TargetClient, sequence_id: str, taps=()):
-    request = target_pb2.PrefillRequest(sequence_id=sequence_id, tokens=PROMPT, reserve_tokens=128, tap_layer_ids=list(taps))
+async def prefill(client: TargetClient, sequence_id: str):
+    request = target_pb2.PrefillRequest(sequence_id=sequence_id, tokens=PROMPT, reserve_tokens=128)
     return await client.prefill(request, timeout=30)
 
 
