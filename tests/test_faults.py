@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import signal
+import threading
 import time
 
 import grpc
@@ -106,26 +107,44 @@ def test_running_sequence_resumes_speculation_when_the_draft_returns(services, t
 
 
 def test_draft_deadline_miss_falls_back_then_speculation_resumes(services, tiny_pair, tmp_path):
-    """Proposals queued on the draft's engine thread (as a draft shared by many sequences would be)
-    make the sequence's first Propose miss --draft-timeout: that step runs target-only, its stream
-    is dropped, and once the draft answers health checks again the sequence speculates on a new
-    stream, with unchanged output."""
+    """Proposals of other sequences queued on the draft's engine thread (as on a draft shared by many
+    sequences) make the sequence's Propose miss --draft-timeout: that step runs target-only and its
+    stream is dropped. Once the queue is gone and the draft answers health checks again, the
+    sequence speculates on a new stream, with unchanged output."""
     table = tmp_path / "table.jsonl"
-    target = services.start("target", "target", "--model", str(tiny_pair.target), "--dtype", "float64")
+    target = services.start("target", "target", "--model", str(tiny_pair.target), "--dtype", "float64", "--threads", "1")
     draft = services.start(
         "draft", "draft", "--replay", str(table), "--replay-corruption", "0.2", "--replay-delay", "0.02",
         "--target-model", str(tiny_pair.target),
     )
-    gateway = services.start("gateway", "gateway", "--target", target, "--draft", draft, "--health-interval", "0.2", "--draft-timeout", "0.3")
+    gateway = services.start("gateway", "gateway", "--target", target, "--draft", draft, "--health-interval", "0.2", "--draft-timeout", "0.25")
     reference = record_reference(gateway, table, max_tokens=400)
-    blockers = [f"blocker-{i}" for i in range(30)]  # 30 x 0.02 s of engine time ahead of the sequence's first Propose
+    missed = "draft failed (DEADLINE_EXCEEDED"
+    stop = threading.Event()
+    blockers: list[str] = []
+
+    def keep_the_draft_busy(stub) -> None:
+        """Keep 20 x 0.02 s of other work queued ahead of anything new, until a Propose missed its deadline."""
+        in_flight = []
+        while not stop.is_set() and missed not in services.log("gateway"):
+            in_flight = [f for f in in_flight if not f.done()]
+            while len(in_flight) < 20:
+                blockers.append(f"blocker-{len(blockers)}")
+                in_flight.append(stub.Propose.future(draft_pb2.ProposeRequest(sequence_id=blockers[-1], top_k=2), timeout=60))
+            time.sleep(0.005)
+        for f in in_flight:
+            f.result()
+
     with grpc.insecure_channel(draft) as dch:
         stub = draft_pb2_grpc.DraftWorkerStub(dch)
-        queued = [stub.Propose.future(draft_pb2.ProposeRequest(sequence_id=b, top_k=2), timeout=30) for b in blockers]
-        time.sleep(0.1)
-        done = generate(gateway, tokens=PROMPT, max_tokens=400, ignore_eos=True)
-        for future in queued:
-            future.result()
+        feeder = threading.Thread(target=keep_the_draft_busy, args=(stub,))
+        feeder.start()
+        try:
+            wait_until(lambda: worker_state(target, draft).draft_sequences > 0, what="the draft busy")
+            done = generate(gateway, tokens=PROMPT, max_tokens=400, ignore_eos=True)
+        finally:
+            stop.set()
+            feeder.join()
         for b in blockers:
             stub.Release(common_pb2.ReleaseRequest(sequence_id=b), timeout=5)
     assert done.tokens == reference
