@@ -6,11 +6,12 @@ import asyncio
 import logging
 import threading
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any
 
-from splitspec.errors import Unavailable
+from splitspec.errors import InvalidArgument, Unavailable
 from splitspec.v1 import common_pb2
 
 logger = logging.getLogger(__name__)
@@ -98,6 +99,24 @@ class SequenceTable:
             for sid in stale:
                 del self._items[sid], self._last_used[sid]
         return stale
+
+
+async def sequence_stream(
+    requests: AsyncIterator[Any], context: Any, step: Callable[[Any, Any], Awaitable[Any]]
+) -> AsyncIterator[Any]:
+    """The body of a ``*Stream`` RPC: each request answered by ``step`` (the unary RPC's method),
+    in order. A stream serves one sequence: a request naming another ends it with INVALID_ARGUMENT.
+    An error from ``step`` ends the stream; the service's ``ErrorInterceptor`` gives it the status
+    and message the unary RPC would."""
+    sequence_id = None
+    async for request in requests:
+        if sequence_id is None:
+            sequence_id = request.sequence_id
+        elif request.sequence_id != sequence_id:
+            raise InvalidArgument(
+                f"sequence_id: {request.sequence_id!r} on the stream of sequence {sequence_id!r} (one stream per sequence)"
+            )
+        yield await step(request, context)
 
 
 def model_geometry(config: Any, dtype: str, device: str, path: str) -> common_pb2.ModelGeometry:

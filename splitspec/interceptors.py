@@ -1,7 +1,8 @@
 """Server interceptors: one maps errors to statuses, one checks the bearer token.
 
 Every handler raises ``splitspec.errors.ServiceError`` subclasses (or anything else); the
-``ErrorInterceptor`` turns them into precise status codes, logs unexpected ones with a traceback
+``ErrorInterceptor`` turns them into precise status codes (for a bidirectional stream, the error of
+one message ends the stream with that status), logs unexpected ones with a traceback
 and an incident id, and returns only the incident id to the client. It also answers a request
 that is not valid protobuf (for example a string field holding invalid UTF-8) with
 INVALID_ARGUMENT instead of grpc's generic INTERNAL.
@@ -68,6 +69,16 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             logger.info("%s %s: undecodable request: %s", self.service_name, method, request.error)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request is not a valid {method} message: {request.error}")
 
+    async def _guarded(self, context, method: str, responses):
+        """``responses`` passed through; an error raised while producing them ends the call with its status."""
+        try:
+            async for response in responses:
+                yield response
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - mapped to a status in _fail()
+            await self._fail(context, method, exc)
+
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
         if handler is None:
@@ -93,15 +104,23 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
             async def unary_stream(request, context):
                 await self._reject_undecodable(context, method, request)
-                try:
-                    async for response in inner_stream(request, context):
-                        yield response
-                except grpc.aio.AbortError:
-                    raise
-                except Exception as exc:  # noqa: BLE001
-                    await self._fail(context, method, exc)
+                async for response in self._guarded(context, method, inner_stream(request, context)):
+                    yield response
 
             return grpc.unary_stream_rpc_method_handler(unary_stream, deserialize, handler.response_serializer)
+        if handler.stream_stream:
+            inner_bidi = handler.stream_stream
+
+            async def decoded(requests, context):
+                async for request in requests:
+                    await self._reject_undecodable(context, method, request)
+                    yield request
+
+            async def stream_stream(requests, context):
+                async for response in self._guarded(context, method, inner_bidi(decoded(requests, context), context)):
+                    yield response
+
+            return grpc.stream_stream_rpc_method_handler(stream_stream, deserialize, handler.response_serializer)
         return handler
 
 

@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -254,7 +254,12 @@ class RequestObserver:
 
 
 class RpcObserver(grpc.aio.UnaryUnaryClientInterceptor):
-    """Client interceptor on the gateway's worker channels: duration, payload sizes and failures per RPC."""
+    """Client interceptor on the gateway's worker channels: duration, payload sizes and failures per RPC.
+
+    A step on a per-sequence stream (``VerifyStream``, ``ProposeStream``) is one logical call: the
+    gateway's clients time it with :meth:`observe` under the unary RPC's name (``TargetWorker/Verify``),
+    so the figures and dashboards read the same whichever wire carries the steps.
+    """
 
     def __init__(self, metrics: GatewayMetrics) -> None:
         self.metrics = metrics
@@ -265,18 +270,25 @@ class RpcObserver(grpc.aio.UnaryUnaryClientInterceptor):
         service, _, name = method.rpartition("/")
         if name not in OBSERVED_RPCS:
             return await continuation(client_call_details, request)
-        m, rpc = self.metrics, f"{service.rpartition('.')[2]}/{name}"
+
+        async def call():
+            return await (await continuation(client_call_details, request))
+
+        return await self.observe(f"{service.rpartition('.')[2]}/{name}", request, call())
+
+    async def observe(self, rpc: str, request, response: Awaitable):
+        """Await ``response`` (the reply to ``request``), counting it under ``rpc`` (``Service/Method``)."""
+        m = self.metrics
         t0 = time.perf_counter()
-        call = await continuation(client_call_details, request)
         try:
-            response = await call
+            reply = await response
         except grpc.aio.AioRpcError as exc:
             m.child(m.rpc_failures, rpc, exc.code().name.lower()).inc()
             raise
         m.child(m.rpc_duration, rpc).observe(time.perf_counter() - t0)
         m.child(m.rpc_request_bytes, rpc).observe(request.ByteSize())
-        m.child(m.rpc_response_bytes, rpc).observe(response.ByteSize())
-        return response
+        m.child(m.rpc_response_bytes, rpc).observe(reply.ByteSize())
+        return reply
 
 
 class WorkerMetrics(_Metrics):

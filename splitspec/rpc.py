@@ -62,8 +62,9 @@ async def set_serving(health_servicer: health.aio.HealthServicer, names: Iterabl
         await health_servicer.set(name, status)
 
 
-class _MetadataInterceptor(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClientInterceptor):
-    """Adds fixed metadata (the bearer token) to every call of a channel."""
+class _MetadataInterceptor:
+    """Adds fixed metadata (the bearer token) to every call of a channel. grpc.aio files each
+    interceptor under one call kind only, so each kind the workers serve has its own subclass."""
 
     def __init__(self, metadata: tuple[tuple[str, str], ...]) -> None:
         self.metadata = metadata
@@ -72,11 +73,15 @@ class _MetadataInterceptor(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryS
         metadata = tuple(details.metadata or ()) + self.metadata
         return details._replace(metadata=metadata)
 
+
+class _UnaryMetadataInterceptor(_MetadataInterceptor, grpc.aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(self, continuation, details, request):
         return await continuation(self._details(details), request)
 
-    async def intercept_unary_stream(self, continuation, details, request):
-        return await continuation(self._details(details), request)
+
+class _StreamMetadataInterceptor(_MetadataInterceptor, grpc.aio.StreamStreamClientInterceptor):
+    async def intercept_stream_stream(self, continuation, details, request_iterator):
+        return await continuation(self._details(details), request_iterator)
 
 
 def channel(
@@ -85,11 +90,13 @@ def channel(
     options = list(CHANNEL_OPTIONS)
     if security.server_name:
         options.append(("grpc.ssl_target_name_override", security.server_name))
-    interceptors = [*interceptors, *([_MetadataInterceptor(security.metadata())] if security.token else [])] or None
+    if security.token:
+        metadata = security.metadata()
+        interceptors = [*interceptors, _UnaryMetadataInterceptor(metadata), _StreamMetadataInterceptor(metadata)]
     credentials = security.channel_credentials()
     if credentials:
-        return grpc.aio.secure_channel(address, credentials, options=options, interceptors=interceptors)
-    return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
+        return grpc.aio.secure_channel(address, credentials, options=options, interceptors=list(interceptors) or None)
+    return grpc.aio.insecure_channel(address, options=options, interceptors=list(interceptors) or None)
 
 
 def new_request_id() -> str:

@@ -33,6 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help="compute dtype of both workers")
     p.add_argument("--mode", choices=["ddtree", "chain", "off"], default="ddtree", help="default speculation mode")
     p.add_argument("--budget", type=int, default=22, help="default tree nodes per step")
+    p.add_argument("--wire", choices=["stream", "unary"], default="stream", help="gateway-to-worker steps: one stream per sequence, or one call per step")
     p.add_argument("--work-dir", default=str(DEFAULT_WORK_DIR), help="where the random tiny pair is written when the built-in weights are absent")
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for the gateway to be ready")
     p.add_argument(
@@ -104,7 +105,7 @@ def run(args: argparse.Namespace, log_args: list[str]) -> int:
         ])
     commands.append([
         *base, "gateway", *log_args, "--listen", args.listen, "--target", target_addr,
-        "--draft", draft_addr if use_draft else "", "--mode", args.mode, "--budget", str(args.budget),
+        "--draft", draft_addr if use_draft else "", "--mode", args.mode, "--budget", str(args.budget), "--wire", args.wire,
         "--metrics-port", str(gateway_port),
     ])
     procs: list[subprocess.Popen] = []

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import signal
+import threading
 import time
 
 import grpc
@@ -13,7 +14,7 @@ import pytest
 
 from client import generate, worker_state
 from splitspec.rpc import CHANNEL_OPTIONS
-from splitspec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, target_pb2, target_pb2_grpc
+from splitspec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, gateway_pb2, gateway_pb2_grpc, target_pb2, target_pb2_grpc
 
 pytestmark = pytest.mark.slow
 Spec = gateway_pb2.Speculation
@@ -103,6 +104,55 @@ def test_running_sequence_resumes_speculation_when_the_draft_returns(services, t
     speculated = usage.steps - usage.draft_fallbacks
     assert speculated >= 10, usage
     assert (usage.completion_tokens - usage.draft_fallbacks) / speculated > 1.5, usage
+
+
+def test_draft_deadline_miss_falls_back_then_speculation_resumes(services, tiny_pair, tmp_path):
+    """Proposals of other sequences queued on the draft's engine thread (as on a draft shared by many
+    sequences) make the sequence's Propose miss --draft-timeout: that step runs target-only and its
+    stream is dropped. Once the queue is gone and the draft answers health checks again, the
+    sequence speculates on a new stream, with unchanged output."""
+    table = tmp_path / "table.jsonl"
+    target = services.start("target", "target", "--model", str(tiny_pair.target), "--dtype", "float64", "--threads", "1")
+    draft = services.start(
+        "draft", "draft", "--replay", str(table), "--replay-corruption", "0.2", "--replay-delay", "0.02",
+        "--target-model", str(tiny_pair.target),
+    )
+    gateway = services.start("gateway", "gateway", "--target", target, "--draft", draft, "--health-interval", "0.2", "--draft-timeout", "0.25")
+    reference = record_reference(gateway, table, max_tokens=400)
+    missed = "draft failed (DEADLINE_EXCEEDED"
+    stop = threading.Event()
+    blockers: list[str] = []
+
+    def keep_the_draft_busy(stub) -> None:
+        """Keep 20 x 0.02 s of other work queued ahead of anything new, until a Propose missed its deadline."""
+        in_flight = []
+        while not stop.is_set() and missed not in services.log("gateway"):
+            in_flight = [f for f in in_flight if not f.done()]
+            while len(in_flight) < 20:
+                blockers.append(f"blocker-{len(blockers)}")
+                in_flight.append(stub.Propose.future(draft_pb2.ProposeRequest(sequence_id=blockers[-1], top_k=2), timeout=60))
+            time.sleep(0.005)
+        for f in in_flight:
+            f.result()
+
+    with grpc.insecure_channel(draft) as dch:
+        stub = draft_pb2_grpc.DraftWorkerStub(dch)
+        feeder = threading.Thread(target=keep_the_draft_busy, args=(stub,))
+        feeder.start()
+        try:
+            wait_until(lambda: worker_state(target, draft).draft_sequences > 0, what="the draft busy")
+            done = generate(gateway, tokens=PROMPT, max_tokens=400, ignore_eos=True)
+        finally:
+            stop.set()
+            feeder.join()
+        for b in blockers:
+            stub.Release(common_pb2.ReleaseRequest(sequence_id=b), timeout=5)
+    assert done.tokens == reference
+    usage = done.final.usage
+    assert usage.draft_fallbacks >= 1 and "fallbacks {'deadline_exceeded': " in services.log("gateway")
+    speculated = usage.steps - usage.draft_fallbacks
+    assert speculated >= 10 and (usage.completion_tokens - usage.draft_fallbacks) / speculated > 1.5, usage
+    wait_until(lambda: worker_state(target, draft).empty, what="state released")
 
 
 def test_target_killed_mid_stream_then_back(services, tiny_pair, tmp_path):

@@ -6,7 +6,7 @@ from splitspec.errors import InvalidArgument
 from splitspec.metrics import WorkerMetrics
 from splitspec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from splitspec.wire import WireError, tensor_from_pb, tensor_to_pb
-from splitspec.services.hosting import EngineHost
+from splitspec.services.hosting import EngineHost, sequence_stream
 
 SERVICE = draft_pb2.DESCRIPTOR.services_by_name["DraftWorker"].full_name
 
@@ -59,6 +59,10 @@ class DraftServicer(draft_pb2_grpc.DraftWorkerServicer):
             top_logprobs=tensor_to_pb(proposal.top_logprobs),
             forward_ns=proposal.forward_ns,
         )
+
+    async def ProposeStream(self, requests, context):
+        async for response in sequence_stream(requests, context, self.Propose):
+            yield response
 
     async def Release(self, request, context):
         released = self.host.release(request.sequence_id)

@@ -24,6 +24,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-window", type=int, default=0, help="context positions the draft attends to (0 = all)")
     p.add_argument("--feature-dtype", choices=["", "float32", "float16", "bfloat16"], default="", help="wire dtype of tap features ('' = target compute dtype)")
     p.add_argument("--draft-timeout", type=float, default=5.0, help="seconds a Propose may take before the step falls back to target-only")
+    p.add_argument(
+        "--wire", choices=["stream", "unary"], default="stream",
+        help="how a sequence's steps reach the workers: one bidirectional stream per sequence, or one call per step",
+    )
     p.add_argument("--max-running", type=int, default=64, help="requests generating at once")
     p.add_argument("--max-waiting", type=int, default=256, help="requests queued for a slot; more get RESOURCE_EXHAUSTED")
     p.add_argument("--max-queue-wait", type=float, default=30.0, help="seconds a request may wait for a slot")
@@ -69,11 +73,11 @@ async def run(args: argparse.Namespace) -> None:
     admission = Admission(args.max_running, args.max_waiting, args.max_queue_wait)
     deadline = asyncio.get_running_loop().time() + args.worker_wait
     metrics = GatewayMetrics()
-    target = TargetClient(args.target, security, [metrics.interceptor()])
+    target = TargetClient(args.target, security, metrics.interceptor(), args.wire)
     target_info = await _wait_for("target", target.info, deadline)
     draft, draft_info = None, None
     if args.draft:
-        draft = DraftClient(args.draft, security, [metrics.interceptor()])
+        draft = DraftClient(args.draft, security, metrics.interceptor(), args.wire)
         draft_info = await _wait_for("draft", draft.info, deadline)
         check_compatible(target_info, draft_info)
     tokenizer = Tokenizer.load(resolve_model(args.tokenizer or target_info.tokenizer_path))
@@ -110,8 +114,8 @@ async def run(args: argparse.Namespace) -> None:
 
     async def ready() -> None:
         logger.info(
-            "gateway serving on %s (target %s, draft %s, mode %s, budget %d)",
-            args.listen, args.target, args.draft or "none", args.mode, args.budget,
+            "gateway serving on %s (target %s, draft %s, mode %s, budget %d, wire %s)",
+            args.listen, args.target, args.draft or "none", args.mode, args.budget, args.wire,
         )
 
     def drain() -> None:

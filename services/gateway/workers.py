@@ -2,20 +2,32 @@
 
 Tap features stay protobuf ``Tensor`` messages end to end: the gateway forwards the target's
 bytes to the draft without decoding or copying them into another representation.
+
+The *wire* is how a sequence's steps (Verify, Propose) travel:
+- ``stream`` (default): one long-lived bidirectional stream per sequence and worker
+  (``VerifyStream``, ``ProposeStream``), opened on the sequence's first step and reused, so a
+  step pays one message each way instead of a call's set-up, metadata and deadline handling;
+- ``unary``: one ``Verify`` / ``Propose`` call per step.
+Both fail the same way: a step that errors or misses its timeout raises the ``AioRpcError`` the
+unary call would (status and message), and its stream is dropped; the next step opens a new one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
 import numpy as np
 
 from splitspec import rpc
+from splitspec.metrics import RpcObserver
 from splitspec.security import ClientSecurity
 from splitspec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from splitspec.wire import array_from_pb
+
+WIRES = ("stream", "unary")
 
 
 @dataclass
@@ -30,18 +42,101 @@ class Verified:
     next_token: int  # bonus: the next root
     committed_length: int
     features: common_pb2.Tensor | None
+    forward_ns: int  # the target's time for the pass, as it reports it
 
 
-class TargetClient:
+def deadline_exceeded() -> grpc.aio.AioRpcError:
+    """What a unary call that misses its timeout raises."""
+    return grpc.aio.AioRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, grpc.aio.Metadata(), grpc.aio.Metadata(), "Deadline Exceeded")
+
+
+class StepStream:
+    """One sequence's steps on one bidirectional stream: write a request, read its response.
+
+    The call is opened on the first step and whenever the previous one has ended (a worker that
+    restarted between steps ends it). A step that fails, times out or is cancelled cancels the
+    call, so a late response can never be read as the next step's.
+    """
+
+    def __init__(self, open_call: Callable[[], grpc.aio.StreamStreamCall]) -> None:
+        self._open = open_call
+        self._call: grpc.aio.StreamStreamCall | None = None
+
+    async def step(self, request, timeout: float | None):
+        if self._call is None or self._call.done():
+            self._call = self._open()
+        call = self._call
+        try:
+            async with asyncio.timeout(timeout):
+                await call.write(request)
+                response = await call.read()
+        except TimeoutError:
+            self.close()
+            raise deadline_exceeded() from None
+        except BaseException:
+            self.close()
+            raise
+        if response is grpc.aio.EOF:  # the worker answers every request or fails the call
+            self.close()
+            raise grpc.aio.AioRpcError(
+                grpc.StatusCode.INTERNAL, grpc.aio.Metadata(), grpc.aio.Metadata(), "the worker ended the stream without answering"
+            )
+        return response
+
+    def close(self) -> None:
+        if self._call is not None:
+            self._call.cancel()
+            self._call = None
+
+
+class WorkerClient:
+    """A worker's channel and its step RPC (``step_rpc``: Verify or Propose) on the chosen wire,
+    with one ``StepStream`` per sequence between its first step and its ``release``."""
+
+    stub_class: type
+    step_rpc: str
+
     def __init__(
-        self, address: str, security: ClientSecurity = ClientSecurity(), interceptors: Sequence[grpc.aio.ClientInterceptor] = ()
+        self, address: str, security: ClientSecurity = ClientSecurity(), observer: RpcObserver | None = None, wire: str = "stream"
     ) -> None:
-        self.address = address
-        self.channel = rpc.channel(address, security, interceptors)
-        self.stub = target_pb2_grpc.TargetWorkerStub(self.channel)
+        if wire not in WIRES:
+            raise ValueError(f"wire: {wire!r} is not one of {WIRES}")
+        self.address, self.observer, self.wire = address, observer, wire
+        self.channel = rpc.channel(address, security, [observer] if observer else [])
+        self.stub = self.stub_class(self.channel)
+        self._unary = getattr(self.stub, self.step_rpc)
+        self._open = getattr(self.stub, f"{self.step_rpc}Stream")
+        self._rpc = f"{self.stub_class.__name__.removesuffix('Stub')}/{self.step_rpc}"  # the metrics' rpc label
+        self._streams: dict[str, StepStream] = {}
 
-    async def info(self, timeout: float | None = None) -> target_pb2.TargetInfo:
+    async def _step(self, request, timeout: float | None):
+        if self.wire == "unary":
+            return await self._unary(request, timeout=timeout)
+        stream = self._streams.get(request.sequence_id)
+        if stream is None:
+            stream = self._streams[request.sequence_id] = StepStream(self._open)
+        step = stream.step(request, timeout)
+        return await (self.observer.observe(self._rpc, request, step) if self.observer else step)
+
+    async def info(self, timeout: float | None = None):
         return await self.stub.Info(common_pb2.InfoRequest(), timeout=timeout)
+
+    async def release(self, sequence_id: str, timeout: float = 5.0) -> None:
+        stream = self._streams.pop(sequence_id, None)
+        if stream is not None:
+            stream.close()
+        await self.stub.Release(common_pb2.ReleaseRequest(sequence_id=sequence_id), timeout=timeout)
+
+    async def close(self) -> None:
+        for stream in self._streams.values():
+            stream.close()
+        self._streams.clear()
+        await self.channel.close()
+
+
+class TargetClient(WorkerClient):
+    stub_class = target_pb2_grpc.TargetWorkerStub
+    step_rpc = "Verify"
 
     async def prefill(self, request: target_pb2.PrefillRequest, timeout: float | None) -> Prefilled:
         r = await self.stub.Prefill(request, timeout=timeout)
@@ -50,31 +145,19 @@ class TargetClient:
     async def verify(
         self, sequence_id: str, tokens: np.ndarray, parents: np.ndarray, return_features: bool, timeout: float | None
     ) -> Verified:
-        r = await self.stub.Verify(
+        r = await self._step(
             target_pb2.VerifyRequest(
                 sequence_id=sequence_id, tokens=tokens.tolist(), parents=parents.tolist(), return_features=return_features
             ),
-            timeout=timeout,
+            timeout,
         )
-        return Verified(list(r.committed_tokens), r.next_token, r.committed_length, r.features if r.HasField("features") else None)
-
-    async def release(self, sequence_id: str, timeout: float = 5.0) -> None:
-        await self.stub.Release(common_pb2.ReleaseRequest(sequence_id=sequence_id), timeout=timeout)
-
-    async def close(self) -> None:
-        await self.channel.close()
+        features = r.features if r.HasField("features") else None
+        return Verified(list(r.committed_tokens), r.next_token, r.committed_length, features, r.forward_ns)
 
 
-class DraftClient:
-    def __init__(
-        self, address: str, security: ClientSecurity = ClientSecurity(), interceptors: Sequence[grpc.aio.ClientInterceptor] = ()
-    ) -> None:
-        self.address = address
-        self.channel = rpc.channel(address, security, interceptors)
-        self.stub = draft_pb2_grpc.DraftWorkerStub(self.channel)
-
-    async def info(self, timeout: float | None = None) -> draft_pb2.DraftInfo:
-        return await self.stub.Info(common_pb2.InfoRequest(), timeout=timeout)
+class DraftClient(WorkerClient):
+    stub_class = draft_pb2_grpc.DraftWorkerStub
+    step_rpc = "Propose"
 
     async def propose(
         self,
@@ -88,7 +171,7 @@ class DraftClient:
         timeout: float | None,
     ) -> tuple[np.ndarray, np.ndarray]:
         """Returns top_ids [B-1, K] and top_logprobs [B-1, K]."""
-        r = await self.stub.Propose(
+        r = await self._step(
             draft_pb2.ProposeRequest(
                 sequence_id=sequence_id,
                 anchor_token=anchor_token,
@@ -98,12 +181,6 @@ class DraftClient:
                 top_k=top_k,
                 window=window,
             ),
-            timeout=timeout,
+            timeout,
         )
         return array_from_pb(r.top_ids), array_from_pb(r.top_logprobs)
-
-    async def release(self, sequence_id: str, timeout: float = 5.0) -> None:
-        await self.stub.Release(common_pb2.ReleaseRequest(sequence_id=sequence_id), timeout=timeout)
-
-    async def close(self) -> None:
-        await self.channel.close()

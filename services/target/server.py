@@ -10,7 +10,7 @@ from splitspec.metrics import WorkerMetrics
 from splitspec.spec.sampling import SamplingParams
 from splitspec.v1 import common_pb2, target_pb2, target_pb2_grpc
 from splitspec.wire import tensor_to_pb
-from splitspec.services.hosting import EngineHost
+from splitspec.services.hosting import EngineHost, sequence_stream
 from splitspec.services.target.engine import TargetEngine
 
 SERVICE = target_pb2.DESCRIPTOR.services_by_name["TargetWorker"].full_name
@@ -87,6 +87,10 @@ class TargetServicer(target_pb2_grpc.TargetWorkerServicer):
             forward_ns=result.forward_ns,
             committed_length=result.committed_length,
         )
+
+    async def VerifyStream(self, requests, context):
+        async for response in sequence_stream(requests, context, self.Verify):
+            yield response
 
     async def Release(self, request, context):
         released = self.host.release(request.sequence_id)

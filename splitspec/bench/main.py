@@ -38,6 +38,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=128, help="generated tokens per request")
     p.add_argument("--prompts", type=int, default=4, help="timed requests per end-to-end row")
     p.add_argument("--concurrency", type=int, default=1, help="requests in flight at once in the end-to-end runs")
+    p.add_argument(
+        "--wire", default="stream",
+        help="gateway wire(s) of the end-to-end runs, comma-separated: stream, unary or stream,unary (rows of both, taking turns)",
+    )
     p.add_argument("--iters", type=int, default=30, help="timed calls per component figure (median)")
     p.add_argument("--json", default="", help="write all figures to this JSON file")
     p.add_argument("--log-dir", default="", help="keep the end-to-end services' logs in this directory (default: discarded)")
@@ -89,6 +93,9 @@ def run(args: argparse.Namespace) -> int:
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     draft_device = args.draft_device or args.device
     budgets = [int(b) for b in args.budgets.split(",")]
+    wires = tuple(args.wire.split(","))
+    if set(wires) - {"stream", "unary"}:
+        raise ValueError(f"--wire: unknown {sorted(set(wires) - {'stream', 'unary'})}; choose from stream, unary")
     result: dict = {
         "date": date.today().isoformat(), "card": device_name(args.device), "draft_card": device_name(draft_device),
         "shape": args.shape, "dtype": args.dtype, "torch": torch.__version__, "args": vars(args),
@@ -109,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
             rows = run_system(
                 args.shape, args.device, draft_device, args.dtype, [float(c) for c in args.corruptions.split(",")],
                 args.budget, args.prompts, args.prompt_len, args.max_tokens, args.concurrency, Path(work),
-                Path(args.log_dir) if args.log_dir else Path(work),
+                Path(args.log_dir) if args.log_dir else Path(work), wires,
             )
         result["system"] = [
             {**asdict(r), "tokens_per_s": r.tokens_per_s, "acceptance_length": r.acceptance_length, "ms_per_step": r.ms_per_step}

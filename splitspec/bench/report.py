@@ -26,15 +26,16 @@ def markdown(result: dict) -> str:
         lines.append("")
     rows = result.get("system")
     if rows:
-        ar = rows[0]["tokens_per_s"]
+        ar = {r["wire"]: r["tokens_per_s"] for r in rows if r["label"] == "off (AR)"}  # × AR: same wire
         lines += [
-            "| end-to-end (3 services) | budget | concurrency | AL | tok/s | decode ms/step | × AR | draft fallbacks |",
-            "|---|---|---|---|---|---|---|---|",
+            "| end-to-end (3 services) | wire | budget | concurrency | AL | tok/s | decode ms/step | × AR | draft fallbacks |",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
         for r in rows:
+            wire = r["wire"]
             lines.append(
-                f"| {r['label']} | {r['budget']} | {r['concurrency']} | {r['acceptance_length']:.2f} | {r['tokens_per_s']:.1f} "
-                f"| {r['ms_per_step']:.2f} | {r['tokens_per_s'] / ar:.2f} | {r.get('draft_fallbacks', 0)} |"
+                f"| {r['label']} | {wire} | {r['budget']} | {r['concurrency']} | {r['acceptance_length']:.2f} | {r['tokens_per_s']:.1f} "
+                f"| {r['ms_per_step']:.2f} | {r['tokens_per_s'] / ar[wire]:.2f} | {r.get('draft_fallbacks', 0)} |"
             )
         lines.append("")
     if "baseline_tokens_per_s" in result:

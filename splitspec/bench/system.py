@@ -37,6 +37,7 @@ class SystemRow:
     steps: int
     seconds: float  # wall time of the whole batch
     concurrency: int
+    wire: str = "stream"  # the gateway's --wire
     decode_seconds: float = 0.0  # per request, first response to last, summed: steps without prefill
     draft_fallbacks: int = 0  # steps that ran target-only because the draft failed or was late
 
@@ -109,7 +110,9 @@ def generate(address: str, request: gateway_pb2.GenerateRequest) -> tuple[list[i
     return tokens, usage, time.perf_counter() - first
 
 
-def run_batch(address: str, requests: list[gateway_pb2.GenerateRequest], concurrency: int, label: str, budget: int) -> tuple[SystemRow, list[list[int]]]:
+def run_batch(
+    address: str, requests: list[gateway_pb2.GenerateRequest], concurrency: int, label: str, budget: int, wire: str
+) -> tuple[SystemRow, list[list[int]]]:
     """All ``requests``, ``concurrency`` at a time; one row of aggregate figures."""
     outputs: list[list[int]] = [[] for _ in requests]
     usages: list[gateway_pb2.Usage | None] = [None] * len(requests)
@@ -140,7 +143,8 @@ def run_batch(address: str, requests: list[gateway_pb2.GenerateRequest], concurr
         raise RuntimeError(f"{label}: {errors[0].code().name}: {errors[0].details()}")
     steps = sum(u.steps for u in usages)
     row = SystemRow(
-        label, budget, sum(len(o) for o in outputs), steps, seconds, concurrency, sum(decode), sum(u.draft_fallbacks for u in usages)
+        label, budget, sum(len(o) for o in outputs), steps, seconds, concurrency, wire, sum(decode),
+        sum(u.draft_fallbacks for u in usages),
     )
     return row, outputs
 
@@ -158,7 +162,10 @@ def run_system(
     concurrency: int,
     work_dir: Path,
     log_dir: Path,
+    wires: tuple[str, ...] = ("stream",),
 ) -> list[SystemRow]:
+    """The AR row, then one row per draft, for each gateway ``--wire`` in ``wires``: the workers are
+    shared and the wires take turns row by row, so both see the same machine state."""
     from splitspec.models.random_weights import random_target_config
 
     target_model = f"random:{shape}"
@@ -185,20 +192,29 @@ def run_system(
         )
         drafts = {f"replay {p:.2f}": ("--replay", str(table), "--replay-corruption", str(p)) for p in corruptions}
         drafts["dflash (random weights)"] = ("--model", f"{target_model}-dflash", "--device", draft_device, "--dtype", dtype)
-        gateways = {}
-        for i, (label, args) in enumerate(drafts.items()):
-            draft = c.start(f"draft{i}", "draft", "--target-model", target_model, *args)
-            gateways[label] = c.start(f"gateway{i}", "gateway", "--target", target, "--draft", draft, "--tokenizer", str(tokenizer))
-        first = next(iter(gateways.values()))
+        draft_addresses = {
+            label: c.start(f"draft{i}", "draft", "--target-model", target_model, *args) for i, (label, args) in enumerate(drafts.items())
+        }
+        gateways = {
+            (wire, label): c.start(
+                f"gateway{i}-{wire}", "gateway", "--target", target, "--draft", draft, "--tokenizer", str(tokenizer), "--wire", wire
+            )
+            for wire in wires
+            for i, (label, draft) in enumerate(draft_addresses.items())
+        }
         off = Spec(mode=Spec.OFF)
-        run_batch(first, requests(warm, off), concurrency, "warm-up", 0)  # captures graphs, fills caches
-        row, outputs = run_batch(first, requests(timed, off), concurrency, "off (AR)", 0)
-        rows.append(row)
-        with table.open("w") as f:
-            for p, out in zip(timed + warm, outputs + [[]] * len(warm)):
-                f.write(json.dumps({"tokens": p + out}) + "\n")
         tree = Spec(mode=Spec.DDTREE, budget=budget)
-        for label, address in gateways.items():
-            run_batch(address, requests(warm, tree), concurrency, "warm-up", budget)
-            rows.append(run_batch(address, requests(timed, tree), concurrency, label, budget)[0])
+        for wire in wires:
+            first = gateways[wire, next(iter(drafts))]
+            run_batch(first, requests(warm, off), concurrency, "warm-up", 0, wire)  # captures graphs, fills caches
+            row, outputs = run_batch(first, requests(timed, off), concurrency, "off (AR)", 0, wire)
+            rows.append(row)
+            if wire == wires[0]:
+                with table.open("w") as f:
+                    for p, out in zip(timed + warm, outputs + [[]] * len(warm)):
+                        f.write(json.dumps({"tokens": p + out}) + "\n")
+        for label in drafts:
+            for wire in wires:
+                run_batch(gateways[wire, label], requests(warm, tree), concurrency, "warm-up", budget, wire)
+                rows.append(run_batch(gateways[wire, label], requests(timed, tree), concurrency, label, budget, wire)[0])
     return rows

@@ -28,21 +28,22 @@ def test_bench_runs_every_part(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "splitspec", "bench", "--shape", "tiny", "--device", "cpu", "--dtype", "float32",
          "--budgets", "4,22", "--corruptions", "0.9,0.0", "--prompts", "2", "--prompt-len", "24", "--max-tokens", "24",
-         "--iters", "3", "--json", str(out), "--log-dir", str(tmp_path / "logs")],
+         "--iters", "3", "--wire", "stream,unary", "--json", str(out), "--log-dir", str(tmp_path / "logs")],
         capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     comp = result["components"]
     assert set(comp["verify_ms"]["fixed shapes"]) == {"4", "22"} and comp["draft_ms"]["eager"] > 0
-    rows = {r["label"]: r for r in result["system"]}
-    assert rows["off (AR)"]["acceptance_length"] < 1.2
-    # An uncorrupted replay is the target's own continuation: nearly every drafted token is accepted.
-    assert rows["replay 0.00"]["acceptance_length"] > 2 * rows["replay 0.90"]["acceptance_length"]
-    assert all(r["completion_tokens"] == 2 * 24 for r in result["system"])
+    for wire in ("stream", "unary"):
+        rows = {r["label"]: r for r in result["system"] if r["wire"] == wire}
+        assert rows["off (AR)"]["acceptance_length"] < 1.2
+        # An uncorrupted replay is the target's own continuation: nearly every drafted token is accepted.
+        assert rows["replay 0.00"]["acceptance_length"] > 2 * rows["replay 0.90"]["acceptance_length"]
+        assert rows["replay 0.00"]["draft_fallbacks"] == 0
+    assert len(result["system"]) == 2 * 4 and all(r["completion_tokens"] == 2 * 24 for r in result["system"])
     # Decode steps alone (prefill excluded) are shorter than the whole batch's time per step.
     assert all(0 < r["ms_per_step"] < 1e3 * r["seconds"] / r["steps"] for r in result["system"])
-    assert rows["replay 0.00"]["draft_fallbacks"] == 0
     assert {"target.log", "draft0.log", "gateway0.log"} <= {p.name for p in (tmp_path / "logs").iterdir()}
     assert result["baseline_tokens_per_s"] > 0
-    assert "| off (AR) |" in proc.stdout and "transformers eager" in proc.stdout
+    assert "| off (AR) | stream |" in proc.stdout and "| off (AR) | unary |" in proc.stdout and "transformers eager" in proc.stdout

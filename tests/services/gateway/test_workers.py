@@ -1,0 +1,192 @@
+"""The gateway's worker clients on both wires, against real target and draft processes.
+
+On the ``stream`` wire a sequence's steps share one bidirectional stream; a step that fails or
+misses its timeout must fail exactly as the unary call does, drop its stream (a late response must
+never be read as the next step's), and leave other sequences' streams alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import numpy as np
+import pytest
+
+from splitspec.services.gateway.workers import DraftClient, TargetClient
+from splitspec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+
+pytestmark = pytest.mark.slow
+
+PROMPT = [11, 22, 33, 44, 55]
+REPLAY_DELAY_S = 0.4
+
+
+@pytest.fixture(scope="module")
+def workers(module_services, tiny_pair, tmp_path_factory):
+    s = module_services
+    model = str(tiny_pair.target)
+    table = tmp_path_factory.mktemp("replay") / "table.jsonl"
+    table.write_text("")
+    target = s.start("w-target", "target", "--model", model, "--dtype", "float64", "--threads", "1")
+    slow = s.start("w-slow", "draft", "--replay", str(table), "--replay-delay", str(REPLAY_DELAY_S), "--target-model", model)
+    return {"target": target, "slow": slow}
+
+
+def run(coroutine):
+    return asyncio.run(coroutine)
+
+
+async def prefill(client: TargetClient, sequence_id: str):
+    request = target_pb2.PrefillRequest(sequence_id=sequence_id, tokens=PROMPT, reserve_tokens=128)
+    return await client.prefill(request, timeout=30)
+
+
+def chain(*tokens: int) -> tuple[np.ndarray, np.ndarray]:
+    """A chain tree: node i's parent is node i-1 (the root for the first)."""
+    return np.array(tokens, dtype=np.int32), np.arange(len(tokens), dtype=np.int32)
+
+
+async def steps(client: TargetClient, sequence_id: str, trees) -> list[tuple[list[int], int]]:
+    out = []
+    for tokens, parents in trees:
+        v = await client.verify(sequence_id, tokens, parents, False, timeout=30)
+        out.append((v.committed_tokens, v.next_token))
+    return out
+
+
+TREES = [chain(3, 4, 5), chain(7), chain(), chain(1, 2)]
+BAD_TREE = (np.array([3, 4], dtype=np.int32), np.array([0, 5], dtype=np.int32))  # node 2's parent does not exist
+
+
+def test_stream_steps_equal_unary_steps_and_share_one_call(workers):
+    async def scenario():
+        streamed, unary = TargetClient(workers["target"]), TargetClient(workers["target"], wire="unary")
+        try:
+            await prefill(streamed, "s-stream")
+            await prefill(unary, "s-unary")
+            first = await steps(streamed, "s-stream", TREES[:1])
+            call = streamed._streams["s-stream"]._call
+            got = first + await steps(streamed, "s-stream", TREES[1:])
+            assert streamed._streams["s-stream"]._call is call  # every step rode the same stream
+            want = await steps(unary, "s-unary", TREES)
+            assert got == want
+            await streamed.release("s-stream")
+            assert "s-stream" not in streamed._streams and call.cancelled()
+            await unary.release("s-unary")
+        finally:
+            await streamed.close()
+            await unary.close()
+
+    run(scenario())
+
+
+def test_malformed_tree_mid_stream_fails_like_unary_and_spares_other_sequences(workers):
+    async def scenario():
+        streamed, unary = TargetClient(workers["target"]), TargetClient(workers["target"], wire="unary")
+        try:
+            for sid in ("bad", "other"):
+                await prefill(streamed, sid)
+            await prefill(unary, "reference")
+            want = await steps(unary, "reference", TREES)
+            assert await steps(streamed, "bad", TREES[:1]) == want[:1]
+            assert await steps(streamed, "other", TREES[:1]) == want[:1]
+            broken = streamed._streams["bad"]._call
+
+            async def bad_step():
+                with pytest.raises(grpc.aio.AioRpcError) as failed:
+                    await streamed.verify("bad", *BAD_TREE, False, timeout=30)
+                return failed.value
+
+            error, other = await asyncio.gather(bad_step(), steps(streamed, "other", TREES[1:]))
+            assert other == want[1:]  # the other sequence's stream went on untouched
+            with pytest.raises(grpc.aio.AioRpcError) as unary_error:
+                await unary.verify("reference", *BAD_TREE, False, timeout=30)
+            assert error.code() == unary_error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert error.details() == unary_error.value.details() == "parents[1] = 5 is not in [0, 1]"
+            # The bad request changed nothing: the sequence goes on, on a new stream.
+            assert await steps(streamed, "bad", TREES[1:]) == want[1:]
+            assert streamed._streams["bad"]._call is not broken and broken.done()
+            for sid in ("bad", "other"):
+                await streamed.release(sid)
+            await unary.release("reference")
+        finally:
+            await streamed.close()
+            await unary.close()
+
+    run(scenario())
+
+
+def test_a_stream_serves_one_sequence(workers, tiny_pair):
+    """A request naming another sequence ends the stream with INVALID_ARGUMENT, on both workers."""
+    with grpc.insecure_channel(workers["target"]) as ch:
+        stub = target_pb2_grpc.TargetWorkerStub(ch)
+        for sid in ("one", "two"):
+            stub.Prefill(target_pb2.PrefillRequest(sequence_id=sid, tokens=PROMPT, reserve_tokens=64), timeout=30)
+        responses = stub.VerifyStream(iter([target_pb2.VerifyRequest(sequence_id=sid) for sid in ("one", "one", "two")]), timeout=30)
+        assert next(responses).committed_length == len(PROMPT) + 1
+        assert next(responses).committed_length == len(PROMPT) + 2
+        with pytest.raises(grpc.RpcError) as mixed:
+            next(responses)
+        assert mixed.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert mixed.value.details() == "sequence_id: 'two' on the stream of sequence 'one' (one stream per sequence)"
+        for sid in ("one", "two"):
+            stub.Release(common_pb2.ReleaseRequest(sequence_id=sid), timeout=10)
+    with grpc.insecure_channel(workers["slow"]) as ch:
+        requests = [
+            draft_pb2.ProposeRequest(sequence_id=sid, anchor_token=1, anchor_position=len(PROMPT), tokens=PROMPT, top_k=2)
+            for sid in ("p", "q")
+        ]
+        responses = draft_pb2_grpc.DraftWorkerStub(ch).ProposeStream(iter(requests), timeout=30)
+        assert next(responses).top_ids.shape == [15, 2]
+        with pytest.raises(grpc.RpcError) as mixed:
+            next(responses)
+        assert mixed.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "'q' on the stream of sequence 'p'" in mixed.value.details()
+        draft_pb2_grpc.DraftWorkerStub(ch).Release(common_pb2.ReleaseRequest(sequence_id="p"), timeout=10)
+
+
+def test_undecodable_message_mid_stream_is_invalid_argument(workers):
+    """The error interceptor checks every message of a stream, as it checks a unary request."""
+    with grpc.insecure_channel(workers["target"]) as ch:
+        target_pb2_grpc.TargetWorkerStub(ch).Prefill(
+            target_pb2.PrefillRequest(sequence_id="raw", tokens=PROMPT, reserve_tokens=64), timeout=30
+        )
+        verify_stream = ch.stream_stream("/splitspec.v1.TargetWorker/VerifyStream")  # bytes in, bytes out
+        good = target_pb2.VerifyRequest(sequence_id="raw").SerializeToString()
+        invalid_utf8 = b"\x0a\x01\xff"  # field 1 (sequence_id, a string) holding byte 0xff
+        responses = verify_stream(iter([good, invalid_utf8]), timeout=30)
+        assert target_pb2.VerifyResponse.FromString(next(responses)).committed_length == len(PROMPT) + 1
+        with pytest.raises(grpc.RpcError) as undecodable:
+            next(responses)
+        assert undecodable.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert undecodable.value.details().startswith("request is not a valid /splitspec.v1.TargetWorker/VerifyStream message")
+        target_pb2_grpc.TargetWorkerStub(ch).Release(common_pb2.ReleaseRequest(sequence_id="raw"), timeout=10)
+
+
+def test_draft_step_past_its_timeout_drops_the_stream(workers):
+    """A propose that misses its timeout raises DEADLINE_EXCEEDED as the unary call does; its late
+    response is never read: the next step, on a new stream, gets its own answer (top_k 3, not 2)."""
+
+    async def scenario():
+        draft = DraftClient(workers["slow"])
+        unary = DraftClient(workers["slow"], wire="unary")
+        try:
+            for client, sid in ((draft, "late"), (unary, "late-unary")):
+                with pytest.raises(grpc.aio.AioRpcError) as missed:
+                    await client.propose(sid, 1, len(PROMPT), PROMPT, None, 2, 0, timeout=0.05)
+                assert missed.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                assert missed.value.details() == "Deadline Exceeded"
+            assert draft._streams["late"]._call is None  # dropped at once, not left for the late response
+            await asyncio.sleep(2 * REPLAY_DELAY_S)  # both late proposals ran on the worker
+            await draft.release("late")  # as the gateway does after a failed draft step
+            await unary.release("late-unary")
+            top_ids, _ = await draft.propose("late", 1, len(PROMPT), PROMPT, None, 3, 0, timeout=10)
+            assert top_ids.shape == (15, 3)
+            top_ids, _ = await draft.propose("late", 2, len(PROMPT) + 1, [1], None, 3, 0, timeout=10)
+            assert top_ids.shape == (15, 3)
+            await draft.release("late")
+        finally:
+            await draft.close()
+            await unary.close()
+
+    run(scenario())
