@@ -44,6 +44,6 @@ def test_bench_runs_every_part(tmp_path):
     assert len(result["system"]) == 2 * 4 and all(r["completion_tokens"] == 2 * 24 for r in result["system"])
     # Decode steps alone (prefill excluded) are shorter than the whole batch's time per step.
     assert all(0 < r["ms_per_step"] < 1e3 * r["seconds"] / r["steps"] for r in result["system"])
-    assert {"target.log", "draft0.log", "gateway0.log"} <= {p.name for p in (tmp_path / "logs").iterdir()}
+    assert {"target.log", "draft0.log", "gateway0-stream.log", "gateway0-unary.log"} <= {p.name for p in (tmp_path / "logs").iterdir()}
     assert result["baseline_tokens_per_s"] > 0
     assert "| off (AR) | stream |" in proc.stdout and "| off (AR) | unary |" in proc.stdout and "transformers eager" in proc.stdout
