@@ -40,6 +40,7 @@ class ComponentReport:
     ar_ms: dict[str, float] = field(default_factory=dict)  # path ("graphs", "eager") -> ms
     verify_ms: dict[str, dict[int, float]] = field(default_factory=dict)  # path -> budget -> ms
     draft_ms: dict[str, float] = field(default_factory=dict)  # path -> ms
+    peak_bytes: int = 0  # device memory high-water mark while the target was timed (CUDA only)
 
     @property
     def roofline_ms(self) -> float:
@@ -98,6 +99,8 @@ def random_tree(rng: np.random.Generator, vocab: int, budget: int, depth: int = 
 def time_target(
     path: str, device: torch.device, dtype: torch.dtype, budgets: list[int], prompt_len: int, iters: int, graphs: bool
 ) -> ComponentReport:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     model, _ = load_target(path, device, dtype)
     report = ComponentReport(path, str(device), str(dtype).removeprefix("torch."), weight_bytes(model), copy_bandwidth(device))
     rng = np.random.default_rng(0)
@@ -123,6 +126,7 @@ def time_target(
         engine.sequences.pop("bench")
     del model
     if device.type == "cuda":
+        report.peak_bytes = torch.cuda.max_memory_allocated(device)
         torch.cuda.empty_cache()
     return report
 

@@ -217,7 +217,7 @@ def _permutation(config, device: torch.device | str) -> torch.Tensor:
     return torch.randperm(config.vocab_size, generator=torch.Generator().manual_seed(0)).to(device)
 
 
-def random_draft(path: str | os.PathLike, device: torch.device | str, dtype: torch.dtype) -> tuple[DFlashDraft, DFlashConfig]:
+def random_draft_config(path: str | os.PathLike) -> DFlashConfig:
     name = str(path).removeprefix(PREFIX).removesuffix("-dflash")
     if not str(path).endswith("-dflash") or name not in SHAPES:
         raise ValueError(f"{path}: unknown random draft; choose one of {', '.join(PREFIX + n + '-dflash' for n in SHAPES)}")
@@ -225,12 +225,16 @@ def random_draft(path: str | os.PathLike, device: torch.device | str, dtype: tor
     t = shape.config
     heads, kv_heads, head_dim = shape.draft_heads or (t.num_heads, t.num_kv_heads, t.head_dim)
     layers = DRAFT_LAYERS if t.num_layers >= 2 * DRAFT_LAYERS else 2
-    config = DFlashConfig(
+    return DFlashConfig(
         hidden_size=t.hidden_size, intermediate_size=t.intermediate_size, num_layers=layers,
         num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, block_size=DRAFT_BLOCK,
         mask_token_id=t.vocab_size - 1, target_layer_ids=tuple(default_target_layer_ids(t.num_layers, layers)),
         vocab_size=t.vocab_size,
     )
+
+
+def random_draft(path: str | os.PathLike, device: torch.device | str, dtype: torch.dtype) -> tuple[DFlashDraft, DFlashConfig]:
+    config = random_draft_config(path)
     with torch.device("meta"):
         model = DFlashDraft(config)
     model = model.to(dtype).to_empty(device=device)
