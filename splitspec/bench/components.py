@@ -3,7 +3,9 @@
 Every figure is the median wall time of one engine call, which ends by reading the accepted
 path (verify) or the proposal (draft) back to the host, so it is what a step costs the service.
 The roofline is the model's weight bytes over the device's measured copy bandwidth: a batch-1
-step reads every weight once and cannot beat it.
+step reads every weight once and cannot beat it. Weights kept in GGUF blocks (the ``*-q4km``
+shapes) count as their packed bytes. Hybrid (qwen35) targets have no fixed-shape path: their rows
+are labelled "eager".
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from splitspec.models.dense import DenseForCausalLM
 from splitspec.models.loader import load_dflash_draft, load_target, load_target_head
 from splitspec.services.draft.engine import DraftEngine
 from splitspec.services.draft.graphs import BlockGraphs
@@ -37,6 +40,7 @@ class ComponentReport:
     ar_ms: dict[str, float] = field(default_factory=dict)  # path ("graphs", "eager") -> ms
     verify_ms: dict[str, dict[int, float]] = field(default_factory=dict)  # path -> budget -> ms
     draft_ms: dict[str, float] = field(default_factory=dict)  # path -> ms
+    peak_bytes: int = 0  # device memory high-water mark while the target was timed (CUDA only)
 
     @property
     def roofline_ms(self) -> float:
@@ -76,7 +80,7 @@ def weight_bytes(model: torch.nn.Module) -> int:
     table, of which it reads one row (unless the LM head shares it)."""
     seen, total = set(), 0
     embed = getattr(model, "embed_tokens", None)
-    tied = embed is not None and model.lm_head.weight is embed.weight
+    tied = embed is not None and getattr(model.lm_head, "weight", None) is embed.weight
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
         if id(t) in seen or (name.startswith("embed_tokens") and not tied):
             continue
@@ -95,6 +99,8 @@ def random_tree(rng: np.random.Generator, vocab: int, budget: int, depth: int = 
 def time_target(
     path: str, device: torch.device, dtype: torch.dtype, budgets: list[int], prompt_len: int, iters: int, graphs: bool
 ) -> ComponentReport:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     model, _ = load_target(path, device, dtype)
     report = ComponentReport(path, str(device), str(dtype).removeprefix("torch."), weight_bytes(model), copy_bandwidth(device))
     rng = np.random.default_rng(0)
@@ -102,7 +108,12 @@ def time_target(
     prompt = rng.integers(0, vocab, prompt_len).tolist()
     steps = (len(budgets) + 1) * (iters + 3)  # every verify commits at least its root
     context = prompt_len + steps + (row_bucket(max(budgets) + 1) or max(budgets) + 1)  # no step may fall off the fast path
-    paths = {"graphs": True, "eager": False} if graphs and device.type == "cuda" else {"fixed shapes" if graphs else "eager": False}
+    if not isinstance(model, DenseForCausalLM):
+        paths = {"eager": False}  # the fast path (services/target/graphs.py) serves dense targets only
+    elif graphs and device.type == "cuda":
+        paths = {"graphs": True, "eager": False}
+    else:
+        paths = {"fixed shapes" if graphs else "eager": False}
     for label, capture in paths.items():
         static = StaticVerifier(model, 1, context, capture) if label != "eager" else None
         engine = TargetEngine(model, TargetLimits(max_tree_nodes=max(budgets)), static)
@@ -115,6 +126,7 @@ def time_target(
         engine.sequences.pop("bench")
     del model
     if device.type == "cuda":
+        report.peak_bytes = torch.cuda.max_memory_allocated(device)
         torch.cuda.empty_cache()
     return report
 

@@ -23,7 +23,13 @@ PARTS = ("components", "system", "baseline")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--shape", default="qwen3-8b", help="random-weight shape: qwen3-8b, qwen3-0.6b or tiny (CPU)")
+    p.add_argument(
+        "--shape", default="qwen3-8b",
+        help="random-weight shape: qwen3-8b, qwen3-0.6b, qwen3-8b-q4km (linear weights in Q4_K_M-style GGUF blocks), "
+        "qwen35-27b (hybrid Qwen3.5-27B geometry), qwen35-27b-q4km; tiny, tiny-q4km, tiny-qwen35, tiny-qwen35-q4km "
+        "(CPU). The -q4km shapes run the components part only; the system part also runs qwen35 shapes (eager "
+        "target); the baseline part runs the dense unquantized shapes only",
+    )
     p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated parts to run: {', '.join(PARTS)}")
     p.add_argument("--device", default="cuda:0", help="target device")
     p.add_argument("--draft-device", default="", help="draft device (default: --device)")
@@ -73,6 +79,21 @@ def transformers_tokens_per_s(shape: str, device: str, dtype: str, prompt_len: i
     return (out.shape[1] - prompt_len) / (time.perf_counter() - t0)
 
 
+def check_parts(shape: str, parts: set[str]) -> None:
+    """Refuse, in one line, a part that cannot give honest figures for ``shape``."""
+    from splitspec.models.dense import DenseConfig
+    from splitspec.models.random_weights import random_shape
+
+    s = random_shape(f"random:{shape}")
+    if "system" in parts and s.quantized:
+        raise ValueError(
+            f"--parts system: random:{shape} has a random quantized LM head, so its greedy output is not the same on "
+            "every pass shape and the replay rows would measure noise; run --parts components"
+        )
+    if "baseline" in parts and (s.quantized or not isinstance(s.config, DenseConfig)):
+        raise ValueError(f"--parts baseline: the transformers baseline runs the dense unquantized shapes only, not {shape}")
+
+
 def device_name(device: str) -> str:
     import torch
 
@@ -90,6 +111,7 @@ def run(args: argparse.Namespace) -> int:
     parts = set(args.parts.split(","))
     if parts - set(PARTS):
         raise ValueError(f"--parts: unknown {sorted(parts - set(PARTS))}; choose from {', '.join(PARTS)}")
+    check_parts(args.shape, parts)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     draft_device = args.draft_device or args.device
     budgets = [int(b) for b in args.budgets.split(",")]

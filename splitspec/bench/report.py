@@ -10,7 +10,8 @@ def markdown(result: dict) -> str:
         roof = comp["roofline_ms"]
         lines += [
             f"Weights {comp['weight_bytes'] / 1e9:.2f} GB; copy bandwidth {comp['copy_bandwidth'] / 1e12:.2f} TB/s; "
-            f"roofline {roof:.2f} ms per step.",
+            f"roofline {roof:.2f} ms per step"
+            + (f"; peak device memory {comp['peak_bytes'] / 1e9:.1f} GB while timing the target." if comp.get("peak_bytes") else "."),
             "",
             "| path | AR step ms (% of roofline) | " + " | ".join(f"verify b{b} ms (×AR)" for b in next(iter(comp["verify_ms"].values()))) + " |",
             "|---|---|" + "---|" * len(next(iter(comp["verify_ms"].values()))),

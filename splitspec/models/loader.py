@@ -35,7 +35,8 @@ from splitspec.models.gguf_file import GGUFFile, ModelFileError
 from splitspec.models.hf_dir import HFDirectory
 from splitspec.models.layers import llama3_freq_factors
 from splitspec.models.qwen35 import QWEN35_ARCHS, Qwen35Config, Qwen35ForCausalLM
-from splitspec.native.gguf_matmul import KERNEL_TYPES, QuantLinear
+from splitspec.models.quantized import swap_quant_linears
+from splitspec.native.gguf_matmul import KERNEL_TYPES
 
 logger = logging.getLogger(__name__)
 
@@ -308,7 +309,7 @@ def load_target(
     ``keep_quantized``: the dense family's linear layers whose GGUF weights are Q8_0, Q4_K or Q6_K
     stay in their blocks (``native.gguf_matmul.QuantLinear``); the rest dequantize as usual."""
     if random_weights.is_random(path):
-        return random_weights.random_target(path, device, dtype)
+        return random_weights.random_target(path, device, dtype, state_dtype)
     hybrid = _hybrid(path)
     if hybrid:
         module, local = hybrid
@@ -343,17 +344,14 @@ def _quantized_linears(model: DenseForCausalLM, source: _Source, names: dict[str
     type for a ``QuantLinear``; returns weight name -> the name of its packed bytes."""
     if not isinstance(source, _GGUFSource):
         return {}
-    swapped = {}
-    for module_name, module in list(model.named_modules()):
+    types = {}
+    for module_name, module in model.named_modules():
         weight = f"{module_name}.weight"
-        if not isinstance(module, nn.Linear) or weight not in names:
-            continue
-        qtype = source.file.raw(names[weight])[1]
-        if qtype in KERNEL_TYPES:
-            linear = QuantLinear(qtype, module.in_features, module.out_features, bias=module.bias is not None, device="meta")
-            model.set_submodule(module_name, linear)
-            swapped[weight] = f"{module_name}.raw"
-    return swapped
+        if isinstance(module, nn.Linear) and weight in names:
+            qtype = source.file.raw(names[weight])[1]
+            if qtype in KERNEL_TYPES:
+                types[module_name] = qtype
+    return swap_quant_linears(model, types)
 
 
 def load_target_head(

@@ -1,13 +1,16 @@
-"""``splitspec bench`` end to end on the CPU with the tiny random shape: every part runs through
-the real services and the figures hang together (a replayed draft accepts more than AR)."""
+"""``splitspec bench`` end to end on the CPU with the tiny random shapes: every part runs through
+the real services and the figures hang together (a replayed draft accepts more than AR); the
+quantized and hybrid shapes time their components, and parts that cannot measure a shape refuse."""
 
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 
 import pytest
+import torch
 
 from splitspec.models.loader import load_dflash_draft, load_target, read_target_config
 
@@ -47,3 +50,54 @@ def test_bench_runs_every_part(tmp_path):
     assert {"target.log", "draft0.log", "gateway0-stream.log", "gateway0-unary.log"} <= {p.name for p in (tmp_path / "logs").iterdir()}
     assert result["baseline_tokens_per_s"] > 0
     assert "| off (AR) | stream |" in proc.stdout and "| off (AR) | unary |" in proc.stdout and "transformers eager" in proc.stdout
+
+
+def _bench(tmp_path, shape: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "splitspec", "bench", "--shape", shape, "--device", "cpu", "--dtype", "float32",
+         "--prompt-len", "24", "--iters", "2", "--json", str(tmp_path / "bench.json"), *args],
+        capture_output=True, text=True, timeout=600,
+    )
+
+
+@pytest.mark.parametrize("shape, path", [("tiny-q4km", "fixed shapes"), ("tiny-qwen35", "eager")])
+def test_components_of_the_quantized_and_hybrid_shapes(shape, path):
+    """Finite, positive timings for every budget; the hybrid target, which has no fixed-shape
+    path, is timed (and labelled) eager; the roofline counts the bytes the model holds."""
+    from splitspec.bench.components import time_draft, time_target, weight_bytes
+
+    report = time_target(f"random:{shape}", torch.device("cpu"), torch.float32, [4, 22], prompt_len=24, iters=2, graphs=True)
+    assert list(report.ar_ms) == [path] and set(report.verify_ms[path]) == {4, 22}
+    figures = [report.ar_ms[path], *report.verify_ms[path].values(), *time_draft(f"random:{shape}", torch.device("cpu"), torch.float32, 24, 2).values()]
+    assert len(figures) == 4 and all(math.isfinite(ms) and ms > 0 for ms in figures)
+    assert report.weight_bytes == weight_bytes(load_target(f"random:{shape}")[0])
+    assert 0 < report.roofline_ms < math.inf
+
+
+def test_bench_components_of_a_quantized_hybrid_shape(tmp_path):
+    from splitspec.bench.components import weight_bytes
+
+    proc = _bench(tmp_path, "tiny-qwen35-q4km", "--parts", "components", "--budgets", "4,22")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    comp = json.loads((tmp_path / "bench.json").read_text())["components"]
+    # The roofline reads the packed blocks (test_random_weights checks what weight_bytes counts).
+    assert comp["weight_bytes"] == weight_bytes(load_target("random:tiny-qwen35-q4km")[0])
+    assert set(comp["verify_ms"]) == {"eager"} and all(ms > 0 for ms in comp["verify_ms"]["eager"].values())
+    assert comp["draft_ms"]["eager"] > 0 and "| eager |" in proc.stdout
+
+
+@pytest.mark.parametrize("part, message", [("system", "greedy output is not the same on every pass shape"), ("baseline", "dense unquantized")])
+def test_parts_a_quantized_shape_cannot_measure_are_refused_in_one_line(tmp_path, part, message):
+    proc = _bench(tmp_path, "tiny-q4km", "--parts", part)
+    assert proc.returncode == 2 and message in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "bench.json").exists()
+
+
+def test_bench_system_runs_a_hybrid_shape(tmp_path):
+    """The hybrid target's greedy output is the same on every pass shape too: an uncorrupted replay
+    is accepted nearly whole."""
+    proc = _bench(tmp_path, "tiny-qwen35", "--parts", "system", "--corruptions", "0.0", "--prompts", "1", "--max-tokens", "24")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {r["label"]: r for r in json.loads((tmp_path / "bench.json").read_text())["system"]}
+    assert rows["off (AR)"]["acceptance_length"] < 1.2 and rows["replay 0.00"]["acceptance_length"] > 4
+    assert all(r["completion_tokens"] == 24 for r in rows.values())
