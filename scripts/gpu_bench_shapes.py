@@ -47,6 +47,7 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--device", default="cuda:0")
     p.add_argument("--shapes", default="qwen3-8b-q4km,qwen35-27b-q4km,qwen35-27b")
+    p.add_argument("--iters", default="30", help="timed calls per component figure (bench --iters)")
     args = p.parse_args()
     out = Path(os.environ.get("OUT", "."))
     out.mkdir(parents=True, exist_ok=True)
@@ -62,7 +63,7 @@ def main() -> int:
         path = out / f"components-{shape}.json"
         proc = subprocess.run(
             [sys.executable, "-m", "splitspec", "bench", "--shape", shape, "--parts", "components", "--device", args.device,
-             "--json", str(path)],
+             "--iters", args.iters, "--json", str(path)],
             capture_output=True, text=True,
         )
         passed = proc.returncode == 0
