@@ -132,9 +132,13 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
     group = h // kv_heads
     q = q.contiguous()
     total_rows = h * t
-    block_r = max(16, min(64, triton.next_power_of_2(group * t)))  # tl.dot wants 16 rows at least
+    # Tiles for head_dim 128 (Qwen3); halved for 256 (Qwen3.5's full attention), whose 64-key
+    # tiles would overflow an H200's shared memory. tl.dot wants 16 rows at least.
+    wide = d > 128
+    block_s = BLOCK_S // 2 if wide else BLOCK_S
+    block_r = max(16, min(32 if wide else 64, triton.next_power_of_2(group * t)))
     row_blocks = triton.cdiv(group * t, block_r)
-    blocks = triton.cdiv(span, BLOCK_S)
+    blocks = triton.cdiv(span, block_s)
     # Enough programs for about two waves over the device; each split reads whole key blocks.
     wanted = max(1, min(blocks, (2 * _sm_count(q.device)) // (kv_heads * row_blocks)))
     per_split = triton.cdiv(blocks, wanted)
@@ -147,8 +151,8 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
     _partial_kernel[(kv_heads, splits, row_blocks)](
         q, k, v, mask, acc, stat, out,
         t, span, k.stride(0), k.stride(1), v.stride(0), v.stride(1), mask.stride(0), math.log2(math.e) / math.sqrt(d), total_rows,
-        GROUP=group, D=d, BLOCK_R=block_r, BLOCK_S=BLOCK_S, BLOCKS_PER_SPLIT=per_split, DIRECT=splits == 1,
-        IEEE=q.dtype == torch.float32 or INTERPRETED, num_warps=4,
+        GROUP=group, D=d, BLOCK_R=block_r, BLOCK_S=block_s, BLOCKS_PER_SPLIT=per_split, DIRECT=splits == 1,
+        IEEE=q.dtype == torch.float32 or INTERPRETED, num_warps=4, num_stages=2 if wide else 3,
     )
     if splits > 1:
         _combine_kernel[(total_rows,)](acc, stat, out, t, total_rows, splits, D=d, SPLITS=triton.next_power_of_2(splits), num_warps=4)

@@ -82,6 +82,7 @@ def tree_case(tokens: int, heads: int, kv_heads: int, head_dim: int, span: int, 
         (5, 4, 2, 32, 100),  # a span that is not a multiple of the key block
         (24, 8, 2, 16, 64),  # a verify block: 96 rows in two row blocks, one split (direct store)
         (3, 2, 2, 64, 300),  # no grouping
+        (2, 6, 2, 256, 80),  # head_dim 256 (Qwen3.5's full attention): narrower tiles
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
