@@ -248,9 +248,14 @@ class SpeculativeSequence:
             await self._forget_draft()
             return DraftTree.empty(), exc.code().name.lower()
         budget = min(opts.budget, max_nodes)
-        if opts.mode is Mode.CHAIN:
-            return build_chain(top_ids, min(budget, max_depth)), ""
-        return build_ddtree(top_ids, top_logprobs, budget, chain_seed=opts.chain_seed, max_depth=max_depth), ""
+        try:
+            if opts.mode is Mode.CHAIN:
+                return build_chain(top_ids, min(budget, max_depth)), ""
+            return build_ddtree(top_ids, top_logprobs, budget, chain_seed=opts.chain_seed, max_depth=max_depth), ""
+        except ValueError as exc:  # the draft's answer is input too: a broken one costs this step's speculation only
+            logger.warning("sequence %s: malformed draft proposal (%s); continuing target-only", self.sequence_id, exc)
+            await self._forget_draft()
+            return DraftTree.empty(), "malformed"
 
     async def release(self) -> None:
         """Free the sequence on both workers; errors are logged, never raised. Survives cancellation."""
