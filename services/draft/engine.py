@@ -184,4 +184,6 @@ class DraftEngine:
             block[0] = anchor_token
             positions = torch.arange(anchor_position, anchor_position + c.block_size, device=dev)
             out = top_k_proposal(self.model, self.embed, self.lm_head, block, positions, seq.cache.layers(window), top_k)
-        return Proposal(out[0].to(torch.int32), out[1], time.perf_counter_ns() - t0)
+        # Copies, made on this thread in stream order: a graph's outputs live in the graphs' shared
+        # pool, where another slot's replay may write before the servicer has sent these.
+        return Proposal(out[0].to(torch.int32), out[1].clone(), time.perf_counter_ns() - t0)
