@@ -3,6 +3,7 @@
 A draft worker on cuda:1 once returned unsorted (NaN) log-probs; this isolates where: for each
 device, each of (kernels, torch) x (eager, graphs) proposes over the same features, and every
 result is compared with the eager torch pass on cuda:0. Prints PASS/FAIL per case.
+Also proposes for two sequences in turn and checks the first proposal survives the second.
 Usage: python scripts/gpu_second_device_check.py
 """
 
@@ -37,7 +38,12 @@ for index in range(torch.cuda.device_count()):
                 p = engine.propose("s", step % 50, end + rows, feats[end : end + rows], 8)
                 end += rows
                 outs.append((p.top_ids.cpu(), p.top_logprobs.cpu()))
-            nan = any(not torch.isfinite(lp).all() for _, lp in outs)
+            # Two sequences in turn (two slots): a proposal must not change when the other replays.
+            first = engine.propose("a", 5, 300, feats[:300], 8)
+            kept = first.top_logprobs.clone()
+            engine.propose("b", 6, 300, feats[100:400], 8)
+            stable = torch.equal(first.top_logprobs, kept)
+            nan = any(not torch.isfinite(lp).all() for _, lp in outs) or not stable
             if reference is None:
                 reference = outs
             worst = max((a[1] - b[1]).abs().max().item() for a, b in zip(outs, reference))
@@ -46,7 +52,7 @@ for index in range(torch.cuda.device_count()):
             ok &= passed
             failed = graphs is not None and graphs.failed
             print(f"{'PASS' if passed else 'FAIL'} {dev} kernels={native} graphs={graphed}{' (capture failed)' if failed else ''}: "
-                  f"NaN {nan}, ids equal to cuda:0 eager torch {same}, max |logprob diff| {worst:.2e}", flush=True)
+                  f"NaN or overwritten {nan}, ids equal to cuda:0 eager torch {same}, max |logprob diff| {worst:.2e}", flush=True)
     os.environ.pop("SPLITSPEC_NATIVE")
     del model, embed, head
 sys.exit(0 if ok else 1)
