@@ -238,3 +238,28 @@ def test_workers_expire_idle_sequences(services, tiny_pair):
         # Release is idempotent.
         assert not stub.Release(common_pb2.ReleaseRequest(sequence_id="forgotten"), timeout=5).released
     assert "after 0 s idle" in services.log("target") or "idle" in services.log("target")
+
+
+def test_malformed_draft_proposals_cost_only_speculation(services, tiny_pair, tmp_path):
+    """A draft whose weights went bad (NaN in its fc projection) answers every Propose with NaN
+    log-probs. The gateway treats the proposal as input: each step falls back to target-only
+    ("malformed"), and the request completes with the target-only output."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    broken = tmp_path / "broken-draft"
+    shutil.copytree(tiny_pair.draft, broken)
+    weights = load_file(str(broken / "model.safetensors"))
+    weights["fc.weight"].fill_(float("nan"))
+    save_file(weights, str(broken / "model.safetensors"))
+    target = services.start("target", "target", "--model", str(tiny_pair.target), "--dtype", "float64")
+    draft = services.start("draft", "draft", "--model", str(broken), "--target-model", str(tiny_pair.target), "--dtype", "float64")
+    gateway = services.start("gateway", "gateway", "--target", target, "--draft", draft)
+    expected = generate(gateway, tokens=PROMPT, max_tokens=40, ignore_eos=True, speculation=Spec(mode=Spec.OFF)).tokens
+    done = generate(gateway, tokens=PROMPT, max_tokens=40, ignore_eos=True, speculation=Spec(mode=Spec.DDTREE, budget=8))
+    assert done.tokens == expected
+    usage = done.final.usage
+    assert usage.draft_fallbacks >= usage.steps - 1 > 0, usage  # the last step drafts nothing
+    assert "malformed draft proposal (top_logprobs contains NaN)" in services.log("gateway")
+    wait_until(lambda: worker_state(target, draft).empty, what="state released")
