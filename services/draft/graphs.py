@@ -8,8 +8,7 @@ A graph needs fixed shapes and addresses, so:
   their own and run eagerly: the preallocation costs memory);
 - a pass attends over the first ``span`` slots (a power of two covering the filled ones) with a
   mask of the visible slots (``[first, end)``: a draft window hides the older ones);
-- the anchor token and positions are read from a static buffer inside the graph.
-
+- the anchor token and positions are read from a static buffer inside the graph;
 - the block's own keys and values are written to the ``B`` slots after the context (rewritten by
   the next append), so attention reads one cache instead of a concatenation;
 - the context append (``fc`` of the new tap features and every layer's K/V of them) runs inside
@@ -88,10 +87,6 @@ class BlockGraphs:
         b = model.config.block_size
         self._rows = torch.arange(b, device=self.device)
         self._cols = torch.arange(context, device=self.device)
-
-    @property
-    def graphs(self) -> int:
-        return sum(p.graph is not None for p in self._passes.values())
 
     def take(self, owner: object) -> tuple[int, list[torch.Tensor], list[torch.Tensor]] | None:
         """A free slot for ``owner`` (returned when ``owner`` is garbage): its number and per-layer

@@ -291,11 +291,7 @@ class QKVProjection(nn.Module):
             weight, bias = self._qkv
             q_rows = self.q_proj.out_features
             kv = F.linear(x, weight[q_rows:], None if bias is None else bias[q_rows:])
-            norm = not isinstance(self.k_norm, nn.Identity)
-            qkv_rope.qkv_rope(
-                kv, cos, sin, self.q_norm.weight if norm else None, self.k_norm.weight if norm else None,
-                self.k_norm.eps if norm else 0.0, k_cache, v_cache, slots, 0,
-            )
+            qkv_rope.qkv_rope(kv, cos, sin, *self._norm_args(), k_cache, v_cache, slots, 0)
             return
         k, v = self.key_value(x, cos, sin)
         k_cache.index_copy_(1, slots, k)
@@ -307,6 +303,12 @@ class QKVProjection(nn.Module):
             self._qkv is not None and use_triton(x, "qkv_rope")
             and isinstance(self.q_norm, nn.Identity) == isinstance(self.k_norm, nn.Identity)
         )
+
+    def _norm_args(self) -> tuple[torch.Tensor | None, torch.Tensor | None, float]:
+        """``qkv_rope``'s q/k norm weights and eps (None, None, 0 without q/k norm)."""
+        if isinstance(self.q_norm, nn.Identity):
+            return None, None, 0.0
+        return self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
 
     def project_attend_cached(
         self,
@@ -323,11 +325,7 @@ class QKVProjection(nn.Module):
         if not self._fused_native(x):
             return self.write_and_attend(*self.query_key_value(x, cos, sin), k_cache, v_cache, start, mask)
         slots = start if isinstance(start, torch.Tensor) else torch.arange(start, start + x.shape[0], device=x.device)
-        norm = not isinstance(self.q_norm, nn.Identity)
-        q = qkv_rope.qkv_rope(
-            F.linear(x, *self._qkv), cos, sin, self.q_norm.weight if norm else None, self.k_norm.weight if norm else None,
-            self.q_norm.eps if norm else 0.0, k_cache, v_cache, slots, self.num_heads,
-        )
+        q = qkv_rope.qkv_rope(F.linear(x, *self._qkv), cos, sin, *self._norm_args(), k_cache, v_cache, slots, self.num_heads)
         span = mask.shape[-1]
         return self.attend(q, k_cache[:, :span], v_cache[:, :span], mask)
 
