@@ -6,6 +6,7 @@ interpreter's copy). Modes: off, chain and ddtree at budgets 8-64, greedy, 128 t
 Writes the rows as JSON for ``build_builtin_pair.py card --measurements``.
 
 Usage: python scripts/measure_builtin_pair.py [--device cuda:0] [--prompts 8] [--out al.json]
+       [--feature-dtypes float32,bfloat16,float16]   (AL cost of a narrower wire dtype for tap features)
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import importlib.util
+import itertools
 import json
 import re
 import sysconfig
@@ -60,6 +62,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--out", default="", help="JSON rows for the model card")
     p.add_argument("--modes", default="", help="only these, e.g. off-0,ddtree-22 (default: all)")
+    p.add_argument("--feature-dtypes", default="", help="gateway --feature-dtype values to compare, e.g. float32,bfloat16,float16 (default: the target's dtype)")
     args = p.parse_args()
     pair = builtin_pair()
     if pair is None:
@@ -71,10 +74,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as work, Cluster(Path(work)) as c:
         target = c.start("target", "target", "--model", target_path, "--device", args.device, "--dtype", args.dtype, *threads)
         draft = c.start("draft", "draft", "--model", draft_path, "--target-model", target_path, "--device", args.device, "--dtype", args.dtype, *threads)
-        gateway = c.start("gateway", "gateway", "--target", target, "--draft", draft)
+        gateways = {
+            f: c.start(f"gateway-{f or 'default'}", "gateway", "--target", target, "--draft", draft, "--feature-dtype", f)
+            for f in args.feature_dtypes.split(",")
+        }
         for name, prompts in sets.items():
             reference = None
-            for mode, enum, budget in MODES:
+            for (mode, enum, budget), (feature_dtype, gateway) in itertools.product(MODES, gateways.items()):
                 if args.modes and f"{mode}-{budget}" not in args.modes.split(","):
                     continue
                 requests = [
@@ -88,8 +94,10 @@ def main() -> None:
                 rows.append({
                     "prompt_set": name, "mode": mode, "budget": budget, "acceptance_length": round(row.acceptance_length, 3),
                     "tokens_per_s": round(row.tokens_per_s, 1), "device": args.device, "prompts": len(prompts),
+                    **({"feature_dtype": feature_dtype} if feature_dtype else {}),
                 })
-                print(f"{name:16s} {mode:6s} {budget:3d}: AL {row.acceptance_length:.2f}, {row.tokens_per_s:.1f} tok/s", flush=True)
+                label = f" features {feature_dtype}" if feature_dtype else ""
+                print(f"{name:16s} {mode:6s} {budget:3d}{label}: AL {row.acceptance_length:.2f}, {row.tokens_per_s:.1f} tok/s", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1) + "\n")
 

@@ -111,7 +111,7 @@ def generate(address: str, request: gateway_pb2.GenerateRequest) -> tuple[list[i
 
 
 def run_batch(
-    address: str, requests: list[gateway_pb2.GenerateRequest], concurrency: int, label: str, budget: int, wire: str
+    address: str, requests: list[gateway_pb2.GenerateRequest], concurrency: int, label: str, budget: int, wire: str = "stream"
 ) -> tuple[SystemRow, list[list[int]]]:
     """All ``requests``, ``concurrency`` at a time; one row of aggregate figures."""
     outputs: list[list[int]] = [[] for _ in requests]
