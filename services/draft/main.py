@@ -21,10 +21,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-sequences", type=int, default=256, help="live draft contexts at most")
     p.add_argument(
         "--graph-sequences", type=int, default=-1,
-        help="sequences whose block pass is replayed as a CUDA graph over a preallocated context of "
-        "--graph-context positions (on a CPU the same fixed shapes run eagerly); -1 = 8 on CUDA, 0 on CPU",
+        help="context slots of --graph-context positions, preallocated on first use: a sequence in a slot "
+        "proposes by one CUDA graph replay, and the slot's graphs serve every later sequence in it (on a CPU "
+        "the same fixed shapes run eagerly); sequences beyond the slots run eagerly; -1 = 8 on CUDA, 0 on CPU",
     )
-    p.add_argument("--graph-context", type=int, default=4096, help="context positions preallocated per graphed sequence")
+    p.add_argument("--graph-context", type=int, default=4096, help="context positions of each slot (--graph-sequences)")
     p.add_argument("--no-cuda-graphs", action="store_true", help="run the fixed shapes without capturing graphs (debugging)")
     p.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0 = torch's default)")
     p.add_argument("--sequence-ttl", type=float, default=600.0, help="release contexts idle this many seconds")
