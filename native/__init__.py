@@ -15,6 +15,7 @@ grouped-query attention for decode and verify shapes); ``gguf_matmul``
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -37,3 +38,18 @@ def use_triton(tensor: torch.Tensor, kernel: str = "") -> bool:
     if kernel and kernel in os.environ.get("SPLITSPEC_NATIVE_OFF", "").split(","):
         return False
     return tensor.is_cuda or os.environ.get("SPLITSPEC_NATIVE_CPU") == "1"
+
+
+INTERPRETER_SMS = 132  # an H100/H200's multiprocessors: the CPU interpreter (CI) splits work as they would
+
+
+@functools.cache
+def _device_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """Multiprocessors of ``device``, which kernels size their split of the work by."""
+    if device.type != "cuda":
+        return INTERPRETER_SMS
+    return _device_sms(device.index if device.index is not None else torch.cuda.current_device())

@@ -40,7 +40,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from splitspec.models.dequant import dequantize
-from splitspec.native import use_triton
+from splitspec.native import sm_count, use_triton
 
 try:
     import triton
@@ -50,7 +50,6 @@ except ImportError:  # CPU installs without triton run the reference only
 
 KERNEL_TYPES = frozenset({Q.Q8_0, Q.Q4_K, Q.Q6_K})
 _TYPE_IDS = {Q.Q8_0: 0, Q.Q4_K: 1, Q.Q6_K: 2}  # the kernels' QTYPE constant
-_DEFAULT_SMS = 132  # H100/H200; used when the device cannot be asked (the CPU interpreter)
 
 
 def row_bytes(qtype: Q, in_features: int) -> int:
@@ -320,10 +319,6 @@ def _next_power_of_2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else _DEFAULT_SMS
-
-
 def gguf_matmul(
     x: torch.Tensor, raw: torch.Tensor, qtype: Q, out_features: int, tiling: Tiling | None = None
 ) -> torch.Tensor:
@@ -358,7 +353,7 @@ def gguf_matmul(
         chunk //= 2
     tiles = triton.cdiv(N, block_n) * triton.cdiv(M, block_m)
     chunks = K // chunk
-    wanted = tiling.split_k or max(1, min((2 * _sm_count(x.device)) // tiles, 16))
+    wanted = tiling.split_k or max(1, min((2 * sm_count(x.device)) // tiles, 16))
     split_k = max(s for s in range(1, wanted + 1) if chunks % s == 0)  # equal K ranges, no tail
     y = x.new_empty(M, N) if split_k == 1 else torch.empty(split_k, M, N, device=x.device, dtype=torch.float32)
     grid = (triton.cdiv(N, block_n), split_k, triton.cdiv(M, block_m))

@@ -21,6 +21,8 @@ import os
 
 import torch
 
+from splitspec.native import sm_count
+
 try:
     import triton
     import triton.language as tl
@@ -103,17 +105,6 @@ if triton is not None:
         tl.store(out_ptr + token * (total_rows // T) * D + head * D + d, out.to(out_ptr.dtype.element_ty))
 
 
-_SMS: dict[torch.device, int] = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 16
-    if device not in _SMS:
-        _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    return _SMS[device]
-
-
 def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> bool:
     """Shapes the kernel takes: one sequence, a power-of-two head_dim, unit-stride heads."""
     d = q.shape[-1]
@@ -140,7 +131,7 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
     row_blocks = triton.cdiv(group * t, block_r)
     blocks = triton.cdiv(span, block_s)
     # Enough programs for about two waves over the device; each split reads whole key blocks.
-    wanted = max(1, min(blocks, (2 * _sm_count(q.device)) // (kv_heads * row_blocks)))
+    wanted = max(1, min(blocks, (2 * sm_count(q.device)) // (kv_heads * row_blocks)))
     per_split = triton.cdiv(blocks, wanted)
     splits = triton.cdiv(blocks, per_split)
     out = q.new_empty(t, h * d)
