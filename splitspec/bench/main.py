@@ -115,9 +115,11 @@ def run(args: argparse.Namespace) -> int:
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     draft_device = args.draft_device or args.device
     budgets = [int(b) for b in args.budgets.split(",")]
+    from splitspec.services.gateway.workers import WIRES
+
     wires = tuple(args.wire.split(","))
-    if set(wires) - {"stream", "unary"}:
-        raise ValueError(f"--wire: unknown {sorted(set(wires) - {'stream', 'unary'})}; choose from stream, unary")
+    if set(wires) - set(WIRES):
+        raise ValueError(f"--wire: unknown {sorted(set(wires) - set(WIRES))}; choose from {', '.join(WIRES)}")
     result: dict = {
         "date": date.today().isoformat(), "card": device_name(args.device), "draft_card": device_name(draft_device),
         "shape": args.shape, "dtype": args.dtype, "torch": torch.__version__, "args": vars(args),
