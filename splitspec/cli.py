@@ -63,7 +63,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level, args.log_json)
     log = logging.getLogger("splitspec")
+    from splitspec.allocator import keep_message_buffers
     from splitspec.errors import ServiceError
+
+    keep_message_buffers()
     from splitspec.models.gguf_file import ModelFileError
 
     try:
