@@ -21,6 +21,7 @@ from splitspec.tokenizer import Tokenizer
 from splitspec.v1 import common_pb2, draft_pb2, gateway_pb2, gateway_pb2_grpc, target_pb2
 from splitspec.services.gateway.admission import Admission
 from splitspec.services.gateway.monitor import WorkerMonitor
+from splitspec.services.gateway.runahead import RunAhead
 from splitspec.services.gateway.speculation import DraftShape, Mode, SpeculationOptions, SpeculativeSequence
 from splitspec.services.gateway.workers import DraftClient, TargetClient
 
@@ -232,19 +233,20 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             stream = TextStream(self.state.tokenizer, stop_strings=stop_strings, stop_token_ids=eos | stop_ids, prompt_ids=prompt)
             finish = gateway_pb2.CONTEXT
             try:
-                async for new_tokens in seq.run():
-                    delta = stream.push(new_tokens[: request.max_tokens - stream.num_tokens])
-                    timing.tokens(len(delta.token_ids))
-                    if delta.text or delta.token_ids:
-                        yield gateway_pb2.GenerateResponse(text=delta.text, token_ids=delta.token_ids)
-                    if delta.finished:
-                        last = delta.token_ids[-1] if delta.token_ids else None
-                        is_eos = delta.stop_reason == "stop_token" and last in eos and last not in stop_ids
-                        finish = gateway_pb2.EOS if is_eos else gateway_pb2.STOP
-                        break
-                    if stream.num_tokens >= request.max_tokens:
-                        finish = gateway_pb2.LENGTH
-                        break
+                async with RunAhead(seq.run()) as steps:
+                    async for new_tokens in steps:
+                        delta = stream.push(new_tokens[: request.max_tokens - stream.num_tokens])
+                        timing.tokens(len(delta.token_ids))
+                        if delta.text or delta.token_ids:
+                            yield gateway_pb2.GenerateResponse(text=delta.text, token_ids=delta.token_ids)
+                        if delta.finished:
+                            last = delta.token_ids[-1] if delta.token_ids else None
+                            is_eos = delta.stop_reason == "stop_token" and last in eos and last not in stop_ids
+                            finish = gateway_pb2.EOS if is_eos else gateway_pb2.STOP
+                            break
+                        if stream.num_tokens >= request.max_tokens:
+                            finish = gateway_pb2.LENGTH
+                            break
             finally:
                 await seq.release()
         if finish in (gateway_pb2.LENGTH, gateway_pb2.CONTEXT):
