@@ -43,7 +43,7 @@ class DraftServicer(draft_pb2_grpc.DraftWorkerServicer):
                 features = tensor_from_pb(request.features)
             except WireError as exc:
                 raise InvalidArgument(f"features: {exc}") from exc
-        proposal = await self.host.call(
+        proposal = await self.host.step(
             "propose",
             request.sequence_id,
             request.anchor_token,

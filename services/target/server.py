@@ -75,7 +75,7 @@ class TargetServicer(target_pb2_grpc.TargetWorkerServicer):
         return target_pb2.PrefillResponse(next_token=result.next_token, features=features, forward_ns=result.forward_ns)
 
     async def Verify(self, request, context):
-        result = await self.host.call(
+        result = await self.host.step(
             "verify", request.sequence_id, list(request.tokens), list(request.parents), request.return_features
         )
         self.metrics.forward("verify", result.forward_ns)
