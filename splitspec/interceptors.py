@@ -52,17 +52,23 @@ def request_id(context: grpc.aio.ServicerContext) -> str:
     return uuid.uuid4().hex
 
 
+def status_of(exc: Exception, service_name: str, method: str, rid: str) -> tuple[grpc.StatusCode, str]:
+    """The status and message a handler's exception ends its call with, logged: a ``ServiceError``
+    as itself, anything else as INTERNAL naming only an incident id (the traceback goes to the log)."""
+    if isinstance(exc, ServiceError):
+        logger.info("%s %s [%s] -> %s: %s", service_name, method, rid, exc.code, exc)
+        return getattr(grpc.StatusCode, exc.code), str(exc)
+    incident = uuid.uuid4().hex[:12]
+    logger.error("%s %s [%s] failed (incident %s)", service_name, method, rid, incident, exc_info=exc)
+    return grpc.StatusCode.INTERNAL, f"internal error in {method} (incident {incident})"
+
+
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, service_name: str) -> None:
         self.service_name = service_name
 
     async def _fail(self, context: grpc.aio.ServicerContext, method: str, exc: Exception) -> None:
-        if isinstance(exc, ServiceError):
-            logger.info("%s %s [%s] -> %s: %s", self.service_name, method, request_id(context), exc.code, exc)
-            await context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
-        incident = uuid.uuid4().hex[:12]
-        logger.exception("%s %s [%s] failed (incident %s)", self.service_name, method, request_id(context), incident)
-        await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method} (incident {incident})")
+        await context.abort(*status_of(exc, self.service_name, method, request_id(context)))
 
     async def _reject_undecodable(self, context, method: str, request) -> None:
         if isinstance(request, _Undecodable):

@@ -33,7 +33,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help="compute dtype of both workers")
     p.add_argument("--mode", choices=["ddtree", "chain", "off"], default="ddtree", help="default speculation mode")
     p.add_argument("--budget", type=int, default=22, help="default tree nodes per step")
-    p.add_argument("--wire", choices=["stream", "unary"], default="stream", help="gateway-to-worker steps: one stream per sequence, or one call per step")
+    p.add_argument(
+        "--wire", choices=["auto", "socket", "stream", "unary"], default="auto",
+        help="gateway-to-worker steps: the workers' step sockets (auto: the workers here listen on Unix sockets), "
+        "one gRPC stream per sequence, or one gRPC call per step",
+    )
     p.add_argument("--work-dir", default=str(DEFAULT_WORK_DIR), help="where the random tiny pair is written when the built-in weights are absent")
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for the gateway to be ready")
     p.add_argument(

@@ -77,6 +77,17 @@ def test_compose_file_resolves_and_its_services_fit_together(path):
         assert set(services["gateway"].get("depends_on", {})) == {"target", "draft"} & set(services)
 
 
+@pytest.mark.parametrize("path", COMPOSE_FILES, ids=[p.name for p in COMPOSE_FILES])
+def test_workers_put_their_step_sockets_where_a_gateway_on_their_host_finds_them(path):
+    services = _compose_config(path)["services"]
+    for name in {"target", "draft"} & set(services):
+        socket = services[name]["environment"][f"SPLITSPEC_{name.upper()}_STEP_SOCKET"]
+        assert socket == f"/run/splitspec/{name}.steps"
+        assert "step-sockets:/run/splitspec:rw" in services[name]["volumes"]
+    if "gateway" in services:
+        assert "step-sockets:/run/splitspec:rw" in services["gateway"]["volumes"]
+
+
 def test_cuda_compose_puts_the_target_on_gpu_0_and_the_draft_on_gpu_1():
     services = _compose_config(DEPLOY / "docker-compose.yml")["services"]
     for name, gpu in (("target", "0"), ("draft", "1")):

@@ -63,8 +63,12 @@ def system(request, module_services, tiny_pair, tiny_qwen35_pair, tmp_path_facto
     dflash = s.start(f"{arch}-dflash", "draft", "--model", str(pair.draft), "--target-model", model, "--threads", "1")
     gw_replay = s.start(f"{arch}-gw-replay", "gateway", "--target", target, "--draft", replay)
     gw_dflash = s.start(f"{arch}-gw-dflash", "gateway", "--target", target, "--draft", dflash)
-    # The other gateways carry steps on per-sequence streams (the default wire); this one, one call per step.
+    # The gateways above carry steps on the workers' step sockets (--wire auto, workers on Unix sockets);
+    # these two on per-sequence gRPC streams and on one gRPC call per step.
+    gw_stream = s.start(f"{arch}-gw-stream", "gateway", "--target", target, "--draft", replay, "--wire", "stream")
     gw_unary = s.start(f"{arch}-gw-unary", "gateway", "--target", target, "--draft", replay, "--wire", "unary")
+    for name, wire in (("gw-replay", "socket"), ("gw-dflash", "socket"), ("gw-stream", "stream"), ("gw-unary", "unary")):
+        assert f"on the {wire} wire, draft" in s.log(f"{arch}-{name}")
 
     cases = _cases(read_target_config(model).vocab_size)
     references = [generate(gw_replay, speculation=Spec(mode=Spec.OFF), **case) for case in cases]
@@ -73,9 +77,9 @@ def system(request, module_services, tiny_pair, tiny_qwen35_pair, tmp_path_facto
             assert ref.final.usage.mean_acceptance_length == 1.0 and len(ref.tokens) == 40
             f.write(json.dumps({"tokens": list(case["tokens"].ids) + ref.tokens}) + "\n")
     yield {"arch": arch, "target": target, "replay": replay, "dflash": dflash, "gw_replay": gw_replay, "gw_dflash": gw_dflash,
-           "gw_unary": gw_unary,
+           "gw_stream": gw_stream, "gw_unary": gw_unary,
            "cases": cases, "references": references}
-    for name in ("gw-unary", "gw-dflash", "gw-replay", "dflash", "replay", "target"):
+    for name in ("gw-unary", "gw-stream", "gw-dflash", "gw-replay", "dflash", "replay", "target"):
         s.stop(f"{arch}-{name}")
 
 
@@ -101,10 +105,11 @@ def test_dflash_draft_output_equals_target_only(system, name, spec):
         assert out.final.usage.draft_fallbacks == 0
 
 
+@pytest.mark.parametrize("wire", ["stream", "unary"])
 @pytest.mark.parametrize("name,spec", [MODES[1], MODES[6]], ids=["chain-16", "ddtree-16-seeded"])
-def test_unary_wire_output_equals_target_only(system, name, spec):
+def test_grpc_wires_output_equals_target_only(system, name, spec, wire):
     for case, ref in zip(system["cases"], system["references"]):
-        out = generate(system["gw_unary"], speculation=spec, **case)
+        out = generate(system[f"gw_{wire}"], speculation=spec, **case)
         assert out.tokens == ref.tokens
         assert out.final.usage.mean_acceptance_length > 1.0 and out.final.usage.draft_fallbacks == 0
 

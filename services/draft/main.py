@@ -8,6 +8,7 @@ import time
 
 from splitspec import rpc
 from splitspec.security import ServerSecurity, add_server_arguments
+from splitspec.stepwire import add_step_socket_argument, step_server_from_args
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--replay-corruption", type=float, default=0.0, help="BENCHMARK/TEST ONLY: per-depth corruption rate of the replay drafter")
     p.add_argument("--replay-delay", type=float, default=0.0, help="BENCHMARK/TEST ONLY: seconds each replayed proposal takes (a slow drafter)")
+    add_step_socket_argument(p)
     add_server_arguments(p)
 
 
@@ -80,7 +82,7 @@ async def run(args: argparse.Namespace) -> None:
 
     from splitspec.devices import backend_name
     from splitspec.metrics import WorkerMetrics, model_name
-    from splitspec.v1 import draft_pb2_grpc
+    from splitspec.v1 import draft_pb2, draft_pb2_grpc
     from splitspec.services.hosting import model_geometry, serve_worker
     from splitspec.services.draft.server import SERVICE, DraftServicer
 
@@ -109,4 +111,6 @@ async def run(args: argparse.Namespace) -> None:
         logger.info("draft worker serving on %s", args.listen)
 
     logger.info("draft worker listening on %s, loading %s", args.listen, args.model or args.replay)
-    await serve_worker("draft", server, health, SERVICE, servicer.host, load, args.shutdown_grace, args.sequence_ttl)
+    step_server = step_server_from_args(args, "draft", f"/{SERVICE}/Propose", draft_pb2.ProposeRequest, servicer.Propose)
+    servicer.step_socket = step_server.path if step_server else ""
+    await serve_worker("draft", server, health, SERVICE, servicer.host, load, args.shutdown_grace, args.sequence_ttl, step_server)

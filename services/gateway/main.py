@@ -25,8 +25,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--feature-dtype", choices=["", "float32", "float16", "bfloat16"], default="", help="wire dtype of tap features ('' = target compute dtype)")
     p.add_argument("--draft-timeout", type=float, default=5.0, help="seconds a Propose may take before the step falls back to target-only")
     p.add_argument(
-        "--wire", choices=["stream", "unary"], default="stream",
-        help="how a sequence's steps reach the workers: one bidirectional stream per sequence, or one call per step",
+        "--wire", choices=["auto", "socket", "stream", "unary"], default="auto",
+        help="how a sequence's steps reach the workers: socket (a connection per sequence to the worker's step socket, "
+        "a plain Unix socket on this host: the least overhead), stream (a gRPC stream per sequence), unary (a gRPC call "
+        "per step), or auto (socket where the worker offers one this host can open, else stream)",
     )
     p.add_argument("--max-running", type=int, default=64, help="requests generating at once")
     p.add_argument("--max-waiting", type=int, default=256, help="requests queued for a slot; more get RESOURCE_EXHAUSTED")
@@ -75,11 +77,13 @@ async def run(args: argparse.Namespace) -> None:
     metrics = GatewayMetrics()
     target = TargetClient(args.target, security, metrics.interceptor(), args.wire)
     target_info = await _wait_for("target", target.info, deadline)
+    await target.offer_step_socket(target_info.step_socket)
     draft, draft_info = None, None
     if args.draft:
         draft = DraftClient(args.draft, security, metrics.interceptor(), args.wire)
         draft_info = await _wait_for("draft", draft.info, deadline)
         check_compatible(target_info, draft_info)
+        await draft.offer_step_socket(draft_info.step_socket)
     tokenizer = Tokenizer.load(resolve_model(args.tokenizer or target_info.tokenizer_path))
     chat, chat_problem = load_chat_template(tokenizer)
     if chat is None:
@@ -95,7 +99,9 @@ async def run(args: argparse.Namespace) -> None:
 
     async def draft_fits() -> bool:
         try:
-            check_compatible(target_info, await draft.info(timeout=5))
+            info = await draft.info(timeout=5)
+            check_compatible(target_info, info)
+            await draft.offer_step_socket(info.step_socket)  # a restarted draft may serve another way
             return True
         except Exception as exc:  # noqa: BLE001 - a draft that does not answer or fit stays down
             logger.error("draft worker is not usable: %s", exc)
@@ -114,8 +120,9 @@ async def run(args: argparse.Namespace) -> None:
 
     async def ready() -> None:
         logger.info(
-            "gateway serving on %s (target %s, draft %s, mode %s, budget %d, wire %s)",
-            args.listen, args.target, args.draft or "none", args.mode, args.budget, args.wire,
+            "gateway serving on %s (target %s on the %s wire, draft %s%s, mode %s, budget %d)",
+            args.listen, args.target, target.active_wire, args.draft or "none",
+            f" on the {draft.active_wire} wire" if draft else "", args.mode, args.budget,
         )
 
     def drain() -> None:

@@ -4,17 +4,21 @@ Tap features stay protobuf ``Tensor`` messages end to end: the gateway forwards 
 bytes to the draft without decoding or copying them into another representation.
 
 The *wire* is how a sequence's steps (Verify, Propose) travel:
-- ``stream`` (default): one long-lived bidirectional stream per sequence and worker
-  (``VerifyStream``, ``ProposeStream``), opened on the sequence's first step and reused, so a
-  step pays one message each way instead of a call's set-up, metadata and deadline handling;
-- ``unary``: one ``Verify`` / ``Propose`` call per step.
-Both fail the same way: a step that errors or misses its timeout raises the ``AioRpcError`` the
+- ``socket``: one connection per sequence to the worker's step socket (``splitspec.stepwire``),
+  a plain Unix socket the worker offers in its Info when it shares the gateway's host;
+- ``stream``: one long-lived bidirectional gRPC stream per sequence and worker (``VerifyStream``,
+  ``ProposeStream``), opened on the sequence's first step and reused, so a step pays one message
+  each way instead of a call's set-up, metadata and deadline handling;
+- ``unary``: one ``Verify`` / ``Propose`` call per step;
+- ``auto`` (default): ``socket`` where the worker offers one this host can open, else ``stream``.
+All fail the same way: a step that errors or misses its timeout raises the ``AioRpcError`` the
 unary call would (status and message), and its stream is dropped; the next step opens a new one.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -22,12 +26,15 @@ import grpc
 import numpy as np
 
 from splitspec import rpc
+from splitspec.errors import FailedPrecondition
 from splitspec.metrics import RpcObserver
 from splitspec.security import ClientSecurity
 from splitspec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+from splitspec.stepwire import StepSocket
 from splitspec.wire import array_from_pb
 
-WIRES = ("stream", "unary")
+logger = logging.getLogger(__name__)
+WIRES = ("auto", "socket", "stream", "unary")
 
 
 @dataclass
@@ -95,26 +102,55 @@ class WorkerClient:
 
     stub_class: type
     step_rpc: str
+    response_type: type  # of the step RPC
 
     def __init__(
-        self, address: str, security: ClientSecurity = ClientSecurity(), observer: RpcObserver | None = None, wire: str = "stream"
+        self, address: str, security: ClientSecurity = ClientSecurity(), observer: RpcObserver | None = None, wire: str = "auto"
     ) -> None:
         if wire not in WIRES:
             raise ValueError(f"wire: {wire!r} is not one of {WIRES}")
         self.address, self.observer, self.wire = address, observer, wire
+        self.token = security.token
+        self.step_socket = ""  # the worker's step socket, once offer_step_socket took it
         self.channel = rpc.channel(address, security, [observer] if observer else [])
         self.stub = self.stub_class(self.channel)
         self._unary = getattr(self.stub, self.step_rpc)
         self._open = getattr(self.stub, f"{self.step_rpc}Stream")
         self._rpc = f"{self.stub_class.__name__.removesuffix('Stub')}/{self.step_rpc}"  # the metrics' rpc label
-        self._streams: dict[str, StepStream] = {}
+        self._streams: dict[str, StepStream | StepSocket] = {}
+
+    @property
+    def active_wire(self) -> str:
+        """The wire steps travel on now: socket, stream or unary."""
+        return "socket" if self.step_socket else "unary" if self.wire == "unary" else "stream"
+
+    async def offer_step_socket(self, path: str) -> None:
+        """Take the step socket the worker's Info offers ("" = none), as the wire allows: ``auto``
+        uses it when this host can open it and falls back to the stream otherwise; ``socket``
+        insists (FAILED_PRECONDITION)."""
+        if self.wire not in ("auto", "socket"):
+            return
+        problem = "it offers none (a worker on another host, or --step-socket off)"
+        if path:
+            try:
+                _, writer = await asyncio.wait_for(asyncio.open_unix_connection(path), 5.0)
+                writer.close()
+                self.step_socket = path
+                return
+            except (OSError, TimeoutError) as exc:
+                problem = f"its step socket {path} cannot be opened from here ({exc!r})"
+        self.step_socket = ""
+        if self.wire == "socket":
+            raise FailedPrecondition(f"--wire socket: the worker at {self.address}: {problem}")
+        logger.info("worker at %s: steps on the gRPC stream: %s", self.address, problem)
 
     async def _step(self, request, timeout: float | None):
-        if self.wire == "unary":
+        if self.active_wire == "unary":
             return await self._unary(request, timeout=timeout)
         stream = self._streams.get(request.sequence_id)
         if stream is None:
-            stream = self._streams[request.sequence_id] = StepStream(self._open)
+            stream = StepSocket(self.step_socket, self.response_type, self.token) if self.step_socket else StepStream(self._open)
+            self._streams[request.sequence_id] = stream
         step = stream.step(request, timeout)
         return await (self.observer.observe(self._rpc, request, step) if self.observer else step)
 
@@ -137,6 +173,7 @@ class WorkerClient:
 class TargetClient(WorkerClient):
     stub_class = target_pb2_grpc.TargetWorkerStub
     step_rpc = "Verify"
+    response_type = target_pb2.VerifyResponse
 
     async def prefill(self, request: target_pb2.PrefillRequest, timeout: float | None) -> Prefilled:
         r = await self.stub.Prefill(request, timeout=timeout)
@@ -158,6 +195,7 @@ class TargetClient(WorkerClient):
 class DraftClient(WorkerClient):
     stub_class = draft_pb2_grpc.DraftWorkerStub
     step_rpc = "Propose"
+    response_type = draft_pb2.ProposeResponse
 
     async def propose(
         self,

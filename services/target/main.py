@@ -8,6 +8,7 @@ import time
 
 from splitspec import rpc
 from splitspec.security import ServerSecurity, add_server_arguments
+from splitspec.stepwire import add_step_socket_argument, step_server_from_args
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sequence-ttl", type=float, default=600.0, help="release sequences idle this many seconds")
     p.add_argument("--metrics-port", type=int, default=9452, help="Prometheus /metrics port on the --listen host (0 = off)")
     p.add_argument("--shutdown-grace", type=float, default=10.0, help="seconds in-flight calls may finish after SIGTERM")
+    add_step_socket_argument(p)
     add_server_arguments(p)
 
 
@@ -81,7 +83,7 @@ async def run(args: argparse.Namespace) -> None:
     from splitspec.models.random_weights import is_random
     from splitspec.models.qwen35 import Qwen35Config, tree_node_bytes
     from splitspec.tokenizer import Tokenizer
-    from splitspec.v1 import target_pb2_grpc
+    from splitspec.v1 import target_pb2, target_pb2_grpc
     from splitspec.services.hosting import model_geometry, serve_worker
     from splitspec.services.target.engine import TargetEngine, TargetLimits
     from splitspec.services.target.server import SERVICE, TargetDescription, TargetServicer
@@ -131,4 +133,6 @@ async def run(args: argparse.Namespace) -> None:
         )
 
     logger.info("target worker listening on %s, loading %s", args.listen, args.model)
-    await serve_worker("target", server, health, SERVICE, servicer.host, load, args.shutdown_grace, args.sequence_ttl)
+    step_server = step_server_from_args(args, "target", f"/{SERVICE}/Verify", target_pb2.VerifyRequest, servicer.Verify)
+    servicer.step_socket = step_server.path if step_server else ""
+    await serve_worker("target", server, health, SERVICE, servicer.host, load, args.shutdown_grace, args.sequence_ttl, step_server)

@@ -45,8 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts", type=int, default=4, help="timed requests per end-to-end row")
     p.add_argument("--concurrency", type=int, default=1, help="requests in flight at once in the end-to-end runs")
     p.add_argument(
-        "--wire", default="stream",
-        help="gateway wire(s) of the end-to-end runs, comma-separated: stream, unary or stream,unary (rows of both, taking turns)",
+        "--wire", default="socket",
+        help="gateway wire(s) of the end-to-end runs, comma-separated: socket (the workers' step sockets), stream, unary, "
+        "or several (rows of each, taking turns)",
     )
     p.add_argument("--iters", type=int, default=30, help="timed calls per component figure (median)")
     p.add_argument("--json", default="", help="write all figures to this JSON file")

@@ -37,7 +37,7 @@ class SystemRow:
     steps: int
     seconds: float  # wall time of the whole batch
     concurrency: int
-    wire: str = "stream"  # the gateway's --wire
+    wire: str = "socket"  # the gateway's --wire
     decode_seconds: float = 0.0  # per request, first response to last, summed: steps without prefill
     draft_fallbacks: int = 0  # steps that ran target-only because the draft failed or was late
 
@@ -111,7 +111,7 @@ def generate(address: str, request: gateway_pb2.GenerateRequest) -> tuple[list[i
 
 
 def run_batch(
-    address: str, requests: list[gateway_pb2.GenerateRequest], concurrency: int, label: str, budget: int, wire: str = "stream"
+    address: str, requests: list[gateway_pb2.GenerateRequest], concurrency: int, label: str, budget: int, wire: str = "socket"
 ) -> tuple[SystemRow, list[list[int]]]:
     """All ``requests``, ``concurrency`` at a time; one row of aggregate figures."""
     outputs: list[list[int]] = [[] for _ in requests]
@@ -162,7 +162,7 @@ def run_system(
     concurrency: int,
     work_dir: Path,
     log_dir: Path,
-    wires: tuple[str, ...] = ("stream",),
+    wires: tuple[str, ...] = ("socket",),
 ) -> list[SystemRow]:
     """The AR row, then one row per draft, for each gateway ``--wire`` in ``wires``: the workers are
     shared and the wires take turns row by row, so both see the same machine state."""

@@ -1,8 +1,9 @@
-"""The gateway's worker clients on both wires, against real target and draft processes.
+"""The gateway's worker clients on every wire, against real target and draft processes.
 
-On the ``stream`` wire a sequence's steps share one bidirectional stream; a step that fails or
-misses its timeout must fail exactly as the unary call does, drop its stream (a late response must
-never be read as the next step's), and leave other sequences' streams alone.
+On the ``stream`` wire a sequence's steps share one bidirectional gRPC stream, on the ``socket``
+wire one connection to the worker's step socket; either way a step that fails or misses its
+timeout must fail exactly as the unary call does, drop its stream or connection (a late response
+must never be read as the next step's), and leave other sequences' alone.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import grpc
 import numpy as np
 import pytest
 
-from splitspec.services.gateway.workers import DraftClient, TargetClient
+from splitspec.services.gateway.workers import DraftClient, StepStream, TargetClient
 from splitspec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
 pytestmark = pytest.mark.slow
@@ -33,8 +34,25 @@ def workers(module_services, tiny_pair, tmp_path_factory):
     return {"target": target, "slow": slow}
 
 
+STREAMED_WIRES = ["stream", "socket"]
+
+
 def run(coroutine):
     return asyncio.run(coroutine)
+
+
+async def client_on(wire: str, cls, address: str):
+    """A worker client on ``wire``, with the worker's step socket taken as the gateway takes it."""
+    client = cls(address, wire=wire)
+    await client.offer_step_socket((await client.info(timeout=10)).step_socket)
+    assert client.active_wire == wire
+    return client
+
+
+def carrier(client, sequence_id: str):
+    """The gRPC call or the socket connection a sequence's steps ride on (None once dropped)."""
+    stream = client._streams[sequence_id]
+    return stream._call if isinstance(stream, StepStream) else stream._writer
 
 
 async def prefill(client: TargetClient, sequence_id: str):
@@ -59,20 +77,21 @@ TREES = [chain(3, 4, 5), chain(7), chain(), chain(1, 2)]
 BAD_TREE = (np.array([3, 4], dtype=np.int32), np.array([0, 5], dtype=np.int32))  # node 2's parent does not exist
 
 
-def test_stream_steps_equal_unary_steps_and_share_one_call(workers):
+@pytest.mark.parametrize("wire", STREAMED_WIRES)
+def test_streamed_steps_equal_unary_steps_and_share_one_carrier(workers, wire):
     async def scenario():
-        streamed, unary = TargetClient(workers["target"]), TargetClient(workers["target"], wire="unary")
+        streamed, unary = await client_on(wire, TargetClient, workers["target"]), TargetClient(workers["target"], wire="unary")
         try:
             await prefill(streamed, "s-stream")
             await prefill(unary, "s-unary")
             first = await steps(streamed, "s-stream", TREES[:1])
-            call = streamed._streams["s-stream"]._call
+            call = carrier(streamed, "s-stream")
             got = first + await steps(streamed, "s-stream", TREES[1:])
-            assert streamed._streams["s-stream"]._call is call  # every step rode the same stream
+            assert carrier(streamed, "s-stream") is call  # every step rode the same stream or connection
             want = await steps(unary, "s-unary", TREES)
             assert got == want
             await streamed.release("s-stream")
-            assert "s-stream" not in streamed._streams and call.cancelled()
+            assert "s-stream" not in streamed._streams and (call.cancelled() if wire == "stream" else call.is_closing())
             await unary.release("s-unary")
         finally:
             await streamed.close()
@@ -81,9 +100,10 @@ def test_stream_steps_equal_unary_steps_and_share_one_call(workers):
     run(scenario())
 
 
-def test_malformed_tree_mid_stream_fails_like_unary_and_spares_other_sequences(workers):
+@pytest.mark.parametrize("wire", STREAMED_WIRES)
+def test_malformed_tree_mid_stream_fails_like_unary_and_spares_other_sequences(workers, wire):
     async def scenario():
-        streamed, unary = TargetClient(workers["target"]), TargetClient(workers["target"], wire="unary")
+        streamed, unary = await client_on(wire, TargetClient, workers["target"]), TargetClient(workers["target"], wire="unary")
         try:
             for sid in ("bad", "other"):
                 await prefill(streamed, sid)
@@ -91,7 +111,7 @@ def test_malformed_tree_mid_stream_fails_like_unary_and_spares_other_sequences(w
             want = await steps(unary, "reference", TREES)
             assert await steps(streamed, "bad", TREES[:1]) == want[:1]
             assert await steps(streamed, "other", TREES[:1]) == want[:1]
-            broken = streamed._streams["bad"]._call
+            broken = carrier(streamed, "bad")
 
             async def bad_step():
                 with pytest.raises(grpc.aio.AioRpcError) as failed:
@@ -99,14 +119,14 @@ def test_malformed_tree_mid_stream_fails_like_unary_and_spares_other_sequences(w
                 return failed.value
 
             error, other = await asyncio.gather(bad_step(), steps(streamed, "other", TREES[1:]))
-            assert other == want[1:]  # the other sequence's stream went on untouched
+            assert other == want[1:]  # the other sequence's stream or connection went on untouched
             with pytest.raises(grpc.aio.AioRpcError) as unary_error:
                 await unary.verify("reference", *BAD_TREE, False, timeout=30)
             assert error.code() == unary_error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert error.details() == unary_error.value.details() == "parents[1] = 5 is not in [0, 1]"
-            # The bad request changed nothing: the sequence goes on, on a new stream.
+            # The bad request changed nothing: the sequence goes on, on a new stream or connection.
             assert await steps(streamed, "bad", TREES[1:]) == want[1:]
-            assert streamed._streams["bad"]._call is not broken and broken.done()
+            assert carrier(streamed, "bad") is not broken and (broken.done() if wire == "stream" else broken.is_closing())
             for sid in ("bad", "other"):
                 await streamed.release(sid)
             await unary.release("reference")
@@ -163,12 +183,13 @@ def test_undecodable_message_mid_stream_is_invalid_argument(workers):
         target_pb2_grpc.TargetWorkerStub(ch).Release(common_pb2.ReleaseRequest(sequence_id="raw"), timeout=10)
 
 
-def test_draft_step_past_its_timeout_drops_the_stream(workers):
+@pytest.mark.parametrize("wire", STREAMED_WIRES)
+def test_draft_step_past_its_timeout_drops_the_stream(workers, wire):
     """A propose that misses its timeout raises DEADLINE_EXCEEDED as the unary call does; its late
     response is never read: the next step, on a new stream, gets its own answer (top_k 3, not 2)."""
 
     async def scenario():
-        draft = DraftClient(workers["slow"])
+        draft = await client_on(wire, DraftClient, workers["slow"])
         unary = DraftClient(workers["slow"], wire="unary")
         try:
             for client, sid in ((draft, "late"), (unary, "late-unary")):
@@ -176,7 +197,7 @@ def test_draft_step_past_its_timeout_drops_the_stream(workers):
                     await client.propose(sid, 1, len(PROMPT), PROMPT, None, 2, 0, timeout=0.05)
                 assert missed.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
                 assert missed.value.details() == "Deadline Exceeded"
-            assert draft._streams["late"]._call is None  # dropped at once, not left for the late response
+            assert carrier(draft, "late") is None  # dropped at once, not left for the late response
             await asyncio.sleep(2 * REPLAY_DELAY_S)  # both late proposals ran on the worker
             await draft.release("late")  # as the gateway does after a failed draft step
             await unary.release("late-unary")

@@ -1,0 +1,156 @@
+"""The step socket against real target and draft processes: where workers offer it, one sequence
+per connection, bad frames answered with the gRPC status and message, the token checked, and how
+the gateway's wire choice takes it. Its steps and errors against the gRPC wires' are tested in
+tests/services/gateway/test_workers.py; the gateway-level tests (lossless, faults) run on it too,
+since ``--wire auto`` picks it for workers on Unix sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import grpc
+import numpy as np
+import pytest
+
+from splitspec.errors import FailedPrecondition
+from splitspec.security import ClientSecurity
+from splitspec.services.gateway.workers import DraftClient, TargetClient
+from splitspec.stepwire import ERROR, HELLO, REQUEST, RESPONSE, frame, read_frame, resolve_step_socket
+from splitspec.v1 import target_pb2
+
+pytestmark = pytest.mark.slow
+
+PROMPT = [11, 22, 33, 44, 55]
+TOKEN = "s3cret"
+DELAY_S = 0.4
+
+
+def chain(*tokens: int) -> tuple[np.ndarray, np.ndarray]:
+    return np.array(tokens, dtype=np.int32), np.arange(len(tokens), dtype=np.int32)
+
+
+TREES = [chain(3, 4, 5), chain(7), chain(), chain(1, 2)]
+BAD_TREE = (np.array([3, 4], dtype=np.int32), np.array([0, 5], dtype=np.int32))  # node 2's parent does not exist
+
+
+@pytest.fixture(scope="module")
+def workers(module_services, tiny_pair, tmp_path_factory):
+    s = module_services
+    model = str(tiny_pair.target)
+    table = tmp_path_factory.mktemp("replay") / "table.jsonl"
+    table.write_text("")
+    return {
+        "target": s.start("sw-target", "target", "--model", model, "--dtype", "float64", "--threads", "1"),
+        "slow": s.start("sw-slow", "draft", "--replay", str(table), "--replay-delay", str(DELAY_S), "--target-model", model),
+        "locked": s.start("sw-locked", "target", "--model", model, "--threads", "1", "--auth-token", TOKEN),
+    }
+
+
+def run(coroutine):
+    return asyncio.run(coroutine)
+
+
+async def socket_client(cls, address: str, security: ClientSecurity = ClientSecurity()):
+    client = cls(address, security, wire="socket")
+    await client.offer_step_socket((await client.info(timeout=10)).step_socket)
+    return client
+
+
+async def prefill(client: TargetClient, sequence_id: str):
+    await client.prefill(target_pb2.PrefillRequest(sequence_id=sequence_id, tokens=PROMPT, reserve_tokens=128), timeout=30)
+
+
+async def steps(client: TargetClient, sequence_id: str, trees) -> list[tuple[list[int], int]]:
+    out = []
+    for tokens, parents in trees:
+        v = await client.verify(sequence_id, tokens, parents, False, timeout=30)
+        out.append((v.committed_tokens, v.next_token))
+    return out
+
+
+def test_workers_offer_a_socket_next_to_their_unix_address(workers):
+    async def scenario():
+        for name, cls in (("target", TargetClient), ("slow", DraftClient)):
+            client = cls(workers[name])
+            offered = (await client.info(timeout=10)).step_socket
+            assert offered == workers[name].removeprefix("unix:") + ".steps" and os.path.exists(offered)
+            await client.close()
+
+    run(scenario())
+    assert resolve_step_socket("auto", "127.0.0.1:50052", tls=False) == ""  # a TCP listener may be remote
+    assert resolve_step_socket("auto", "unix:/run/t.sock", tls=True) == ""  # TLS asked for: no plain side door
+    assert resolve_step_socket("off", "unix:/run/t.sock", tls=False) == ""
+    assert resolve_step_socket("/run/steps", "127.0.0.1:1", tls=False) == "/run/steps"
+
+
+async def exchange(path: str, *frames: bytes) -> list[tuple[int, bytes]]:
+    """Send raw frames on a new connection; return every frame the worker sends back until it closes."""
+    reader, writer = await asyncio.open_unix_connection(path)
+    writer.write(b"".join(frames))
+    answers = []
+    while (received := await asyncio.wait_for(read_frame(reader), 30)) is not None:
+        answers.append(received)
+    writer.close()
+    return answers
+
+
+def test_a_connection_serves_one_sequence_and_rejects_bad_frames(workers):
+    path = workers["target"].removeprefix("unix:") + ".steps"
+    hello = frame(HELLO, b"")
+
+    async def scenario():
+        client = TargetClient(workers["target"])
+        for sid in ("one", "two"):
+            await prefill(client, sid)
+        await client.close()
+        verify = [frame(REQUEST, target_pb2.VerifyRequest(sequence_id=sid).SerializeToString()) for sid in ("one", "one", "two")]
+        mixed = await exchange(path, hello, *verify)
+        undecodable = await exchange(path, hello, frame(REQUEST, b"\x0a\x01\xff"))  # sequence_id holding byte 0xff
+        no_hello = await exchange(path, verify[0])
+        return mixed, undecodable, no_hello
+
+    mixed, undecodable, no_hello = run(scenario())
+    assert [kind for kind, _ in mixed] == [RESPONSE, RESPONSE, ERROR]
+    assert [target_pb2.VerifyResponse.FromString(p).committed_length for _, p in mixed[:2]] == [len(PROMPT) + 1, len(PROMPT) + 2]
+    assert mixed[2][1].decode() == "INVALID_ARGUMENT\nsequence_id: 'two' on the stream of sequence 'one' (one stream per sequence)"
+    assert undecodable[0][0] == ERROR
+    assert undecodable[0][1].decode().startswith("INVALID_ARGUMENT\nrequest is not a valid /splitspec.v1.TargetWorker/Verify message")
+    assert no_hello == [(ERROR, b"UNAUTHENTICATED\nmissing or wrong bearer token in the step socket's hello")]
+
+
+def test_the_workers_token_is_checked(workers):
+    async def scenario():
+        right = await socket_client(TargetClient, workers["locked"], ClientSecurity(token=TOKEN))
+        wrong = TargetClient(workers["locked"], ClientSecurity(token="guess"), wire="socket")
+        await wrong.offer_step_socket(right.step_socket)
+        try:
+            await prefill(right, "locked")
+            with pytest.raises(grpc.aio.AioRpcError) as denied:
+                await wrong.verify("locked", *chain(1), False, timeout=30)
+            assert denied.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert len(await steps(right, "locked", TREES)) == len(TREES)
+            await right.release("locked")
+        finally:
+            await right.close()
+            await wrong.close()
+
+    run(scenario())
+
+
+def test_the_wire_choice(workers, tmp_path):
+    async def scenario():
+        insisting, auto = TargetClient(workers["target"], wire="socket"), TargetClient(workers["target"], wire="auto")
+        unary = TargetClient(workers["target"], wire="unary")
+        missing = str(tmp_path / "no.steps")
+        with pytest.raises(FailedPrecondition, match="cannot be opened from here"):
+            await insisting.offer_step_socket(missing)
+        with pytest.raises(FailedPrecondition, match="offers none"):
+            await insisting.offer_step_socket("")
+        await auto.offer_step_socket(missing)
+        await unary.offer_step_socket(workers["target"].removeprefix("unix:") + ".steps")
+        assert (auto.active_wire, unary.active_wire) == ("stream", "unary")
+        for client in (insisting, auto, unary):
+            await client.close()
+
+    run(scenario())
