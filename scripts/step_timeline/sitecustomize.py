@@ -1,0 +1,106 @@
+"""Step timeline of the three services, for performance work (not loaded in normal runs).
+
+Put this folder first on PYTHONPATH and set SPLITSPEC_TRACE_DIR: every Python process started
+with that environment (bench's gateway, target and draft) imports this module at start-up, times
+the points of a step below with the system-wide monotonic clock, and writes
+``<command>-<pid>.log`` into the folder at exit. ``analyze.py DIR`` lines the processes up.
+
+    SPLITSPEC_TRACE_DIR=/tmp/trace PYTHONPATH=scripts/step_timeline:$PYTHONPATH \\
+        splitspec bench --shape qwen3-8b --parts system --corruptions 0.05 --prompts 3
+    python3 scripts/step_timeline/analyze.py /tmp/trace
+
+Records (times in ns): ``rpc NAME t0 t1`` a gateway step call; ``tree t0 t1`` a DDTree build;
+``push t0 t1`` detokenising; ``step t0 t1`` a worker answering one step request; ``host WHAT
+t0 t1`` the servicer's call into its engine (thread hand-offs included); ``engine WHAT t0 t1``
+the engine method itself.
+"""
+
+import atexit
+import functools
+import inspect
+import os
+import sys
+import time
+
+if os.environ.get("SPLITSPEC_TRACE_DIR"):
+    _records: list[tuple] = []
+    _now = time.perf_counter_ns
+
+    def _timed(label: tuple, fn):
+        """``fn`` (a function or a coroutine function) recording ``(*label, start, end)`` per call."""
+        if inspect.iscoroutinefunction(fn):
+
+            @functools.wraps(fn)
+            async def timed_coroutine(*args, **kwargs):
+                t0 = _now()
+                try:
+                    return await fn(*args, **kwargs)
+                finally:
+                    _records.append((*label, t0, _now()))
+
+            return timed_coroutine
+
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):
+            t0 = _now()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                _records.append((*label, t0, _now()))
+
+        return timed
+
+    import splitspec.services.hosting as hosting
+    import splitspec.spec.tree as tree
+    import splitspec.textstream as textstream
+    import splitspec.services.gateway.workers as workers
+
+    _attach = hosting.EngineHost.attach
+
+    def _attach_timed(self, engine, description):
+        for method in ("verify", "propose"):
+            if hasattr(engine, method):
+                setattr(engine, method, _timed(("engine", self.what), getattr(engine, method)))
+        _attach(self, engine, description)
+
+    hosting.EngineHost.attach = _attach_timed
+    _host_step = hosting.EngineHost.step
+
+    async def _host_step_timed(self, method, *args, **kwargs):
+        t0 = _now()
+        try:
+            return await _host_step(self, method, *args, **kwargs)
+        finally:
+            _records.append(("host", self.what, t0, _now()))
+
+    hosting.EngineHost.step = _host_step_timed
+    _sequence_stream = hosting.sequence_stream
+
+    async def _sequence_stream_timed(requests, context, step):  # the servicers import it after this runs
+        async for response in _sequence_stream(requests, context, _timed(("step",), step)):
+            yield response
+
+    hosting.sequence_stream = _sequence_stream_timed
+    import splitspec.stepwire as stepwire  # imported it already, through the gateway's workers module
+
+    stepwire.sequence_stream = _sequence_stream_timed
+    tree.build_ddtree = _timed(("tree",), tree.build_ddtree)  # before the gateway imports it by name
+    textstream.TextStream.push = _timed(("push",), textstream.TextStream.push)
+    _worker_step = workers.WorkerClient._step
+
+    async def _worker_step_timed(self, request, timeout):
+        t0 = _now()
+        try:
+            return await _worker_step(self, request, timeout)
+        finally:
+            _records.append(("rpc", self.step_rpc, t0, _now()))
+
+    workers.WorkerClient._step = _worker_step_timed
+
+    @atexit.register
+    def _dump() -> None:
+        folder = os.environ["SPLITSPEC_TRACE_DIR"]
+        os.makedirs(folder, exist_ok=True)
+        command = next((a for a in sys.argv[1:] if not a.startswith("-")), "main")
+        with open(os.path.join(folder, f"{command}-{os.getpid()}.log"), "w") as f:
+            f.writelines(" ".join(map(str, r)) + "\n" for r in _records)
