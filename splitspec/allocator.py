@@ -2,11 +2,15 @@
 
 A speculation step moves tap features of a few hundred KiB through every process: the target
 copies them off the device, the gateway receives and forwards them, the draft receives them.
-glibc serves blocks over 128 KiB with a fresh ``mmap`` and gives them back with ``munmap`` (or
-trims the heap top), so each such buffer page-faults its way in again: on the CI machine
-serialising a 245 KB protobuf took 197 us instead of 12 us, and a 245 KB echo over a gRPC stream
-1.19 ms instead of 0.58 ms. Raising the mmap and trim thresholds keeps those pages mapped; the
-cost is up to ``TRIM_THRESHOLD`` bytes of freed heap the process keeps instead of returning.
+glibc trims the heap top as soon as more than twice its (adaptive) mmap threshold is free, so
+such buffers page-fault their way in again and again: on the CI machine serialising a 245 KB
+protobuf took 197 us instead of 12 us, and a 245 KB echo over a gRPC stream 1.19 ms instead of
+0.58 ms. Fixing the mmap threshold at glibc's maximum (32 MiB: blocks below it come from the
+heap) and the trim threshold well above it keeps those pages mapped. A fixed mmap threshold
+below a message's size would be worse than glibc's adaptive one (with 16 MiB, decoding a 21 MB
+prompt's features took 27 ms instead of 4.6 ms), hence the maximum. Messages over 32 MiB
+still get fresh pages each time, as without this. The cost is up to ``TRIM_THRESHOLD`` bytes
+of freed heap the process keeps instead of returning.
 
 The thresholds can be overridden (or this left alone) with glibc's own ``MALLOC_MMAP_THRESHOLD_``
 and ``MALLOC_TRIM_THRESHOLD_`` environment variables: when either is set, nothing is changed.
@@ -22,8 +26,8 @@ import os
 logger = logging.getLogger(__name__)
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h
-MMAP_THRESHOLD = 16 << 20  # blocks below this come from the heap (glibc caps it at 32 MiB)
-TRIM_THRESHOLD = 64 << 20  # free heap top kept before it is returned to the OS
+MMAP_THRESHOLD = 32 << 20  # blocks below this come from the heap: glibc's maximum on 64-bit hosts
+TRIM_THRESHOLD = 128 << 20  # free heap top kept before it is returned to the OS
 ENV_OVERRIDES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
 
 
