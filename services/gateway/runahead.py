@@ -14,12 +14,13 @@ from collections.abc import AsyncIterator
 
 
 class RunAhead:
-    """Iterates ``steps`` (lists of new tokens) in its own task, at most ``depth`` steps ahead of
-    the reader; each read returns every token that is ready, in order. Use as an async context
-    manager: leaving it cancels the steps still running and waits for them, so nothing touches
-    the sequence after (a stop string ends the request with up to ``depth`` steps discarded)."""
+    """Iterates ``steps`` (lists of new tokens) in its own task, ``depth`` finished steps at most
+    waiting for the reader while the next one runs; each read returns every token that is ready,
+    in order. Use as an async context manager: leaving it cancels the step still running and
+    waits for it, so nothing touches the sequence after. The price of a stop string is the steps
+    run past it (``depth`` + 1 at most), so the default keeps one: enough to overlap a write."""
 
-    def __init__(self, steps: AsyncIterator[list[int]], depth: int = 4) -> None:
+    def __init__(self, steps: AsyncIterator[list[int]], depth: int = 1) -> None:
         self._steps = steps
         self._ready: list[list[int]] = []  # steps done and not yet read
         self._end: BaseException | None = None  # StopAsyncIteration, or what the steps raised
