@@ -153,19 +153,19 @@ async def serve_worker(
     name: str, server, health, service: str, host: EngineHost, load, grace_s: float, ttl_s: float, step_server=None
 ) -> None:
     """Serve a worker: ``load()`` runs on the engine thread, idle sequences expire after ``ttl_s``.
-    ``step_server`` (a ``splitspec.stepwire.StepSocketServer``) listens once the model is loaded
-    and closes after the gRPC server's drain, so steps in flight finish on both wires."""
+    ``step_server`` (a ``splitspec.stepwire.StepSocketServer``) listens from the start, as gRPC
+    does (its steps answer UNAVAILABLE until the model is loaded), and closes after the gRPC
+    server's drain, so steps in flight finish on both wires."""
     from splitspec import rpc
 
     loop = asyncio.get_running_loop()
-
-    async def load_then_listen() -> None:
-        await loop.run_in_executor(host.executor, load)
-        if step_server is not None:
-            await step_server.start()
-
+    if step_server is not None:
+        await step_server.start()
     try:
-        await rpc.serve(name, server, health, [service], load_then_listen, grace_s, [lambda: host.expire_periodically(ttl_s)])
+        await rpc.serve(
+            name, server, health, [service], lambda: loop.run_in_executor(host.executor, load), grace_s,
+            [lambda: host.expire_periodically(ttl_s)],
+        )
     finally:
         if step_server is not None:
             await step_server.close()

@@ -84,10 +84,13 @@ def add_step_socket_argument(p) -> None:
 
 
 def step_server_from_args(args, service_name: str, method: str, request_type: type, step) -> StepSocketServer | None:
-    """The worker's step socket server per ``--step-socket`` (None when off)."""
+    """The worker's step socket server per ``--step-socket`` (None when off). A path given
+    explicitly must bind; one chosen by ``auto`` may fail to (the worker then serves gRPC only)."""
     tls = bool(args.tls_cert or args.tls_key or args.tls_client_ca)
     path = resolve_step_socket(args.step_socket, args.listen, tls)
-    return StepSocketServer(path, service_name, method, request_type, step, args.auth_token) if path else None
+    if not path:
+        return None
+    return StepSocketServer(path, service_name, method, request_type, step, args.auth_token, required=args.step_socket != "auto")
 
 
 class StepSocketServer:
@@ -103,17 +106,30 @@ class StepSocketServer:
         request_type: type,
         step: Callable[[object, None], Awaitable[object]],
         token: str = "",
+        required: bool = True,
     ) -> None:
         self.path, self.service_name, self.method = path, service_name, method
         self.request_type, self.step = request_type, step
         self._token = token.encode()
+        self.required = required  # False: a socket that cannot be bound is logged, not fatal
         self._server: asyncio.AbstractServer | None = None
         self._connections: set[asyncio.Task] = set()
+
+    @property
+    def offered(self) -> str:
+        """The path the worker's Info names: the socket once it listens, else ""."""
+        return self.path if self._server is not None else ""
 
     async def start(self) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)  # a socket file left by a worker that died
-        self._server = await asyncio.start_unix_server(self._serve, self.path, limit=2**20)
+        try:
+            self._server = await asyncio.start_unix_server(self._serve, self.path, limit=2**20)
+        except OSError as exc:
+            if self.required:
+                raise OSError(f"--step-socket {self.path}: {exc}") from exc
+            logger.warning("%s: no step socket at %s (%s); steps are served on gRPC only", self.service_name, self.path, exc)
+            return
         logger.info("%s: %s steps on the step socket %s", self.service_name, self.method, self.path)
 
     async def close(self) -> None:
@@ -162,9 +178,10 @@ class StepSocketServer:
             if kind != REQUEST:
                 raise InvalidArgument(f"step socket: frame kind {kind} where a request was expected")
             try:
-                yield self.request_type.FromString(payload)
+                request = self.request_type.FromString(payload)
             except Exception as exc:  # noqa: BLE001 - undecodable bytes are the client's error
                 raise InvalidArgument(f"request is not a valid {self.method} message: {exc}") from exc
+            yield request
 
 
 def rpc_error(code: grpc.StatusCode, message: str) -> grpc.aio.AioRpcError:

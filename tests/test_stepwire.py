@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
+import sys
 
 import grpc
 import numpy as np
@@ -16,7 +18,7 @@ import pytest
 from splitspec.errors import FailedPrecondition
 from splitspec.security import ClientSecurity
 from splitspec.services.gateway.workers import DraftClient, TargetClient
-from splitspec.stepwire import ERROR, HELLO, REQUEST, RESPONSE, frame, read_frame, resolve_step_socket
+from splitspec.stepwire import ERROR, HELLO, REQUEST, RESPONSE, StepSocketServer, frame, read_frame, resolve_step_socket
 from splitspec.v1 import target_pb2
 
 pytestmark = pytest.mark.slow
@@ -154,3 +156,25 @@ def test_the_wire_choice(workers, tmp_path):
             await client.close()
 
     run(scenario())
+
+
+def test_a_socket_that_cannot_be_bound(tmp_path):
+    """``auto`` chose the path: the worker goes on with gRPC only. A path given explicitly: an error naming it."""
+    async def start(required: bool) -> str:
+        server = StepSocketServer(str(tmp_path / "missing" / "t.steps"), "target", "Verify", target_pb2.VerifyRequest, None, required=required)
+        await server.start()
+        return server.offered
+
+    assert run(start(required=False)) == ""
+    with pytest.raises(OSError, match="--step-socket .*missing/t.steps"):
+        run(start(required=True))
+
+
+def test_a_worker_refuses_to_start_without_its_explicit_socket(tiny_pair, tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "splitspec", "target", "--model", str(tiny_pair.target), "--listen", f"unix:{tmp_path / 't.sock'}",
+         "--metrics-port", "0", "--step-socket", str(tmp_path / "missing" / "t.steps")],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 2
+    assert "--step-socket" in done.stderr and "missing/t.steps" in done.stderr

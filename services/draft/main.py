@@ -112,5 +112,5 @@ async def run(args: argparse.Namespace) -> None:
 
     logger.info("draft worker listening on %s, loading %s", args.listen, args.model or args.replay)
     step_server = step_server_from_args(args, "draft", f"/{SERVICE}/Propose", draft_pb2.ProposeRequest, servicer.Propose)
-    servicer.step_socket = step_server.path if step_server else ""
+    servicer.step_server = step_server
     await serve_worker("draft", server, health, SERVICE, servicer.host, load, args.shutdown_grace, args.sequence_ttl, step_server)

@@ -19,7 +19,7 @@ class DraftServicer(draft_pb2_grpc.DraftWorkerServicer):
 
     def __init__(self, metrics: WorkerMetrics) -> None:
         self.host = EngineHost("draft")
-        self.step_socket = ""  # the step socket path Info reports (splitspec/stepwire.py), set by main
+        self.step_server = None  # the worker's StepSocketServer (splitspec/stepwire.py), set by main
         self.metrics = metrics
 
     async def Info(self, request, context):
@@ -35,7 +35,7 @@ class DraftServicer(draft_pb2_grpc.DraftWorkerServicer):
             live_sequences=len(e.sequences),
             max_top_k=e.max_top_k,
             context_bytes=e.context_bytes,
-            step_socket=self.step_socket,
+            step_socket=self.step_server.offered if self.step_server else "",
         )
 
     async def Propose(self, request, context):

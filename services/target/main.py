@@ -134,5 +134,5 @@ async def run(args: argparse.Namespace) -> None:
 
     logger.info("target worker listening on %s, loading %s", args.listen, args.model)
     step_server = step_server_from_args(args, "target", f"/{SERVICE}/Verify", target_pb2.VerifyRequest, servicer.Verify)
-    servicer.step_socket = step_server.path if step_server else ""
+    servicer.step_server = step_server
     await serve_worker("target", server, health, SERVICE, servicer.host, load, args.shutdown_grace, args.sequence_ttl, step_server)

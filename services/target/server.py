@@ -42,7 +42,7 @@ class TargetServicer(target_pb2_grpc.TargetWorkerServicer):
 
     def __init__(self, metrics: WorkerMetrics) -> None:
         self.host = EngineHost("target")
-        self.step_socket = ""  # the step socket path Info reports (splitspec/stepwire.py), set by main
+        self.step_server = None  # the worker's StepSocketServer (splitspec/stepwire.py), set by main
         self.metrics = metrics
 
     async def Info(self, request, context):
@@ -56,7 +56,7 @@ class TargetServicer(target_pb2_grpc.TargetWorkerServicer):
             tokenizer_path=d.tokenizer_path,
             kv_reserved_tokens=engine.reserved_tokens,
             kv_capacity_tokens=engine.limits.max_kv_tokens,
-            step_socket=self.step_socket,
+            step_socket=self.step_server.offered if self.step_server else "",
         )
 
     async def Prefill(self, request, context):
