@@ -12,7 +12,8 @@ The *wire* is how a sequence's steps (Verify, Propose) travel:
 - ``unary``: one ``Verify`` / ``Propose`` call per step;
 - ``auto`` (default): ``socket`` where the worker offers one this host can open, else ``stream``.
 All fail the same way: a step that errors or misses its timeout raises the ``AioRpcError`` the
-unary call would (status and message), and its stream is dropped; the next step opens a new one.
+unary call would (status and message), and its stream or connection is dropped; the next step
+opens a new one.
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ from splitspec import rpc
 from splitspec.errors import FailedPrecondition
 from splitspec.metrics import RpcObserver
 from splitspec.security import ClientSecurity
-from splitspec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from splitspec.stepwire import StepSocket
+from splitspec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from splitspec.wire import array_from_pb
 
 logger = logging.getLogger(__name__)
