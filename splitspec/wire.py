@@ -6,6 +6,7 @@ workers. Tap features pass through the gateway as opaque messages, never decoded
 
 from __future__ import annotations
 
+import math
 import sys
 from typing import TYPE_CHECKING
 
@@ -27,16 +28,19 @@ class WireError(ValueError):
     """A tensor message whose dtype, shape and byte count do not agree."""
 
 
-def _check(msg: common_pb2.Tensor) -> tuple[int, ...]:
+def _checked(msg: common_pb2.Tensor) -> tuple[tuple[int, ...], bytes]:
+    """The message's shape and bytes, checked against each other. Reading ``msg.data`` copies the
+    bytes (protobuf's upb runtime), so it is read here once: a prompt's features are tens of MB."""
     if msg.dtype not in ITEM_SIZES:
         raise WireError(f"unknown tensor dtype {msg.dtype!r} (allowed: {', '.join(ITEM_SIZES)})")
     shape = tuple(int(d) for d in msg.shape)
     if any(d < 0 for d in shape):
         raise WireError(f"negative dimension in tensor shape {shape}")
-    expected = int(np.prod(shape, dtype=np.int64)) * ITEM_SIZES[msg.dtype]
-    if len(msg.data) != expected:
-        raise WireError(f"tensor of dtype {msg.dtype} and shape {shape} needs {expected} bytes, got {len(msg.data)}")
-    return shape
+    expected = math.prod(shape) * ITEM_SIZES[msg.dtype]
+    data = msg.data
+    if len(data) != expected:
+        raise WireError(f"tensor of dtype {msg.dtype} and shape {shape} needs {expected} bytes, got {len(data)}")
+    return shape, data
 
 
 def array_to_pb(array: np.ndarray) -> common_pb2.Tensor:
@@ -47,10 +51,10 @@ def array_to_pb(array: np.ndarray) -> common_pb2.Tensor:
 
 
 def array_from_pb(msg: common_pb2.Tensor) -> np.ndarray:
-    shape = _check(msg)
+    shape, data = _checked(msg)
     if msg.dtype == "bfloat16":
         raise WireError("bfloat16 tensors cannot be decoded without torch")
-    return np.frombuffer(msg.data, dtype=_NUMPY_DTYPES[msg.dtype]).reshape(shape)
+    return np.frombuffer(data, dtype=_NUMPY_DTYPES[msg.dtype]).reshape(shape)
 
 
 def tensor_to_pb(tensor: torch.Tensor, dtype: str | None = None) -> common_pb2.Tensor:
@@ -71,8 +75,8 @@ def tensor_to_pb(tensor: torch.Tensor, dtype: str | None = None) -> common_pb2.T
 def tensor_from_pb(msg: common_pb2.Tensor, device: torch.device | str = "cpu") -> torch.Tensor:
     import torch
 
-    shape = _check(msg)
-    if msg.dtype == "bfloat16":
-        array = np.frombuffer(msg.data, dtype=np.int16).reshape(shape)
-        return torch.from_numpy(array.copy()).view(torch.bfloat16).to(device)
-    return torch.from_numpy(array_from_pb(msg).copy()).to(device)
+    shape, data = _checked(msg)
+    numpy_dtype = np.int16 if msg.dtype == "bfloat16" else _NUMPY_DTYPES[msg.dtype]
+    array = np.frombuffer(data, dtype=numpy_dtype).reshape(shape).copy()  # writable, as torch wants
+    tensor = torch.from_numpy(array)
+    return (tensor.view(torch.bfloat16) if msg.dtype == "bfloat16" else tensor).to(device)

@@ -1,0 +1,38 @@
+import numpy as np
+import pytest
+import torch
+
+from splitspec.v1 import common_pb2
+from splitspec.wire import WireError, array_from_pb, array_to_pb, tensor_from_pb, tensor_to_pb
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.int64])
+def test_tensors_round_trip_exactly_and_come_back_writable(dtype):
+    tensor = (torch.randn(3, 5) * 100).to(dtype)
+    back = tensor_from_pb(tensor_to_pb(tensor))
+    assert back.dtype == dtype and torch.equal(back, tensor)
+    back += 1  # owns its memory: no read-only buffer behind it
+    assert not torch.equal(back, tensor)
+
+
+def test_cast_to_a_wire_dtype_and_numpy_side():
+    tensor = torch.randn(2, 4)
+    assert tensor_from_pb(tensor_to_pb(tensor, "bfloat16")).dtype == torch.bfloat16
+    array = np.arange(6, dtype=np.int32).reshape(2, 3)
+    assert np.array_equal(array_from_pb(array_to_pb(array)), array)
+    with pytest.raises(WireError, match="without torch"):
+        array_from_pb(tensor_to_pb(tensor, "bfloat16"))
+
+
+@pytest.mark.parametrize(
+    "message,error",
+    [
+        (common_pb2.Tensor(dtype="float32", shape=[2, 3], data=bytes(20)), "needs 24 bytes, got 20"),
+        (common_pb2.Tensor(dtype="float32", shape=[-1, 3], data=bytes(12)), "negative dimension"),
+        (common_pb2.Tensor(dtype="complex64", shape=[1], data=bytes(8)), "unknown tensor dtype 'complex64'"),
+        (common_pb2.Tensor(dtype="float16", shape=[2**40, 2**40], data=bytes(2)), "needs 2417851639229258349412352 bytes"),  # no overflow
+    ],
+)
+def test_inconsistent_messages_are_refused(message, error):
+    with pytest.raises(WireError, match=error):
+        tensor_from_pb(message)
