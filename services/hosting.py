@@ -29,12 +29,12 @@ class EngineHost:
     ``SPLITSPEC_INLINE_STEPS=0`` sends every step to the engine thread.
     """
 
-    def __init__(self, what: str, inline_steps: bool | None = None) -> None:
+    def __init__(self, what: str) -> None:
         self.what = what
         self.engine: Any = None
         self.description: Any = None
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{what}-engine")
-        self.inline_steps = os.environ.get("SPLITSPEC_INLINE_STEPS", "1") != "0" if inline_steps is None else inline_steps
+        self.inline_steps = os.environ.get("SPLITSPEC_INLINE_STEPS", "1") != "0"
         self._pending = 0  # calls handed to the engine thread whose results the loop has not taken yet
 
     def attach(self, engine: Any, description: Any) -> None:
@@ -55,8 +55,8 @@ class EngineHost:
             self._pending -= 1
 
     async def step(self, method: str, *args, **kwargs) -> Any:
-        """``engine.<method>(*args, **kwargs)`` for one sequence step: on this thread when the
-        engine thread is idle and at most one sequence is live, else like ``call``."""
+        """``engine.<method>(*args, **kwargs)`` for one sequence step: on the event loop's thread
+        when the engine thread is idle and at most one sequence is live, else like ``call``."""
         engine = self.require()
         if self.inline_steps and self._pending == 0 and len(engine.sequences) <= 1:
             return getattr(engine, method)(*args, **kwargs)
