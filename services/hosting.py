@@ -7,12 +7,13 @@ import logging
 import os
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any
 
-from splitspec.errors import InvalidArgument, Unavailable
+from splitspec.errors import Aborted, InvalidArgument, Unavailable
 from splitspec.v1 import common_pb2
 
 logger = logging.getLogger(__name__)
@@ -62,9 +63,9 @@ class EngineHost:
             return getattr(engine, method)(*args, **kwargs)
         return await self.call(method, *args, **kwargs)
 
-    def release(self, sequence_id: str) -> bool:
+    def release(self, sequence_id: str, context: int = 0) -> bool:
         """Release at once, on the calling thread (see ``SequenceTable``)."""
-        return self.require().sequences.pop(sequence_id)
+        return self.require().sequences.pop(sequence_id, context)
 
     async def expire_periodically(self, ttl_s: float) -> None:
         """Release sequences idle for ``ttl_s`` seconds, checking every ttl/4 (capped at 30 s)."""
@@ -78,11 +79,21 @@ class EngineHost:
 class SequenceTable:
     """Live sequences by id, with their last use. Safe to read and release from the event loop
     while the engine thread works: a release must not queue behind other sequences' forward passes,
-    or a busy worker would hold finished sequences (and their KV) long after their clients left."""
+    or a busy worker would hold finished sequences (and their KV) long after their clients left.
+
+    The draft's contexts are also *numbered* (``ProposeRequest.context``): the gateway counts the
+    contexts it starts for a sequence, and a step of a context already released (or replaced by a
+    newer one) is refused with ABORTED. So a step still running when the gateway gave up on it
+    cannot bring back the context the gateway released meanwhile. Number 0 means unnumbered.
+    """
+
+    MAX_RELEASED = 16384  # ids whose last released context number is remembered (oldest forgotten)
 
     def __init__(self) -> None:
         self._items: dict[str, Any] = {}
         self._last_used: dict[str, float] = {}
+        self._numbers: dict[str, int] = {}  # context number of each numbered live item
+        self._released: OrderedDict[str, int] = OrderedDict()  # highest context number released per id
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -104,9 +115,34 @@ class SequenceTable:
             self._items[sequence_id] = item
             self._last_used[sequence_id] = time.monotonic()
 
-    def pop(self, sequence_id: str) -> bool:
+    def claim(self, sequence_id: str, context: int, create: Callable[[], Any]) -> Any:
+        """The live item of context number ``context`` of ``sequence_id``: the one there is, or a
+        new one from ``create()`` (called under the table's lock: it must not wait on the device)
+        when there is none or the live one belongs to an older context."""
+        with self._lock:
+            released = self._released.get(sequence_id, 0)
+            if context and context <= released:
+                raise Aborted(f"context {context} of sequence {sequence_id!r} was released; start context {released + 1} or later")
+            item, live = self._items.get(sequence_id), self._numbers.get(sequence_id, 0)
+            if item is not None and context and context < live:
+                raise Aborted(f"context {context} of sequence {sequence_id!r} was replaced by context {live}")
+            if item is None or context > live:
+                item = create()
+                self._items[sequence_id] = item
+                self._numbers[sequence_id] = context
+            self._last_used[sequence_id] = time.monotonic()
+            return item
+
+    def pop(self, sequence_id: str, context: int = 0) -> bool:
+        """Release a sequence; steps of context ``context`` (and of the live one's) are refused after."""
         with self._lock:
             self._last_used.pop(sequence_id, None)
+            released = max(context, self._numbers.pop(sequence_id, 0))
+            if released > self._released.get(sequence_id, 0):
+                self._released[sequence_id] = released
+                self._released.move_to_end(sequence_id)
+                while len(self._released) > self.MAX_RELEASED:
+                    self._released.popitem(last=False)
             return self._items.pop(sequence_id, None) is not None
 
     def values(self) -> list[Any]:
@@ -120,6 +156,7 @@ class SequenceTable:
             stale = [sid for sid, t in self._last_used.items() if now - t > max_idle_s]
             for sid in stale:
                 del self._items[sid], self._last_used[sid]
+                self._numbers.pop(sid, None)
         return stale
 
 

@@ -24,6 +24,10 @@ class FailedPrecondition(ServiceError):
     code = "FAILED_PRECONDITION"
 
 
+class Aborted(ServiceError):
+    code = "ABORTED"
+
+
 class ResourceExhausted(ServiceError):
     code = "RESOURCE_EXHAUSTED"
 

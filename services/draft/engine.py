@@ -131,6 +131,7 @@ class DraftEngine:
         top_k: int,
         window: int = 0,
         tokens=(),  # token ids of the new positions; DFlash conditions on features only
+        context: int = 0,  # the gateway's number of this draft context (SequenceTable.claim)
     ) -> Proposal:
         c: DFlashConfig = self.config
         if not sequence_id:
@@ -145,17 +146,18 @@ class DraftEngine:
         width = c.num_taps * c.hidden_size
         if features is not None and (features.dim() != 2 or features.shape[1] != width):
             raise InvalidArgument(f"features: shape {tuple(features.shape)} is not [rows, {width}]")
-        seq = self.sequences.get(sequence_id)
-        if seq is None:
-            if len(self.sequences) >= self.max_sequences:
+
+        def new_context() -> DraftSequence:
+            if len(self.sequences) >= self.max_sequences and sequence_id not in self.sequences:
                 raise ResourceExhausted(f"{len(self.sequences)} draft contexts are live, the limit is {self.max_sequences}")
             if m == 0:
                 raise FailedPrecondition(f"sequence_id {sequence_id!r} is new to the draft worker and carries no features")
             cache = ContextCache(c.num_layers)
             if self.graphs:  # the slot comes back when the cache is garbage
                 cache.slot, cache.k, cache.v = self.graphs.take(cache) or (None, [], [])
-            seq = DraftSequence(cache, anchor_position - m, anchor_position - m)
-            self.sequences.add(sequence_id, seq)
+            return DraftSequence(cache, anchor_position - m, anchor_position - m)
+
+        seq = self.sequences.claim(sequence_id, context, new_context)
         if seq.ctx_end + m != anchor_position:
             raise FailedPrecondition(
                 f"features: the draft context ends at position {seq.ctx_end} but {m} rows before "

@@ -72,16 +72,14 @@ class ReplayDrafter:
         return sum(8 * len(h) for h in self.sequences.values())  # what the histories hold, roughly
 
     def propose(
-        self, sequence_id: str, anchor_token: int, anchor_position: int, features, top_k: int, window: int = 0, tokens=()
+        self, sequence_id: str, anchor_token: int, anchor_position: int, features, top_k: int, window: int = 0, tokens=(),
+        context: int = 0,
     ) -> Proposal:
         t0 = time.perf_counter_ns()
         time.sleep(self.delay_s)
         if not 1 <= top_k <= min(self.max_top_k, self.vocab_size - 1):
             raise InvalidArgument(f"top_k: {top_k} is outside [1, {min(self.max_top_k, self.vocab_size - 1)}]")
-        history = self.sequences.get(sequence_id)
-        if history is None:
-            history = []
-            self.sequences.add(sequence_id, history)
+        history = self.sequences.claim(sequence_id, context, list)
         history.extend(tokens)
         if len(history) != anchor_position:
             raise InvalidArgument(f"tokens: history has {len(history)} positions, anchor_position is {anchor_position}")

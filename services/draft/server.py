@@ -54,6 +54,7 @@ class DraftServicer(draft_pb2_grpc.DraftWorkerServicer):
             request.top_k,
             request.window,
             list(request.tokens),
+            request.context,
         )
         self.metrics.forward("propose", proposal.forward_ns)
         return draft_pb2.ProposeResponse(
@@ -67,5 +68,5 @@ class DraftServicer(draft_pb2_grpc.DraftWorkerServicer):
             yield response
 
     async def Release(self, request, context):
-        released = self.host.release(request.sequence_id)
+        released = self.host.release(request.sequence_id, request.context)
         return common_pb2.ReleaseResponse(released=released)

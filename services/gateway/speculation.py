@@ -123,6 +123,7 @@ class SpeculativeSequence:
         self.stats = SequenceStats()
         self.wants_draft = options.mode is not Mode.OFF and draft is not None and draft_shape is not None
         self.draft_live = False  # the draft holds a context for this sequence, in sync with the target
+        self.draft_context = 0  # the number of the last draft context started (ProposeRequest.context)
         self.draft_synced = 0  # positions whose token ids the draft has been sent
         self.resumes = 0
         self.generated: list[int] = []  # every token yielded so far
@@ -216,7 +217,7 @@ class SpeculativeSequence:
         if self.draft_live:
             self.draft_live = False
             try:
-                await self.draft.release(self.sequence_id)
+                await self.draft.release(self.sequence_id, self.draft_context)
             except grpc.aio.AioRpcError:
                 pass  # a draft that cannot be reached holds nothing we can free now; its TTL will
 
@@ -230,12 +231,13 @@ class SpeculativeSequence:
             return DraftTree.empty(), ""
         if not self.draft_live:
             self.resumes += self.stats.steps > 0  # the first context is a start, not a resume
+            self.draft_context += 1  # a fresh context: steps of the released one stay refused
         self.draft_live = True
         history = self._tokens(self.draft_synced, start)
         try:
             top_ids, top_logprobs = await self.draft.propose(
                 self.sequence_id, anchor, start, history, features, opts.top_k, opts.draft_window,
-                timeout=self._timeout(opts.draft_timeout_s),
+                timeout=self._timeout(opts.draft_timeout_s), context=self.draft_context,
             )
             self.draft_synced = start
         except grpc.aio.AioRpcError as exc:
@@ -261,7 +263,7 @@ class SpeculativeSequence:
         """Free the sequence on both workers; errors are logged, never raised. Survives cancellation."""
         calls = [self.target.release(self.sequence_id)]
         if self.draft_live:
-            calls.append(self.draft.release(self.sequence_id))
+            calls.append(self.draft.release(self.sequence_id, self.draft_context))
         results = await asyncio.shield(asyncio.gather(*calls, return_exceptions=True))
         for result in results:
             if isinstance(result, Exception):

@@ -158,11 +158,12 @@ class WorkerClient:
     async def info(self, timeout: float | None = None):
         return await self.stub.Info(common_pb2.InfoRequest(), timeout=timeout)
 
-    async def release(self, sequence_id: str, timeout: float = 5.0) -> None:
+    async def release(self, sequence_id: str, context: int = 0, timeout: float = 5.0) -> None:
+        """Release the sequence (for the draft, up to its context number ``context``)."""
         stream = self._streams.pop(sequence_id, None)
         if stream is not None:
             stream.close()
-        await self.stub.Release(common_pb2.ReleaseRequest(sequence_id=sequence_id), timeout=timeout)
+        await self.stub.Release(common_pb2.ReleaseRequest(sequence_id=sequence_id, context=context), timeout=timeout)
 
     async def close(self) -> None:
         for stream in self._streams.values():
@@ -208,8 +209,10 @@ class DraftClient(WorkerClient):
         top_k: int,
         window: int,
         timeout: float | None,
+        context: int = 0,
     ) -> tuple[np.ndarray, np.ndarray]:
-        """Returns top_ids [B-1, K] and top_logprobs [B-1, K]."""
+        """Returns top_ids [B-1, K] and top_logprobs [B-1, K]. ``context`` numbers the draft
+        context this step belongs to (``ProposeRequest.context``; 0 = unnumbered)."""
         r = await self._step(
             draft_pb2.ProposeRequest(
                 sequence_id=sequence_id,
@@ -219,6 +222,7 @@ class DraftClient(WorkerClient):
                 features=features,
                 top_k=top_k,
                 window=window,
+                context=context,
             ),
             timeout,
         )

@@ -1,5 +1,6 @@
-"""Where ``EngineHost`` runs a step: on the event loop's thread while one sequence is live, on the
-engine thread otherwise or when ``SPLITSPEC_INLINE_STEPS=0``."""
+"""Where ``EngineHost`` runs a step (on the event loop's thread while one sequence is live, on the
+engine thread otherwise or when ``SPLITSPEC_INLINE_STEPS=0``), and the numbered draft contexts
+of ``SequenceTable``."""
 
 import asyncio
 import threading
@@ -7,6 +8,7 @@ import time
 
 import pytest
 
+from splitspec.errors import Aborted
 from splitspec.services.hosting import EngineHost, SequenceTable
 
 
@@ -63,3 +65,40 @@ def test_a_step_never_overtakes_work_on_the_engine_thread():
 
     ran_on, prefill_done_first = asyncio.run(scenario())
     assert ran_on.startswith("target-engine") and prefill_done_first
+
+
+def test_numbered_contexts_released_or_replaced_are_refused():
+    table = SequenceTable()
+    first = table.claim("s", 1, list)
+    assert table.claim("s", 1, list) is first  # the live context, not a new one
+    assert table.claim("s", 0, list) is first  # unnumbered steps take whatever is live
+    second = table.claim("s", 2, list)  # a newer context replaces the live one
+    assert second is not first and len(table) == 1
+    with pytest.raises(Aborted, match="context 1 of sequence 's' was replaced by context 2"):
+        table.claim("s", 1, list)
+    assert table.pop("s", 2) and not table.pop("s", 2)
+    for stale in (1, 2):  # a step still in flight when its context was released cannot bring it back
+        with pytest.raises(Aborted, match="start context 3 or later"):
+            table.claim("s", stale, list)
+    assert len(table) == 0
+    assert table.claim("s", 3, list) == [] and len(table) == 1
+
+
+def test_a_release_ahead_of_its_contexts_first_step_is_remembered():
+    """The race it exists for: the gateway gave up on a context's first step and released the
+    context before the step reached the engine."""
+    table = SequenceTable()
+    assert not table.pop("s", 1)
+    with pytest.raises(Aborted):
+        table.claim("s", 1, list)
+    assert len(table) == 0
+
+
+def test_released_numbers_are_forgotten_oldest_first(monkeypatch):
+    monkeypatch.setattr(SequenceTable, "MAX_RELEASED", 2)
+    table = SequenceTable()
+    for sid in ("a", "b", "c"):
+        table.pop(sid, 1)
+    table.claim("a", 1, list)  # forgotten: a step of context 1 is taken as new again
+    with pytest.raises(Aborted):
+        table.claim("c", 1, list)

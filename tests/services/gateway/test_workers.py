@@ -211,3 +211,36 @@ def test_draft_step_past_its_timeout_drops_the_stream(workers, wire):
             await unary.close()
 
     run(scenario())
+
+
+@pytest.mark.parametrize("wire", STREAMED_WIRES)
+def test_a_step_in_flight_cannot_bring_back_a_released_context(workers, wire):
+    """The gateway gives up on a context's step, releases the context, and the step then runs: it is
+    refused (the draft keeps no context for the sequence) and the next context starts cleanly.
+    With other sequences live the steps run on the draft's engine thread, so the release, answered
+    on its event loop, overtakes the late step, as it does under load."""
+
+    async def scenario():
+        draft = await client_on(wire, DraftClient, workers["slow"])
+        try:
+            busy, gone = [f"{wire}-busy", f"{wire}-busier"], f"{wire}-gone"  # ids are remembered across tests
+            for sid in busy:
+                await draft.propose(sid, 1, len(PROMPT), PROMPT, None, 2, 0, timeout=10, context=1)
+            with pytest.raises(grpc.aio.AioRpcError) as missed:
+                await draft.propose(gone, 1, len(PROMPT), PROMPT, None, 2, 0, timeout=0.05, context=1)
+            assert missed.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            await draft.release(gone, 1)  # while the late step still runs
+            await asyncio.sleep(2 * REPLAY_DELAY_S)  # it has run by now
+            assert (await draft.info(timeout=10)).live_sequences == 2  # the busy ones only
+            top_ids, _ = await draft.propose(gone, 1, len(PROMPT), PROMPT, None, 3, 0, timeout=10, context=2)
+            assert top_ids.shape == (15, 3)
+            with pytest.raises(grpc.aio.AioRpcError) as stale:
+                await draft.propose(gone, 1, len(PROMPT) + 1, [1], None, 3, 0, timeout=10, context=1)
+            assert stale.value.code() == grpc.StatusCode.ABORTED
+            assert stale.value.details() == f"context 1 of sequence '{gone}' was released; start context 2 or later"
+            for sid, number in ((busy[0], 1), (busy[1], 1), (gone, 2)):
+                await draft.release(sid, number)
+        finally:
+            await draft.close()
+
+    run(scenario())
