@@ -81,9 +81,9 @@ class SequenceTable:
     while the engine thread works: a release must not queue behind other sequences' forward passes,
     or a busy worker would hold finished sequences (and their KV) long after their clients left.
 
-    The draft's contexts are also *numbered* (``ProposeRequest.context``): the gateway counts the
-    contexts it starts for a sequence, and a step of a context already released (or replaced by a
-    newer one) is refused with ABORTED. So a step still running when the gateway gave up on it
+    The draft's contexts are also *numbered* (``ProposeRequest.context``): the gateway gives each
+    context it starts a higher number than the last, and a step of a context already released (or
+    replaced by a newer one) is refused with ABORTED. So a step still running when the gateway gave up on it
     cannot bring back the context the gateway released meanwhile. Number 0 means unnumbered.
     """
 

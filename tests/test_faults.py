@@ -263,3 +263,18 @@ def test_malformed_draft_proposals_cost_only_speculation(services, tiny_pair, tm
     assert usage.draft_fallbacks >= usage.steps - 1 > 0, usage  # the last step drafts nothing
     assert "malformed draft proposal (top_logprobs contains NaN)" in services.log("gateway")
     wait_until(lambda: worker_state(target, draft).empty, what="state released")
+
+
+def test_a_reused_request_id_speculates_from_its_first_step(services, tiny_pair, tmp_path):
+    """Clients reuse x-request-id (retries): the draft remembers the contexts it released for that
+    id, and a new request's contexts, from this gateway or a restarted one, number above them."""
+    table = tmp_path / "table.jsonl"
+    target, draft, gateway = start_system(services, tiny_pair, table)
+    reference = record_reference(gateway, table, max_tokens=64)
+    for restart in (False, False, True):
+        if restart:
+            services.stop("gateway")
+            gateway = services.start("gateway", "gateway", "--target", target, "--draft", draft)
+        out = generate(gateway, tokens=PROMPT, max_tokens=64, ignore_eos=True, metadata=(("x-request-id", "again"),))
+        assert out.tokens == reference
+        assert out.final.usage.draft_fallbacks == 0 and out.final.usage.mean_acceptance_length > 1.0

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
@@ -31,6 +32,16 @@ from splitspec.v1 import common_pb2, target_pb2
 from splitspec.services.gateway.workers import DraftClient, Prefilled, TargetClient
 
 logger = logging.getLogger(__name__)
+_last_draft_context = 0
+
+
+def next_draft_context() -> int:
+    """A draft context number above every earlier one: microseconds of the wall clock, so numbers
+    also grow across gateway restarts and a reused request id starts above the draft's released
+    ones (``ProposeRequest.context``)."""
+    global _last_draft_context
+    _last_draft_context = max(_last_draft_context + 1, time.time_ns() // 1000)
+    return _last_draft_context
 
 
 class Mode(enum.Enum):
@@ -231,7 +242,7 @@ class SpeculativeSequence:
             return DraftTree.empty(), ""
         if not self.draft_live:
             self.resumes += self.stats.steps > 0  # the first context is a start, not a resume
-            self.draft_context += 1  # a fresh context: steps of the released one stay refused
+            self.draft_context = next_draft_context()  # a fresh context: steps of the released one stay refused
         self.draft_live = True
         history = self._tokens(self.draft_synced, start)
         try:
