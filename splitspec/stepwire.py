@@ -43,6 +43,7 @@ HELLO, REQUEST, RESPONSE, ERROR = range(4)
 MAX_FRAME_BYTES = 512 * 1024 * 1024  # as rpc.MAX_MESSAGE_BYTES: a long prompt's tap features
 # Frames go out without waiting for the reader; a write waits only past this much unsent data.
 WRITE_HIGH_WATER = 64 * 1024 * 1024
+ERROR_LINGER_S = 5.0  # how long a worker waits for the client to hang up after an ERROR frame
 
 
 def frame(kind: int, payload: bytes) -> bytes:
@@ -170,7 +171,15 @@ class StepSocketServer:
         except Exception as exc:  # noqa: BLE001 - becomes the ERROR frame, as the interceptor's status
             code, message = status_of(exc, self.service_name, self.method, "step-socket")
             writer.write(frame(ERROR, f"{code.name}\n{message}".encode()))
+            writer.write_eof()
             await writer.drain()
+            # Hang up only after the client does (it closes on an ERROR): closing first would break
+            # a client still writing (its hello and first request go out together), and a broken
+            # connection loses the ERROR frame waiting in its buffer.
+            with contextlib.suppress(TimeoutError, ConnectionError):
+                async with asyncio.timeout(ERROR_LINGER_S):
+                    while await reader.read(1 << 16):
+                        pass
 
     async def _requests(self, reader: asyncio.StreamReader) -> AsyncIterator[object]:
         while (received := await read_frame(reader)) is not None:

@@ -86,10 +86,14 @@ def test_workers_offer_a_socket_next_to_their_unix_address(workers):
     assert resolve_step_socket("/run/steps", "127.0.0.1:1", tls=False) == "/run/steps"
 
 
-async def exchange(path: str, *frames: bytes) -> list[tuple[int, bytes]]:
-    """Send raw frames on a new connection; return every frame the worker sends back until it closes."""
+async def exchange(path: str, *frames: bytes, pause_s: float = 0.0) -> list[tuple[int, bytes]]:
+    """Send raw frames on a new connection (``pause_s`` apart); return every frame the worker
+    sends back until it closes."""
     reader, writer = await asyncio.open_unix_connection(path)
-    writer.write(b"".join(frames))
+    for i, raw in enumerate(frames):
+        if i and pause_s:
+            await asyncio.sleep(pause_s)
+        writer.write(raw)
     answers = []
     while (received := await asyncio.wait_for(read_frame(reader), 30)) is not None:
         answers.append(received)
@@ -110,15 +114,18 @@ def test_a_connection_serves_one_sequence_and_rejects_bad_frames(workers):
         mixed = await exchange(path, hello, *verify)
         undecodable = await exchange(path, hello, frame(REQUEST, b"\x0a\x01\xff"))  # sequence_id holding byte 0xff
         no_hello = await exchange(path, verify[0])
-        return mixed, undecodable, no_hello
+        # The worker refuses the hello before the request arrives; the client's write must not
+        # find the connection closed, or the ERROR frame in its buffer would be lost with it.
+        wrong_then_late = await exchange(path, frame(HELLO, b"guess"), verify[0], pause_s=0.3)
+        return mixed, undecodable, no_hello, wrong_then_late
 
-    mixed, undecodable, no_hello = run(scenario())
+    mixed, undecodable, no_hello, wrong_then_late = run(scenario())
     assert [kind for kind, _ in mixed] == [RESPONSE, RESPONSE, ERROR]
     assert [target_pb2.VerifyResponse.FromString(p).committed_length for _, p in mixed[:2]] == [len(PROMPT) + 1, len(PROMPT) + 2]
     assert mixed[2][1].decode() == "INVALID_ARGUMENT\nsequence_id: 'two' on the stream of sequence 'one' (one stream per sequence)"
     assert undecodable[0][0] == ERROR
     assert undecodable[0][1].decode().startswith("INVALID_ARGUMENT\nrequest is not a valid /splitspec.v1.TargetWorker/Verify message")
-    assert no_hello == [(ERROR, b"UNAUTHENTICATED\nmissing or wrong bearer token in the step socket's hello")]
+    assert no_hello == wrong_then_late == [(ERROR, b"UNAUTHENTICATED\nmissing or wrong bearer token in the step socket's hello")]
 
 
 def test_the_workers_token_is_checked(workers):
