@@ -12,7 +12,6 @@ import subprocess
 import sys
 
 import grpc
-import numpy as np
 import pytest
 
 from splitspec.errors import FailedPrecondition
@@ -20,20 +19,14 @@ from splitspec.security import ClientSecurity
 from splitspec.services.gateway.workers import DraftClient, TargetClient
 from splitspec.stepwire import ERROR, HELLO, REQUEST, RESPONSE, StepSocketServer, frame, read_frame, resolve_step_socket
 from splitspec.v1 import target_pb2
+from worker_steps import PROMPT, TREES, chain, client_on, prefill, run, steps
 
 pytestmark = pytest.mark.slow
 
-PROMPT = [11, 22, 33, 44, 55]
 TOKEN = "s3cret"
 DELAY_S = 0.4
 
 
-def chain(*tokens: int) -> tuple[np.ndarray, np.ndarray]:
-    return np.array(tokens, dtype=np.int32), np.arange(len(tokens), dtype=np.int32)
-
-
-TREES = [chain(3, 4, 5), chain(7), chain(), chain(1, 2)]
-BAD_TREE = (np.array([3, 4], dtype=np.int32), np.array([0, 5], dtype=np.int32))  # node 2's parent does not exist
 
 
 @pytest.fixture(scope="module")
@@ -47,28 +40,6 @@ def workers(module_services, tiny_pair, tmp_path_factory):
         "slow": s.start("sw-slow", "draft", "--replay", str(table), "--replay-delay", str(DELAY_S), "--target-model", model),
         "locked": s.start("sw-locked", "target", "--model", model, "--threads", "1", "--auth-token", TOKEN),
     }
-
-
-def run(coroutine):
-    return asyncio.run(coroutine)
-
-
-async def socket_client(cls, address: str, security: ClientSecurity = ClientSecurity()):
-    client = cls(address, security, wire="socket")
-    await client.offer_step_socket((await client.info(timeout=10)).step_socket)
-    return client
-
-
-async def prefill(client: TargetClient, sequence_id: str):
-    await client.prefill(target_pb2.PrefillRequest(sequence_id=sequence_id, tokens=PROMPT, reserve_tokens=128), timeout=30)
-
-
-async def steps(client: TargetClient, sequence_id: str, trees) -> list[tuple[list[int], int]]:
-    out = []
-    for tokens, parents in trees:
-        v = await client.verify(sequence_id, tokens, parents, False, timeout=30)
-        out.append((v.committed_tokens, v.next_token))
-    return out
 
 
 def test_workers_offer_a_socket_next_to_their_unix_address(workers):
@@ -130,7 +101,7 @@ def test_a_connection_serves_one_sequence_and_rejects_bad_frames(workers):
 
 def test_the_workers_token_is_checked(workers):
     async def scenario():
-        right = await socket_client(TargetClient, workers["locked"], ClientSecurity(token=TOKEN))
+        right = await client_on("socket", TargetClient, workers["locked"], ClientSecurity(token=TOKEN))
         wrong = TargetClient(workers["locked"], ClientSecurity(token="guess"), wire="socket")
         await wrong.offer_step_socket(right.step_socket)
         try:

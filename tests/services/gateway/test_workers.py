@@ -11,15 +11,14 @@ from __future__ import annotations
 import asyncio
 
 import grpc
-import numpy as np
 import pytest
 
 from splitspec.services.gateway.workers import DraftClient, StepStream, TargetClient
 from splitspec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+from worker_steps import BAD_TREE, PROMPT, TREES, client_on, prefill, run, steps
 
 pytestmark = pytest.mark.slow
 
-PROMPT = [11, 22, 33, 44, 55]
 REPLAY_DELAY_S = 0.4
 
 
@@ -37,44 +36,12 @@ def workers(module_services, tiny_pair, tmp_path_factory):
 STREAMED_WIRES = ["stream", "socket"]
 
 
-def run(coroutine):
-    return asyncio.run(coroutine)
-
-
-async def client_on(wire: str, cls, address: str):
-    """A worker client on ``wire``, with the worker's step socket taken as the gateway takes it."""
-    client = cls(address, wire=wire)
-    await client.offer_step_socket((await client.info(timeout=10)).step_socket)
-    assert client.active_wire == wire
-    return client
-
-
 def carrier(client, sequence_id: str):
     """The gRPC call or the socket connection a sequence's steps ride on (None once dropped)."""
     stream = client._streams[sequence_id]
     return stream._call if isinstance(stream, StepStream) else stream._writer
 
 
-async def prefill(client: TargetClient, sequence_id: str):
-    request = target_pb2.PrefillRequest(sequence_id=sequence_id, tokens=PROMPT, reserve_tokens=128)
-    return await client.prefill(request, timeout=30)
-
-
-def chain(*tokens: int) -> tuple[np.ndarray, np.ndarray]:
-    """A chain tree: node i's parent is node i-1 (the root for the first)."""
-    return np.array(tokens, dtype=np.int32), np.arange(len(tokens), dtype=np.int32)
-
-
-async def steps(client: TargetClient, sequence_id: str, trees) -> list[tuple[list[int], int]]:
-    out = []
-    for tokens, parents in trees:
-        v = await client.verify(sequence_id, tokens, parents, False, timeout=30)
-        out.append((v.committed_tokens, v.next_token))
-    return out
-
-
-TREES = [chain(3, 4, 5), chain(7), chain(), chain(1, 2)]
-BAD_TREE = (np.array([3, 4], dtype=np.int32), np.array([0, 5], dtype=np.int32))  # node 2's parent does not exist
 
 
 @pytest.mark.parametrize("wire", STREAMED_WIRES)
