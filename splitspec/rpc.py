@@ -106,6 +106,16 @@ def channel(
     return grpc.aio.insecure_channel(address, options=options, interceptors=list(interceptors) or None)
 
 
+def rpc_error(code: grpc.StatusCode, message: str) -> grpc.aio.AioRpcError:
+    """The error a gRPC call ending with this status raises, for step wires that fail like the unary call."""
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), message)
+
+
+def deadline_exceeded() -> grpc.aio.AioRpcError:
+    """What a unary call that misses its timeout raises."""
+    return rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+
+
 def new_request_id() -> str:
     return uuid.uuid4().hex
 

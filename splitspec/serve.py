@@ -19,6 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from splitspec.services.gateway.workers import WIRES
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_WORK_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "splitspec"
@@ -34,7 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", choices=["ddtree", "chain", "off"], default="ddtree", help="default speculation mode")
     p.add_argument("--budget", type=int, default=22, help="default tree nodes per step")
     p.add_argument(
-        "--wire", choices=["auto", "socket", "stream", "unary"], default="auto",
+        "--wire", choices=WIRES, default="auto",
         help="gateway-to-worker steps: the workers' step sockets (auto: the workers here listen on Unix sockets), "
         "one gRPC stream per sequence, or one gRPC call per step",
     )

@@ -34,6 +34,7 @@ import grpc
 
 from splitspec.errors import InvalidArgument, ResourceExhausted, Unauthenticated
 from splitspec.interceptors import status_of
+from splitspec.rpc import deadline_exceeded, rpc_error
 from splitspec.services.hosting import sequence_stream
 
 logger = logging.getLogger(__name__)
@@ -193,11 +194,6 @@ class StepSocketServer:
             yield request
 
 
-def rpc_error(code: grpc.StatusCode, message: str) -> grpc.aio.AioRpcError:
-    """The error a gRPC call with this status would raise, so callers handle both wires alike."""
-    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), message)
-
-
 class StepSocket:
     """One sequence's steps over a worker's step socket: the contract of ``StepStream`` (a step
     that errors, times out or is cancelled closes the connection; the next step opens a new one;
@@ -222,7 +218,7 @@ class StepSocket:
                 received = await read_frame(self._reader)
         except TimeoutError:
             self.close()
-            raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+            raise deadline_exceeded() from None
         except (OSError, asyncio.IncompleteReadError) as exc:
             self.close()
             raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"step socket {self.path}: {exc!r}") from exc

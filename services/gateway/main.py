@@ -8,6 +8,7 @@ import logging
 
 from splitspec import rpc
 from splitspec.security import ServerSecurity, add_client_arguments, add_server_arguments, client_security
+from splitspec.services.gateway.workers import WIRES
 
 logger = logging.getLogger(__name__)
 
@@ -25,7 +26,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--feature-dtype", choices=["", "float32", "float16", "bfloat16"], default="", help="wire dtype of tap features ('' = target compute dtype)")
     p.add_argument("--draft-timeout", type=float, default=5.0, help="seconds a Propose may take before the step falls back to target-only")
     p.add_argument(
-        "--wire", choices=["auto", "socket", "stream", "unary"], default="auto",
+        "--wire", choices=WIRES, default="auto",
         help="how a sequence's steps reach the workers: socket (a connection per sequence to the worker's step socket, "
         "a plain Unix socket on this host: the least overhead), stream (a gRPC stream per sequence), unary (a gRPC call "
         "per step), or auto (socket where the worker offers one this host can open, else stream)",

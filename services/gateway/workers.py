@@ -53,11 +53,6 @@ class Verified:
     forward_ns: int  # the target's time for the pass, as it reports it
 
 
-def deadline_exceeded() -> grpc.aio.AioRpcError:
-    """What a unary call that misses its timeout raises."""
-    return grpc.aio.AioRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, grpc.aio.Metadata(), grpc.aio.Metadata(), "Deadline Exceeded")
-
-
 class StepStream:
     """One sequence's steps on one bidirectional stream: write a request, read its response.
 
@@ -80,15 +75,13 @@ class StepStream:
                 response = await call.read()
         except TimeoutError:
             self.close()
-            raise deadline_exceeded() from None
+            raise rpc.deadline_exceeded() from None
         except BaseException:
             self.close()
             raise
         if response is grpc.aio.EOF:  # the worker answers every request or fails the call
             self.close()
-            raise grpc.aio.AioRpcError(
-                grpc.StatusCode.INTERNAL, grpc.aio.Metadata(), grpc.aio.Metadata(), "the worker ended the stream without answering"
-            )
+            raise rpc.rpc_error(grpc.StatusCode.INTERNAL, "the worker ended the stream without answering")
         return response
 
     def close(self) -> None:
@@ -99,7 +92,7 @@ class StepStream:
 
 class WorkerClient:
     """A worker's channel and its step RPC (``step_rpc``: Verify or Propose) on the chosen wire,
-    with one ``StepStream`` per sequence between its first step and its ``release``."""
+    with one ``StepStream`` or ``StepSocket`` per sequence between its first step and its ``release``."""
 
     stub_class: type
     step_rpc: str
