@@ -10,7 +10,8 @@ and the residual add before it); ``silu_mul`` (SwiGLU's activation); ``tree_atte
 grouped-query attention for decode and verify shapes); ``gguf_matmul``
 (``x @ W^T`` with W kept in its GGUF blocks: Q8_0, Q4_K, Q6_K) and ``QuantLinear``;
 ``tree_delta_rule`` (the tree-aware Gated DeltaNet conv and delta rule; references in
-``splitspec.models.delta_rule``, which dispatches to them).
+``splitspec.models.delta_rule``, which dispatches to them); ``top_k`` (the draft's top-K of
+log-softmax over the vocabulary in two launches).
 """
 
 from __future__ import annotations

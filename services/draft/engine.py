@@ -79,8 +79,8 @@ class DraftSequence:
 
 @dataclass
 class Proposal:
-    top_ids: torch.Tensor  # [B-1, K] int32
-    top_logprobs: torch.Tensor  # [B-1, K] float32
+    top_ids: torch.Tensor  # [B-1, K] int32, on the host
+    top_logprobs: torch.Tensor  # [B-1, K] float32, on the host
     forward_ns: int
 
 
@@ -186,6 +186,9 @@ class DraftEngine:
             block[0] = anchor_token
             positions = torch.arange(anchor_position, anchor_position + c.block_size, device=dev)
             out = top_k_proposal(self.model, self.embed, self.lm_head, block, positions, seq.cache.layers(window), top_k)
-        # Copies, made on this thread in stream order: a graph's outputs live in the graphs' shared
-        # pool, where another slot's replay may write before the servicer has sent these.
-        return Proposal(out[0].to(torch.int32), out[1].clone(), time.perf_counter_ns() - t0)
+        # Host copies, made here: a graph's outputs live in the graphs' shared pool, where another
+        # slot's replay may write before the servicer has sent them. Both copies, then one wait.
+        ids, logprobs = (t.to("cpu", non_blocking=True) for t in out)
+        if out[0].is_cuda:
+            torch.cuda.current_stream(out[0].device).synchronize()
+        return Proposal(ids, logprobs, time.perf_counter_ns() - t0)

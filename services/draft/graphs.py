@@ -31,6 +31,8 @@ import torch
 
 from splitspec.cuda_graphs import attention_span, capture
 from splitspec.models.dflash import DFlashDraft
+from splitspec.native import top_k as native_top_k
+from splitspec.native import use_triton
 
 logger = logging.getLogger(__name__)
 
@@ -50,10 +52,12 @@ class BlockPass:
 
 
 def top_k_of(hidden: torch.Tensor, lm_head: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block hidden states [B, hidden] -> per-depth top-K ids and log-probs [B-1, K] (row 0 is the anchor's)."""
-    logprobs = torch.log_softmax((hidden[1:] @ lm_head.T.to(hidden.dtype)).float(), dim=-1)  # [B-1, vocab]
-    top = torch.topk(logprobs, top_k, dim=-1)
-    return top.indices, top.values
+    """Block hidden states [B, hidden] -> per-depth top-K ids [B-1, K] int32 and log-probs [B-1, K]
+    float32 (row 0 is the anchor's)."""
+    logits = hidden[1:] @ lm_head.T.to(hidden.dtype)  # [B-1, vocab]
+    if use_triton(logits, "top_k") and native_top_k.supported(logits, top_k):
+        return native_top_k.top_k_log_softmax(logits, top_k)
+    return native_top_k.top_k_log_softmax_reference(logits, top_k)
 
 
 def top_k_proposal(
