@@ -135,18 +135,21 @@ class DFlashLayer(nn.Module):
 
     def forward_cached(
         self,
-        h: torch.Tensor,  # [B, hidden] block rows
+        x: torch.Tensor,  # [B, hidden] this layer's normed input
+        h: torch.Tensor,  # [B, hidden] the block rows it was normed from
         cos: torch.Tensor,  # [B, D]
         sin: torch.Tensor,
         k_cache: torch.Tensor,  # [H_kv, capacity, D]: the context's keys, then room for the block's
         v_cache: torch.Tensor,
         slots: torch.Tensor,  # [B] where the block's own keys and values go
         mask: torch.Tensor,  # [B, S] bool over cache slots: the visible context and the block
-    ) -> torch.Tensor:
+        next_norm: RMSNorm,  # the next layer's input norm, or the final norm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`forward` with the block's keys written next to the context in its cache instead
-        of concatenated to it: fixed shapes and addresses (CUDA graphs), one attention kernel."""
-        h = h + self.self_attn.project_attend_cached(self.input_layernorm(h), cos, sin, k_cache, v_cache, slots, mask)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        of concatenated to it: fixed shapes and addresses (CUDA graphs), one attention kernel.
+        Returns ``(next_norm(h'), h')``: each residual add is fused with the norm after it."""
+        x, h = self.post_attention_layernorm.forward_add(self.self_attn.project_attend_cached(x, cos, sin, k_cache, v_cache, slots, mask), h)
+        return next_norm.forward_add(self.mlp(x), h)
 
 
 class DFlashDraft(nn.Module):
@@ -194,9 +197,11 @@ class DFlashDraft(nn.Module):
         """:meth:`forward` over a preallocated cache (see ``DFlashLayer.forward_cached``)."""
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, noise.dtype)
         h = noise
-        for layer, (k, v) in zip(self.layers, caches, strict=True):
-            h = layer.forward_cached(h, cos, sin, k, v, slots, mask)
-        return self.norm(h)
+        x = self.layers[0].input_layernorm(h)
+        norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
+        for layer, (k, v), next_norm in zip(self.layers, caches, norms, strict=True):
+            x, h = layer.forward_cached(x, h, cos, sin, k, v, slots, mask, next_norm)
+        return x
 
     def _blocks(
         self,
