@@ -127,7 +127,6 @@ class DenseForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DenseDecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self._freq_factors: dict[torch.device, torch.Tensor] = {}
 
     def new_cache(self, capacity: int, device: torch.device | str, dtype: torch.dtype) -> KVCache:
         return KVCache.allocate(self.config, capacity, torch.device(device), dtype)
@@ -140,13 +139,7 @@ class DenseForCausalLM(nn.Module):
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.config
-        factors = None
-        if c.rope_freq_factors is not None:
-            # Made once per device: a host-to-device copy inside a CUDA graph capture is not allowed.
-            factors = self._freq_factors.get(positions.device)
-            if factors is None:
-                factors = self._freq_factors[positions.device] = torch.tensor(c.rope_freq_factors, device=positions.device)
-        return rope_cos_sin(positions, c.head_dim, c.rope_theta, dtype, factors)
+        return rope_cos_sin(positions, c.head_dim, c.rope_theta, dtype, c.rope_freq_factors)
 
     def forward_sequences(
         self, tokens: torch.Tensor, taps: Sequence[int] = ()

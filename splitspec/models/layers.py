@@ -5,6 +5,7 @@ Shapes use T for tokens in the current pass, S for key positions, D for head_dim
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -97,7 +98,7 @@ def rope_cos_sin(
     head_dim: int,
     theta: float,
     dtype: torch.dtype,
-    freq_factors: torch.Tensor | None = None,  # [D/2] divisors of the frequencies (RoPE scaling)
+    freq_factors: tuple[float, ...] | None = None,  # [D/2] divisors of the frequencies (RoPE scaling)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables for absolute ``positions`` [T] -> two [T, D] tensors (rotate-half layout).
 
@@ -105,14 +106,22 @@ def rope_cos_sin(
     ``i`` is divided by ``freq_factors[i]``. Linear scaling is a constant factor; Llama 3 scaling is
     the per-frequency factor of :func:`llama3_freq_factors`.
     """
-    inv_freq = 1.0 / (
-        theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
-    )
-    if freq_factors is not None:
-        inv_freq = inv_freq / freq_factors.to(device=positions.device, dtype=torch.float32)
-    freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
-    emb = torch.cat([freqs, freqs], dim=-1)  # [T, D]
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    angles = positions.to(torch.float32)[:, None] * _frequencies(positions.device, head_dim, theta, freq_factors)  # [T, D]
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+@functools.cache
+def _frequencies(device: torch.device, head_dim: int, theta: float, freq_factors: tuple[float, ...] | None) -> torch.Tensor:
+    """[D] float32: the frequency of each dim of the rotate-half layout (both halves alike).
+
+    Made once per device and geometry: every pass of a decode step used to rebuild it, five small
+    kernels each time. The first call runs outside any CUDA graph capture (a capture's warm-up
+    run comes first), so the cached tensor holds its values for every graph that reads it."""
+    with torch.inference_mode(False):  # also read by training passes, which autograd records
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+        if freq_factors is not None:
+            inv_freq = inv_freq / torch.tensor(freq_factors, device=device, dtype=torch.float32)
+        return torch.cat([inv_freq, inv_freq])
 
 
 def llama3_freq_factors(
