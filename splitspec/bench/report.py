@@ -24,6 +24,9 @@ def markdown(result: dict) -> str:
             v22 = verify.get(22) or verify.get("22") or next(iter(verify.values()))
             steps = "; ".join(f"{path} {ms:.2f} ms ({100 * ms / v22:.0f}% of the verify step at budget 22)" for path, ms in comp["draft_ms"].items())
             lines += ["", f"Draft step (16-token block, top-8): {steps}."]
+        if comp.get("prefill_ms"):
+            prefills = "; ".join(f"{path} {ms:.1f} ms" for path, ms in comp["prefill_ms"].items())
+            lines += ["", f"Prefill of the prompt: {prefills}."]
         lines.append("")
     rows = result.get("system")
     if rows:

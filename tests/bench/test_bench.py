@@ -38,6 +38,7 @@ def test_bench_runs_every_part(tmp_path):
     result = json.loads(out.read_text())
     comp = result["components"]
     assert set(comp["verify_ms"]["fixed shapes"]) == {"4", "22"} and comp["draft_ms"]["eager"] > 0
+    assert comp["prefill_ms"]["fixed shapes"] > 0 and "Prefill of the prompt: fixed shapes" in proc.stdout
     for wire in ("stream", "unary"):
         rows = {r["label"]: r for r in result["system"] if r["wire"] == wire}
         assert rows["off (AR)"]["acceptance_length"] < 1.2
