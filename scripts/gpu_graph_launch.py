@@ -1,0 +1,85 @@
+"""How long a CUDA graph launch holds the host and the GPU, by graph size and split.
+
+Usage: python scripts/gpu_graph_launch.py   (GPU only; prints a table)
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from splitspec.models.loader import load_target
+from splitspec.services.target.engine import TargetEngine
+from splitspec.services.target.graphs import StaticVerifier
+from splitspec.spec.sampling import SamplingParams
+
+dev = torch.device("cuda")
+x = torch.zeros(1 << 16, device=dev)
+
+
+def graphs_of(total: int, parts: int) -> list[torch.cuda.CUDAGraph]:
+    out = []
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(parts):
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, stream=s):
+                for _ in range(total // parts):
+                    x.mul_(1.0001)
+            out.append(g)
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    return out
+
+
+def timed(replay, reps: int = 50) -> tuple[float, float]:
+    host, wall = [], []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        replay()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        host.append(t1 - t0)
+        wall.append(t2 - t0)
+    return statistics.median(host) * 1e6, statistics.median(wall) * 1e6
+
+
+for total in (160, 470):
+    for parts in (1, 2, 4, 8):
+        gs = graphs_of(total, parts)
+        host, wall = timed(lambda: [g.replay() for g in gs])
+        print(f"{total} kernels in {parts} graphs: launch holds the host {host:.0f} us; launch + run {wall:.0f} us")
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(total):
+        x.mul_(1.0001)
+    end.record()
+    torch.cuda.synchronize()
+    print(f"{total} kernels eager: GPU {start.elapsed_time(end) * 1e3:.0f} us")
+
+model, config = load_target("random:qwen3-8b", dev, torch.bfloat16)
+static = StaticVerifier(model, 1, 2048, capture=True)
+engine = TargetEngine(model, static=static)
+rng = np.random.default_rng(0)
+engine.prefill("p", rng.integers(0, config.vocab_size, 512).tolist(), SamplingParams(), reserve_tokens=2048)
+for _ in range(3):
+    engine.verify("p", [], [])
+g = next(iter(static._passes.values())).graph
+host, wall = timed(g.replay, 30)
+print(f"AR graph: launch holds the host {host:.0f} us; launch + run {wall:.0f} us")
+start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+ms = []
+for _ in range(30):
+    start.record()
+    g.replay()
+    end.record()
+    torch.cuda.synchronize()
+    ms.append(start.elapsed_time(end))
+print(f"AR graph: GPU from the event before the launch to the event after: {statistics.median(ms) * 1e3:.0f} us")
