@@ -30,6 +30,7 @@ except ImportError:  # CPU-only installs: the reference path serves
     triton = None
 
 BLOCK_S = 64  # keys per loop step
+WAVES = 1  # programs per multiprocessor the key splits aim for (H100: 1 beat 2 and 4 for verify b22, tied for AR)
 # Triton 3.6's CPU interpreter multiplies bfloat16 tiles wrongly in tl.dot: there the kernel
 # computes in float32 (the GPU keeps the 16-bit tensor-core path, checked by the GPU scripts).
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -130,8 +131,8 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
     block_r = max(16, min(32 if wide else 64, triton.next_power_of_2(group * t)))
     row_blocks = triton.cdiv(group * t, block_r)
     blocks = triton.cdiv(span, block_s)
-    # Enough programs for about two waves over the device; each split reads whole key blocks.
-    wanted = max(1, min(blocks, (2 * sm_count(q.device)) // (kv_heads * row_blocks)))
+    # Enough programs for about WAVES waves over the device; each split reads whole key blocks.
+    wanted = max(1, min(blocks, (WAVES * sm_count(q.device)) // (kv_heads * row_blocks)))
     per_split = triton.cdiv(blocks, wanted)
     splits = triton.cdiv(blocks, per_split)
     out = q.new_empty(t, h * d)
