@@ -7,9 +7,7 @@ Usage: python scripts/gpu_kernel_table.py [shape]   (GPU only; prints tables)
 from __future__ import annotations
 
 import collections
-import json
 import sys
-import tempfile
 
 import numpy as np
 import torch
@@ -48,40 +46,6 @@ def kernel_table(title: str, call, reps: int = 10) -> None:
     print(f"== {title}: {whole:.0f} us of kernels per call, {sum(count.values()) / reps:.0f} kernels")
     for name, us in total.most_common(25):
         print(f"{us / reps:8.1f} us {count[name] / reps:6.1f}x  {name}")
-    timeline(title, call)
-
-
-def timeline(title: str, call) -> None:
-    """One call's span from its first host op to its last kernel: busy kernels, idle gaps and
-    the host ops (runtime calls included) that were running during the largest gaps."""
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        call()
-        torch.cuda.synchronize()
-    with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        prof.export_chrome_trace(f.name)
-        events = json.load(open(f.name))["traceEvents"]
-    kernels = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"])
-    host = [e for e in events if e.get("cat") in ("cpu_op", "cuda_runtime", "python_function", "user_annotation") and "dur" in e]
-    t0 = min(e["ts"] for e in host + kernels)
-    end = max(e["ts"] + e["dur"] for e in kernels)
-    busy = sum(e["dur"] for e in kernels)
-    print(f"-- {title} timeline: {end - t0:.0f} us from first host op to last kernel; first kernel at +{kernels[0]['ts'] - t0:.0f}; kernels busy {busy:.0f} us")
-    gaps = []
-    for a, b in zip(kernels, kernels[1:]):
-        gap = b["ts"] - (a["ts"] + a["dur"])
-        if gap > 0:
-            gaps.append((gap, a, b))
-    small = sum(g for g, _, _ in gaps if g < 5)
-    print(f"   gaps: {len(gaps)} totalling {sum(g for g, _, _ in gaps):.0f} us ({small:.0f} us in gaps < 5 us)")
-    for gap, a, b in sorted(gaps, key=lambda g: -g[0])[:6]:
-        lo, hi = a["ts"] + a["dur"], b["ts"]
-        during = sorted({e["name"][:40] for e in host if e["ts"] < hi and e["ts"] + e["dur"] > lo and e["dur"] < 5 * gap + 50})[:8]
-        print(f"   {gap:7.0f} us after {a['name'][:40]!r} before {b['name'][:40]!r}; host: {during}")
-    top = collections.Counter()
-    for e in host:
-        if e.get("cat") == "cpu_op" or e.get("cat") == "cuda_runtime":
-            top[e["name"][:50]] += e["dur"]
-    print("   host ops (inclusive us): " + ", ".join(f"{n} {us:.0f}" for n, us in top.most_common(12)))
 
 
 model, config = load_target(shape, dev, torch.bfloat16)
@@ -93,7 +57,34 @@ tokens, parents = random_tree(rng, config.vocab_size, 22)
 print(f"AR {median_ms(lambda: engine.verify('p', [], []), 30, 5, dev):.3f} ms; verify b22 {median_ms(lambda: engine.verify('p', tokens, parents), 30, 5, dev):.3f} ms")
 kernel_table("AR step (graph)", lambda: engine.verify("p", [], []))
 kernel_table("verify b22 (graph)", lambda: engine.verify("p", tokens, parents))
-lm = model.lm_head.weight
+prompt = rng.integers(0, config.vocab_size, 512).tolist()
+
+
+def prefill():
+    engine.prefill("q", prompt, SamplingParams(), reserve_tokens=1024)
+    engine.sequences.pop("q")
+
+
+print(f"prefill 512, eager (no free slot) {median_ms(prefill, 5, 2, dev):.2f} ms")
+kernel_table("prefill 512 (eager)", prefill, reps=3)
+graphed = TargetEngine(model, static=StaticVerifier(model, 1, 2048, capture=True))
+eager = TargetEngine(model)
+taps = (1, 9, 17, 25, 33)
+a = graphed.prefill("g", prompt, SamplingParams(), taps=taps, reserve_tokens=1024)
+b = eager.prefill("e", prompt, SamplingParams(), taps=taps, reserve_tokens=1024)
+print(f"graphed prefill vs eager: next token {a.next_token} vs {b.next_token}, features max |diff| {(a.features - b.features).abs().max().item():.3g}"
+      f" (max |feature| {b.features.abs().max().item():.3g})")
+graphed.sequences.pop("g")
+
+
+def graphed_prefill():
+    graphed.prefill("g", prompt, SamplingParams(), taps=taps, reserve_tokens=1024)
+    graphed.sequences.pop("g")
+
+
+print(f"prefill 512 with taps, graphed chunks {median_ms(graphed_prefill, 5, 2, dev):.2f} ms")
+kernel_table("prefill 512 with taps (graphed chunks)", graphed_prefill, reps=3)
+del graphed, eager
 del engine, static, model
 torch.cuda.empty_cache()
 

@@ -24,7 +24,7 @@ import torch
 
 from splitspec.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from splitspec.services.hosting import SequenceTable
-from splitspec.services.target.graphs import PooledKVCache, StaticVerifier
+from splitspec.services.target.graphs import PREFILL_CHUNK, PooledKVCache, StaticVerifier
 from splitspec.spec.acceptance import accept_path
 from splitspec.spec.sampling import SamplingParams, draw_tokens
 from splitspec.spec.tree import node_depths, tree_attention_mask, validate_tree
@@ -157,15 +157,21 @@ class TargetEngine:
         ids = torch.tensor(tokens, device=self.device, dtype=torch.int64)
         rows = n if feature_rows <= 0 else min(feature_rows, n)
         feature_chunks, logits = [], None
-        chunk = self.limits.prefill_chunk
+        graphed = isinstance(cache, PooledKVCache)
+        chunk = min(self.limits.prefill_chunk, PREFILL_CHUNK) if graphed else self.limits.prefill_chunk
         for begin in range(0, n, chunk):
             end = min(n, begin + chunk)
-            positions = torch.arange(begin, end, device=self.device)
-            mask = torch.arange(end, device=self.device)[None, :] <= positions[:, None]  # causal [T, end]
-            last = torch.tensor([end - begin - 1], device=self.device) if end == n else torch.empty(0, dtype=torch.int64, device=self.device)
-            logits, features = self.model(ids[begin:end], positions, cache, begin, mask, taps, logit_rows=last)
+            out = self.static.prefill(cache, tokens[begin:end], begin, taps) if graphed else None
+            if out is None:
+                positions = torch.arange(begin, end, device=self.device)
+                mask = torch.arange(end, device=self.device)[None, :] <= positions[:, None]  # causal [T, end]
+                last = torch.tensor([end - begin - 1], device=self.device) if end == n else torch.empty(0, dtype=torch.int64, device=self.device)
+                out = self.model(ids[begin:end], positions, cache, begin, mask, taps, logit_rows=last)
+            logits, features = out
             if features is not None and end > n - rows:
-                feature_chunks.append(features[max(0, n - rows - begin) :])
+                # A copy where graphed: the pass's buffers are rewritten by its next replay.
+                features = features[max(0, n - rows - begin) :]
+                feature_chunks.append(features.clone() if graphed else features)
         next_token = int(draw_tokens(logits, torch.tensor([n], device=self.device), sampling)[0])
         features = torch.cat(feature_chunks).to(feature_dtype or self.dtype) if feature_chunks else None
         self.sequences.add(sequence_id, SequenceState(cache, n, next_token, sampling, taps, feature_dtype))

@@ -13,9 +13,13 @@ the whole pass is one CUDA graph, and a graph replays fixed shapes at fixed addr
   see them.
 - **Span.** Attention reads the first ``span`` slots (a power of two ≥ 256 covering the block),
   masked, so one graph serves every start position up to its span.
+- **Prefill.** A prompt runs as chunks of up to ``PREFILL_CHUNK`` rows, each a block whose mask is
+  a chain (causal) padded to a prefill bucket, through passes that project only the chunk's last
+  row to logits. Eagerly a prompt's ~800 kernels are launched one by one, and on the H100 host
+  that took longer than running them (512 tokens: 30-43 ms eager, 17.7 ms of kernels).
 
-One graph per (slot, rows, span, taps) is captured on first use and replayed after; graphs
-share one memory pool. On a CPU (``capture=False``) the same fixed-shape pass runs eagerly,
+One graph per (slot, rows, span, taps, prefill or verify) is captured on first use and replayed
+after; graphs share one memory pool. On a CPU (``capture=False``) the same fixed-shape pass runs eagerly,
 which is how CI tests this path.
 """
 
@@ -34,6 +38,10 @@ from splitspec.cuda_graphs import attention_span, capture
 from splitspec.models.dense import DenseForCausalLM, KVCache
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 264)  # 40 and 72 rows measured slower than 48 and 96 (cuBLAS tiles)
+# Prompt chunks pad to few sizes: each (slot, size, span, taps) is a graph holding its own
+# feature buffer (a 512-row chunk of five 4096-wide taps: 21 MB).
+PREFILL_BUCKETS = (64, 128, 256, 512)
+PREFILL_CHUNK = PREFILL_BUCKETS[-1]  # prompt rows per graphed pass
 
 
 class PooledKVCache(KVCache):
@@ -50,15 +58,22 @@ def row_bucket(rows: int) -> int | None:
     return ROW_BUCKETS[i] if i < len(ROW_BUCKETS) else None
 
 
+def prefill_bucket(rows: int) -> int | None:
+    """The padded row count of a prompt chunk of ``rows`` rows, or None above ``PREFILL_CHUNK``."""
+    i = bisect.bisect_left(PREFILL_BUCKETS, rows)
+    return PREFILL_BUCKETS[i] if i < len(PREFILL_BUCKETS) else None
+
+
 @dataclass
 class _Pass:
     """Static buffers of one captured shape: inputs are copied in, outputs read out."""
 
     rows: int
     span: int
-    head: torch.Tensor  # [1 + 2 * rows] int64: start, token ids, positions
+    head: torch.Tensor  # [2 + 2 * rows] int64: start, token ids, positions, last real row
     tree: torch.Tensor  # [rows, rows] bool: the block's own visibility, pad rows on the diagonal
-    logits: torch.Tensor | None = None  # [rows, vocab] float32
+    last_only: bool = False  # a prefill chunk's pass: logits of the last real row only
+    logits: torch.Tensor | None = None  # [rows, vocab] float32, or [1, vocab] when last_only
     features: torch.Tensor | None = None  # [rows, taps * hidden]
     graph: torch.cuda.CUDAGraph | None = None
 
@@ -73,7 +88,7 @@ class StaticVerifier:
         self._v = torch.zeros(shape, device=self.device, dtype=param.dtype)
         self._free = list(range(slots - 1, -1, -1))
         self._lock = threading.Lock()  # slots come back from whichever thread drops the last reference
-        self._passes: dict[tuple[int, int, int, tuple[int, ...]], _Pass] = {}
+        self._passes: dict[tuple[int, int, int, tuple[int, ...], bool], _Pass] = {}  # (slot, rows, span, taps, last_only)
         self._pool = torch.cuda.graph_pool_handle() if capture else None
         self._cols = torch.arange(context, device=self.device)
 
@@ -114,28 +129,33 @@ class StaticVerifier:
         start: int,  # slot of the root
         tree_mask: np.ndarray,  # [n + 1, n + 1] bool, ancestor-only
         taps: tuple[int, ...],
+        last_only: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """Logits [n + 1, vocab] and features [n + 1, taps * hidden] of one verify block, or None
-        when the block fits no bucket (the caller runs the eager pass instead)."""
+        """Logits [n + 1, vocab] (with ``last_only``, [1, vocab] of the last row) and features
+        [n + 1, taps * hidden] of one block, or None when the block fits no bucket (the caller
+        runs the eager pass instead). The results are the pass's own buffers: the next replay of
+        the same shape rewrites them."""
         n_rows = len(tokens)
-        rows = row_bucket(n_rows)
+        rows = prefill_bucket(n_rows) if last_only else row_bucket(n_rows)
         if rows is None or start + rows > self.context:
             return None
         span = min(attention_span(start + rows), self.context)
-        key = (cache.slot, rows, span, taps)
+        key = (cache.slot, rows, span, taps, last_only)
         p = self._passes.get(key)
         fresh = p is None
         if fresh:
             p = self._passes[key] = _Pass(
                 rows, span,
-                head=torch.zeros(1 + 2 * rows, dtype=torch.int64, device=self.device),
+                head=torch.zeros(2 + 2 * rows, dtype=torch.int64, device=self.device),
                 tree=torch.zeros(rows, rows, dtype=torch.bool, device=self.device),
+                last_only=last_only,
             )
-        head = np.zeros(1 + 2 * rows, dtype=np.int64)
+        head = np.zeros(2 + 2 * rows, dtype=np.int64)
         head[0] = start
         head[1 : 1 + n_rows] = tokens
         head[1 + rows : 1 + rows + n_rows] = positions
-        head[1 + rows + n_rows :] = start
+        head[1 + rows + n_rows : 1 + 2 * rows] = start
+        head[-1] = n_rows - 1
         tree = np.eye(rows, dtype=bool)
         tree[:n_rows, :n_rows] = tree_mask
         p.head.copy_(torch.from_numpy(head), non_blocking=False)
@@ -147,14 +167,24 @@ class StaticVerifier:
         else:
             p.graph.replay()
         features = None if p.features is None else p.features[:n_rows]
-        return p.logits[:n_rows], features
+        return (p.logits if last_only else p.logits[:n_rows]), features
+
+    def prefill(
+        self, cache: PooledKVCache, tokens: Sequence[int], start: int, taps: tuple[int, ...]
+    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """Logits [1, vocab] of the last of ``tokens`` (positions ``start ..``, one chunk of at most
+        ``PREFILL_CHUNK`` rows, padded to a ``PREFILL_BUCKETS`` size) and features [len(tokens),
+        taps * hidden]; None when the chunk fits no pass (the caller runs it eagerly)."""
+        n = len(tokens)
+        chain = np.tril(np.ones((n, n), dtype=bool))  # causal: a chain is a tree of one path
+        return self.forward(cache, tokens, start + np.arange(n), start, chain, taps, last_only=True)
 
     def _compute(self, cache: KVCache, p: _Pass, taps: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The pass itself, from the static inputs only (so that it can be captured)."""
-        start, ids, positions = p.head[0], p.head[1 : 1 + p.rows], p.head[1 + p.rows :]
+        start, ids, positions = p.head[0], p.head[1 : 1 + p.rows], p.head[1 + p.rows : 1 + 2 * p.rows]
         slots = start + self._cols[: p.rows]  # [rows]
         cols = self._cols[: p.span]  # [span]
         offset = cols - start  # column of slot `cols` inside the block
         inside = (offset >= 0) & (offset < p.rows)
         mask = (cols < start)[None, :] | (inside[None, :] & p.tree[:, offset.clamp(0, p.rows - 1)])  # [rows, span]
-        return self.model(ids, positions, cache, slots, mask, taps)
+        return self.model(ids, positions, cache, slots, mask, taps, logit_rows=p.head[-1:] if p.last_only else None)

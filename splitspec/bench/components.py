@@ -116,11 +116,11 @@ def time_target(
     else:
         paths = {"fixed shapes" if graphs else "eager": False}
     for label, capture in paths.items():
-        static = StaticVerifier(model, 1, context, capture) if label != "eager" else None
+        static = StaticVerifier(model, 2, context, capture) if label != "eager" else None  # the second slot: prefill
         engine = TargetEngine(model, TargetLimits(max_tree_nodes=max(budgets)), static)
         engine.prefill("bench", prompt, GREEDY, reserve_tokens=context)
 
-        def prefill() -> None:  # a second sequence: its cache is not pooled, as any past the slots
+        def prefill() -> None:  # a second sequence (in the second slot on the graphed path)
             engine.prefill("prefill", prompt, GREEDY, reserve_tokens=context)
             engine.sequences.pop("prefill")
 

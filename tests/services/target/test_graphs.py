@@ -15,7 +15,7 @@ import torch
 from splitspec.models.loader import load_target
 from splitspec.services.target.engine import TargetEngine
 from splitspec.cuda_graphs import attention_span
-from splitspec.services.target.graphs import ROW_BUCKETS, PooledKVCache, StaticVerifier, row_bucket
+from splitspec.services.target.graphs import ROW_BUCKETS, PooledKVCache, StaticVerifier, prefill_bucket, row_bucket
 from splitspec.spec.sampling import SamplingParams
 from splitspec.spec.tree import build_ddtree
 
@@ -36,6 +36,7 @@ def test_buckets():
     assert [row_bucket(n) for n in (1, 2, 3, 23, 24, 25, 257)] == [1, 2, 4, 24, 24, 32, 264]
     assert row_bucket(ROW_BUCKETS[-1] + 1) is None
     assert [attention_span(e) for e in (1, 256, 257, 600)] == [256, 256, 512, 1024]
+    assert [prefill_bucket(n) for n in (1, 64, 65, 300, 512, 513)] == [64, 64, 128, 512, 512, None]
 
 
 @pytest.mark.parametrize("prompt_len", [5, 250])  # the second crosses from span 256 to 512
@@ -56,6 +57,24 @@ def test_tree_rows_equal_the_eager_pass(model, prompt_len):
         for a, b in zip(out_e, out_s, strict=True):
             assert a.shape == b.shape
             assert torch.allclose(a.double(), b.double(), atol=1e-9), f"budget {budget}"
+
+
+@pytest.mark.parametrize(("prompt_len", "feature_rows"), [(7, 0), (600 - 40, 300)])  # one chunk (padded), two
+def test_a_pooled_prompt_runs_in_chunked_passes_equal_to_the_eager_prefill(model, prompt_len, feature_rows, monkeypatch):
+    eager, static = engines(model)
+    passes = []  # a spy: the real method runs
+    prefill = static.static.prefill
+    monkeypatch.setattr(static.static, "prefill", lambda cache, tokens, *a: passes.append(len(tokens)) or prefill(cache, tokens, *a))
+    prompt = np.random.default_rng(prompt_len).integers(0, model.config.vocab_size, prompt_len).tolist()
+    results = [e.prefill("s", prompt, GREEDY, taps=(0, 2), reserve_tokens=600, feature_rows=feature_rows) for e in (eager, static)]
+    assert passes == ([prompt_len] if prompt_len < 512 else [512, prompt_len - 512])
+    assert results[0].next_token == results[1].next_token
+    assert results[0].features.shape == results[1].features.shape == (feature_rows or prompt_len, 2 * model.config.hidden_size)
+    assert torch.allclose(results[0].features, results[1].features, atol=1e-9)
+    caches = [e.sequences.get("s").cache for e in (eager, static)]
+    assert torch.allclose(caches[0].k[:, :, :prompt_len], caches[1].k[:, :, :prompt_len], atol=1e-9)
+    # Decoding goes on alike from either prefill.
+    assert eager.verify("s", [], []).next_token == static.verify("s", [], []).next_token
 
 
 def test_generation_is_identical_and_slots_come_back(model):
