@@ -183,10 +183,11 @@ class TargetEngine:
         state = self._get(sequence_id)
         tokens_np = np.asarray(tokens, dtype=np.int64)
         parents_np = np.asarray(parents, dtype=np.int64)
-        try:
-            validate_tree(tokens_np, parents_np, self.config.vocab_size, self.limits.max_tree_nodes)
-        except ValueError as exc:
-            raise InvalidArgument(str(exc)) from exc
+        if len(tokens_np) or len(parents_np):  # a decode step (no tree) has nothing to check
+            try:
+                validate_tree(tokens_np, parents_np, self.config.vocab_size, self.limits.max_tree_nodes)
+            except ValueError as exc:
+                raise InvalidArgument(str(exc)) from exc
         n, start = len(tokens_np), state.length
         if start + n + 1 > state.cache.capacity:
             raise FailedPrecondition(
@@ -202,8 +203,12 @@ class TargetEngine:
         state.pending_token = int(next_token)
         out_features = None
         if return_features and features is not None:
-            index = torch.tensor(accepted, device=self.device, dtype=torch.int64)
-            out_features = features.index_select(0, index).to(state.feature_dtype or self.dtype)
+            if accepted == list(range(len(accepted))):  # a decode step, or a first-child chain
+                rows = features[: len(accepted)]
+            else:
+                rows = features.index_select(0, torch.tensor(accepted, device=self.device, dtype=torch.int64))
+            # On the host now: a graphed pass's features are rewritten by its next replay.
+            out_features = rows.to(state.feature_dtype or self.dtype).cpu()
         return VerifyResult(committed, accepted[1:], int(next_token), out_features, state.length, time.perf_counter_ns() - t0)
 
     def tree_forward(
@@ -216,8 +221,11 @@ class TargetEngine:
         """
         n, start, dev = len(tokens), state.length, self.device
         row_tokens = [state.pending_token, *tokens.tolist()]  # [n+1]
-        positions = start + np.concatenate([[0], node_depths(parents)])  # [n+1] siblings share a position
-        tree_mask = tree_attention_mask(parents)  # [n+1, n+1] ancestor-only
+        if n:
+            positions = start + np.concatenate([[0], node_depths(parents)])  # [n+1] siblings share a position
+            tree_mask = tree_attention_mask(parents)  # [n+1, n+1] ancestor-only
+        else:  # a decode step
+            positions, tree_mask = np.array([start]), np.ones((1, 1), dtype=bool)
         if isinstance(state.cache, PooledKVCache):
             out = self.static.forward(state.cache, row_tokens, positions, start, tree_mask, state.taps)
             if out is not None:

@@ -70,12 +70,51 @@ class _Pass:
 
     rows: int
     span: int
-    head: torch.Tensor  # [2 + 2 * rows] int64: start, token ids, positions, last real row
-    tree: torch.Tensor  # [rows, rows] bool: the block's own visibility, pad rows on the diagonal
+    inputs: torch.Tensor  # [head + tree bytes] uint8 on the device; head and tree are views of it
+    staging: torch.Tensor  # the same bytes on the host, pinned: one asynchronous copy a step
+    copied: torch.cuda.Event | None  # the last copy out of ``staging`` (None on a CPU)
     last_only: bool = False  # a prefill chunk's pass: logits of the last real row only
     logits: torch.Tensor | None = None  # [rows, vocab] float32, or [1, vocab] when last_only
     features: torch.Tensor | None = None  # [rows, taps * hidden]
     graph: torch.cuda.CUDAGraph | None = None
+
+    @property
+    def head(self) -> torch.Tensor:
+        """[2 + 2 * rows] int64: start, token ids, positions, last real row."""
+        return self.inputs[: 8 * (2 + 2 * self.rows)].view(torch.int64)
+
+    @property
+    def tree(self) -> torch.Tensor:
+        """[rows, rows] bool: the block's own visibility, pad rows on the diagonal."""
+        return self.inputs[8 * (2 + 2 * self.rows) :].view(torch.bool).view(self.rows, self.rows)
+
+    @classmethod
+    def allocate(cls, rows: int, span: int, device: torch.device, last_only: bool) -> _Pass:
+        inputs = torch.zeros(8 * (2 + 2 * rows) + rows * rows, dtype=torch.uint8, device=device)
+        cuda = device.type == "cuda"
+        staging = torch.zeros(inputs.shape, dtype=torch.uint8, pin_memory=True) if cuda else inputs
+        return cls(rows, span, inputs, staging, torch.cuda.Event() if cuda else None, last_only)
+
+    def write(self, start: int, tokens: Sequence[int], positions: np.ndarray, tree_mask: np.ndarray) -> None:
+        """Fill the inputs of a block of ``len(tokens)`` real rows: pad rows are token 0 at
+        ``start`` seeing only themselves."""
+        n, rows = len(tokens), self.rows
+        if self.copied is not None:
+            self.copied.synchronize()  # the last copy out of the staging bytes is done
+        raw = self.staging.numpy()
+        head = raw[: 8 * (2 + 2 * rows)].view(np.int64)
+        head[0] = start
+        head[1 : 1 + n] = tokens
+        head[1 + n : 1 + rows] = 0
+        head[1 + rows : 1 + rows + n] = positions
+        head[1 + rows + n : 1 + 2 * rows] = start
+        head[-1] = n - 1
+        tree = raw[8 * (2 + 2 * rows) :].view(np.bool_).reshape(rows, rows)
+        tree[:] = np.eye(rows, dtype=bool)
+        tree[:n, :n] = tree_mask
+        if self.copied is not None:
+            self.inputs.copy_(self.staging, non_blocking=True)
+            self.copied.record()
 
 
 class StaticVerifier:
@@ -144,22 +183,8 @@ class StaticVerifier:
         p = self._passes.get(key)
         fresh = p is None
         if fresh:
-            p = self._passes[key] = _Pass(
-                rows, span,
-                head=torch.zeros(2 + 2 * rows, dtype=torch.int64, device=self.device),
-                tree=torch.zeros(rows, rows, dtype=torch.bool, device=self.device),
-                last_only=last_only,
-            )
-        head = np.zeros(2 + 2 * rows, dtype=np.int64)
-        head[0] = start
-        head[1 : 1 + n_rows] = tokens
-        head[1 + rows : 1 + rows + n_rows] = positions
-        head[1 + rows + n_rows : 1 + 2 * rows] = start
-        head[-1] = n_rows - 1
-        tree = np.eye(rows, dtype=bool)
-        tree[:n_rows, :n_rows] = tree_mask
-        p.head.copy_(torch.from_numpy(head), non_blocking=False)
-        p.tree.copy_(torch.from_numpy(tree))
+            p = self._passes[key] = _Pass.allocate(rows, span, self.device, last_only)
+        p.write(start, tokens, positions, tree_mask)
         if not self.capture:
             p.logits, p.features = self._compute(cache, p, taps)
         elif fresh:
