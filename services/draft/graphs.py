@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import weakref
 from dataclasses import dataclass
 
@@ -142,6 +143,7 @@ class BlockGraphs:
             return compute()
         if fresh:
             # Graphs live as long as the worker and replay one at a time: they share one memory pool.
+            t0 = time.perf_counter()
             try:
                 p.graph, (p.top_ids, p.top_logprobs) = capture(compute, self.device, self._pool)
             except RuntimeError as exc:  # contained: the worker keeps serving on the eager pass
@@ -149,6 +151,11 @@ class BlockGraphs:
                 self.failed = True
                 return None
             self._passes[key] = p
+            logger.info(
+                "captured the block graph of slot %d: span %d, top-%d, %s, in %.0f ms (%d graphs)",
+                cache.slot, span, top_k, "appending" if features is not None else "block only",
+                1e3 * (time.perf_counter() - t0), len(self._passes),
+            )
         else:
             p.graph.replay()
         return p.top_ids, p.top_logprobs

@@ -26,7 +26,9 @@ which is how CI tests this path.
 from __future__ import annotations
 
 import bisect
+import logging
 import threading
+import time
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -36,6 +38,8 @@ import torch
 
 from splitspec.cuda_graphs import attention_span, capture
 from splitspec.models.dense import DenseForCausalLM, KVCache
+
+logger = logging.getLogger(__name__)
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 264)  # 40 and 72 rows measured slower than 48 and 96 (cuBLAS tiles)
 # Prompt chunks pad to few sizes: each (slot, size, span, taps) is a graph holding its own
@@ -188,7 +192,12 @@ class StaticVerifier:
         if not self.capture:
             p.logits, p.features = self._compute(cache, p, taps)
         elif fresh:
+            t0 = time.perf_counter()
             p.graph, (p.logits, p.features) = capture(lambda: self._compute(cache, p, taps), self.device, self._pool)
+            logger.info(
+                "captured the %s graph of slot %d: %d rows over %d slots, taps %s, in %.0f ms (%d graphs)",
+                "prefill" if last_only else "verify", cache.slot, rows, span, list(taps), 1e3 * (time.perf_counter() - t0), self.graphs,
+            )
         else:
             p.graph.replay()
         features = None if p.features is None else p.features[:n_rows]
