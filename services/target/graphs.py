@@ -187,8 +187,16 @@ class StaticVerifier:
         p = self._passes.get(key)
         fresh = p is None
         if fresh:
+            if not last_only:
+                self._make_smaller(cache, start, rows, taps)
             p = self._passes[key] = _Pass.allocate(rows, span, self.device, last_only)
         p.write(start, tokens, positions, tree_mask)
+        self._run(cache, p, taps, fresh)
+        features = None if p.features is None else p.features[:n_rows]
+        return (p.logits if last_only else p.logits[:n_rows]), features
+
+    def _run(self, cache: PooledKVCache, p: _Pass, taps: tuple[int, ...], fresh: bool) -> None:
+        """The pass over the inputs written: captured on first use, replayed after (eager on a CPU)."""
         if not self.capture:
             p.logits, p.features = self._compute(cache, p, taps)
         elif fresh:
@@ -196,12 +204,24 @@ class StaticVerifier:
             p.graph, (p.logits, p.features) = capture(lambda: self._compute(cache, p, taps), self.device, self._pool)
             logger.info(
                 "captured the %s graph of slot %d: %d rows over %d slots, taps %s, in %.0f ms (%d graphs)",
-                "prefill" if last_only else "verify", cache.slot, rows, span, list(taps), 1e3 * (time.perf_counter() - t0), self.graphs,
+                "prefill" if p.last_only else "verify", cache.slot, p.rows, p.span, list(taps),
+                1e3 * (time.perf_counter() - t0), self.graphs,
             )
         else:
             p.graph.replay()
-        features = None if p.features is None else p.features[:n_rows]
-        return (p.logits if last_only else p.logits[:n_rows]), features
+
+    def _make_smaller(self, cache: PooledKVCache, start: int, rows: int, taps: tuple[int, ...]) -> None:
+        """Make the verify passes of every smaller row bucket at ``start`` as well, so that the
+        sequence's later, smaller trees (near ``max_tokens``, a shallow draft) find their graph
+        ready instead of capturing one mid-stream (36-146 ms each on an H100 with Triton's cache
+        warm). They run first: their K/V land in slots that the pass of ``rows`` then rewrites."""
+        for bucket in ROW_BUCKETS[: ROW_BUCKETS.index(rows)]:
+            span = min(attention_span(start + bucket), self.context)
+            key = (cache.slot, bucket, span, taps, False)
+            if key not in self._passes:
+                p = self._passes[key] = _Pass.allocate(bucket, span, self.device, False)
+                p.write(start, [0], np.array([start]), np.ones((1, 1), dtype=bool))
+                self._run(cache, p, taps, fresh=True)
 
     def prefill(
         self, cache: PooledKVCache, tokens: Sequence[int], start: int, taps: tuple[int, ...]

@@ -77,6 +77,27 @@ def test_a_pooled_prompt_runs_in_chunked_passes_equal_to_the_eager_prefill(model
     assert eager.verify("s", [], []).next_token == static.verify("s", [], []).next_token
 
 
+def test_a_new_verify_shape_makes_the_smaller_ones_first_without_touching_the_sequence(model):
+    eager, static = engines(model)
+    rng = np.random.default_rng(7)
+    prompt = rng.integers(0, model.config.vocab_size, 40).tolist()
+    for engine in (eager, static):
+        engine.prefill("s", prompt, GREEDY, taps=(1,), reserve_tokens=300)
+    ids = np.stack([rng.choice(model.config.vocab_size, 3, replace=False) for _ in range(8)])
+    tree = build_ddtree(ids, -np.sort(rng.random((8, 3)) * 3, axis=1), 22)
+    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+    results = [e.verify("s", tokens, parents, return_features=True) for e in (eager, static)]
+    # The 23-row tree's pass came with those of every smaller bucket, made before it ran.
+    made = sorted(rows for (slot, rows, span, taps, last_only) in static.static._passes if not last_only)
+    assert made == [1, 2, 4, 8, 16, 24]
+    assert results[0].committed_tokens == results[1].committed_tokens and results[0].next_token == results[1].next_token
+    assert torch.allclose(results[0].features, results[1].features, atol=1e-9)
+    for _ in range(3):  # smaller steps find their passes made, and decode on alike
+        e, s = (engine.verify("s", [], []) for engine in (eager, static))
+        assert (e.committed_tokens, e.next_token) == (s.committed_tokens, s.next_token)
+    assert sorted(rows for (slot, rows, span, taps, last_only) in static.static._passes if not last_only) == made
+
+
 def test_generation_is_identical_and_slots_come_back(model):
     eager, static = engines(model, slots=1)
     prompt = [5, 9, 33, 120, 7]
