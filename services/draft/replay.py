@@ -86,14 +86,18 @@ class ReplayDrafter:
         depth = self.block_size - 1
         truth = self.table.continuation(history + [anchor_token])[:depth]
         rng = np.random.default_rng([anchor_position, len(truth), anchor_token])
-        ids = np.empty((depth, top_k), dtype=np.int32)
-        for d in range(depth):
-            true = truth[d] if d < len(truth) else int(rng.integers(self.vocab_size))
-            ranked = [true]
+        true = np.empty(depth, dtype=np.int64)
+        corrupted: list[tuple[int, int, bool]] = []  # (depth, wrong token, true token kept at rank 1)
+        for d in range(depth):  # the draws, in the order that fixes each row's corruption
+            true[d] = truth[d] if d < len(truth) else int(rng.integers(self.vocab_size))
             if rng.random() < self.corruption:
-                wrong = (true + 1 + int(rng.integers(self.vocab_size - 1))) % self.vocab_size
-                ranked = [wrong, true] if rng.random() < 0.5 else [wrong]
-            others = (true + 1 + np.arange(top_k + 2)) % self.vocab_size  # enough to fill the ranks
+                wrong = (int(true[d]) + 1 + int(rng.integers(self.vocab_size - 1))) % self.vocab_size
+                corrupted.append((d, wrong, bool(rng.random() < 0.5)))
+        # Rank 0 the true token, then the tokens after it: one array op for every clean row.
+        ids = ((true[:, None] + np.arange(top_k)) % self.vocab_size).astype(np.int32)  # [depth, K]
+        for d, wrong, kept in corrupted:
+            ranked = [wrong, int(true[d])] if kept else [wrong]
+            others = (int(true[d]) + 1 + np.arange(top_k + 2)) % self.vocab_size  # enough to fill the ranks
             ranked += [int(t) for t in others if t not in ranked][: top_k - len(ranked)]
             ids[d] = ranked[:top_k]
         logprobs = np.tile(-np.arange(top_k, dtype=np.float32) - 0.1, (depth, 1))
