@@ -19,8 +19,8 @@ the whole pass is one CUDA graph, and a graph replays fixed shapes at fixed addr
   that took longer than running them (512 tokens: 30-43 ms eager, 17.7 ms of kernels).
 
 One graph per (slot, rows, span, taps, prefill or verify) is captured on first use and replayed
-after; graphs share one memory pool. On a CPU (``capture=False``) the same fixed-shape pass runs eagerly,
-which is how CI tests this path.
+after; graphs share one memory pool. On a CPU (``capture=False``) the same fixed-shape pass runs
+eagerly, which is how CI tests this path.
 """
 
 from __future__ import annotations
