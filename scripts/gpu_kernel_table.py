@@ -84,8 +84,8 @@ def graphed_prefill():
 
 print(f"prefill 512 with taps, graphed chunks {median_ms(graphed_prefill, 5, 2, dev):.2f} ms")
 kernel_table("prefill 512 with taps (graphed chunks)", graphed_prefill, reps=3)
-del graphed, eager
-del engine, static, model
+graphed = eager = None  # freed before the draft loads
+engine = static = model = None
 torch.cuda.empty_cache()
 
 draft, dconfig = load_dflash_draft(shape + "-dflash", dev, torch.bfloat16)
