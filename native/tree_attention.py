@@ -30,7 +30,7 @@ except ImportError:  # CPU-only installs: the reference path serves
     triton = None
 
 BLOCK_S = 64  # keys per loop step
-WAVES = 1  # programs per multiprocessor the key splits aim for (H100: 1 beat 2 and 4 for verify b22, tied for AR)
+WAVES = 1  # programs per multiprocessor the key splits aim for (H100 and H200: 1 beat 2 and 4 for verify b22, tied for AR)
 # Triton 3.6's CPU interpreter multiplies bfloat16 tiles wrongly in tl.dot: there the kernel
 # computes in float32 (the GPU keeps the 16-bit tensor-core path, checked by the GPU scripts).
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
