@@ -1,0 +1,87 @@
+"""What the first Propose of a DFlash request costs on the wire: a prompt's tap features (512 rows
+of five 4096-wide taps in bf16 for the Qwen3-8B shape, 21 MB) taken off the device, encoded,
+sent over a gRPC unary call on a Unix socket, decoded and put back on a device.
+
+Usage: python scripts/prompt_features_wire.py [--device cuda:0] [--rows 512] [--width 20480]
+(medians of 5; the allocator tuning of the services applies, as in them)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import tempfile
+import time
+
+import grpc
+import torch
+
+from splitspec.allocator import keep_message_buffers
+from splitspec.v1 import target_pb2, target_pb2_grpc
+from splitspec.wire import tensor_from_pb, tensor_to_pb
+
+
+def timed(call, reps: int = 5) -> float:
+    out = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        call()
+        out.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(out)
+
+
+async def grpc_round_trip_ms(response: target_pb2.PrefillResponse, reps: int = 5) -> float:
+    class Target(target_pb2_grpc.TargetWorkerServicer):
+        async def Prefill(self, request, context):
+            return response
+
+    options = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
+    path = tempfile.mktemp(suffix=".sock")
+    server = grpc.aio.server(options=options)
+    target_pb2_grpc.add_TargetWorkerServicer_to_server(Target(), server)
+    server.add_insecure_port(f"unix:{path}")
+    await server.start()
+    times = []
+    async with grpc.aio.insecure_channel(f"unix:{path}", options=options) as channel:
+        stub = target_pb2_grpc.TargetWorkerStub(channel)
+        for _ in range(reps + 1):
+            t0 = time.perf_counter()
+            await stub.Prefill(target_pb2.PrefillRequest(sequence_id="s"))
+            times.append(time.perf_counter() - t0)
+    await server.stop(None)
+    return 1e3 * statistics.median(times[1:])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--rows", type=int, default=512)
+    p.add_argument("--width", type=int, default=20480)
+    args = p.parse_args()
+    keep_message_buffers()
+    dev = torch.device(args.device)
+    features = torch.randn(args.rows, args.width, device=dev).to(torch.bfloat16)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    host = features.cpu()
+    message = tensor_to_pb(host)
+    response = target_pb2.PrefillResponse(next_token=1, features=message)
+    data = response.SerializeToString()
+    parsed = target_pb2.PrefillResponse.FromString(data)
+    decoded = tensor_from_pb(parsed.features)
+    rows = {
+        "device to host": timed(lambda: (features.cpu(), sync())),
+        "tensor_to_pb": timed(lambda: tensor_to_pb(host)),
+        "serialize": timed(response.SerializeToString),
+        "parse": timed(lambda: target_pb2.PrefillResponse.FromString(data)),
+        "tensor_from_pb": timed(lambda: tensor_from_pb(parsed.features)),
+        "host to device": timed(lambda: (decoded.to(dev), sync())),
+        "gRPC unary round trip (Unix socket)": asyncio.run(grpc_round_trip_ms(response)),
+    }
+    print(f"{args.rows} x {args.width} bf16 = {len(data) / 1e6:.1f} MB on {dev}:")
+    for name, ms in rows.items():
+        print(f"  {name:38s} {ms:7.1f} ms")
+
+
+if __name__ == "__main__":
+    main()
