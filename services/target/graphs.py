@@ -118,7 +118,8 @@ class _Pass:
         tree[:n, :n] = tree_mask
         if self.copied is not None:
             self.inputs.copy_(self.staging, non_blocking=True)
-            self.copied.record()
+            # The inputs' own stream: the engine thread's current device may be another GPU.
+            self.copied.record(torch.cuda.current_stream(self.inputs.device))
 
 
 class StaticVerifier:
