@@ -1,4 +1,5 @@
-"""How long a CUDA graph launch holds the host and the GPU, by graph size and split.
+"""How long a CUDA graph launch holds the host and the GPU, by graph size and split (trivial
+kernels; the real steps' replays are timed by gpu_verify_host.py).
 
 Usage: python scripts/gpu_graph_launch.py   (GPU only; prints a table)
 """
@@ -8,13 +9,8 @@ from __future__ import annotations
 import statistics
 import time
 
-import numpy as np
 import torch
 
-from splitspec.models.loader import load_target
-from splitspec.services.target.engine import TargetEngine
-from splitspec.services.target.graphs import StaticVerifier
-from splitspec.spec.sampling import SamplingParams
 
 dev = torch.device("cuda")
 x = torch.zeros(1 << 16, device=dev)
@@ -63,23 +59,3 @@ for total in (160, 470):
     end.record()
     torch.cuda.synchronize()
     print(f"{total} kernels eager: GPU {start.elapsed_time(end) * 1e3:.0f} us")
-
-model, config = load_target("random:qwen3-8b", dev, torch.bfloat16)
-static = StaticVerifier(model, 1, 2048, capture=True)
-engine = TargetEngine(model, static=static)
-rng = np.random.default_rng(0)
-engine.prefill("p", rng.integers(0, config.vocab_size, 512).tolist(), SamplingParams(), reserve_tokens=2048)
-for _ in range(3):
-    engine.verify("p", [], [])
-g = next(iter(static._passes.values())).graph
-host, wall = timed(g.replay, 30)
-print(f"AR graph: launch holds the host {host:.0f} us; launch + run {wall:.0f} us")
-start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-ms = []
-for _ in range(30):
-    start.record()
-    g.replay()
-    end.record()
-    torch.cuda.synchronize()
-    ms.append(start.elapsed_time(end))
-print(f"AR graph: GPU from the event before the launch to the event after: {statistics.median(ms) * 1e3:.0f} us")

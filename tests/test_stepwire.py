@@ -27,8 +27,6 @@ TOKEN = "s3cret"
 DELAY_S = 0.4
 
 
-
-
 @pytest.fixture(scope="module")
 def workers(module_services, tiny_pair, tmp_path_factory):
     s = module_services

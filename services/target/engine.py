@@ -154,7 +154,6 @@ class TargetEngine:
             )
         t0 = time.perf_counter_ns()
         cache = (self.static and self.static.new_cache(capacity)) or self.model.new_cache(capacity, self.device, self.dtype)
-        ids = torch.tensor(tokens, device=self.device, dtype=torch.int64)
         rows = n if feature_rows <= 0 else min(feature_rows, n)
         feature_chunks, logits = [], None
         graphed = isinstance(cache, PooledKVCache)
@@ -166,7 +165,8 @@ class TargetEngine:
                 positions = torch.arange(begin, end, device=self.device)
                 mask = torch.arange(end, device=self.device)[None, :] <= positions[:, None]  # causal [T, end]
                 last = torch.tensor([end - begin - 1], device=self.device) if end == n else torch.empty(0, dtype=torch.int64, device=self.device)
-                out = self.model(ids[begin:end], positions, cache, begin, mask, taps, logit_rows=last)
+                ids = torch.tensor(tokens[begin:end], device=self.device, dtype=torch.int64)
+                out = self.model(ids, positions, cache, begin, mask, taps, logit_rows=last)
             logits, features = out
             if features is not None and end > n - rows:
                 # A copy where graphed: the pass's buffers are rewritten by its next replay.

@@ -42,8 +42,6 @@ def carrier(client, sequence_id: str):
     return stream._call if isinstance(stream, StepStream) else stream._writer
 
 
-
-
 @pytest.mark.parametrize("wire", STREAMED_WIRES)
 def test_streamed_steps_equal_unary_steps_and_share_one_carrier(workers, wire):
     async def scenario():
