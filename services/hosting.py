@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any
 
+from splitspec import busypoll
 from splitspec.errors import Aborted, InvalidArgument, Unavailable
 from splitspec.v1 import common_pb2
 
@@ -37,6 +38,11 @@ class EngineHost:
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{what}-engine")
         self.inline_steps = os.environ.get("SPLITSPEC_INLINE_STEPS", "1") != "0"
         self._pending = 0  # calls handed to the engine thread whose results the loop has not taken yet
+        busypoll.hold_spin_while_busy(self)
+
+    def thread_busy(self) -> bool:
+        """The engine thread has work: a busy-polling loop must not keep the GIL from it."""
+        return self._pending > 0
 
     def attach(self, engine: Any, description: Any) -> None:
         self.engine, self.description = engine, description

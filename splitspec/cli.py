@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 
-from splitspec import __version__
+from splitspec import __version__, busypoll
 from splitspec.envs import apply_env_defaults
 from splitspec.logs import setup_logging
 
@@ -98,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         module = {"target": "target", "draft": "draft", "gateway": "gateway"}[args.command]
         run = __import__(f"splitspec.services.{module}.main", fromlist=["run"]).run
-        asyncio.run(run(args))
+        busypoll.run(run(args))
         return 0
     except (ModelFileError, ServiceError, ValueError, OSError) as exc:
         # One clear line instead of a traceback wall: the file and key, or the flag, at fault.

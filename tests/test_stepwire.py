@@ -14,6 +14,7 @@ import sys
 import grpc
 import pytest
 
+from splitspec import busypoll
 from splitspec.errors import FailedPrecondition
 from splitspec.security import ClientSecurity
 from splitspec.services.gateway.workers import DraftClient, TargetClient
@@ -37,6 +38,7 @@ def workers(module_services, tiny_pair, tmp_path_factory):
         "target": s.start("sw-target", "target", "--model", model, "--dtype", "float64", "--threads", "1"),
         "slow": s.start("sw-slow", "draft", "--replay", str(table), "--replay-delay", str(DELAY_S), "--target-model", model),
         "locked": s.start("sw-locked", "target", "--model", model, "--threads", "1", "--auth-token", TOKEN),
+        "spinning": s.start("sw-spinning", "target", "--model", model, "--dtype", "float64", "--threads", "1", "--busy-poll", "20000"),
     }
 
 
@@ -95,6 +97,23 @@ def test_a_connection_serves_one_sequence_and_rejects_bad_frames(workers):
     assert undecodable[0][0] == ERROR
     assert undecodable[0][1].decode().startswith("INVALID_ARGUMENT\nrequest is not a valid /splitspec.v1.TargetWorker/Verify message")
     assert no_hello == wrong_then_late == [(ERROR, b"UNAUTHENTICATED\nmissing or wrong bearer token in the step socket's hello")]
+
+
+def test_a_busy_polling_worker_and_client_take_the_same_steps(workers, module_services):
+    """The worker's loop and the client's both spin (``--busy-poll``): the same answers, on the socket."""
+    async def scenario(name: str):
+        busypoll.configure("20000", gpu=False, service="test client")
+        client = await client_on("socket", TargetClient, workers[name])
+        try:
+            await prefill(client, "spin")
+            return await steps(client, "spin", TREES)
+        finally:
+            await client.release("spin")
+            await client.close()
+
+    assert busypoll.run(scenario("spinning")) == run(scenario("target"))
+    assert "target: busy polling for up to 20000 µs" in module_services.log("sw-spinning")
+    assert "busy polling" not in module_services.log("sw-target")  # auto: a CPU worker does not spin
 
 
 def test_the_workers_token_is_checked(workers):

@@ -6,7 +6,7 @@ import argparse
 import logging
 import time
 
-from splitspec import rpc
+from splitspec import busypoll, rpc
 from splitspec.security import ServerSecurity, add_server_arguments
 from splitspec.stepwire import add_step_socket_argument, step_server_from_args
 
@@ -40,6 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replay-corruption", type=float, default=0.0, help="BENCHMARK/TEST ONLY: per-depth corruption rate of the replay drafter")
     p.add_argument("--replay-delay", type=float, default=0.0, help="BENCHMARK/TEST ONLY: seconds each replayed proposal takes (a slow drafter)")
     add_step_socket_argument(p)
+    busypoll.add_busy_poll_argument(p)
     add_server_arguments(p)
 
 
@@ -80,7 +81,7 @@ def _load_engine(args: argparse.Namespace):
 async def run(args: argparse.Namespace) -> None:
     import torch
 
-    from splitspec.devices import backend_name
+    from splitspec.devices import backend_name, resolve_device
     from splitspec.metrics import WorkerMetrics, model_name
     from splitspec.v1 import draft_pb2, draft_pb2_grpc
     from splitspec.services.hosting import model_geometry, serve_worker
@@ -90,6 +91,7 @@ async def run(args: argparse.Namespace) -> None:
         torch.set_num_threads(args.threads)
     if bool(args.model) == bool(args.replay):
         raise ValueError("give exactly one of --model (a DFlash draft) or --replay (benchmark/test only)")
+    busypoll.configure(args.busy_poll, resolve_device(args.device).type == "cuda", "draft")
     metrics = WorkerMetrics("draft", model_name(args.target_model))
     metrics.serve(args.metrics_port, args.listen)
     servicer = DraftServicer(metrics)

@@ -6,7 +6,7 @@ import argparse
 import asyncio
 import logging
 
-from splitspec import rpc
+from splitspec import busypoll, rpc
 from splitspec.security import ServerSecurity, add_client_arguments, add_server_arguments, client_security
 from splitspec.services.gateway.workers import WIRES
 
@@ -39,6 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--worker-wait", type=float, default=600.0, help="seconds to wait for the workers at start-up")
     p.add_argument("--metrics-port", type=int, default=9451, help="Prometheus /metrics port on the --listen host (0 = off)")
     p.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds in-flight requests may finish after SIGTERM")
+    busypoll.add_busy_poll_argument(p)
     add_server_arguments(p)
     add_client_arguments(p, "worker-", "workers")
 
@@ -79,6 +80,7 @@ async def run(args: argparse.Namespace) -> None:
     target = TargetClient(args.target, security, metrics.interceptor(), args.wire)
     target_info = await _wait_for("target", target.info, deadline)
     await target.offer_step_socket(target_info.step_socket)
+    busypoll.configure(args.busy_poll, target_info.geometry.device.startswith("cuda"), "gateway")
     draft, draft_info = None, None
     if args.draft:
         draft = DraftClient(args.draft, security, metrics.interceptor(), args.wire)

@@ -6,7 +6,7 @@ import argparse
 import logging
 import time
 
-from splitspec import rpc
+from splitspec import busypoll, rpc
 from splitspec.security import ServerSecurity, add_server_arguments
 from splitspec.stepwire import add_step_socket_argument, step_server_from_args
 
@@ -49,6 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-port", type=int, default=9452, help="Prometheus /metrics port on the --listen host (0 = off)")
     p.add_argument("--shutdown-grace", type=float, default=10.0, help="seconds in-flight calls may finish after SIGTERM")
     add_step_socket_argument(p)
+    busypoll.add_busy_poll_argument(p)
     add_server_arguments(p)
 
 
@@ -92,6 +93,7 @@ async def run(args: argparse.Namespace) -> None:
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
+    busypoll.configure(args.busy_poll, device.type == "cuda", "target")
     if args.state_dtype not in ("auto", "float32", "bfloat16", "float16"):
         raise ValueError(f"--state-dtype {args.state_dtype}: choose auto, float32, bfloat16 or float16")
     state_dtype = None if args.state_dtype == "auto" else DTYPES[args.state_dtype]

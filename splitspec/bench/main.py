@@ -17,6 +17,8 @@ from dataclasses import asdict
 from datetime import date
 from pathlib import Path
 
+from splitspec import busypoll
+
 logger = logging.getLogger(__name__)
 
 PARTS = ("components", "system", "baseline")
@@ -48,6 +50,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--wire", default="socket",
         help="gateway wire(s) of the end-to-end runs, comma-separated: socket (the workers' step sockets), stream, unary, "
         "or several (rows of each, taking turns)",
+    )
+    p.add_argument(
+        "--busy-poll", default="auto",
+        help="the services' --busy-poll in the end-to-end runs: microseconds, off, or auto (the services' default: "
+        "on with a GPU --device and 8+ cores, as one value for every service of the run)",
     )
     p.add_argument("--iters", type=int, default=30, help="timed calls per component figure (median)")
     p.add_argument("--json", default="", help="write all figures to this JSON file")
@@ -134,6 +141,8 @@ def run(args: argparse.Namespace) -> int:
     if "system" in parts:
         from splitspec.bench.system import run_system
 
+        busy_poll_us = busypoll.spin_us_for(args.busy_poll, device.type == "cuda", busypoll.usable_cpus())
+        result["busy_poll_us"] = busy_poll_us
         logger.info("end-to-end runs through the three services")
         with tempfile.TemporaryDirectory(prefix="splitspec-bench-") as work:
             if args.log_dir:
@@ -141,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
             rows = run_system(
                 args.shape, args.device, draft_device, args.dtype, [float(c) for c in args.corruptions.split(",")],
                 args.budget, args.prompts, args.prompt_len, args.max_tokens, args.concurrency, Path(work),
-                Path(args.log_dir) if args.log_dir else Path(work), wires,
+                Path(args.log_dir) if args.log_dir else Path(work), wires, busy_poll_us,
             )
         result["system"] = [
             {**asdict(r), "tokens_per_s": r.tokens_per_s, "acceptance_length": r.acceptance_length, "ms_per_step": r.ms_per_step}

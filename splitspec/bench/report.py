@@ -41,6 +41,9 @@ def markdown(result: dict) -> str:
                 f"| {r['label']} | {wire} | {r['budget']} | {r['concurrency']} | {r['acceptance_length']:.2f} | {r['tokens_per_s']:.1f} "
                 f"| {r['ms_per_step']:.2f} | {r['tokens_per_s'] / ar[wire]:.2f} | {r.get('draft_fallbacks', 0)} |"
             )
+        spin = result.get("busy_poll_us")
+        if spin is not None:
+            lines += ["", f"Services' busy polling: {f'{spin} µs' if spin else 'off'}."]
         lines.append("")
     if "baseline_tokens_per_s" in result:
         base = result["baseline_tokens_per_s"]

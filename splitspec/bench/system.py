@@ -69,16 +69,18 @@ def synthetic_tokenizer(vocab_size: int, path: Path) -> Path:
 class Cluster:
     """Service processes on Unix sockets in a private directory, stopped together."""
 
-    def __init__(self, log_dir: Path) -> None:
+    def __init__(self, log_dir: Path, busy_poll_us: int = 0) -> None:
         self.sockets = Path(tempfile.mkdtemp(prefix="splitspec-bench-"))
         self.log_dir = log_dir
+        self.busy_poll_us = busy_poll_us  # every service's --busy-poll
         self.procs: list[subprocess.Popen] = []
 
     def start(self, name: str, *args: str, timeout: float = 600.0) -> str:
         address = f"unix:{self.sockets / name}.sock"
         log = (self.log_dir / f"{name}.log").open("w")
         proc = subprocess.Popen(
-            [sys.executable, "-m", "splitspec", args[0], "--listen", address, "--metrics-port", "0", *args[1:]],
+            [sys.executable, "-m", "splitspec", args[0], "--listen", address, "--metrics-port", "0",
+             "--busy-poll", str(self.busy_poll_us), *args[1:]],
             stdout=log, stderr=subprocess.STDOUT,
         )
         self.procs.append(proc)
@@ -163,6 +165,7 @@ def run_system(
     work_dir: Path,
     log_dir: Path,
     wires: tuple[str, ...] = ("socket",),
+    busy_poll_us: int = 0,
 ) -> list[SystemRow]:
     """The AR row, then one row per draft, for each gateway ``--wire`` in ``wires``: the workers are
     shared and the wires take turns row by row, so both see the same machine state."""
@@ -185,7 +188,7 @@ def run_system(
         ]
 
     rows = []
-    with Cluster(log_dir) as c:
+    with Cluster(log_dir, busy_poll_us) as c:
         target = c.start(
             "target", "target", "--model", target_model, "--device", device, "--dtype", dtype,
             "--graph-slots", str(max(2, concurrency)), "--graph-context", context,
