@@ -45,11 +45,55 @@ HEAD = 6
 
 @dataclass
 class BlockPass:
-    head: torch.Tensor  # [HEAD] int64
-    features: torch.Tensor | None  # [B, taps * hidden]: rows to append, or None (block only)
-    graph: torch.cuda.CUDAGraph | None
-    top_ids: torch.Tensor  # [B-1, K] int64
-    top_logprobs: torch.Tensor  # [B-1, K] float32
+    """Static buffers of one captured pass: inputs are copied in, outputs read out."""
+
+    inputs: torch.Tensor  # uint8 on the device: the head, then (appending) B feature rows
+    staging: torch.Tensor  # the same bytes on the host, pinned: one asynchronous copy a step
+    copied: torch.cuda.Event | None  # the last copy out of ``staging`` (None on a CPU)
+    feature_dtype: torch.dtype | None  # of the appended rows; None: a block-only pass
+    width: int  # of a feature row: taps * hidden
+    graph: torch.cuda.CUDAGraph | None = None
+    top_ids: torch.Tensor | None = None  # [B-1, K] int32
+    top_logprobs: torch.Tensor | None = None  # [B-1, K] float32
+
+    @staticmethod
+    def allocate(device: torch.device, rows: int, width: int, feature_dtype: torch.dtype | None) -> BlockPass:
+        size = 8 * HEAD + (rows * width * feature_dtype.itemsize if feature_dtype else 0)
+        inputs = torch.zeros(size, dtype=torch.uint8, device=device)
+        cuda = device.type == "cuda"
+        staging = torch.zeros(size, dtype=torch.uint8, pin_memory=True) if cuda else inputs
+        return BlockPass(inputs, staging, torch.cuda.Event() if cuda else None, feature_dtype, width)
+
+    @property
+    def head(self) -> torch.Tensor:
+        """[HEAD] int64."""
+        return self.inputs[: 8 * HEAD].view(torch.int64)
+
+    @property
+    def features(self) -> torch.Tensor | None:
+        """[B, taps * hidden]: rows to append, or None (block only)."""
+        return None if self.feature_dtype is None else self._rows(self.inputs)
+
+    def _rows(self, raw: torch.Tensor) -> torch.Tensor:
+        return raw[8 * HEAD :].view(self.feature_dtype).view(-1, self.width)
+
+    def write(self, head: tuple[int, ...], features: torch.Tensor | None) -> None:
+        """Fill the head and the first ``len(features)`` feature rows, in one copy to the device
+        (host features; rows already on the device are copied there directly)."""
+        if self.copied is not None:
+            self.copied.synchronize()  # the last copy out of the staging bytes is done
+        self.staging[: 8 * HEAD].view(torch.int64).numpy()[:] = head
+        size = 8 * HEAD
+        if features is not None:
+            if features.device == self.inputs.device:
+                self.features[: len(features)].copy_(features)
+            else:
+                self._rows(self.staging)[: len(features)].copy_(features)
+                size += features.numel() * self.feature_dtype.itemsize
+        if self.copied is not None:
+            self.inputs[:size].copy_(self.staging[:size], non_blocking=True)
+            # The inputs' own stream: the engine thread's current device may be another GPU.
+            self.copied.record(torch.cuda.current_stream(self.inputs.device))
 
 
 def top_k_of(hidden: torch.Tensor, lm_head: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,15 +173,11 @@ class BlockGraphs:
         span = min(attention_span(end + b), self.context)
         key = (cache.slot, span, top_k, features is not None)
         p = self._passes.get(key)
-        head = torch.tensor([anchor_token, anchor_position, first, end, cache.size, feature_position], dtype=torch.int64)
         fresh = p is None
         if fresh:
-            width = self.model.fc.in_features
-            buffer = None if features is None else torch.zeros(b, width, device=self.device, dtype=self.model.fc.weight.dtype)
-            p = BlockPass(torch.zeros(HEAD, dtype=torch.int64, device=self.device), buffer, None, None, None)
-        p.head.copy_(head)
-        if features is not None:
-            p.features[:m].copy_(features)
+            dtype = None if features is None else self.model.fc.weight.dtype
+            p = BlockPass.allocate(self.device, b, self.model.fc.in_features, dtype)
+        p.write((anchor_token, anchor_position, first, end, cache.size, feature_position), features)
         compute = lambda: self._compute(cache, p.head, p.features, span, top_k)  # noqa: E731
         if not self.capture:  # the same fixed-shape pass, run eagerly (CPU; how CI tests it)
             return compute()
