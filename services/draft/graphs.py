@@ -87,9 +87,10 @@ class BlockPass:
         if features is not None:
             if features.device == self.inputs.device:
                 self.features[: len(features)].copy_(features)
-            else:
-                self._rows(self.staging)[: len(features)].copy_(features)
-                size += features.numel() * self.feature_dtype.itemsize
+            else:  # numpy's copy: one thread (torch's would wake its pool for a few hundred KB)
+                rows = features.to(self.feature_dtype).contiguous().view(torch.uint8).numpy().reshape(-1)
+                self.staging.numpy()[size : size + rows.size] = rows
+                size += rows.size
         if self.copied is not None:
             self.inputs[:size].copy_(self.staging[:size], non_blocking=True)
             # The inputs' own stream: the engine thread's current device may be another GPU.
