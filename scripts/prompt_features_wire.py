@@ -1,6 +1,6 @@
 """What the first Propose of a DFlash request costs on the wire: a prompt's tap features (512 rows
 of five 4096-wide taps in bf16 for the Qwen3-8B shape, 21 MB) taken off the device, encoded,
-sent over a gRPC unary call on a Unix socket, decoded and put back on a device.
+sent over a gRPC unary call or a step socket (both on Unix sockets), decoded and put back on a device.
 
 Usage: python scripts/prompt_features_wire.py [--device cuda:0] [--rows 512] [--width 20480]
 (medians of 5; the allocator tuning of the services applies, as in them)
@@ -18,6 +18,7 @@ import grpc
 import torch
 
 from splitspec.allocator import keep_message_buffers
+from splitspec.stepwire import OPEN, Opener, StepSocket, StepSocketServer
 from splitspec.v1 import target_pb2, target_pb2_grpc
 from splitspec.wire import tensor_from_pb, tensor_to_pb
 
@@ -53,6 +54,26 @@ async def grpc_round_trip_ms(response: target_pb2.PrefillResponse, reps: int = 5
     return 1e3 * statistics.median(times[1:])
 
 
+async def socket_round_trip_ms(response: target_pb2.PrefillResponse, reps: int = 5) -> float:
+    """The same exchange as an OPEN frame on a step socket (how the gateway now sends Prefill)."""
+
+    async def prefill(request, context):
+        return response
+
+    path = tempfile.mktemp(suffix=".steps")
+    server = StepSocketServer(path, "probe", "Verify", target_pb2.VerifyRequest, None, opener=Opener("Prefill", target_pb2.PrefillRequest, prefill))
+    await server.start()
+    sock = StepSocket(path, target_pb2.VerifyResponse)
+    times = []
+    for _ in range(reps + 1):
+        t0 = time.perf_counter()
+        await sock.step(target_pb2.PrefillRequest(sequence_id="s"), 60, OPEN, target_pb2.PrefillResponse)
+        times.append(time.perf_counter() - t0)
+    sock.close()
+    await server.close()
+    return 1e3 * statistics.median(times[1:])
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
@@ -77,6 +98,7 @@ def main() -> None:
         "tensor_from_pb": timed(lambda: tensor_from_pb(parsed.features)),
         "host to device": timed(lambda: (decoded.to(dev), sync())),
         "gRPC unary round trip (Unix socket)": asyncio.run(grpc_round_trip_ms(response)),
+        "step socket round trip (OPEN frame)": asyncio.run(socket_round_trip_ms(response)),
     }
     print(f"{args.rows} x {args.width} bf16 = {len(data) / 1e6:.1f} MB on {dev}:")
     for name, ms in rows.items():

@@ -12,6 +12,9 @@ Protocol: one connection per sequence, like a ``*Stream`` RPC. Every frame is a 
 ``<u32 payload bytes><u8 kind>`` then the payload:
 - ``HELLO`` (client, first frame): the worker's bearer token, empty when it has none;
 - ``REQUEST`` / ``RESPONSE``: the serialized protobuf messages of the unary RPC;
+- ``OPEN`` (client): the request of the worker's *opening* RPC, which starts a sequence (the
+  target's Prefill), answered by a ``RESPONSE``: a prompt's tap features (21 MB for a 512-token
+  prompt of an 8B target) then skip gRPC too, whose unary round trip alone took 34 ms for them;
 - ``ERROR`` (worker): ``CODE\\nmessage``, a gRPC status code name and the message the gRPC
   RPC would have given; the worker closes the connection after it, as a stream ends on an error.
 A request whose sequence id differs from the first one on the connection is an INVALID_ARGUMENT,
@@ -28,6 +31,7 @@ import logging
 import os
 import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -40,15 +44,24 @@ from splitspec.services.hosting import sequence_stream
 logger = logging.getLogger(__name__)
 
 HEADER = struct.Struct("<IB")
-HELLO, REQUEST, RESPONSE, ERROR = range(4)
+HELLO, REQUEST, RESPONSE, ERROR, OPEN = range(5)
 MAX_FRAME_BYTES = 512 * 1024 * 1024  # as rpc.MAX_MESSAGE_BYTES: a long prompt's tap features
 # Frames go out without waiting for the reader; a write waits only past this much unsent data.
 WRITE_HIGH_WATER = 64 * 1024 * 1024
+# A reader pauses its socket past twice this much unread data; a prompt's features fit in one go
+# (at 1 MiB, a 21 MB frame paused and resumed the socket for every 256 KiB read).
+READ_LIMIT = 32 * 1024 * 1024
 ERROR_LINGER_S = 5.0  # how long a worker waits for the client to hang up after an ERROR frame
 
 
 def frame(kind: int, payload: bytes) -> bytes:
     return HEADER.pack(len(payload), kind) + payload
+
+
+def write_frame(writer: asyncio.StreamWriter, kind: int, payload: bytes) -> None:
+    """``frame`` without joining the header to the payload: a prompt's features are tens of MB."""
+    writer.write(HEADER.pack(len(payload), kind))
+    writer.write(payload)
 
 
 async def read_frame(reader: asyncio.StreamReader) -> tuple[int, bytes] | None:
@@ -85,14 +98,35 @@ def add_step_socket_argument(p) -> None:
     )
 
 
-def step_server_from_args(args, service_name: str, method: str, request_type: type, step) -> StepSocketServer | None:
+def step_server_from_args(
+    args, service_name: str, method: str, request_type: type, step, opener: Opener | None = None
+) -> StepSocketServer | None:
     """The worker's step socket server per ``--step-socket`` (None when off). A path given
     explicitly must bind; one chosen by ``auto`` may fail to (the worker then serves gRPC only)."""
     tls = bool(args.tls_cert or args.tls_key or args.tls_client_ca)
     path = resolve_step_socket(args.step_socket, args.listen, tls)
     if not path:
         return None
-    return StepSocketServer(path, service_name, method, request_type, step, args.auth_token, required=args.step_socket != "auto")
+    return StepSocketServer(
+        path, service_name, method, request_type, step, args.auth_token, required=args.step_socket != "auto", opener=opener
+    )
+
+
+@dataclass(frozen=True)
+class Opener:
+    """A worker's opening RPC on the step socket (``OPEN`` frames): its name, request type and
+    the servicer's unary method (given ``context=None``)."""
+
+    method: str
+    request_type: type
+    call: Callable[[object, None], Awaitable[object]]
+
+
+@dataclass(frozen=True)
+class _Call:
+    sequence_id: str  # read by ``sequence_stream``: one sequence per connection
+    method: Callable[[object, None], Awaitable[object]]
+    request: object
 
 
 class StepSocketServer:
@@ -109,9 +143,10 @@ class StepSocketServer:
         step: Callable[[object, None], Awaitable[object]],
         token: str = "",
         required: bool = True,
+        opener: Opener | None = None,
     ) -> None:
         self.path, self.service_name, self.method = path, service_name, method
-        self.request_type, self.step = request_type, step
+        self.request_type, self.step, self.opener = request_type, step, opener
         self._token = token.encode()
         self.required = required  # False: a socket that cannot be bound is logged, not fatal
         self._server: asyncio.AbstractServer | None = None
@@ -126,7 +161,7 @@ class StepSocketServer:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)  # a socket file left by a worker that died
         try:
-            self._server = await asyncio.start_unix_server(self._serve, self.path, limit=2**20)
+            self._server = await asyncio.start_unix_server(self._serve, self.path, limit=READ_LIMIT)
         except OSError as exc:
             if self.required:
                 raise OSError(f"--step-socket {self.path}: {exc}") from exc
@@ -158,19 +193,20 @@ class StepSocketServer:
             writer.close()
 
     async def _answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        method = [self.method]  # the RPC of the frame being answered: an error's status names it
         try:
             hello = await read_frame(reader)
             if hello is None:
                 return
             if hello[0] != HELLO or not hmac.compare_digest(hello[1], self._token):
                 raise Unauthenticated("missing or wrong bearer token in the step socket's hello")
-            async for response in sequence_stream(self._requests(reader), None, self.step):
-                writer.write(frame(RESPONSE, response.SerializeToString()))
+            async for response in sequence_stream(self._requests(reader, method), None, lambda call, _: call.method(call.request, None)):
+                write_frame(writer, RESPONSE, response.SerializeToString())
                 await writer.drain()
         except (ConnectionError, asyncio.IncompleteReadError):
             raise
         except Exception as exc:  # noqa: BLE001 - becomes the ERROR frame, as the interceptor's status
-            code, message = status_of(exc, self.service_name, self.method, "step-socket")
+            code, message = status_of(exc, self.service_name, method[0], "step-socket")
             writer.write(frame(ERROR, f"{code.name}\n{message}".encode()))
             writer.write_eof()
             await writer.drain()
@@ -182,16 +218,21 @@ class StepSocketServer:
                     while await reader.read(1 << 16):
                         pass
 
-    async def _requests(self, reader: asyncio.StreamReader) -> AsyncIterator[object]:
+    async def _requests(self, reader: asyncio.StreamReader, current: list[str]) -> AsyncIterator[_Call]:
         while (received := await read_frame(reader)) is not None:
             kind, payload = received
-            if kind != REQUEST:
+            if kind == REQUEST:
+                method, request_type, call = self.method, self.request_type, self.step
+            elif kind == OPEN and self.opener is not None:
+                method, request_type, call = self.opener.method, self.opener.request_type, self.opener.call
+            else:
                 raise InvalidArgument(f"step socket: frame kind {kind} where a request was expected")
+            current[0] = method
             try:
-                request = self.request_type.FromString(payload)
+                request = request_type.FromString(payload)
             except Exception as exc:  # noqa: BLE001 - undecodable bytes are the client's error
-                raise InvalidArgument(f"request is not a valid {self.method} message: {exc}") from exc
-            yield request
+                raise InvalidArgument(f"request is not a valid {method} message: {exc}") from exc
+            yield _Call(request.sequence_id, call, request)
 
 
 class StepSocket:
@@ -206,15 +247,17 @@ class StepSocket:
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
 
-    async def step(self, request, timeout: float | None):
+    async def step(self, request, timeout: float | None, kind: int = REQUEST, response_type: type | None = None):
+        """One exchange: the step RPC's request (``REQUEST``), or the opening RPC's (``OPEN``, whose
+        answer is a ``response_type``)."""
         try:
             async with asyncio.timeout(timeout):
                 if self._writer is None or self._reader.at_eof():  # a worker that restarted closed it
                     self.close()
-                    self._reader, self._writer = await asyncio.open_unix_connection(self.path, limit=2**20)
+                    self._reader, self._writer = await asyncio.open_unix_connection(self.path, limit=READ_LIMIT)
                     self._writer.transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)
                     self._writer.write(self._hello)
-                self._writer.write(frame(REQUEST, request.SerializeToString()))
+                write_frame(self._writer, kind, request.SerializeToString())
                 received = await read_frame(self._reader)
         except TimeoutError:
             self.close()
@@ -233,7 +276,7 @@ class StepSocket:
             self.close()
             code, _, message = payload.decode(errors="replace").partition("\n")
             raise rpc_error(getattr(grpc.StatusCode, code, grpc.StatusCode.UNKNOWN), message)
-        return self.response_type.FromString(payload)
+        return (response_type or self.response_type).FromString(payload)
 
     def close(self) -> None:
         if self._writer is not None:

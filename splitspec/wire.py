@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import sys
+import warnings
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -73,10 +74,15 @@ def tensor_to_pb(tensor: torch.Tensor, dtype: str | None = None) -> common_pb2.T
 
 
 def tensor_from_pb(msg: common_pb2.Tensor, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The message's tensor. On the CPU it views the bytes read out of the message, which nothing
+    else holds, without a second copy (a prompt's features are tens of MB): it is read-only."""
     import torch
 
     shape, data = _checked(msg)
-    numpy_dtype = np.int16 if msg.dtype == "bfloat16" else _NUMPY_DTYPES[msg.dtype]
-    array = np.frombuffer(data, dtype=numpy_dtype).reshape(shape).copy()  # writable, as torch wants
-    tensor = torch.from_numpy(array)
-    return (tensor.view(torch.bfloat16) if msg.dtype == "bfloat16" else tensor).to(device)
+    dtype = getattr(torch, msg.dtype)
+    if not data:
+        return torch.empty(shape, dtype=dtype, device=device)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # that the bytes are not writable: they are not written
+        tensor = torch.frombuffer(data, dtype=dtype)
+    return tensor.view(shape).to(device)

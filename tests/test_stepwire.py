@@ -18,7 +18,7 @@ from splitspec import busypoll
 from splitspec.errors import FailedPrecondition
 from splitspec.security import ClientSecurity
 from splitspec.services.gateway.workers import DraftClient, TargetClient
-from splitspec.stepwire import ERROR, HELLO, REQUEST, RESPONSE, StepSocketServer, frame, read_frame, resolve_step_socket
+from splitspec.stepwire import ERROR, HELLO, OPEN, REQUEST, RESPONSE, StepSocket, StepSocketServer, frame, read_frame, resolve_step_socket
 from splitspec.v1 import target_pb2
 from worker_steps import PROMPT, TREES, chain, client_on, prefill, run, steps
 
@@ -114,6 +114,49 @@ def test_a_busy_polling_worker_and_client_take_the_same_steps(workers, module_se
     assert busypoll.run(scenario("spinning")) == run(scenario("target"))
     assert "target: busy polling for up to 20000 µs" in module_services.log("sw-spinning")
     assert "busy polling" not in module_services.log("sw-target")  # auto: a CPU worker does not spin
+
+
+def test_a_connection_opens_with_the_targets_prefill(workers):
+    """OPEN frames carry the target's Prefill (with a prompt's tap features) on the step socket;
+    the gateway's client takes it there when its steps do, and errors keep gRPC's status."""
+    path = workers["target"].removeprefix("unix:") + ".steps"
+    request = target_pb2.PrefillRequest(sequence_id="opened", tokens=PROMPT, reserve_tokens=64, tap_layer_ids=[0, 1])
+    bad = target_pb2.PrefillRequest(sequence_id="bad", tokens=PROMPT, feature_dtype="int8")
+
+    async def scenario():
+        grpc_client = TargetClient(workers["target"], wire="unary")
+        by_grpc = await grpc_client.stub.Prefill(target_pb2.PrefillRequest(**{**_fields(request), "sequence_id": "by-grpc"}), timeout=30)
+        await grpc_client.close()
+        raw = await exchange(
+            path, frame(HELLO, b""), frame(OPEN, request.SerializeToString()),
+            frame(REQUEST, target_pb2.VerifyRequest(sequence_id="opened").SerializeToString()),
+            frame(REQUEST, target_pb2.VerifyRequest(sequence_id="other").SerializeToString()),  # ends the connection
+        )
+        draft_refuses = await exchange(workers["slow"].removeprefix("unix:") + ".steps", frame(HELLO, b""), frame(OPEN, request.SerializeToString()))
+        client = await client_on("socket", TargetClient, workers["target"])
+        try:
+            prefilled = await client.prefill(target_pb2.PrefillRequest(**{**_fields(request), "sequence_id": "client"}), timeout=30)
+            assert isinstance(client._streams["client"], StepSocket)  # the sequence's connection, opened by Prefill
+            after = await steps(client, "client", TREES[:1])
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await client.prefill(bad, timeout=30)
+        finally:
+            await client.close()
+        return by_grpc, raw, draft_refuses, prefilled, after, refused.value
+
+    by_grpc, raw, draft_refuses, prefilled, after, refused = run(scenario())
+    assert [kind for kind, _ in raw] == [RESPONSE, RESPONSE, ERROR]
+    opened = target_pb2.PrefillResponse.FromString(raw[0][1])
+    assert opened.next_token == by_grpc.next_token and opened.features == by_grpc.features and opened.features.shape == [len(PROMPT), 2 * 64]
+    assert target_pb2.VerifyResponse.FromString(raw[1][1]).committed_length == len(PROMPT) + 1
+    assert (prefilled.next_token, prefilled.features) == (by_grpc.next_token, by_grpc.features)
+    assert after[0][0] == [by_grpc.next_token]
+    assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT and "feature_dtype: 'int8'" in refused.details()
+    assert draft_refuses == [(ERROR, b"INVALID_ARGUMENT\nstep socket: frame kind 4 where a request was expected")]
+
+
+def _fields(message) -> dict:
+    return {field.name: value for field, value in message.ListFields()}
 
 
 def test_the_workers_token_is_checked(workers):

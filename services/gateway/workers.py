@@ -30,7 +30,7 @@ from splitspec import rpc
 from splitspec.errors import FailedPrecondition
 from splitspec.metrics import RpcObserver
 from splitspec.security import ClientSecurity
-from splitspec.stepwire import StepSocket
+from splitspec.stepwire import OPEN, StepSocket
 from splitspec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from splitspec.wire import array_from_pb
 
@@ -138,15 +138,20 @@ class WorkerClient:
             raise FailedPrecondition(f"--wire socket: the worker at {self.address}: {problem}")
         logger.info("worker at %s: steps on the gRPC stream: %s", self.address, problem)
 
+    def _stream(self, sequence_id: str) -> StepStream | StepSocket:
+        stream = self._streams.get(sequence_id)
+        if stream is None:
+            stream = StepSocket(self.step_socket, self.response_type, self.token) if self.step_socket else StepStream(self._open)
+            self._streams[sequence_id] = stream
+        return stream
+
+    async def _observed(self, rpc_name: str, request, call):
+        return await (self.observer.observe(rpc_name, request, call) if self.observer else call)
+
     async def _step(self, request, timeout: float | None):
         if self.active_wire == "unary":
             return await self._unary(request, timeout=timeout)
-        stream = self._streams.get(request.sequence_id)
-        if stream is None:
-            stream = StepSocket(self.step_socket, self.response_type, self.token) if self.step_socket else StepStream(self._open)
-            self._streams[request.sequence_id] = stream
-        step = stream.step(request, timeout)
-        return await (self.observer.observe(self._rpc, request, step) if self.observer else step)
+        return await self._observed(self._rpc, request, self._stream(request.sequence_id).step(request, timeout))
 
     async def info(self, timeout: float | None = None):
         return await self.stub.Info(common_pb2.InfoRequest(), timeout=timeout)
@@ -171,7 +176,12 @@ class TargetClient(WorkerClient):
     response_type = target_pb2.VerifyResponse
 
     async def prefill(self, request: target_pb2.PrefillRequest, timeout: float | None) -> Prefilled:
-        r = await self.stub.Prefill(request, timeout=timeout)
+        """On the step socket when steps take it (the sequence's connection opens with it), else gRPC."""
+        if self.active_wire == "socket":
+            call = self._stream(request.sequence_id).step(request, timeout, OPEN, target_pb2.PrefillResponse)
+            r = await self._observed("TargetWorker/Prefill", request, call)
+        else:
+            r = await self.stub.Prefill(request, timeout=timeout)
         return Prefilled(r.next_token, r.features if r.HasField("features") else None)
 
     async def verify(

@@ -8,7 +8,7 @@ import time
 
 from splitspec import busypoll, rpc
 from splitspec.security import ServerSecurity, add_server_arguments
-from splitspec.stepwire import add_step_socket_argument, step_server_from_args
+from splitspec.stepwire import Opener, add_step_socket_argument, step_server_from_args
 
 logger = logging.getLogger(__name__)
 
@@ -135,6 +135,9 @@ async def run(args: argparse.Namespace) -> None:
         )
 
     logger.info("target worker listening on %s, loading %s", args.listen, args.model)
-    step_server = step_server_from_args(args, "target", f"/{SERVICE}/Verify", target_pb2.VerifyRequest, servicer.Verify)
+    step_server = step_server_from_args(
+        args, "target", f"/{SERVICE}/Verify", target_pb2.VerifyRequest, servicer.Verify,
+        Opener(f"/{SERVICE}/Prefill", target_pb2.PrefillRequest, servicer.Prefill),
+    )
     servicer.step_server = step_server
     await serve_worker("target", server, health, SERVICE, servicer.host, load, args.shutdown_grace, args.sequence_ttl, step_server)
