@@ -5,8 +5,8 @@ A speculation round crosses between processes four times (gateway -> draft -> ga
 worked. On a GPU server that wake-up costs more than the bytes: ``scripts/step_socket_latency.py``
 on an H200 host measured 200-300 µs over a step socket after a 2-6 ms wait against 60 µs back to
 back. A loop that polls without blocking for up to ``spin_us`` before it sleeps answers at once,
-for the price of one busy core per service while steps come and go (the services then end each
-wait within ``spin_us``, and sleep as usual when idle longer).
+for the price of one busy core per service while steps flow; a service idle for longer than
+``spin_us`` sleeps as before.
 
 The spin gives way while another thread of the process has work that needs the GIL (a worker's
 engine thread when several sequences are live): polling then would keep the GIL from it for up

@@ -49,7 +49,7 @@ MAX_FRAME_BYTES = 512 * 1024 * 1024  # as rpc.MAX_MESSAGE_BYTES: a long prompt's
 # Frames go out without waiting for the reader; a write waits only past this much unsent data.
 WRITE_HIGH_WATER = 64 * 1024 * 1024
 # A reader pauses its socket past twice this much unread data; a prompt's features fit in one go
-# (at 1 MiB, a 21 MB frame paused and resumed the socket for every 256 KiB read).
+# (at 1 MiB, reading a 21 MB frame paused and resumed the socket after every 256 KiB past 2 MiB).
 READ_LIMIT = 32 * 1024 * 1024
 ERROR_LINGER_S = 5.0  # how long a worker waits for the client to hang up after an ERROR frame
 
