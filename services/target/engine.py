@@ -214,7 +214,9 @@ class TargetEngine:
     def tree_forward(
         self, state: SequenceState, tokens: np.ndarray, parents: np.ndarray
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """One pass over ``[root, nodes]``: logits [n+1, vocab], features [n+1, taps*hidden], positions [n+1].
+        """One pass over ``[root, nodes]``: logits [n+1, vocab], features [n+1, taps*hidden], positions [n+1]
+        (on the host for the fixed-shape pass: a greedy step never reads them, and a copy to the
+        device would wait for the pass).
 
         Writes the rows' K/V to slots ``length .. length + n`` and keeps every row's recurrent state
         candidate; ``cache.commit`` after the walk keeps the accepted ones.
@@ -229,7 +231,7 @@ class TargetEngine:
         if isinstance(state.cache, PooledKVCache):
             out = self.static.forward(state.cache, row_tokens, positions, start, tree_mask, state.taps)
             if out is not None:
-                return *out, torch.from_numpy(positions).to(dev)
+                return *out, torch.from_numpy(positions)
         ids = torch.tensor(row_tokens, device=dev, dtype=torch.int64)
         row_parents = torch.from_numpy(np.concatenate([[-1], parents])).to(dev)  # [n+1], node j is row j
         positions_t = torch.from_numpy(positions).to(dev)

@@ -67,8 +67,9 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
 
 
 def draw_tokens(logits: torch.Tensor, positions: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The target's token at every row: logits [T, vocab] float32, positions [T] -> [T] int64."""
+    """The target's token at every row: logits [T, vocab] float32, positions [T] (any device: only
+    seeded sampling reads them) -> [T] int64."""
     if params.greedy:
         return logits.argmax(dim=-1)
     scaled = filter_logits(logits.float() / params.temperature, params.top_k, params.top_p)
-    return (scaled + gumbel_noise(params.seed, positions, logits.shape[-1])).argmax(dim=-1)
+    return (scaled + gumbel_noise(params.seed, positions.to(logits.device), logits.shape[-1])).argmax(dim=-1)
