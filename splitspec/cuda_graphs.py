@@ -7,8 +7,10 @@ static buffers, writes them before a replay and reads the outputs the capture re
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TypeVar
 
+import numpy as np
 import torch
 
 T = TypeVar("T")
@@ -47,3 +49,35 @@ def capture(compute: Callable[[], T], device: torch.device, pool=None) -> tuple[
             outputs = compute()
         graph.replay()
     return graph, outputs
+
+
+@dataclass
+class StagedInputs:
+    """A pass's static input bytes on the device, written on the host: the host bytes (pinned)
+    go over in one asynchronous copy a step, and are written again only once that copy is done.
+    On a CPU the host bytes are the device bytes and nothing is copied."""
+
+    on_device: torch.Tensor  # [nbytes] uint8, read by the pass
+    on_host: torch.Tensor  # [nbytes] uint8, pinned (``on_device`` itself on a CPU)
+    copied: torch.cuda.Event | None  # the last copy out of ``on_host`` (None on a CPU)
+
+    @classmethod
+    def allocate(cls, nbytes: int, device: torch.device) -> StagedInputs:
+        on_device = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        if device.type != "cuda":
+            return cls(on_device, on_device, None)
+        return cls(on_device, torch.zeros(nbytes, dtype=torch.uint8, pin_memory=True), torch.cuda.Event())
+
+    def writable(self) -> np.ndarray:
+        """The host bytes, once the last copy out of them is done."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        return self.on_host.numpy()
+
+    def upload(self, nbytes: int | None = None) -> None:
+        """Copy the first ``nbytes`` (all by default) to the device, asynchronously."""
+        if self.copied is None:
+            return
+        self.on_device[:nbytes].copy_(self.on_host[:nbytes], non_blocking=True)
+        # The inputs' own stream: the engine thread's current device may be another GPU.
+        self.copied.record(torch.cuda.current_stream(self.on_device.device))

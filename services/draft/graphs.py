@@ -28,9 +28,10 @@ import time
 import weakref
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from splitspec.cuda_graphs import attention_span, capture
+from splitspec.cuda_graphs import StagedInputs, attention_span, capture
 from splitspec.models.dflash import DFlashDraft
 from splitspec.native import top_k as native_top_k
 from splitspec.native import use_triton
@@ -47,9 +48,7 @@ HEAD = 6
 class BlockPass:
     """Static buffers of one captured pass: inputs are copied in, outputs read out."""
 
-    inputs: torch.Tensor  # uint8 on the device: the head, then (appending) B feature rows
-    staging: torch.Tensor  # the same bytes on the host, pinned: one asynchronous copy a step
-    copied: torch.cuda.Event | None  # the last copy out of ``staging`` (None on a CPU)
+    inputs: StagedInputs  # the head, then (appending) B feature rows
     feature_dtype: torch.dtype | None  # of the appended rows; None: a block-only pass
     width: int  # of a feature row: taps * hidden
     graph: torch.cuda.CUDAGraph | None = None
@@ -59,42 +58,34 @@ class BlockPass:
     @staticmethod
     def allocate(device: torch.device, rows: int, width: int, feature_dtype: torch.dtype | None) -> BlockPass:
         size = 8 * HEAD + (rows * width * feature_dtype.itemsize if feature_dtype else 0)
-        inputs = torch.zeros(size, dtype=torch.uint8, device=device)
-        cuda = device.type == "cuda"
-        staging = torch.zeros(size, dtype=torch.uint8, pin_memory=True) if cuda else inputs
-        return BlockPass(inputs, staging, torch.cuda.Event() if cuda else None, feature_dtype, width)
+        return BlockPass(StagedInputs.allocate(size, device), feature_dtype, width)
 
     @property
     def head(self) -> torch.Tensor:
         """[HEAD] int64."""
-        return self.inputs[: 8 * HEAD].view(torch.int64)
+        return self.inputs.on_device[: 8 * HEAD].view(torch.int64)
 
     @property
     def features(self) -> torch.Tensor | None:
         """[B, taps * hidden]: rows to append, or None (block only)."""
-        return None if self.feature_dtype is None else self._rows(self.inputs)
-
-    def _rows(self, raw: torch.Tensor) -> torch.Tensor:
-        return raw[8 * HEAD :].view(self.feature_dtype).view(-1, self.width)
+        if self.feature_dtype is None:
+            return None
+        return self.inputs.on_device[8 * HEAD :].view(self.feature_dtype).view(-1, self.width)
 
     def write(self, head: tuple[int, ...], features: torch.Tensor | None) -> None:
         """Fill the head and the first ``len(features)`` feature rows, in one copy to the device
         (host features; rows already on the device are copied there directly)."""
-        if self.copied is not None:
-            self.copied.synchronize()  # the last copy out of the staging bytes is done
-        self.staging[: 8 * HEAD].view(torch.int64).numpy()[:] = head
+        raw = self.inputs.writable()
+        raw[: 8 * HEAD].view(np.int64)[:] = head
         size = 8 * HEAD
         if features is not None:
-            if features.device == self.inputs.device:
+            if features.device == self.inputs.on_device.device:
                 self.features[: len(features)].copy_(features)
             else:  # numpy's copy: one thread (torch's would wake its pool for a few hundred KB)
                 rows = features.to(self.feature_dtype).contiguous().view(torch.uint8).numpy().reshape(-1)
-                self.staging.numpy()[size : size + rows.size] = rows
+                raw[size : size + rows.size] = rows
                 size += rows.size
-        if self.copied is not None:
-            self.inputs[:size].copy_(self.staging[:size], non_blocking=True)
-            # The inputs' own stream: the engine thread's current device may be another GPU.
-            self.copied.record(torch.cuda.current_stream(self.inputs.device))
+        self.inputs.upload(size)
 
 
 def top_k_of(hidden: torch.Tensor, lm_head: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from splitspec.cuda_graphs import attention_span, capture
+from splitspec.cuda_graphs import StagedInputs, attention_span, capture
 from splitspec.models.dense import DenseForCausalLM, KVCache
 
 logger = logging.getLogger(__name__)
@@ -74,9 +74,7 @@ class _Pass:
 
     rows: int
     span: int
-    inputs: torch.Tensor  # [head + tree bytes] uint8 on the device; head and tree are views of it
-    staging: torch.Tensor  # the same bytes on the host, pinned: one asynchronous copy a step
-    copied: torch.cuda.Event | None  # the last copy out of ``staging`` (None on a CPU)
+    inputs: StagedInputs  # the head, then the tree
     last_only: bool = False  # a prefill chunk's pass: logits of the last real row only
     logits: torch.Tensor | None = None  # [rows, vocab] float32, or [1, vocab] when last_only
     features: torch.Tensor | None = None  # [rows, taps * hidden]
@@ -85,27 +83,22 @@ class _Pass:
     @property
     def head(self) -> torch.Tensor:
         """[2 + 2 * rows] int64: start, token ids, positions, last real row."""
-        return self.inputs[: 8 * (2 + 2 * self.rows)].view(torch.int64)
+        return self.inputs.on_device[: 8 * (2 + 2 * self.rows)].view(torch.int64)
 
     @property
     def tree(self) -> torch.Tensor:
         """[rows, rows] bool: the block's own visibility, pad rows on the diagonal."""
-        return self.inputs[8 * (2 + 2 * self.rows) :].view(torch.bool).view(self.rows, self.rows)
+        return self.inputs.on_device[8 * (2 + 2 * self.rows) :].view(torch.bool).view(self.rows, self.rows)
 
     @classmethod
     def allocate(cls, rows: int, span: int, device: torch.device, last_only: bool) -> _Pass:
-        inputs = torch.zeros(8 * (2 + 2 * rows) + rows * rows, dtype=torch.uint8, device=device)
-        cuda = device.type == "cuda"
-        staging = torch.zeros(inputs.shape, dtype=torch.uint8, pin_memory=True) if cuda else inputs
-        return cls(rows, span, inputs, staging, torch.cuda.Event() if cuda else None, last_only)
+        return cls(rows, span, StagedInputs.allocate(8 * (2 + 2 * rows) + rows * rows, device), last_only)
 
     def write(self, start: int, tokens: Sequence[int], positions: np.ndarray, tree_mask: np.ndarray) -> None:
         """Fill the inputs of a block of ``len(tokens)`` real rows: pad rows are token 0 at
         ``start`` seeing only themselves."""
         n, rows = len(tokens), self.rows
-        if self.copied is not None:
-            self.copied.synchronize()  # the last copy out of the staging bytes is done
-        raw = self.staging.numpy()
+        raw = self.inputs.writable()
         head = raw[: 8 * (2 + 2 * rows)].view(np.int64)
         head[0] = start
         head[1 : 1 + n] = tokens
@@ -116,10 +109,7 @@ class _Pass:
         tree = raw[8 * (2 + 2 * rows) :].view(np.bool_).reshape(rows, rows)
         tree[:] = np.eye(rows, dtype=bool)
         tree[:n, :n] = tree_mask
-        if self.copied is not None:
-            self.inputs.copy_(self.staging, non_blocking=True)
-            # The inputs' own stream: the engine thread's current device may be another GPU.
-            self.copied.record(torch.cuda.current_stream(self.inputs.device))
+        self.inputs.upload()
 
 
 class StaticVerifier:
