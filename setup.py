@@ -26,10 +26,9 @@ def generate_protos() -> None:
 
 
 def packages() -> list[str]:
-    found = find_packages(include=["splitspec", "splitspec.*"]) + ["splitspec.v1"]
-    for prefix, folder in (("splitspec.services", "services"), ("splitspec.native", "native")):
-        found += [prefix] + [f"{prefix}.{sub}" for sub in find_packages(where=folder)]
-    return sorted(set(found))
+    """The three import packages at the repository root, each installed under its own name, so that a
+    module's path in a checkout is its import path (README, Layout)."""
+    return sorted(set(find_packages(include=["splitspec", "splitspec.*", "services", "services.*", "native", "native.*"]) + ["splitspec.v1"]))
 
 
 generate_protos()

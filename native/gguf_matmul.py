@@ -35,12 +35,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as Q
 from torch import nn
 from torch.nn import functional as F
 
-from splitspec.models.dequant import dequantize
-from splitspec.native import sm_count, use_triton
+from native import sm_count, use_triton
+from native.gguf_dequant import dequantize
 
 try:
     import triton

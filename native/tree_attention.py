@@ -21,7 +21,7 @@ import os
 
 import torch
 
-from splitspec.native import sm_count
+from native import sm_count
 
 try:
     import triton

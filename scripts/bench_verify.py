@@ -17,13 +17,13 @@ import time
 import numpy as np
 import torch
 
-from splitspec.devices import DTYPES, resolve_device, resolve_dtype
+from services.target.engine import TargetEngine
+from splitspec.fixtures.tiny import TinySpec, make_tiny
+from splitspec.models.devices import DTYPES, resolve_device, resolve_dtype
 from splitspec.models.loader import load_target
 from splitspec.models.qwen35 import Qwen35Config, tree_node_bytes
-from splitspec.services.target.engine import TargetEngine
 from splitspec.spec.sampling import SamplingParams
 from splitspec.spec.tree import build_ddtree
-from splitspec.tiny import TinySpec, make_tiny
 
 
 def main() -> int:

@@ -11,7 +11,7 @@ import itertools
 
 import torch
 
-from splitspec.native import tree_attention as ta
+from native import tree_attention as ta
 
 dev = torch.device("cuda")
 h, hkv, d, span = 32, 8, 128, 1024

@@ -26,9 +26,9 @@ TOLERANCE = 3e-2  # of the largest logit: bf16 weights, float32 accumulation in 
 
 
 def kernel_check(shape: str, device: str) -> float:
-    from splitspec.models.loader import load_target
+    from splitspec.bench.random_weights import random_target
 
-    model, _ = load_target(f"random:{shape}", device, torch.bfloat16)
+    model, _ = random_target(f"random:{shape}", device, torch.bfloat16)
     tokens = torch.tensor([3, 77, 150, 9, 400, 12], device=device)
     mask = torch.ones(6, 6, dtype=torch.bool, device=device).tril()
     logits = {}

@@ -19,14 +19,14 @@ import time
 import numpy as np
 import torch
 
-from splitspec.devices import resolve_device
+from services.target.engine import TargetEngine
+from splitspec.fixtures.tiny import TinySpec, make_tiny
 from splitspec.models.delta_rule import gated_delta_tree, l2_normalize
+from splitspec.models.devices import resolve_device
 from splitspec.models.loader import load_target
 from splitspec.models.qwen35 import Qwen35Config, Qwen35ForCausalLM
-from splitspec.services.target.engine import TargetEngine
 from splitspec.spec.sampling import SamplingParams
 from splitspec.spec.tree import build_ddtree
-from splitspec.tiny import TinySpec, make_tiny
 
 GREEDY = SamplingParams()
 WIDE = Qwen35Config(

@@ -23,10 +23,10 @@ import torch
 from torch.nn import functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from splitspec.fixtures.tiny import TinySpec, gguf_weights, random_target, write_target_gguf
 from splitspec.models.dflash import DFlashDraft
 from splitspec.models.loader import load_target
-from splitspec.tiny import TinySpec, gguf_weights, random_target, write_target_gguf
-from splitspec.tokenizer import Tokenizer, byte_level_vocab
+from splitspec.text.tokenizer import Tokenizer, byte_level_vocab
 from splitspec.train.draft import DraftTrainConfig, block_hidden, draft_config_for, make_blocks, target_pass, train_draft
 
 SHAPES = {  # Qwen3 geometry: hidden, layers, heads, kv heads, head_dim, intermediate ("tiny" smoke-tests the script on a CPU)

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import torch
 
+from services.draft.engine import DraftEngine
+from services.draft.graphs import BlockGraphs
+from services.target.engine import TargetEngine
 from splitspec.builtin import builtin_pair
 from splitspec.models.loader import load_dflash_draft, load_target, load_target_head
-from splitspec.services.draft.engine import DraftEngine
-from splitspec.services.draft.graphs import BlockGraphs
-from splitspec.services.target.engine import TargetEngine
 from splitspec.spec.sampling import SamplingParams
-from splitspec.tokenizer import Tokenizer
+from splitspec.text.tokenizer import Tokenizer
 
 target_path, draft_path = map(str, builtin_pair())
 dev = torch.device("cuda")

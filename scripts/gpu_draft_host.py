@@ -12,17 +12,17 @@ import time
 
 import torch
 
-from splitspec.cuda_graphs import attention_span
-from splitspec.models.loader import load_dflash_draft, load_target_head
-from splitspec.services.draft.engine import DraftEngine
-from splitspec.services.draft.graphs import BlockGraphs
+from services.draft.engine import DraftEngine
+from services.draft.graphs import BlockGraphs
+from services.worker.cuda_graphs import attention_span
+from splitspec.bench.random_weights import random_draft, random_target_head
+from splitspec.transport.tensors import tensor_from_pb, tensor_to_pb
 from splitspec.v1 import draft_pb2
-from splitspec.wire import tensor_from_pb, tensor_to_pb
 
 dev = torch.device("cuda", 0)
 torch.cuda.set_device(dev)
-model, config = load_dflash_draft("random:qwen3-8b-dflash", dev, torch.bfloat16)
-embed, head, _ = load_target_head("random:qwen3-8b", dev, torch.bfloat16)
+model, config = random_draft("random:qwen3-8b-dflash", dev, torch.bfloat16)
+embed, head, _ = random_target_head("random:qwen3-8b", dev, torch.bfloat16)
 width = config.num_taps * config.hidden_size
 blocks = BlockGraphs(model, embed, head, 4096, 1, capture=True)
 engine = DraftEngine(model, embed, head, graphs=blocks)

@@ -11,15 +11,15 @@ import sys
 import numpy as np
 import torch
 
+from services.target.engine import TargetEngine
+from services.target.graphs import StaticVerifier
 from splitspec.bench.components import random_tree
-from splitspec.models.loader import load_target
-from splitspec.services.target.engine import TargetEngine
-from splitspec.services.target.graphs import StaticVerifier
+from splitspec.bench.random_weights import random_target
 from splitspec.spec.sampling import SamplingParams
 
 ok = True
 for shape in ("random:tiny", "random:qwen3-0.6b"):
-    model, config = load_target(shape, "cuda", torch.float32)
+    model, config = random_target(shape, "cuda", torch.float32)
     eager = TargetEngine(model)
     graphs = TargetEngine(model, static=StaticVerifier(model, 2, 2048, capture=True))
     rng = np.random.default_rng(0)
@@ -44,7 +44,7 @@ for shape in ("random:tiny", "random:qwen3-0.6b"):
 import os  # noqa: E402
 
 for dtype, tolerance in ((torch.float32, 1e-4), (torch.bfloat16, 0.05)):
-    model, config = load_target("random:qwen3-0.6b", "cuda", dtype)
+    model, config = random_target("random:qwen3-0.6b", "cuda", dtype)
     with torch.no_grad():  # full-size attention outputs, so that q's path shows in the logits too
         for layer in model.layers:
             layer.self_attn.o_proj.weight.normal_(0.0, 0.02)
@@ -67,13 +67,13 @@ for dtype, tolerance in ((torch.float32, 1e-4), (torch.bfloat16, 0.05)):
     torch.cuda.empty_cache()
 
 # The draft's graphed block pass against its eager pass, float32.
-from splitspec.models.loader import load_dflash_draft, load_target_head  # noqa: E402
-from splitspec.services.draft.engine import DraftEngine  # noqa: E402
-from splitspec.services.draft.graphs import BlockGraphs  # noqa: E402
+from services.draft.engine import DraftEngine  # noqa: E402
+from services.draft.graphs import BlockGraphs  # noqa: E402
+from splitspec.bench.random_weights import random_draft, random_target_head  # noqa: E402
 
 for shape in ("random:tiny", "random:qwen3-0.6b"):
-    model, config = load_dflash_draft(shape + "-dflash", "cuda", torch.float32)
-    embed, head, _ = load_target_head(shape, "cuda", torch.float32)
+    model, config = random_draft(shape + "-dflash", "cuda", torch.float32)
+    embed, head, _ = random_target_head(shape, "cuda", torch.float32)
     width = config.num_taps * config.hidden_size
     engines = [DraftEngine(model, embed, head), DraftEngine(model, embed, head, graphs=BlockGraphs(model, embed, head, 1024, 1, capture=True))]
     gen = torch.Generator(device="cuda").manual_seed(0)

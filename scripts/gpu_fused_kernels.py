@@ -18,13 +18,13 @@ import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from services.draft.engine import DraftEngine
+from services.draft.graphs import BlockGraphs
+from services.target.engine import TargetEngine, TargetLimits
+from services.target.graphs import StaticVerifier
 from splitspec.bench.components import copy_bandwidth, median_ms, random_tree, weight_bytes
+from splitspec.bench.random_weights import random_draft, random_target, random_target_head
 from splitspec.models.layers import QKVProjection, RMSNorm, SwiGLU
-from splitspec.models.loader import load_dflash_draft, load_target, load_target_head
-from splitspec.services.draft.engine import DraftEngine
-from splitspec.services.draft.graphs import BlockGraphs
-from splitspec.services.target.engine import TargetEngine, TargetLimits
-from splitspec.services.target.graphs import StaticVerifier
 from splitspec.spec.sampling import SamplingParams
 
 KERNELS = ("rms_norm", "silu_mul", "tree_attention")
@@ -77,7 +77,7 @@ for dtype, tol in ((torch.float32, 2e-3), (torch.bfloat16, 6e-2)):
         print(f"{'PASS' if passed else 'FAIL'} {name} {str(dtype)[6:]}: max diff {err:.2e}", flush=True)
         result.setdefault("checks", []).append({"name": name, "dtype": str(dtype), "max_diff": err, "pass": passed})
 
-model, config = load_target(args.shape, dev, torch.bfloat16)
+model, config = random_target(args.shape, dev, torch.bfloat16)
 wb, bw = weight_bytes(model), copy_bandwidth(dev)
 roof = 1e3 * wb / bw
 print(f"weights {wb / 1e9:.2f} GB, copy bandwidth {bw / 1e12:.2f} TB/s, roofline {roof:.2f} ms", flush=True)
@@ -126,8 +126,8 @@ for label, off in variants.items():
 del model
 torch.cuda.empty_cache()
 
-draft, dconfig = load_dflash_draft(args.shape + "-dflash", dev, torch.bfloat16)
-embed, head, _ = load_target_head(args.shape, dev, torch.bfloat16)
+draft, dconfig = random_draft(args.shape + "-dflash", dev, torch.bfloat16)
+embed, head, _ = random_target_head(args.shape, dev, torch.bfloat16)
 width = dconfig.num_taps * dconfig.hidden_size
 for label, off in (("all", ""), ("none of the three", ",".join(KERNELS))):
     os.environ["SPLITSPEC_NATIVE_OFF"] = off

@@ -1,4 +1,4 @@
-"""Check the GGUF-block matmul kernels (splitspec.native.gguf_matmul) on a GPU and sweep their tilings.
+"""Check the GGUF-block matmul kernels (native.gguf_matmul) on a GPU and sweep their tilings.
 
 Usage (on a CUDA machine): python3 scripts/gpu_gguf_matmul.py [--dtype bfloat16] [--reps 25] [--quick]
 For Qwen3-8B's linear shapes, each weight type and M in {1, 4, 16, 23, 33, 65}, every candidate
@@ -31,11 +31,11 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import quantize
 from torch.nn import functional as F
 
-from splitspec.models.dequant import dequantize
-from splitspec.native.gguf_matmul import KERNEL_TYPES, Tiling, default_tiling, gguf_matmul, gguf_matmul_reference, row_bytes
+from native.gguf_dequant import dequantize
+from native.gguf_matmul import KERNEL_TYPES, Tiling, default_tiling, gguf_matmul, gguf_matmul_reference, row_bytes
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
-from kquants import quantize_k  # noqa: E402  (the test-only K-quant writer)
+sys.path.insert(0, str(Path(__file__).parents[1]))  # the checkout: tests.kquants
+from tests.kquants import quantize_k  # noqa: E402  (the test-only K-quant writer)
 
 # Qwen3-8B: label -> (K, N, times per decode step: 36 layers, one LM head).
 SHAPES = {

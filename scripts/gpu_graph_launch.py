@@ -11,7 +11,6 @@ import time
 
 import torch
 
-
 dev = torch.device("cuda")
 x = torch.zeros(1 << 16, device=dev)
 

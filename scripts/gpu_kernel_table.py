@@ -13,12 +13,12 @@ import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from services.draft.engine import DraftEngine
+from services.draft.graphs import BlockGraphs
+from services.target.engine import TargetEngine
+from services.target.graphs import StaticVerifier
 from splitspec.bench.components import copy_bandwidth, median_ms, random_tree
-from splitspec.models.loader import load_dflash_draft, load_target, load_target_head
-from splitspec.services.draft.engine import DraftEngine
-from splitspec.services.draft.graphs import BlockGraphs
-from splitspec.services.target.engine import TargetEngine
-from splitspec.services.target.graphs import StaticVerifier
+from splitspec.bench.random_weights import random_draft, random_target, random_target_head
 from splitspec.spec.sampling import SamplingParams
 
 shape = sys.argv[1] if len(sys.argv) > 1 else "random:qwen3-8b"
@@ -48,7 +48,7 @@ def kernel_table(title: str, call, reps: int = 10) -> None:
         print(f"{us / reps:8.1f} us {count[name] / reps:6.1f}x  {name}")
 
 
-model, config = load_target(shape, dev, torch.bfloat16)
+model, config = random_target(shape, dev, torch.bfloat16)
 static = StaticVerifier(model, 1, 2048, capture=True)
 engine = TargetEngine(model, static=static)
 rng = np.random.default_rng(0)
@@ -88,8 +88,8 @@ graphed = eager = None  # freed before the draft loads
 engine = static = model = None
 torch.cuda.empty_cache()
 
-draft, dconfig = load_dflash_draft(shape + "-dflash", dev, torch.bfloat16)
-embed, head, _ = load_target_head(shape, dev, torch.bfloat16)
+draft, dconfig = random_draft(shape + "-dflash", dev, torch.bfloat16)
+embed, head, _ = random_target_head(shape, dev, torch.bfloat16)
 d = DraftEngine(draft, embed, head, graphs=BlockGraphs(draft, embed, head, 2048, 1, capture=True))
 width = dconfig.num_taps * dconfig.hidden_size
 feats = torch.randn(7, width, device=dev, dtype=torch.bfloat16)
@@ -108,7 +108,7 @@ def draft_step():
 print(f"draft step (7 rows appended) {median_ms(draft_step, 30, 5, dev):.3f} ms")
 kernel_table("draft step, 7 rows appended (graph)", draft_step)
 
-from splitspec.native import top_k  # noqa: E402
+from native import top_k  # noqa: E402
 
 logits = torch.randn(15, dconfig.hidden_size, device=dev, dtype=torch.bfloat16) @ head.T
 for k in (8, 64):

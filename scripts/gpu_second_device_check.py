@@ -14,18 +14,18 @@ import sys
 
 import torch
 
-from splitspec.devices import resolve_device
-from splitspec.models.loader import load_dflash_draft, load_target_head
-from splitspec.services.draft.engine import DraftEngine
-from splitspec.services.draft.graphs import BlockGraphs
+from services.draft.engine import DraftEngine
+from services.draft.graphs import BlockGraphs
+from splitspec.bench.random_weights import random_draft, random_target_head
+from splitspec.models.devices import resolve_device
 
 SHAPE = "random:qwen3-0.6b"
 ok = True
 reference = None
 for index in range(torch.cuda.device_count()):
     dev = resolve_device(f"cuda:{index}")
-    model, config = load_dflash_draft(SHAPE + "-dflash", dev, torch.float32)
-    embed, head, _ = load_target_head(SHAPE, dev, torch.float32)
+    model, config = random_draft(SHAPE + "-dflash", dev, torch.float32)
+    embed, head, _ = random_target_head(SHAPE, dev, torch.float32)
     width = config.num_taps * config.hidden_size
     feats = torch.randn(400, width, generator=torch.Generator().manual_seed(0))  # host features, as the server decodes them
     for native in ("1", "0"):

@@ -13,8 +13,9 @@ import sys
 import tempfile
 import time
 
-from client import generate
-from splitspec.serve import wait_ready
+from tests.client import generate
+
+from splitspec.cli.serve import wait_ready
 from splitspec.v1 import gateway_pb2
 
 Spec = gateway_pb2.Speculation

@@ -12,17 +12,17 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
+from services.target.engine import TargetEngine
+from services.target.graphs import StaticVerifier
 from splitspec.bench.components import random_tree
-from splitspec.devices import resolve_device
-from splitspec.models.loader import load_target
-from splitspec.services.target.engine import TargetEngine
-from splitspec.services.target.graphs import StaticVerifier
+from splitspec.bench.random_weights import random_target
+from splitspec.models.devices import resolve_device
 from splitspec.spec.sampling import SamplingParams
 
 
 def run(index: int) -> list:
     dev = resolve_device(f"cuda:{index}")  # on the main thread, as the worker's start-up does
-    model, config = load_target("random:qwen3-0.6b", dev, torch.float32)
+    model, config = random_target("random:qwen3-0.6b", dev, torch.float32)
     engine = TargetEngine(model, static=StaticVerifier(model, 1, 1024, capture=True))
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, config.vocab_size, 300).tolist()

@@ -1,4 +1,4 @@
-"""Check and time the Triton tree kernels (splitspec.native.tree_delta_rule) against the torch path.
+"""Check and time the Triton tree kernels (native.tree_delta_rule) against the torch path.
 
 Usage (on a CUDA machine with triton installed; about a minute):
     python3 scripts/gpu_tree_delta.py [--device cuda:0] [--hbm-tbps 4.8]
@@ -29,11 +29,11 @@ import tempfile
 import numpy as np
 import torch
 
+from native.tree_delta_rule import tree_conv_silu, tree_gated_delta
+from splitspec.fixtures.tiny import TinySpec, make_tiny
 from splitspec.models.delta_rule import ancestor_table, chain_parents, conv_silu_reference, gated_delta_tree, l2_normalize
 from splitspec.models.loader import load_target
-from splitspec.native.tree_delta_rule import tree_conv_silu, tree_gated_delta
 from splitspec.spec.tree import build_ddtree, node_depths, tree_attention_mask
-from splitspec.tiny import TinySpec, make_tiny
 
 HEADS, DK, DV, CHANNELS, WIDTH = 48, 128, 128, 10240, 4  # Qwen3.5-27B DeltaNet layer
 BUDGETS = (16, 22, 32, 64)

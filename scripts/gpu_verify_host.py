@@ -13,16 +13,16 @@ import time
 import numpy as np
 import torch
 
+from services.target.engine import TargetEngine
+from services.target.graphs import StaticVerifier
 from splitspec.bench.components import random_tree
-from splitspec.models.loader import load_target
-from splitspec.services.target.engine import TargetEngine
-from splitspec.services.target.graphs import StaticVerifier
+from splitspec.bench.random_weights import random_target
 from splitspec.spec.acceptance import accept_path
 from splitspec.spec.sampling import SamplingParams, draw_tokens
 from splitspec.spec.tree import node_depths, tree_attention_mask, validate_tree
 
 dev = torch.device("cuda")
-model, config = load_target("random:qwen3-8b", dev, torch.bfloat16)
+model, config = random_target("random:qwen3-8b", dev, torch.bfloat16)
 static = StaticVerifier(model, 1, 4096, capture=True)
 engine = TargetEngine(model, static=static)
 rng = np.random.default_rng(0)

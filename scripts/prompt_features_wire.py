@@ -17,10 +17,10 @@ import time
 import grpc
 import torch
 
-from splitspec.allocator import keep_message_buffers
-from splitspec.stepwire import OPEN, Opener, StepSocket, StepSocketServer
+from splitspec.transport.allocator import keep_message_buffers
+from splitspec.transport.stepwire import OPEN, Opener, StepSocket, StepSocketServer
+from splitspec.transport.tensors import tensor_from_pb, tensor_to_pb
 from splitspec.v1 import target_pb2, target_pb2_grpc
-from splitspec.wire import tensor_from_pb, tensor_to_pb
 
 
 def timed(call, reps: int = 5) -> float:

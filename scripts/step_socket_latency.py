@@ -1,5 +1,5 @@
 """What one step costs on the step socket, beyond the worker's own time, and what busy polling
-(``splitspec.busypoll``) changes.
+(``splitspec.transport.busypoll``) changes.
 
 A worker process serves VerifyRequest -> VerifyResponse on a real ``StepSocketServer``; its
 step holds the loop's thread for ``hold`` µs (as an inline step waits for the GPU) and answers
@@ -21,8 +21,8 @@ import statistics
 import tempfile
 import time
 
-from splitspec import busypoll
-from splitspec.stepwire import StepSocket, StepSocketServer
+from splitspec.transport import busypoll
+from splitspec.transport.stepwire import StepSocket, StepSocketServer
 from splitspec.v1 import common_pb2, target_pb2
 
 CASES = [(0, 0), (6000, 0), (0, 2000), (6000, 2000)]  # (hold, gap) µs

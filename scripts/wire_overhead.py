@@ -35,11 +35,11 @@ from pathlib import Path
 
 import numpy as np
 
-from splitspec.metrics import GatewayMetrics
+from services.gateway.workers import TargetClient
+from services.metrics import GatewayMetrics
+from splitspec.bench.random_weights import DRAFT_LAYERS, random_target_config
+from splitspec.cli.serve import wait_ready
 from splitspec.models.dflash import default_target_layer_ids
-from splitspec.models.random_weights import DRAFT_LAYERS, random_target_config
-from splitspec.serve import wait_ready
-from splitspec.services.gateway.workers import TargetClient
 from splitspec.v1 import target_pb2
 
 PROMPT_LEN = 64
@@ -121,7 +121,8 @@ async def measure(address: str, transport: str, args, taps, vocab: int) -> tuple
 
 
 def start_target(args, address: str, log: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "splitspec", "target", "--model", args.model, "--device", args.device, "--dtype", args.dtype,
+    service = ["splitspec.bench.workers", "random-target"] if args.model.startswith("random:") else ["splitspec", "target"]
+    cmd = [sys.executable, "-m", *service, "--model", args.model, "--device", args.device, "--dtype", args.dtype,
            "--listen", address, "--metrics-port", "0", *(["--threads", "1"] if args.device == "cpu" else [])]  # the client needs a core too
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
     wait_ready(address, [proc], 900)

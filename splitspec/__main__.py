@@ -1,3 +1,3 @@
-from splitspec.cli import main
+from splitspec.cli.main import main
 
 raise SystemExit(main())

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from splitspec.rpc import CHANNEL_OPTIONS
+from splitspec.transport.rpc import CHANNEL_OPTIONS
 from splitspec.v1 import common_pb2, draft_pb2_grpc, gateway_pb2, gateway_pb2_grpc, target_pb2_grpc
 
 

@@ -22,7 +22,8 @@ import grpc  # noqa: E402
 import pytest  # noqa: E402
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 
-from splitspec.tiny import TinySpec, make_tiny  # noqa: E402
+from splitspec.bench.workers import BENCH_WORKERS  # noqa: E402
+from splitspec.fixtures.tiny import TinySpec, make_tiny  # noqa: E402
 
 # Services started by tests serve no /metrics unless the test passes --metrics-port, so that test
 # sessions running side by side never collide on the default ports.
@@ -60,13 +61,16 @@ class Services:
         return f"unix:{self.root / (name + '.sock')}"
 
     def start(self, name: str, command: str, *args: str, wait: bool = True, address: str = "", credentials=None) -> str:
-        """Start ``splitspec COMMAND --listen ADDRESS *args``; by default on a Unix socket named after it.
+        """Start ``splitspec COMMAND --listen ADDRESS *args`` (or, for the benchmark-only workers
+        ``oracle-draft``, ``random-target`` and ``random-draft``, ``python -m splitspec.bench.workers
+        COMMAND ...``); by default on a Unix socket named after it.
 
         ``credentials`` (grpc.ChannelCredentials) are used for the readiness check of a TLS server.
         """
         address = address or self.address(name)
         log = open(self.root / f"{name}.log", "ab")
-        cmd = [sys.executable, "-m", "splitspec", command, "--listen", address, *args]
+        module = "splitspec.bench.workers" if command in BENCH_WORKERS else "splitspec"
+        cmd = [sys.executable, "-m", module, command, "--listen", address, *args]
         self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         if wait:
             self.wait_serving(name, address, credentials)
@@ -129,5 +133,6 @@ def module_services() -> Iterator[Services]:
     with _running_services() as s:
         yield s
 
-# Test helpers (tests/client.py) import as plain modules.
-sys.path.insert(0, str(Path(__file__).parent))
+# The checkout's own packages are the ones tested, imported by their paths (splitspec/, services/,
+# native/), and the test helpers as ``tests.client`` and so on.
+sys.path.insert(0, str(Path(__file__).parents[1]))

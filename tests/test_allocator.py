@@ -3,13 +3,13 @@ import sys
 
 import pytest
 
-from splitspec import allocator
+from splitspec.transport import allocator
 
 # Serialise a tap-feature message of ROWS rows (40 KiB each, an 8B target's 5 taps in bf16) 20
 # times; print whether the thresholds were set and the page faults the loop took.
 CHURN = """
 import resource, sys
-from splitspec.allocator import keep_message_buffers
+from splitspec.transport.allocator import keep_message_buffers
 from splitspec.v1 import common_pb2
 applied = keep_message_buffers() if sys.argv[1] == "tuned" else False
 rows = int(sys.argv[2])

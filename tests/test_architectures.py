@@ -3,7 +3,7 @@
 llama: a Q8_0 GGUF (q/k rows permuted as llama.cpp stores them) with a GGUF DFlash draft.
 qwen2: a Hugging Face directory (sharded safetensors, tied embeddings, q/k/v biases, tokenizer.json)
 with a z-lab DFlash draft directory. (qwen3 GGUF is tests/test_lossless.py.) Each is checked with
-its DFlash draft and with the replay drafter, which makes long acceptances happen; the target runs
+its DFlash draft and with the oracle drafter, which makes long acceptances happen; the target runs
 in float64 so that tree batching cannot flip a near-tie.
 """
 
@@ -15,17 +15,18 @@ import sys
 
 import numpy as np
 import pytest
+from tests.client import generate, live_sequences
+from tests.dense_fixtures import hf_model
 from safetensors.numpy import load_file
+from tests.tools import write_gguf
 
-from client import generate, live_sequences
-from dense_fixtures import hf_model
-from splitspec.chat import ChatTemplate
+from splitspec.fixtures.gguf_writing import CHATML_TEMPLATE
+from splitspec.fixtures.tiny import TinySpec, make_tiny, random_draft, write_draft_dir, write_draft_gguf
 from splitspec.models.dflash import DFlashConfig
 from splitspec.models.loader import read_target_config
-from splitspec.tiny import CHATML_TEMPLATE, TinySpec, make_tiny, random_draft, write_draft_dir, write_draft_gguf
-from splitspec.tokenizer import Tokenizer, byte_level_vocab, write_gguf_tokenizer
+from splitspec.text.chat import ChatTemplate
+from splitspec.text.tokenizer import Tokenizer, byte_level_vocab, write_gguf_tokenizer
 from splitspec.v1 import gateway_pb2
-from tools import write_gguf
 
 pytestmark = pytest.mark.slow
 transformers = pytest.importorskip("transformers")
@@ -76,18 +77,18 @@ def system(request, module_services, tmp_path_factory):
     target = s.start(f"{name}-target", "target", "--model", str(target_path), "--dtype", "float64", "--threads", "1")
     dflash = s.start(f"{name}-dflash", "draft", "--model", str(draft_path), "--target-model", str(target_path), "--threads", "1")
     table = out / "table.jsonl"
-    replay = s.start(f"{name}-replay", "draft", "--replay", str(table), "--replay-corruption", "0.3", "--target-model", str(target_path))
+    oracle = s.start(f"{name}-oracle", "oracle-draft", "--table", str(table), "--corruption", "0.3", "--target-model", str(target_path))
     gw_dflash = s.start(f"{name}-gw-dflash", "gateway", "--target", target, "--draft", dflash)
-    gw_replay = s.start(f"{name}-gw-replay", "gateway", "--target", target, "--draft", replay)
+    gw_oracle = s.start(f"{name}-gw-oracle", "gateway", "--target", target, "--draft", oracle)
     cases = _cases(read_target_config(target_path).vocab_size)
     references = [generate(gw_dflash, speculation=Spec(mode=Spec.OFF), **case) for case in cases]
     table.write_text("".join(json.dumps({"tokens": list(c["tokens"].ids) + r.tokens}) + "\n" for c, r in zip(cases, references)))
-    return {"name": name, "target_path": target_path, "target": target, "dflash": dflash, "replay": replay,
-            "gw_dflash": gw_dflash, "gw_replay": gw_replay, "cases": cases, "references": references}
+    return {"name": name, "target_path": target_path, "target": target, "dflash": dflash, "oracle": oracle,
+            "gw_dflash": gw_dflash, "gw_oracle": gw_oracle, "cases": cases, "references": references}
 
 
 @pytest.mark.parametrize("spec", MODES, ids=["ddtree-16-seeded", "chain-8"])
-@pytest.mark.parametrize("drafter", ["gw_dflash", "gw_replay"])
+@pytest.mark.parametrize("drafter", ["gw_dflash", "gw_oracle"])
 def test_speculative_output_equals_target_only(system, spec, drafter):
     committed = steps = 0
     for case, ref in zip(system["cases"], system["references"]):
@@ -97,7 +98,7 @@ def test_speculative_output_equals_target_only(system, spec, drafter):
         assert out.final.usage.draft_fallbacks == 0
         committed += out.final.usage.mean_acceptance_length * out.final.usage.steps
         steps += out.final.usage.steps
-    if drafter == "gw_replay":  # the replayed drafts must be accepted, or equality proves little
+    if drafter == "gw_oracle":  # the oracle's drafts must be accepted, or equality proves little
         assert committed / steps > 1.5
 
 
@@ -124,4 +125,4 @@ def test_chat_messages_use_the_models_template(system):
 
 def test_no_state_left_behind(system):
     assert live_sequences(system["target"], system["dflash"]) == (0, 0)
-    assert live_sequences(system["target"], system["replay"]) == (0, 0)
+    assert live_sequences(system["target"], system["oracle"]) == (0, 0)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import logging
 
 from splitspec.builtin import builtin_pair
-from splitspec.serve import default_pair
-from splitspec.tiny import TinySpec, make_tiny
+from splitspec.cli.serve import default_pair
+from splitspec.fixtures.tiny import TinySpec, make_tiny
 
 
 def test_builtin_pair_needs_every_file(tmp_path):
@@ -21,7 +21,7 @@ def test_serve_prefers_the_builtin_pair_and_falls_back_to_a_tiny_one(tmp_path, c
     installed = tmp_path / "builtin"
     target, draft = make_tiny(installed, TinySpec(seed=3))
     work = tmp_path / "work"
-    with caplog.at_level(logging.INFO, logger="splitspec.serve"):
+    with caplog.at_level(logging.INFO, logger="splitspec.cli.serve"):
         assert default_pair(work, installed) == (target, draft)
         assert "serving the built-in pair" in caplog.text and not work.exists()
         fallback = default_pair(work, tmp_path / "empty")

@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from splitspec import busypoll
-from splitspec.busypoll import DEFAULT_SPIN_US, MIN_CPUS, BusyPollSelector, spin_us_for
+from splitspec.transport import busypoll
+from splitspec.transport.busypoll import DEFAULT_SPIN_US, MIN_CPUS, BusyPollSelector, spin_us_for
 
 
 @pytest.fixture

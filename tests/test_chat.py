@@ -1,13 +1,13 @@
-"""Chat templates rendered by splitspec.chat against transformers' apply_chat_template."""
+"""Chat templates rendered by splitspec.text.chat against transformers' apply_chat_template."""
 
 from __future__ import annotations
 
 import pytest
+from tests.test_tokenizer_transformers import _sentencepiece_gguf
+from tests.tools import write_gguf
 
-from splitspec.chat import ChatTemplate, ChatTemplateError
-from splitspec.tokenizer import Tokenizer, byte_level_vocab, write_gguf_tokenizer
-from tools import write_gguf
-from test_tokenizer_transformers import _sentencepiece_gguf
+from splitspec.text.chat import ChatTemplate, ChatTemplateError
+from splitspec.text.tokenizer import Tokenizer, byte_level_vocab, write_gguf_tokenizer
 
 transformers = pytest.importorskip("transformers")
 

@@ -12,10 +12,10 @@ from contextlib import contextmanager
 
 import numpy as np
 import pytest
+from tests.client import generate
+from tests.tools import free_port
 
-from client import generate
-from tools import free_port
-from splitspec.tiny import TinySpec, make_tiny
+from splitspec.fixtures.tiny import TinySpec, make_tiny
 from splitspec.v1 import gateway_pb2
 
 pytestmark = pytest.mark.slow
@@ -146,7 +146,7 @@ def test_a_worker_that_fails_to_start_never_takes_the_gateway_down(services, tin
 def test_bad_files_end_the_worker_with_one_line(services, tmp_path, case):
     from gguf import GGMLQuantizationType as Q
 
-    from splitspec.tiny import encoder
+    from splitspec.fixtures.gguf_writing import encoder
 
     if case == "unsupported-quant":
         f32 = encoder("f32")

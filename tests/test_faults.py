@@ -11,9 +11,9 @@ import time
 
 import grpc
 import pytest
+from tests.client import generate, worker_state
 
-from client import generate, worker_state
-from splitspec.rpc import CHANNEL_OPTIONS
+from splitspec.transport.rpc import CHANNEL_OPTIONS
 from splitspec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, gateway_pb2, gateway_pb2_grpc, target_pb2, target_pb2_grpc
 
 pytestmark = pytest.mark.slow
@@ -38,7 +38,7 @@ def gateway_info(address: str) -> gateway_pb2.GatewayInfo:
 
 def start_system(services, tiny_pair, table, *gateway_args):
     target = services.start("target", "target", "--model", str(tiny_pair.target), "--dtype", "float64", "--sequence-ttl", "60")
-    draft = services.start("draft", "draft", "--replay", str(table), "--replay-corruption", "0.2", "--target-model", str(tiny_pair.target))
+    draft = services.start("draft", "oracle-draft", "--table", str(table), "--corruption", "0.2", "--target-model", str(tiny_pair.target))
     gateway = services.start("gateway", "gateway", "--target", target, "--draft", draft, "--health-interval", "0.2", *gateway_args)
     return target, draft, gateway
 
@@ -76,7 +76,7 @@ def test_draft_killed_mid_stream_then_back(services, tiny_pair, tmp_path):
     assert final.usage.draft_fallbacks > 0
     assert not gateway_info(gateway).draft_available
 
-    services.start("draft", "draft", "--replay", str(table), "--replay-corruption", "0.2", "--target-model", str(tiny_pair.target))
+    services.start("draft", "oracle-draft", "--table", str(table), "--corruption", "0.2", "--target-model", str(tiny_pair.target))
     wait_until(lambda: gateway_info(gateway).draft_available, what="draft back")
     again = generate(gateway, tokens=PROMPT, max_tokens=LONG, ignore_eos=True)
     assert again.tokens == reference
@@ -94,7 +94,7 @@ def test_running_sequence_resumes_speculation_when_the_draft_returns(services, t
         stream = open_stream(ch, tokens=PROMPT, max_tokens=2400, ignore_eos=True)
         tokens = list(next(stream).token_ids)
         services.stop("draft", signal.SIGKILL)
-        services.start("draft", "draft", "--replay", str(table), "--replay-corruption", "0.2", "--target-model", str(tiny_pair.target))
+        services.start("draft", "oracle-draft", "--table", str(table), "--corruption", "0.2", "--target-model", str(tiny_pair.target))
         final = collect(stream, tokens)
     assert tokens == reference
     usage = final.usage
@@ -114,7 +114,7 @@ def test_draft_deadline_miss_falls_back_then_speculation_resumes(services, tiny_
     table = tmp_path / "table.jsonl"
     target = services.start("target", "target", "--model", str(tiny_pair.target), "--dtype", "float64", "--threads", "1")
     draft = services.start(
-        "draft", "draft", "--replay", str(table), "--replay-corruption", "0.2", "--replay-delay", "0.02",
+        "draft", "oracle-draft", "--table", str(table), "--corruption", "0.2", "--delay", "0.02",
         "--target-model", str(tiny_pair.target),
     )
     gateway = services.start("gateway", "gateway", "--target", target, "--draft", draft, "--health-interval", "0.2", "--draft-timeout", "0.25")

@@ -7,11 +7,11 @@ import threading
 
 import grpc
 import pytest
+from tests.client import generate, worker_state
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from client import generate, worker_state
-from splitspec.rpc import CHANNEL_OPTIONS
+from splitspec.transport.rpc import CHANNEL_OPTIONS
 from splitspec.v1 import gateway_pb2
 
 pytestmark = pytest.mark.slow

@@ -6,8 +6,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize
-
-from kquants import quantize_k
+from tests.kquants import quantize_k
 
 # Relative RMS error bounds: about one quantization step over the value range, per bit width.
 BOUNDS = {Q.Q4_K: 0.12, Q.Q5_K: 0.06, Q.Q6_K: 0.03}

@@ -9,8 +9,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
+from tests.client import generate, worker_state
 
-from client import generate, worker_state
 from splitspec.v1 import gateway_pb2
 
 pytestmark = pytest.mark.slow
@@ -34,14 +34,14 @@ def test_concurrent_streams_match_single_stream_outputs(module_services, tiny_pa
     s = module_services
     table = tmp_path_factory.mktemp("load") / "table.jsonl"
     target = s.start("target", "target", "--model", str(tiny_pair.target), "--dtype", "float64")
-    replay = s.start("replay", "draft", "--replay", str(table), "--replay-corruption", "0.3", "--target-model", str(tiny_pair.target))
-    gateway = s.start("gateway", "gateway", "--target", target, "--draft", replay, "--max-running", "64")
+    oracle = s.start("oracle", "oracle-draft", "--table", str(table), "--corruption", "0.3", "--target-model", str(tiny_pair.target))
+    gateway = s.start("gateway", "gateway", "--target", target, "--draft", oracle, "--max-running", "64")
     requests = _requests()
     singles = [generate(gateway, **r).tokens for r in requests]
     with table.open("w") as f:
         for r, tokens in zip(requests, singles):
             f.write(json.dumps({"tokens": list(r["tokens"].ids) + tokens}) + "\n")
-    singles = [generate(gateway, **r).tokens for r in requests]  # now with the replay speculating
+    singles = [generate(gateway, **r).tokens for r in requests]  # now with the oracle speculating
 
     jobs = [(i % len(requests)) for i in range(CONCURRENCY * ROUNDS)]
     with ThreadPoolExecutor(CONCURRENCY) as pool:
@@ -51,5 +51,5 @@ def test_concurrent_streams_match_single_stream_outputs(module_services, tiny_pa
         assert out.tokens == singles[i], f"request {i} changed under load"
     speculated = [out.final.usage for i, out in results if requests[i]["speculation"].mode != Spec.OFF]
     assert sum(u.mean_acceptance_length * u.steps for u in speculated) / sum(u.steps for u in speculated) > 1.5
-    state = worker_state(target, replay)
+    state = worker_state(target, oracle)
     assert state.empty, state

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import logging
 
-from splitspec.logs import JsonFormatter
+from splitspec.cli.logs import JsonFormatter
 
 
 def test_json_line_carries_message_extras_and_traceback():

@@ -3,8 +3,8 @@
 Both target families run: dense Qwen3 (also on the fast path's fixed shapes) and the Qwen3.5 hybrid, whose Gated DeltaNet state follows
 each tree row's parent chain and is committed from the deepest accepted row. The target runs in
 float64 so that batching a tree differently from a single token cannot flip a near-tie. Two drafts are used: the real DFlash draft of the tiny pair (random, so it rarely hits)
-and the benchmark/test-only ReplayDrafter, which proposes the recorded target-only output
-corrupted at 30% per depth. The replay drives long acceptances, rejections and branch
+and the benchmark/test-only OracleDrafter, which proposes the recorded target-only output
+corrupted at 30% per depth. The oracle drives long acceptances, rejections and branch
 acceptances through every mode, so equality is tested where it is hard, not only where it is easy.
 """
 
@@ -14,8 +14,8 @@ import json
 
 import numpy as np
 import pytest
+from tests.client import generate, live_sequences
 
-from client import generate, live_sequences
 from splitspec.v1 import gateway_pb2
 
 pytestmark = pytest.mark.slow
@@ -54,46 +54,46 @@ def system(request, module_services, tiny_pair, tiny_qwen35_pair, tmp_path_facto
     s, arch = module_services, request.param
     pair = tiny_qwen35_pair if arch == "qwen35" else tiny_pair
     model = str(pair.target)
-    table = tmp_path_factory.mktemp(f"replay-{arch}") / "table.jsonl"
+    table = tmp_path_factory.mktemp(f"oracle-{arch}") / "table.jsonl"
     # The fast path's fixed shapes (pooled KV slot, padded rows, bucketed spans; graphs on a GPU).
     fast = ["--graph-slots", "1", "--graph-context", "512"] if arch.endswith("fast-path") else []
     # One torch thread per worker: two workers spinning all cores of a small CI machine stall each other.
     target = s.start(f"{arch}-target", "target", "--model", model, "--dtype", "float64", "--threads", "1", *fast)
-    replay = s.start(f"{arch}-replay", "draft", "--replay", str(table), "--replay-corruption", "0.3", "--target-model", model)
+    oracle = s.start(f"{arch}-oracle", "oracle-draft", "--table", str(table), "--corruption", "0.3", "--target-model", model)
     dflash = s.start(f"{arch}-dflash", "draft", "--model", str(pair.draft), "--target-model", model, "--threads", "1")
-    gw_replay = s.start(f"{arch}-gw-replay", "gateway", "--target", target, "--draft", replay)
+    gw_oracle = s.start(f"{arch}-gw-oracle", "gateway", "--target", target, "--draft", oracle)
     gw_dflash = s.start(f"{arch}-gw-dflash", "gateway", "--target", target, "--draft", dflash)
     # The gateways above carry steps on the workers' step sockets (--wire auto, workers on Unix sockets);
     # these two on per-sequence gRPC streams and on one gRPC call per step.
-    gw_stream = s.start(f"{arch}-gw-stream", "gateway", "--target", target, "--draft", replay, "--wire", "stream")
-    gw_unary = s.start(f"{arch}-gw-unary", "gateway", "--target", target, "--draft", replay, "--wire", "unary")
-    for name, wire in (("gw-replay", "socket"), ("gw-dflash", "socket"), ("gw-stream", "stream"), ("gw-unary", "unary")):
+    gw_stream = s.start(f"{arch}-gw-stream", "gateway", "--target", target, "--draft", oracle, "--wire", "stream")
+    gw_unary = s.start(f"{arch}-gw-unary", "gateway", "--target", target, "--draft", oracle, "--wire", "unary")
+    for name, wire in (("gw-oracle", "socket"), ("gw-dflash", "socket"), ("gw-stream", "stream"), ("gw-unary", "unary")):
         assert f"on the {wire} wire, draft" in s.log(f"{arch}-{name}")
 
     cases = _cases(read_target_config(model).vocab_size)
-    references = [generate(gw_replay, speculation=Spec(mode=Spec.OFF), **case) for case in cases]
+    references = [generate(gw_oracle, speculation=Spec(mode=Spec.OFF), **case) for case in cases]
     with table.open("w") as f:
         for case, ref in zip(cases, references):
             assert ref.final.usage.mean_acceptance_length == 1.0 and len(ref.tokens) == 40
             f.write(json.dumps({"tokens": list(case["tokens"].ids) + ref.tokens}) + "\n")
-    yield {"arch": arch, "target": target, "replay": replay, "dflash": dflash, "gw_replay": gw_replay, "gw_dflash": gw_dflash,
+    yield {"arch": arch, "target": target, "oracle": oracle, "dflash": dflash, "gw_oracle": gw_oracle, "gw_dflash": gw_dflash,
            "gw_stream": gw_stream, "gw_unary": gw_unary,
            "cases": cases, "references": references}
-    for name in ("gw-unary", "gw-stream", "gw-dflash", "gw-replay", "dflash", "replay", "target"):
+    for name in ("gw-unary", "gw-stream", "gw-dflash", "gw-oracle", "dflash", "oracle", "target"):
         s.stop(f"{arch}-{name}")
 
 
 @pytest.mark.parametrize("name,spec", MODES, ids=[m[0] for m in MODES])
-def test_replay_draft_output_equals_target_only(system, name, spec):
+def test_oracle_draft_output_equals_target_only(system, name, spec):
     committed = steps = 0
     for case, ref in zip(system["cases"], system["references"]):
-        out = generate(system["gw_replay"], speculation=spec, **case)
+        out = generate(system["gw_oracle"], speculation=spec, **case)
         assert out.tokens == ref.tokens, f"{name} diverged for temperature {case['temperature']}"
         assert out.text == ref.text
         assert out.final.finish_reason == gateway_pb2.LENGTH
         committed += out.final.usage.mean_acceptance_length * out.final.usage.steps
         steps += out.final.usage.steps
-    # The replayed drafts must actually be accepted, or this test would prove nothing.
+    # The oracle's drafts must actually be accepted, or this test would prove nothing.
     assert committed / steps > (1.5 if spec.budget > 1 else 1.3)
 
 
@@ -115,5 +115,5 @@ def test_grpc_wires_output_equals_target_only(system, name, spec, wire):
 
 
 def test_no_state_left_behind(system):
-    assert live_sequences(system["target"], system["replay"]) == (0, 0)
+    assert live_sequences(system["target"], system["oracle"]) == (0, 0)
     assert live_sequences(system["target"], system["dflash"]) == (0, 0)

@@ -7,11 +7,11 @@ import urllib.request
 
 import pytest
 from prometheus_client import CollectorRegistry
+from tests.tools import free_port
 
-from tools import free_port
+from services.gateway.speculation import SequenceStats, StepStats
+from services.metrics import GatewayMetrics, WorkerMetrics, model_name, serve_metrics
 from splitspec.errors import InvalidArgument, ResourceExhausted
-from splitspec.metrics import GatewayMetrics, WorkerMetrics, model_name, serve_metrics
-from splitspec.services.gateway.speculation import SequenceStats, StepStats
 
 
 def value(registry: CollectorRegistry, name: str, **labels) -> float:

@@ -2,10 +2,10 @@
 
 The test counts what it got back (tokens, steps and accepted tokens from every response's usage)
 and checks through Prometheus' HTTP API that the services' counters equal those counts and that
-the histograms observed every request, token and worker call. The draft is the replay drafter
+the histograms observed every request, token and worker call. The draft is the oracle drafter
 (benchmark/test only): it proposes the target's own recorded output corrupted at 30% per depth,
 so steps accept several tokens and every speculation counter moves. A second gateway, whose draft
-deadline its (deliberately slow, replayed) drafter cannot meet, exercises the fallback path. The Grafana dashboard's queries then run
+deadline its (deliberately slow) oracle drafter cannot meet, exercises the fallback path. The Grafana dashboard's queries then run
 against the same server.
 """
 
@@ -25,10 +25,10 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+from tests.client import Completion, generate
 from prometheus_client.parser import text_string_to_metric_families
+from tests.tools import free_port, require
 
-from client import Completion, generate
-from tools import free_port, require
 from splitspec.v1 import gateway_pb2
 
 pytestmark = pytest.mark.slow
@@ -145,15 +145,15 @@ def system(module_services, tiny_pair, tmp_path_factory):
     )
     target = f"127.0.0.1:{target_port}"
     _wait_healthy(target, s.procs["target"])
-    table = root / "replay.jsonl"
+    table = root / "oracle.jsonl"
     draft = s.start(
-        "draft", "draft", "--replay", str(table), "--replay-corruption", "0.3", "--target-model", str(tiny_pair.target),
+        "draft", "oracle-draft", "--table", str(table), "--corruption", "0.3", "--target-model", str(tiny_pair.target),
         "--metrics-port", str(ports["draft"]),
     )
     gateway = s.start("gateway", "gateway", "--target", target, "--draft", draft, "--metrics-port", str(ports["gateway"]), "--log-json")
     # A drafter slower than the fallback gateway's draft deadline: every proposal misses it.
     slow_draft = s.start(
-        "slow-draft", "draft", "--replay", str(table), "--replay-delay", "0.5", "--target-model", str(tiny_pair.target),
+        "slow-draft", "oracle-draft", "--table", str(table), "--delay", "0.5", "--target-model", str(tiny_pair.target),
     )
     fallback = s.start(
         "fallback", "gateway", "--target", target, "--draft", slow_draft, "--draft-timeout", "0.05",
@@ -168,7 +168,7 @@ def system(module_services, tiny_pair, tmp_path_factory):
         ]
         done: dict[str, list[tuple[str, Completion]]] = {"gateway": [], "fallback": []}
         with table.open("w") as f:
-            for case in cases:  # target-only references, which the replay drafter then proposes
+            for case in cases:  # target-only references, which the oracle drafter then proposes
                 ref = generate(gateway, speculation=Spec(mode=Spec.OFF), **case)
                 done["gateway"].append(("off", ref))
                 f.write(json.dumps({"tokens": list(case["tokens"].ids) + ref.tokens}) + "\n")
@@ -209,7 +209,7 @@ def test_counters_equal_what_the_clients_counted(system):
                 accepted_somewhere += accepted
                 drafted = p.value(f'splitspec_spec_decode_draft_tokens_total{{{sel}, mode="{mode}"}}')
                 assert accepted <= drafted <= steps * 15  # each step speculates at most block - 1 positions
-    assert accepted_somewhere > 0, "the replayed drafts were never accepted: the counters were tested on zeros"
+    assert accepted_somewhere > 0, "the oracle's drafts were never accepted: the counters were tested on zeros"
 
 
 def test_histograms_observed_every_request_token_and_worker_call(system):

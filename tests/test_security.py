@@ -10,12 +10,12 @@ import sys
 
 import grpc
 import pytest
+from tests.client import generate
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from client import generate
 from splitspec.v1 import common_pb2, target_pb2_grpc
 
 pytestmark = pytest.mark.slow

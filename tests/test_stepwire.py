@@ -13,14 +13,14 @@ import sys
 
 import grpc
 import pytest
+from tests.worker_steps import PROMPT, TREES, chain, client_on, prefill, run, steps
 
-from splitspec import busypoll
+from services.gateway.workers import DraftClient, TargetClient
 from splitspec.errors import FailedPrecondition
-from splitspec.security import ClientSecurity
-from splitspec.services.gateway.workers import DraftClient, TargetClient
-from splitspec.stepwire import ERROR, HELLO, OPEN, REQUEST, RESPONSE, StepSocket, StepSocketServer, frame, read_frame, resolve_step_socket
+from splitspec.transport import busypoll
+from splitspec.transport.security import ClientSecurity
+from splitspec.transport.stepwire import ERROR, HELLO, OPEN, REQUEST, RESPONSE, StepSocket, StepSocketServer, frame, read_frame, resolve_step_socket
 from splitspec.v1 import target_pb2
-from worker_steps import PROMPT, TREES, chain, client_on, prefill, run, steps
 
 pytestmark = pytest.mark.slow
 
@@ -32,11 +32,11 @@ DELAY_S = 0.4
 def workers(module_services, tiny_pair, tmp_path_factory):
     s = module_services
     model = str(tiny_pair.target)
-    table = tmp_path_factory.mktemp("replay") / "table.jsonl"
+    table = tmp_path_factory.mktemp("oracle") / "table.jsonl"
     table.write_text("")
     return {
         "target": s.start("sw-target", "target", "--model", model, "--dtype", "float64", "--threads", "1"),
-        "slow": s.start("sw-slow", "draft", "--replay", str(table), "--replay-delay", str(DELAY_S), "--target-model", model),
+        "slow": s.start("sw-slow", "oracle-draft", "--table", str(table), "--delay", str(DELAY_S), "--target-model", model),
         "locked": s.start("sw-locked", "target", "--model", model, "--threads", "1", "--auth-token", TOKEN),
         "spinning": s.start("sw-spinning", "target", "--model", model, "--dtype", "float64", "--threads", "1", "--busy-poll", "20000"),
     }

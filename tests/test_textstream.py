@@ -1,4 +1,4 @@
-"""Tests for splitspec.textstream: UTF-8-safe incremental detokenization with stop handling."""
+"""Tests for splitspec.text.textstream: UTF-8-safe incremental detokenization with stop handling."""
 
 import gguf
 import numpy as np
@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from splitspec.textstream import StreamDelta, TextStream
-from splitspec.tokenizer import Tokenizer, byte_level_vocab, write_gguf_tokenizer
+from splitspec.text.textstream import StreamDelta, TextStream
+from splitspec.text.tokenizer import Tokenizer, byte_level_vocab, write_gguf_tokenizer
 
 CORPUS = (
     "Streaming text: the answer is 42. </answer> def f(x):\n    return x * 2\n"

@@ -1,4 +1,4 @@
-"""Tests for splitspec.tokenizer: GGUF byte-level BPE tokenizers and the tiny-vocabulary writer."""
+"""Tests for splitspec.text.tokenizer: GGUF byte-level BPE tokenizers and the tiny-vocabulary writer."""
 
 import json
 import random
@@ -7,10 +7,10 @@ import sys
 
 import gguf
 import pytest
-from tools import write_gguf
 import tokenizers
+from tests.tools import write_gguf
 
-from splitspec.tokenizer import ByteLevelVocab, Tokenizer, byte_level_vocab, write_gguf_tokenizer
+from splitspec.text.tokenizer import ByteLevelVocab, Tokenizer, byte_level_vocab, write_gguf_tokenizer
 
 MIXED_TEXT = (
     "The quick brown fox jumps over the lazy dog. It's 2024; we'll see what they've done.\n"
@@ -249,5 +249,5 @@ def test_same_ids_as_transformers(vocab, gguf_path):
 
 
 def test_modules_do_not_import_torch():
-    code = "import sys, splitspec.tokenizer, splitspec.textstream; sys.exit('torch' in sys.modules)"
+    code = "import sys, splitspec.text.tokenizer, splitspec.text.textstream; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0

@@ -15,9 +15,9 @@ from collections import Counter
 
 import gguf
 import pytest
-from tools import write_gguf
+from tests.tools import write_gguf
 
-from splitspec.tokenizer import Tokenizer, byte_level_vocab, write_gguf_tokenizer
+from splitspec.text.tokenizer import Tokenizer, byte_level_vocab, write_gguf_tokenizer
 
 transformers = pytest.importorskip("transformers")
 
@@ -222,7 +222,7 @@ def test_tokenizer_json_directory_matches_transformers(pair, tmp_path):
 
 def test_streamed_sentencepiece_text_equals_decoding_the_whole(tmp_path):
     """Byte-fallback runs (emoji, CJK) streamed one token at a time come out whole and unspoiled."""
-    from splitspec.textstream import TextStream
+    from splitspec.text.textstream import TextStream
 
     tok = Tokenizer.load(_sentencepiece_gguf(tmp_path / "spm.gguf"))
     for chunk in mixed_text(seed=5, size=30_000):

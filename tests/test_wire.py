@@ -2,8 +2,8 @@ import numpy as np
 import pytest
 import torch
 
+from splitspec.transport.tensors import WireError, array_from_pb, array_to_pb, tensor_from_pb, tensor_to_pb
 from splitspec.v1 import common_pb2
-from splitspec.wire import WireError, array_from_pb, array_to_pb, tensor_from_pb, tensor_to_pb
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.int64])

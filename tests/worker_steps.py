@@ -6,8 +6,8 @@ import asyncio
 
 import numpy as np
 
-from splitspec.security import ClientSecurity
-from splitspec.services.gateway.workers import TargetClient
+from services.gateway.workers import TargetClient
+from splitspec.transport.security import ClientSecurity
 from splitspec.v1 import target_pb2
 
 PROMPT = [11, 22, 33, 44, 55]

@@ -50,10 +50,11 @@ if os.environ.get("SPLITSPEC_TRACE_DIR"):
 
         return timed
 
-    import splitspec.services.hosting as hosting
+    import services.gateway.workers as workers
+    import services.worker.hosting as hosting
     import splitspec.spec.tree as tree
-    import splitspec.textstream as textstream
-    import splitspec.services.gateway.workers as workers
+    import splitspec.text.textstream as textstream
+    import splitspec.transport.rpc as rpc
 
     _attach = hosting.EngineHost.attach
 
@@ -66,22 +67,22 @@ if os.environ.get("SPLITSPEC_TRACE_DIR"):
     hosting.EngineHost.attach = _attach_timed
     _host_step = hosting.EngineHost.step
 
-    async def _host_step_timed(self, method, *args, **kwargs):
+    async def _host_step_timed(self, work):
         t0 = _now()
         try:
-            return await _host_step(self, method, *args, **kwargs)
+            return await _host_step(self, work)
         finally:
             _records.append(("host", self.what, t0, _now()))
 
     hosting.EngineHost.step = _host_step_timed
-    _sequence_stream = hosting.sequence_stream
+    _sequence_stream = rpc.sequence_stream
 
     async def _sequence_stream_timed(requests, context, step):  # the servicers import it after this runs
         async for response in _sequence_stream(requests, context, _timed(("step",), step)):
             yield response
 
-    hosting.sequence_stream = _sequence_stream_timed
-    import splitspec.stepwire as stepwire  # imported it already, through the gateway's workers module
+    rpc.sequence_stream = _sequence_stream_timed
+    import splitspec.transport.stepwire as stepwire  # imported it already, through the gateway's workers module
 
     stepwire.sequence_stream = _sequence_stream_timed
     tree.build_ddtree = _timed(("tree",), tree.build_ddtree)  # before the gateway imports it by name

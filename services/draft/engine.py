@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
+from services.draft.graphs import BlockGraphs, top_k_proposal
+from services.worker.hosting import SequenceTable
 from splitspec.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from splitspec.models.dflash import DFlashConfig, DFlashDraft
-from splitspec.services.draft.graphs import BlockGraphs, top_k_proposal
-from splitspec.services.hosting import SequenceTable
 
 
 class ContextCache:

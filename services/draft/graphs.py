@@ -31,10 +31,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from splitspec.cuda_graphs import StagedInputs, attention_span, capture
+from native import top_k as native_top_k
+from native import use_triton
+from services.worker.cuda_graphs import StagedInputs, attention_span, capture
 from splitspec.models.dflash import DFlashDraft
-from splitspec.native import top_k as native_top_k
-from splitspec.native import use_triton
 
 logger = logging.getLogger(__name__)
 

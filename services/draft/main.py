@@ -6,15 +6,18 @@ import argparse
 import logging
 import time
 
-from splitspec import busypoll, rpc
-from splitspec.security import ServerSecurity, add_server_arguments
-from splitspec.stepwire import add_step_socket_argument, step_server_from_args
+from splitspec.transport import busypoll, rpc
+from splitspec.transport.security import ServerSecurity, add_server_arguments
+from splitspec.transport.stepwire import add_step_socket_argument, step_server_from_args
 
 logger = logging.getLogger(__name__)
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="", help="DFlash draft: a z-lab directory (config.json + model.safetensors), its GGUF conversion, or hf://...")
+def add_arguments(p: argparse.ArgumentParser, model: bool = True) -> None:
+    """The draft worker's flags; ``model=False`` leaves out ``--model`` for an engine that is not a
+    DFlash checkpoint (the benchmark's OracleDrafter)."""
+    if model:
+        p.add_argument("--model", required=True, help="DFlash draft: a z-lab directory (config.json + model.safetensors), its GGUF conversion, or hf://...")
     p.add_argument("--target-model", required=True, help="the target model (GGUF, directory or hf://...): its embedding and LM head are read from it")
     p.add_argument("--listen", default="127.0.0.1:50053", help="address to serve on (host:port or unix:PATH)")
     p.add_argument("--device", default="cpu", help="cpu or cuda:N")
@@ -32,31 +35,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sequence-ttl", type=float, default=600.0, help="release contexts idle this many seconds")
     p.add_argument("--metrics-port", type=int, default=9453, help="Prometheus /metrics port on the --listen host (0 = off)")
     p.add_argument("--shutdown-grace", type=float, default=10.0, help="seconds in-flight calls may finish after SIGTERM")
-    p.add_argument(
-        "--replay", default="",
-        help="BENCHMARK/TEST ONLY: instead of a model, replay the continuations in this JSONL table "
-        "({\"tokens\": [...]} per line), corrupted at --replay-corruption",
-    )
-    p.add_argument("--replay-corruption", type=float, default=0.0, help="BENCHMARK/TEST ONLY: per-depth corruption rate of the replay drafter")
-    p.add_argument("--replay-delay", type=float, default=0.0, help="BENCHMARK/TEST ONLY: seconds each replayed proposal takes (a slow drafter)")
     add_step_socket_argument(p)
     busypoll.add_busy_poll_argument(p)
     add_server_arguments(p)
 
 
-def _load_engine(args: argparse.Namespace):
-    """Build the engine named by the flags; returns (engine, target config, dtype name, device name)."""
-    from splitspec.devices import resolve_device, resolve_dtype
+def load_engine(args: argparse.Namespace):
+    """The engine of the draft named by the flags; returns (engine, target config, dtype name, device name)."""
+    from splitspec.models.devices import resolve_device, resolve_dtype
     from splitspec.models.loader import check_draft_fits, load_dflash_draft, load_target_head, read_target_config
-    from splitspec.services.draft.engine import DraftEngine
-    from splitspec.services.draft.graphs import BlockGraphs
-    from splitspec.services.draft.replay import ReplayDrafter, ReplayTable
 
-    if args.replay:
-        target_config = read_target_config(args.target_model)
-        engine = ReplayDrafter(ReplayTable(args.replay), target_config.vocab_size, corruption=args.replay_corruption, delay_s=args.replay_delay)
-        logger.warning("REPLAY drafter (benchmark/test only): %s, corruption %.2f", args.replay, args.replay_corruption)
-        return engine, target_config, "n/a", "cpu"
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     t0 = time.perf_counter()
@@ -68,29 +56,37 @@ def _load_engine(args: argparse.Namespace):
         "loaded draft %s: %d layers, block %d, taps %s, on %s in %.1f s",
         args.model, config.num_layers, config.block_size, list(config.target_layer_ids), device, time.perf_counter() - t0,
     )
+    return draft_engine(args, model, embed, head, device), target_config, str(dtype).removeprefix("torch."), str(device)
+
+
+def draft_engine(args: argparse.Namespace, model, embed, head, device):
+    """The DraftEngine serving ``model`` with the target's ``embed`` and LM ``head``, with the fast
+    path's context slots that ``--graph-sequences`` asks for."""
+    from services.draft.engine import DraftEngine
+    from services.draft.graphs import BlockGraphs
+
     graphs = None
     sequences = args.graph_sequences if args.graph_sequences >= 0 else (8 if device.type == "cuda" else 0)
     if sequences:
         capture = device.type == "cuda" and not args.no_cuda_graphs
         graphs = BlockGraphs(model, embed, head, args.graph_context, sequences, capture)
         logger.info("fast path: %d sequences of %d context positions, %s", sequences, args.graph_context, "CUDA graphs" if capture else "fixed shapes run eagerly")
-    engine = DraftEngine(model, embed, head, max_sequences=args.max_sequences, graphs=graphs)
-    return engine, target_config, str(dtype).removeprefix("torch."), str(device)
+    return DraftEngine(model, embed, head, max_sequences=args.max_sequences, graphs=graphs)
 
 
-async def run(args: argparse.Namespace) -> None:
+async def run(args: argparse.Namespace, load=load_engine) -> None:
+    """Serve the draft worker; ``load(args)`` builds its engine once the socket listens (the
+    benchmark passes its own: splitspec/bench/workers.py)."""
     import torch
 
-    from splitspec.devices import backend_name, resolve_device
-    from splitspec.metrics import WorkerMetrics, model_name
+    from services.draft.server import SERVICE, DraftServicer
+    from services.metrics import WorkerMetrics, model_name
+    from services.worker.hosting import model_geometry, serve_worker
+    from splitspec.models.devices import backend_name, resolve_device
     from splitspec.v1 import draft_pb2, draft_pb2_grpc
-    from splitspec.services.hosting import model_geometry, serve_worker
-    from splitspec.services.draft.server import SERVICE, DraftServicer
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    if bool(args.model) == bool(args.replay):
-        raise ValueError("give exactly one of --model (a DFlash draft) or --replay (benchmark/test only)")
     busypoll.configure(args.busy_poll, resolve_device(args.device).type == "cuda", "draft")
     metrics = WorkerMetrics("draft", model_name(args.target_model))
     metrics.serve(args.metrics_port, args.listen)
@@ -102,17 +98,17 @@ async def run(args: argparse.Namespace) -> None:
 
     def load() -> None:
         t0 = time.perf_counter()
-        engine, target_config, dtype, device = _load_engine(args)
+        engine, target_config, dtype, device = load(args)
         geometry = model_geometry(target_config, dtype, device, str(args.target_model))
-        servicer.host.attach(engine, (geometry, str(args.model or args.replay)))
-        metrics.describe(device=device, backend=backend_name(torch.device(device)), dtype=dtype, draft=model_name(args.model or args.replay))
+        servicer.host.attach(engine, (geometry, str(args.model)))
+        metrics.describe(device=device, backend=backend_name(torch.device(device)), dtype=dtype, draft=model_name(args.model))
         metrics.loaded(time.perf_counter() - t0)
         metrics.watch(live_sequences=lambda: len(engine.sequences))
-        if not args.replay:
+        if hasattr(engine, "max_sequences"):
             metrics.watch(max_sequences=lambda: engine.max_sequences)
         logger.info("draft worker serving on %s", args.listen)
 
-    logger.info("draft worker listening on %s, loading %s", args.listen, args.model or args.replay)
+    logger.info("draft worker listening on %s, loading %s", args.listen, args.model)
     step_server = step_server_from_args(args, "draft", f"/{SERVICE}/Propose", draft_pb2.ProposeRequest, servicer.Propose)
     servicer.step_server = step_server
     await serve_worker("draft", server, health, SERVICE, servicer.host, load, args.shutdown_grace, args.sequence_ttl, step_server)

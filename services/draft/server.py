@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from services.metrics import WorkerMetrics
+from services.worker.hosting import EngineHost
 from splitspec.errors import InvalidArgument
-from splitspec.metrics import WorkerMetrics
+from splitspec.transport.rpc import sequence_stream
+from splitspec.transport.tensors import WireError, tensor_from_pb, tensor_to_pb
 from splitspec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
-from splitspec.wire import WireError, tensor_from_pb, tensor_to_pb
-from splitspec.services.hosting import EngineHost, sequence_stream
 
 SERVICE = draft_pb2.DESCRIPTOR.services_by_name["DraftWorker"].full_name
 
@@ -45,16 +46,12 @@ class DraftServicer(draft_pb2_grpc.DraftWorkerServicer):
                 features = tensor_from_pb(request.features)
             except WireError as exc:
                 raise InvalidArgument(f"features: {exc}") from exc
+        tokens = list(request.tokens)
         proposal = await self.host.step(
-            "propose",
-            request.sequence_id,
-            request.anchor_token,
-            request.anchor_position,
-            features,
-            request.top_k,
-            request.window,
-            list(request.tokens),
-            request.context,
+            lambda engine: engine.propose(
+                request.sequence_id, request.anchor_token, request.anchor_position, features, request.top_k, request.window,
+                tokens, request.context,
+            )
         )
         self.metrics.forward("propose", proposal.forward_ns)
         return draft_pb2.ProposeResponse(

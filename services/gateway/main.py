@@ -6,9 +6,9 @@ import argparse
 import asyncio
 import logging
 
-from splitspec import busypoll, rpc
-from splitspec.security import ServerSecurity, add_client_arguments, add_server_arguments, client_security
-from splitspec.services.gateway.workers import WIRES
+from services.gateway.workers import WIRES
+from splitspec.transport import busypoll, rpc
+from splitspec.transport.security import ServerSecurity, add_client_arguments, add_server_arguments, client_security
 
 logger = logging.getLogger(__name__)
 
@@ -60,16 +60,16 @@ async def _wait_for(what: str, call, deadline: float):
 
 
 async def run(args: argparse.Namespace) -> None:
+    from services.gateway.admission import Admission
+    from services.gateway.monitor import WorkerMonitor
+    from services.gateway.server import SERVICE, GatewayServicer, GatewayState, check_compatible, load_chat_template
+    from services.gateway.speculation import Mode, SpeculationOptions
+    from services.gateway.workers import DraftClient, TargetClient
+    from services.metrics import GatewayMetrics, model_name
     from splitspec.errors import FailedPrecondition
-    from splitspec.hub import resolve_model
-    from splitspec.metrics import GatewayMetrics, model_name
-    from splitspec.tokenizer import Tokenizer
+    from splitspec.models.hub import resolve_model
+    from splitspec.text.tokenizer import Tokenizer
     from splitspec.v1 import gateway_pb2_grpc
-    from splitspec.services.gateway.admission import Admission
-    from splitspec.services.gateway.monitor import WorkerMonitor
-    from splitspec.services.gateway.server import SERVICE, GatewayServicer, GatewayState, check_compatible, load_chat_template
-    from splitspec.services.gateway.speculation import Mode, SpeculationOptions
-    from splitspec.services.gateway.workers import DraftClient, TargetClient
 
     if args.budget < 1:
         raise FailedPrecondition(f"--budget {args.budget} must be >= 1")

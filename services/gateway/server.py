@@ -11,19 +11,19 @@ import logging
 import math
 from dataclasses import dataclass
 
+from services.gateway.admission import Admission
+from services.gateway.monitor import WorkerMonitor
+from services.gateway.runahead import RunAhead
+from services.gateway.speculation import DraftShape, Mode, SpeculationOptions, SpeculativeSequence
+from services.gateway.workers import DraftClient, TargetClient
+from services.metrics import GatewayMetrics, RequestObserver
 from splitspec import __version__
-from splitspec.chat import ChatTemplate, ChatTemplateError
 from splitspec.errors import FailedPrecondition, InvalidArgument, Unavailable
-from splitspec.interceptors import request_id
-from splitspec.metrics import GatewayMetrics, RequestObserver
-from splitspec.textstream import TextStream
-from splitspec.tokenizer import Tokenizer
+from splitspec.text.chat import ChatTemplate, ChatTemplateError
+from splitspec.text.textstream import TextStream
+from splitspec.text.tokenizer import Tokenizer
+from splitspec.transport.interceptors import request_id
 from splitspec.v1 import common_pb2, draft_pb2, gateway_pb2, gateway_pb2_grpc, target_pb2
-from splitspec.services.gateway.admission import Admission
-from splitspec.services.gateway.monitor import WorkerMonitor
-from splitspec.services.gateway.runahead import RunAhead
-from splitspec.services.gateway.speculation import DraftShape, Mode, SpeculationOptions, SpeculativeSequence
-from splitspec.services.gateway.workers import DraftClient, TargetClient
 
 logger = logging.getLogger(__name__)
 SERVICE = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name

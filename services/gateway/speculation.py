@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from services.gateway.workers import DraftClient, Prefilled, TargetClient
 from splitspec.errors import UpstreamError
 from splitspec.spec.tree import DraftTree, build_chain, build_ddtree
 from splitspec.v1 import common_pb2, target_pb2
-from splitspec.services.gateway.workers import DraftClient, Prefilled, TargetClient
 
 logger = logging.getLogger(__name__)
 _last_draft_context = 0

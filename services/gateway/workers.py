@@ -4,7 +4,7 @@ Tap features stay protobuf ``Tensor`` messages end to end: the gateway forwards 
 bytes to the draft without decoding or copying them into another representation.
 
 The *wire* is how a sequence's steps (Verify, Propose) travel:
-- ``socket``: one connection per sequence to the worker's step socket (``splitspec.stepwire``),
+- ``socket``: one connection per sequence to the worker's step socket (``splitspec.transport.stepwire``),
   a plain Unix socket the worker offers in its Info when it shares the gateway's host;
 - ``stream``: one long-lived bidirectional gRPC stream per sequence and worker (``VerifyStream``,
   ``ProposeStream``), opened on the sequence's first step and reused, so a step pays one message
@@ -26,13 +26,13 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
-from splitspec import rpc
+from services.metrics import RpcObserver
 from splitspec.errors import FailedPrecondition
-from splitspec.metrics import RpcObserver
-from splitspec.security import ClientSecurity
-from splitspec.stepwire import OPEN, StepSocket
+from splitspec.transport import rpc
+from splitspec.transport.security import ClientSecurity
+from splitspec.transport.stepwire import OPEN, StepSocket
+from splitspec.transport.tensors import array_from_pb
 from splitspec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
-from splitspec.wire import array_from_pb
 
 logger = logging.getLogger(__name__)
 WIRES = ("auto", "socket", "stream", "unary")

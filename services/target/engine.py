@@ -22,9 +22,9 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from services.target.graphs import PREFILL_CHUNK, PooledKVCache, StaticVerifier
+from services.worker.hosting import SequenceTable
 from splitspec.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
-from splitspec.services.hosting import SequenceTable
-from splitspec.services.target.graphs import PREFILL_CHUNK, PooledKVCache, StaticVerifier
 from splitspec.spec.acceptance import accept_path
 from splitspec.spec.sampling import SamplingParams, draw_tokens
 from splitspec.spec.tree import node_depths, tree_attention_mask, validate_tree

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from splitspec.cuda_graphs import StagedInputs, attention_span, capture
+from services.worker.cuda_graphs import StagedInputs, attention_span, capture
 from splitspec.models.dense import DenseForCausalLM, KVCache
 
 logger = logging.getLogger(__name__)

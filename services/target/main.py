@@ -6,9 +6,9 @@ import argparse
 import logging
 import time
 
-from splitspec import busypoll, rpc
-from splitspec.security import ServerSecurity, add_server_arguments
-from splitspec.stepwire import Opener, add_step_socket_argument, step_server_from_args
+from splitspec.transport import busypoll, rpc
+from splitspec.transport.security import ServerSecurity, add_server_arguments
+from splitspec.transport.stepwire import Opener, add_step_socket_argument, step_server_from_args
 
 logger = logging.getLogger(__name__)
 
@@ -55,8 +55,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def static_verifier(model, config, device, args: argparse.Namespace):
     """The fast path's slot pool (see services/target/graphs.py), or None when it is off."""
+    from services.target.graphs import StaticVerifier
     from splitspec.models.dense import DenseForCausalLM
-    from splitspec.services.target.graphs import StaticVerifier
 
     slots = args.graph_slots if args.graph_slots >= 0 else (4 if device.type == "cuda" else 0)
     if slots == 0:
@@ -74,20 +74,29 @@ def static_verifier(model, config, device, args: argparse.Namespace):
     return static
 
 
-async def run(args: argparse.Namespace) -> None:
+def load_model(args: argparse.Namespace, device, dtype, state_dtype):
+    """The target named by ``--model``: (model, config, end-of-sequence ids, tokenizer path)."""
+    from splitspec.models.hub import resolve_model
+    from splitspec.models.loader import load_target
+    from splitspec.text.tokenizer import Tokenizer
+
+    path = resolve_model(args.model)
+    model, config = load_target(path, device, dtype, state_dtype, keep_quantized=args.keep_quantized)
+    return model, config, list(Tokenizer.load(path).eos_token_ids), str(path)
+
+
+async def run(args: argparse.Namespace, load=load_model) -> None:
+    """Serve the target worker; ``load(args, device, dtype, state_dtype)`` builds its model once the
+    socket listens (the benchmark passes its own: splitspec/bench/workers.py)."""
     import torch
 
-    from splitspec.devices import DTYPES, backend_name, resolve_device, resolve_dtype
-    from splitspec.hub import resolve_model
-    from splitspec.metrics import WorkerMetrics, model_name
-    from splitspec.models.loader import load_target
-    from splitspec.models.random_weights import is_random
+    from services.metrics import WorkerMetrics, model_name
+    from services.target.engine import TargetEngine, TargetLimits
+    from services.target.server import SERVICE, TargetDescription, TargetServicer
+    from services.worker.hosting import model_geometry, serve_worker
+    from splitspec.models.devices import DTYPES, backend_name, resolve_device, resolve_dtype
     from splitspec.models.qwen35 import Qwen35Config, tree_node_bytes
-    from splitspec.tokenizer import Tokenizer
     from splitspec.v1 import target_pb2, target_pb2_grpc
-    from splitspec.services.hosting import model_geometry, serve_worker
-    from splitspec.services.target.engine import TargetEngine, TargetLimits
-    from splitspec.services.target.server import SERVICE, TargetDescription, TargetServicer
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -107,10 +116,7 @@ async def run(args: argparse.Namespace) -> None:
 
     def load() -> None:
         t0 = time.perf_counter()
-        path = resolve_model(args.model)
-        model, config = load_target(path, device, dtype, state_dtype, keep_quantized=args.keep_quantized)
-        # random: shapes (benchmarks) have no tokenizer; their gateway is given one with --tokenizer.
-        eos, tokenizer_path = ([], "") if is_random(path) else (list(Tokenizer.load(path).eos_token_ids), str(path))
+        model, config, eos, tokenizer_path = load(args, device, dtype, state_dtype)
         if isinstance(config, Qwen35Config):
             node = tree_node_bytes(config, dtype, model.recurrent_dtype(dtype))
             logger.info(

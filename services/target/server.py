@@ -4,14 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from splitspec.devices import DTYPES
+from services.metrics import WorkerMetrics
+from services.target.engine import TargetEngine
+from services.worker.hosting import EngineHost
 from splitspec.errors import InvalidArgument
-from splitspec.metrics import WorkerMetrics
+from splitspec.models.devices import DTYPES
 from splitspec.spec.sampling import SamplingParams
+from splitspec.transport.rpc import sequence_stream
+from splitspec.transport.tensors import tensor_to_pb
 from splitspec.v1 import common_pb2, target_pb2, target_pb2_grpc
-from splitspec.wire import tensor_to_pb
-from splitspec.services.hosting import EngineHost, sequence_stream
-from splitspec.services.target.engine import TargetEngine
 
 SERVICE = target_pb2.DESCRIPTOR.services_by_name["TargetWorker"].full_name
 FEATURE_DTYPES = ("", "float32", "float16", "bfloat16")
@@ -62,24 +63,21 @@ class TargetServicer(target_pb2_grpc.TargetWorkerServicer):
     async def Prefill(self, request, context):
         if request.feature_dtype not in FEATURE_DTYPES:
             raise InvalidArgument(f"feature_dtype: {request.feature_dtype!r} is not one of {FEATURE_DTYPES[1:]}")
+        sampling = sampling_from_pb(request.sampling)
+        feature_dtype = DTYPES[request.feature_dtype] if request.feature_dtype else None
         result = await self.host.call(
-            "prefill",
-            request.sequence_id,
-            list(request.tokens),
-            sampling_from_pb(request.sampling),
-            taps=list(request.tap_layer_ids),
-            reserve_tokens=request.reserve_tokens,
-            feature_rows=request.feature_rows,
-            feature_dtype=DTYPES[request.feature_dtype] if request.feature_dtype else None,
+            lambda engine: engine.prefill(
+                request.sequence_id, list(request.tokens), sampling, taps=list(request.tap_layer_ids),
+                reserve_tokens=request.reserve_tokens, feature_rows=request.feature_rows, feature_dtype=feature_dtype,
+            )
         )
         self.metrics.forward("prefill", result.forward_ns)
         features = tensor_to_pb(result.features) if result.features is not None else None
         return target_pb2.PrefillResponse(next_token=result.next_token, features=features, forward_ns=result.forward_ns)
 
     async def Verify(self, request, context):
-        result = await self.host.step(
-            "verify", request.sequence_id, list(request.tokens), list(request.parents), request.return_features
-        )
+        tokens, parents = list(request.tokens), list(request.parents)
+        result = await self.host.step(lambda engine: engine.verify(request.sequence_id, tokens, parents, request.return_features))
         self.metrics.forward("verify", result.forward_ns)
         return target_pb2.VerifyResponse(
             committed_tokens=result.committed_tokens,

@@ -18,12 +18,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from services.draft.engine import DraftEngine
+from services.draft.graphs import BlockGraphs
+from services.target.engine import TargetEngine, TargetLimits
+from services.target.graphs import StaticVerifier, row_bucket
+from splitspec.bench.random_weights import random_draft, random_target, random_target_head
 from splitspec.models.dense import DenseForCausalLM
-from splitspec.models.loader import load_dflash_draft, load_target, load_target_head
-from splitspec.services.draft.engine import DraftEngine
-from splitspec.services.draft.graphs import BlockGraphs
-from splitspec.services.target.engine import TargetEngine, TargetLimits
-from splitspec.services.target.graphs import StaticVerifier, row_bucket
 from splitspec.spec.sampling import SamplingParams
 from splitspec.spec.tree import build_ddtree
 
@@ -102,7 +102,7 @@ def time_target(
 ) -> ComponentReport:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    model, _ = load_target(path, device, dtype)
+    model, _ = random_target(path, device, dtype)
     report = ComponentReport(path, str(device), str(dtype).removeprefix("torch."), weight_bytes(model), copy_bandwidth(device))
     rng = np.random.default_rng(0)
     vocab = model.config.vocab_size
@@ -145,8 +145,8 @@ def time_draft(
     per path: the CUDA-graph block pass (on a GPU) and eager."""
     if device.type == "cuda":
         torch.cuda.set_device(device)  # graph capture and cuBLAS follow the current device
-    model, config = load_dflash_draft(target_path + "-dflash", device, dtype)
-    embed, head, _ = load_target_head(target_path, device, dtype)
+    model, config = random_draft(target_path + "-dflash", device, dtype)
+    embed, head, _ = random_target_head(target_path, device, dtype)
     width = config.num_taps * config.hidden_size
     times = {}
     paths = {"graphs": True, "eager": False} if device.type == "cuda" else {"eager": False}

@@ -17,7 +17,7 @@ from dataclasses import asdict
 from datetime import date
 from pathlib import Path
 
-from splitspec import busypoll
+from splitspec.transport import busypoll
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ def transformers_tokens_per_s(shape: str, device: str, dtype: str, prompt_len: i
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from splitspec.models.random_weights import random_target_config
+    from splitspec.bench.random_weights import random_target_config
 
     c = random_target_config(f"random:{shape}")
     config = Qwen3Config(
@@ -89,8 +89,8 @@ def transformers_tokens_per_s(shape: str, device: str, dtype: str, prompt_len: i
 
 def check_parts(shape: str, parts: set[str]) -> None:
     """Refuse, in one line, a part that cannot give honest figures for ``shape``."""
+    from splitspec.bench.random_weights import random_shape
     from splitspec.models.dense import DenseConfig
-    from splitspec.models.random_weights import random_shape
 
     s = random_shape(f"random:{shape}")
     if "system" in parts and s.quantized:
@@ -123,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     draft_device = args.draft_device or args.device
     budgets = [int(b) for b in args.budgets.split(",")]
-    from splitspec.services.gateway.workers import WIRES
+    from services.gateway.workers import WIRES
 
     wires = tuple(args.wire.split(","))
     if set(wires) - set(WIRES):

@@ -2,7 +2,7 @@
 
 The target's output is meaningless on random weights, so acceptance is set from outside: the
 benchmark first records the target's own greedy continuation of each prompt (speculation off,
-which is also the AR row), then replays it through the **ReplayDrafter** (benchmark-only),
+which is also the AR row), then replays it through the **OracleDrafter** (benchmark-only),
 corrupted at a chosen rate per depth, so the whole gateway → draft → target path runs at a
 chosen acceptance length. A random DFlash draft of the real draft shape runs too: it accepts
 almost nothing, but its row is the true cost of a full round (draft pass, features on the wire,
@@ -23,7 +23,8 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from splitspec.serve import wait_ready
+from splitspec.bench.workers import BENCH_WORKERS
+from splitspec.cli.serve import wait_ready
 from splitspec.v1 import gateway_pb2, gateway_pb2_grpc
 
 Spec = gateway_pb2.Speculation
@@ -76,10 +77,13 @@ class Cluster:
         self.procs: list[subprocess.Popen] = []
 
     def start(self, name: str, *args: str, timeout: float = 600.0) -> str:
+        """Start ``args[0]``: a ``splitspec`` service or a benchmark-only worker of
+        ``splitspec.bench.workers`` (random-target, random-draft, oracle-draft)."""
         address = f"unix:{self.sockets / name}.sock"
         log = (self.log_dir / f"{name}.log").open("w")
+        module = "splitspec.bench.workers" if args[0] in BENCH_WORKERS else "splitspec"
         proc = subprocess.Popen(
-            [sys.executable, "-m", "splitspec", args[0], "--listen", address, "--metrics-port", "0",
+            [sys.executable, "-m", module, args[0], "--listen", address, "--metrics-port", "0",
              "--busy-poll", str(self.busy_poll_us), *args[1:]],
             stdout=log, stderr=subprocess.STDOUT,
         )
@@ -169,12 +173,12 @@ def run_system(
 ) -> list[SystemRow]:
     """The AR row, then one row per draft, for each gateway ``--wire`` in ``wires``: the workers are
     shared and the wires take turns row by row, so both see the same machine state."""
-    from splitspec.models.random_weights import random_target_config
+    from splitspec.bench.random_weights import random_target_config
 
     target_model = f"random:{shape}"
     config = random_target_config(target_model)
     tokenizer = synthetic_tokenizer(config.vocab_size, work_dir / "tokenizer.json")
-    table = work_dir / "replay.jsonl"
+    table = work_dir / "oracle.jsonl"
     table.write_text("")
     rng = np.random.default_rng(0)
     prompt_ids = [rng.integers(0, config.vocab_size, prompt_len).tolist() for _ in range(prompts + concurrency)]
@@ -190,13 +194,13 @@ def run_system(
     rows = []
     with Cluster(log_dir, busy_poll_us) as c:
         target = c.start(
-            "target", "target", "--model", target_model, "--device", device, "--dtype", dtype,
+            "target", "random-target", "--model", target_model, "--device", device, "--dtype", dtype,
             "--graph-slots", str(max(2, concurrency)), "--graph-context", context,
         )
-        drafts = {f"replay {p:.2f}": ("--replay", str(table), "--replay-corruption", str(p)) for p in corruptions}
-        drafts["dflash (random weights)"] = ("--model", f"{target_model}-dflash", "--device", draft_device, "--dtype", dtype)
+        drafts = {f"oracle {p:.2f}": ("oracle-draft", "--table", str(table), "--corruption", str(p)) for p in corruptions}
+        drafts["dflash (random weights)"] = ("random-draft", "--model", f"{target_model}-dflash", "--device", draft_device, "--dtype", dtype)
         draft_addresses = {
-            label: c.start(f"draft{i}", "draft", "--target-model", target_model, *args) for i, (label, args) in enumerate(drafts.items())
+            label: c.start(f"draft{i}", args[0], "--target-model", target_model, *args[1:]) for i, (label, args) in enumerate(drafts.items())
         }
         gateways = {
             (wire, label): c.start(

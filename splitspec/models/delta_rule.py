@@ -37,7 +37,7 @@ are kept in between tokens. A row reads its parent's *stored* state, so a tree r
 sequential step compute the same thing for any ``store_dtype``.
 
 :func:`conv_silu` and :func:`gated_delta` are what the model calls: they run the Triton kernels of
-:mod:`splitspec.native.tree_delta_rule` where :func:`native_kernels_for` says so, and otherwise
+:mod:`native.tree_delta_rule` where :func:`native_kernels_for` says so, and otherwise
 the torch functions here (:func:`conv_silu_reference`, :func:`gated_delta_tree`), which are the
 kernels' references.
 """
@@ -47,7 +47,7 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
-from splitspec.native import use_triton
+from native import use_triton
 
 __all__ = [
     "ancestor_table",
@@ -201,7 +201,7 @@ def native_kernels_for(x: torch.Tensor) -> bool:
 def conv_silu(history: torch.Tensor, inputs: torch.Tensor, ancestors: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """:func:`conv_silu_reference`, by a Triton kernel where :func:`native_kernels_for` says so."""
     if native_kernels_for(inputs):
-        from splitspec.native.tree_delta_rule import tree_conv_silu
+        from native.tree_delta_rule import tree_conv_silu
 
         return tree_conv_silu(history, inputs, ancestors, weight)
     return conv_silu_reference(history, inputs, ancestors, weight)
@@ -213,7 +213,7 @@ def gated_delta(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`gated_delta_tree`, by a Triton kernel where :func:`native_kernels_for` says so."""
     if native_kernels_for(v):
-        from splitspec.native.tree_delta_rule import tree_gated_delta
+        from native.tree_delta_rule import tree_gated_delta
 
         return tree_gated_delta(q, k, v, g, beta, state, parents, store_dtype)
     return gated_delta_tree(q, k, v, g, beta, state, parents, store_dtype)

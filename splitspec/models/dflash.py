@@ -81,7 +81,7 @@ class DFlashConfig:
         return config
 
     def to_dict(self, num_target_layers: int) -> dict[str, Any]:
-        """The ``config.json`` the reference code and ``from_dict`` read."""
+        """The ``config.json`` that z-lab's DFlash code and ``from_dict`` read."""
         return {
             "architectures": ["DFlashDraftModel"],
             "model_type": "qwen3",

@@ -12,8 +12,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from splitspec.native import qkv_rope, rms_norm, silu_mul, tree_attention, use_triton
-
+from native import qkv_rope, rms_norm, silu_mul, tree_attention, use_triton
 
 # cuDNN's attention builds a plan for every new shape: ~1.3 ms of host time per call measured on
 # an H200 when the key length grows by one each decode step. The flash / memory-efficient kernels

@@ -8,7 +8,7 @@ its own; it borrows the target's, read here from the target (``load_target_head`
 
 The hybrid Qwen3.5 family (GGUF ``qwen35`` or a ``qwen3_5`` directory) loads through
 ``models.qwen35_loader``; ``read_target_config``, ``load_target`` and ``load_target_head`` pick
-the family. Every path may also be a Hub reference (``hf://...``, see ``splitspec.hub``). A file
+the family. Every path may also be a Hub reference (``hf://...``, see ``splitspec.models.hub``). A file
 that does not fit raises ``ModelFileError`` naming the file and the offending key or tensor.
 """
 
@@ -24,19 +24,19 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as Q
 from torch import nn
-from tqdm import tqdm
 
-from splitspec.hub import resolve_model
-from splitspec.models import random_weights
+from native.gguf_dequant import dequantize
+from native.gguf_matmul import KERNEL_TYPES
+from splitspec.models import qwen35_loader
 from splitspec.models.dense import DenseConfig, DenseForCausalLM
-from splitspec.models.dequant import dequantize
 from splitspec.models.dflash import DFlashConfig, DFlashDraft, default_target_layer_ids
 from splitspec.models.gguf_file import GGUFFile, ModelFileError
 from splitspec.models.hf_dir import HFDirectory
+from splitspec.models.hub import resolve_model
 from splitspec.models.layers import llama3_freq_factors
-from splitspec.models.qwen35 import QWEN35_ARCHS, Qwen35Config, Qwen35ForCausalLM
 from splitspec.models.quantized import swap_quant_linears
-from splitspec.native.gguf_matmul import KERNEL_TYPES
+from splitspec.models.qwen35 import QWEN35_ARCHS, Qwen35Config, Qwen35ForCausalLM
+from splitspec.models.weights import load_gguf_raw, load_gguf_tensor, progress
 
 logger = logging.getLogger(__name__)
 
@@ -106,20 +106,6 @@ def _unpermute_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
     """
     per_head = w.shape[0] // heads
     return w.reshape(heads, per_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
-
-
-def load_gguf_raw(f: GGUFFile, name: str, shape: tuple[int, ...], device: torch.device | str) -> tuple[torch.Tensor, Q]:
-    """A GGUF tensor's packed bytes on ``device``, one row per ``shape[0]`` (uint8 [rows, row_bytes]
-    for the block types), and its type."""
-    data, qtype = f.raw(name, shape)
-    raw = torch.from_numpy(np.array(data, copy=True)).to(device)  # the memory map is read-only
-    return raw.reshape(shape[0], -1), qtype
-
-
-def load_gguf_tensor(f: GGUFFile, name: str, shape: tuple[int, ...], device: torch.device | str) -> torch.Tensor:
-    """A GGUF tensor as float32 on ``device``: the packed bytes move there and expand there."""
-    raw, qtype = load_gguf_raw(f, name, shape, device)
-    return dequantize(raw, qtype, shape)
 
 
 class _GGUFSource:
@@ -276,26 +262,17 @@ def _open_target(path: str | os.PathLike, device: torch.device | str = "cpu") ->
 
 def _hybrid(path: str | os.PathLike):
     """The qwen35 loader module when ``path`` holds that family, else None."""
-    from splitspec.models import qwen35_loader
-
     local = resolve_model(path)
     return (qwen35_loader, local) if qwen35_loader.is_qwen35(local) else None
 
 
 def read_target_config(path: str | os.PathLike) -> DenseConfig | Qwen35Config:
     """The geometry of a target checkpoint, whatever its family, without reading its weights."""
-    if random_weights.is_random(path):
-        return random_weights.random_target_config(path)
     hybrid = _hybrid(path)
     if hybrid:
         module, local = hybrid
         return module.qwen35_config_from_hf(local) if local.is_dir() else module.qwen35_config_from_gguf(GGUFFile(local))
     return _open_target(path).config
-
-
-def progress(items: list, desc: str):
-    # tqdm hides itself when stderr is not a terminal (disable=None).
-    return tqdm(items, desc=desc, unit="tensor", disable=None, leave=False)
 
 
 def load_target(
@@ -308,8 +285,6 @@ def load_target(
     """``state_dtype``: storage of recurrent states (hybrid family only; see ``Qwen35ForCausalLM``).
     ``keep_quantized``: the dense family's linear layers whose GGUF weights are Q8_0, Q4_K or Q6_K
     stay in their blocks (``native.gguf_matmul.QuantLinear``); the rest dequantize as usual."""
-    if random_weights.is_random(path):
-        return random_weights.random_target(path, device, dtype, state_dtype)
     hybrid = _hybrid(path)
     if hybrid:
         module, local = hybrid
@@ -358,8 +333,6 @@ def load_target_head(
     path: str | os.PathLike, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
 ) -> tuple[torch.Tensor, torch.Tensor, DenseConfig | Qwen35Config]:
     """The target's token embedding [vocab, hidden] and LM head [vocab, hidden], for the draft."""
-    if random_weights.is_random(path):
-        return random_weights.random_target_head(path, device, dtype)
     hybrid = _hybrid(path)
     if hybrid:
         module, local = hybrid
@@ -390,8 +363,6 @@ def load_dflash_draft(
 ) -> tuple[DFlashDraft, DFlashConfig]:
     """A DFlash draft from a z-lab directory (``config.json`` + ``model.safetensors``) or a GGUF
     file. ``num_target_layers`` picks the default taps when the file does not list them."""
-    if random_weights.is_random(path):
-        return random_weights.random_draft(path, device, dtype)
     local = resolve_model(path)
     if local.is_dir():
         d = HFDirectory(local)

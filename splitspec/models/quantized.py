@@ -11,7 +11,7 @@ from __future__ import annotations
 from gguf import GGMLQuantizationType as Q
 from torch import nn
 
-from splitspec.native.gguf_matmul import QuantLinear
+from native.gguf_matmul import QuantLinear
 
 
 def swap_quant_linears(model: nn.Module, types: dict[str, Q]) -> dict[str, str]:

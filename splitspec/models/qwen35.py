@@ -45,7 +45,6 @@ from splitspec.models.delta_rule import (
 from splitspec.models.layers import QKVProjection, RMSNorm, SwiGLU, apply_rope, rope_cos_sin
 from splitspec.spec.acceptance import compact_rows
 
-
 QWEN35_ARCHS = ("qwen35",)  # GGUF general.architecture values of this family
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Loading the Qwen3.5 / Qwen3.6 hybrid family (Gated DeltaNet + gated attention, spec §4.1).
+"""Loading the Qwen3.5 / Qwen3.6 hybrid family (Gated DeltaNet + gated attention).
 
 From GGUF (architecture ``qwen35``: the converter's transforms are undone here — value heads
 tiled back to HF's grouped order; the stored ``1 + w`` norms and ``ssm_a = -exp(A_log)`` are
@@ -17,10 +17,8 @@ import torch
 
 from splitspec.models.gguf_file import GGUFFile, ModelFileError
 from splitspec.models.hf_dir import HFDirectory
-from splitspec.models.loader import progress
 from splitspec.models.qwen35 import QWEN35_ARCHS, Qwen35Config, Qwen35ForCausalLM
-
-
+from splitspec.models.weights import progress
 
 QWEN35_HF_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
 

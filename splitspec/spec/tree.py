@@ -107,7 +107,7 @@ def build_ddtree(
 
     Node order is insertion order: pop order, preceded by the spine when ``chain_seed``. Ties in
     score pop in push order, so the result is deterministic. A pushed score is the parent's path
-    score plus one log-prob (the same value as the reference's sibling update, without its rounding
+    score plus one log-prob (the same value as DDTree's sibling update, arXiv 2604.12989, without its rounding
     drift), so equal paths tie exactly.
     """
     top_ids = _check_top_ids(top_ids)

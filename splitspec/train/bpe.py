@@ -1,7 +1,7 @@
 """A byte-level BPE tokenizer trained on the corpus, in the form a GGUF stores it.
 
-The tokenizer is built exactly as ``splitspec.tokenizer`` rebuilds a GGUF's "gpt2" tokenizer
-(:func:`splitspec.tokenizer.byte_level_backend` with the Qwen2 pre-tokenizer split, which keeps
+The tokenizer is built exactly as ``splitspec.text.tokenizer`` rebuilds a GGUF's "gpt2" tokenizer
+(:func:`splitspec.text.tokenizer.byte_level_backend` with the Qwen2 pre-tokenizer split, which keeps
 digits single and runs of indentation whole), then trained with the ``tokenizers`` library's BPE
 trainer. So the GGUF embedded in the target encodes and decodes identically to the trained object.
 
@@ -18,7 +18,7 @@ import gguf
 import tokenizers
 from tokenizers import pre_tokenizers, trainers
 
-from splitspec.tokenizer import ByteLevelVocab, byte_level_backend
+from splitspec.text.tokenizer import ByteLevelVocab, byte_level_backend
 
 EOT = "<|endoftext|>"
 MASK = "<|mask|>"

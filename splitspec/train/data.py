@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from splitspec.tokenizer import Tokenizer
+from splitspec.text.tokenizer import Tokenizer
 
 DEFAULT_GLOB = "*.py,*.txt,*.md"
 

@@ -1,5 +1,5 @@
 """Train a DFlash drafter (arXiv 2602.06036) for a frozen target, with the recipe SpecForge
-implements (reference spec §1.6). ``train_draft(DraftTrainConfig(...))`` is the whole API.
+implements (DFlash, arXiv 2602.06036). ``train_draft(DraftTrainConfig(...))`` is the whole API.
 
 Terms:
 
@@ -44,11 +44,11 @@ from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 
-from splitspec.devices import resolve_device
-from splitspec.hub import resolve_model
+from splitspec.models.devices import resolve_device
 from splitspec.models.dflash import DFlashConfig, DFlashDraft, default_target_layer_ids
+from splitspec.models.hub import resolve_model
 from splitspec.models.loader import load_target
-from splitspec.tokenizer import Tokenizer
+from splitspec.text.tokenizer import Tokenizer
 from splitspec.train.data import DEFAULT_GLOB, PackedCorpus, load_corpus
 
 logger = logging.getLogger(__name__)
@@ -64,7 +64,7 @@ RUN_FIELDS = frozenset({"data", "glob", "out", "device", "eval_every", "eval_seq
 
 @dataclass
 class DraftTrainConfig:
-    """What to train, on what, and how. Defaults follow the published recipe (§1.6) except the
+    """What to train, on what, and how. Defaults follow the published recipe (DFlash, arXiv 2602.06036) except the
     size (``layers``, ``steps``), which the caller picks."""
 
     target: str  # target checkpoint: GGUF file, Hugging Face directory or hf:// reference
@@ -74,7 +74,7 @@ class DraftTrainConfig:
     seq_len: int = 1024  # tokens per packed training sequence
     heldout_fraction: float = 0.05  # share of the text (by document) kept for evaluation
     layers: int = 2  # draft decoder layers
-    taps: tuple[int, ...] | None = None  # target layers whose outputs feed the draft; None = the reference's choice
+    taps: tuple[int, ...] | None = None  # target layers whose outputs feed the draft; None = DFlash's default spacing
     block_size: int = 16  # B: anchor + B-1 drafted tokens
     mask_token_id: int | None = None  # None = the tokenizer's "<|mask|>"
     anchors: int = 512  # blocks per sequence per step (capped by the positions available)

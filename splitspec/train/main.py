@@ -24,7 +24,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heldout-fraction", type=float, default=0.05, help="share of the text, by document, held out for evaluation")
     p.add_argument("--layers", type=int, default=2, help="decoder layers of the draft")
     p.add_argument("--taps", type=_taps, default=None, help="comma-separated target layers whose outputs feed the draft "
-                   "(default: evenly spaced from layer 1, one per draft layer, as the reference does)")
+                   "(default: evenly spaced from layer 1, one per draft layer, as DFlash's training code does)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per drafted block, anchor included")
     p.add_argument("--mask-token-id", type=int, default=None, help="token id that fills the block after the anchor "
                    "(default: the tokenizer's <|mask|>)")

@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from splitspec.fixtures.tiny import gguf_weights, write_target_gguf
 from splitspec.models.dense import DenseConfig, DenseForCausalLM
-from splitspec.tiny import gguf_weights, write_target_gguf
 from splitspec.train.bpe import EOT, PRE, gguf_vocab
 from splitspec.train.corpus import load_packed
 

@@ -1,5 +1,5 @@
 """``splitspec bench`` end to end on the CPU with the tiny random shapes: every part runs through
-the real services and the figures hang together (a replayed draft accepts more than AR); the
+the real services and the figures hang together (an oracle draft accepts more than AR); the
 quantized and hybrid shapes time their components, and parts that cannot measure a shape refuse."""
 
 from __future__ import annotations
@@ -12,18 +12,18 @@ import sys
 import pytest
 import torch
 
-from splitspec.models.loader import load_dflash_draft, load_target, read_target_config
+from splitspec.bench.random_weights import random_draft, random_target, random_target_config
 
 pytestmark = pytest.mark.slow
 
 
 def test_random_shapes_load_and_unknown_ones_are_named():
-    model, config = load_target("random:tiny")
-    assert read_target_config("random:tiny") == config
-    draft, draft_config = load_dflash_draft("random:tiny-dflash")
+    model, config = random_target("random:tiny")
+    assert random_target_config("random:tiny") == config
+    draft, draft_config = random_draft("random:tiny-dflash")
     assert draft_config.hidden_size == config.hidden_size
     with pytest.raises(ValueError, match="random:qwen3-8b"):
-        read_target_config("random:nope")
+        random_target_config("random:nope")
 
 
 def test_bench_runs_every_part(tmp_path):
@@ -42,9 +42,9 @@ def test_bench_runs_every_part(tmp_path):
     for wire in ("stream", "unary"):
         rows = {r["label"]: r for r in result["system"] if r["wire"] == wire}
         assert rows["off (AR)"]["acceptance_length"] < 1.2
-        # An uncorrupted replay is the target's own continuation: nearly every drafted token is accepted.
-        assert rows["replay 0.00"]["acceptance_length"] > 2 * rows["replay 0.90"]["acceptance_length"]
-        assert rows["replay 0.00"]["draft_fallbacks"] == 0
+        # An uncorrupted oracle is the target's own continuation: nearly every drafted token is accepted.
+        assert rows["oracle 0.00"]["acceptance_length"] > 2 * rows["oracle 0.90"]["acceptance_length"]
+        assert rows["oracle 0.00"]["draft_fallbacks"] == 0
     assert len(result["system"]) == 2 * 4 and all(r["completion_tokens"] == 2 * 24 for r in result["system"])
     # Decode steps alone (prefill excluded) are shorter than the whole batch's time per step.
     assert all(0 < r["ms_per_step"] < 1e3 * r["seconds"] / r["steps"] for r in result["system"])
@@ -71,7 +71,7 @@ def test_components_of_the_quantized_and_hybrid_shapes(shape, path):
     assert list(report.ar_ms) == [path] and set(report.verify_ms[path]) == {4, 22}
     figures = [report.ar_ms[path], *report.verify_ms[path].values(), *time_draft(f"random:{shape}", torch.device("cpu"), torch.float32, 24, 2).values()]
     assert len(figures) == 4 and all(math.isfinite(ms) and ms > 0 for ms in figures)
-    assert report.weight_bytes == weight_bytes(load_target(f"random:{shape}")[0])
+    assert report.weight_bytes == weight_bytes(random_target(f"random:{shape}")[0])
     assert 0 < report.roofline_ms < math.inf
 
 
@@ -82,7 +82,7 @@ def test_bench_components_of_a_quantized_hybrid_shape(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     comp = json.loads((tmp_path / "bench.json").read_text())["components"]
     # The roofline reads the packed blocks (test_random_weights checks what weight_bytes counts).
-    assert comp["weight_bytes"] == weight_bytes(load_target("random:tiny-qwen35-q4km")[0])
+    assert comp["weight_bytes"] == weight_bytes(random_target("random:tiny-qwen35-q4km")[0])
     assert set(comp["verify_ms"]) == {"eager"} and all(ms > 0 for ms in comp["verify_ms"]["eager"].values())
     assert comp["draft_ms"]["eager"] > 0 and "| eager |" in proc.stdout
 
@@ -95,10 +95,10 @@ def test_parts_a_quantized_shape_cannot_measure_are_refused_in_one_line(tmp_path
 
 
 def test_bench_system_runs_a_hybrid_shape(tmp_path):
-    """The hybrid target's greedy output is the same on every pass shape too: an uncorrupted replay
+    """The hybrid target's greedy output is the same on every pass shape too: an uncorrupted oracle
     is accepted nearly whole."""
     proc = _bench(tmp_path, "tiny-qwen35", "--parts", "system", "--corruptions", "0.0", "--prompts", "1", "--max-tokens", "24")
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {r["label"]: r for r in json.loads((tmp_path / "bench.json").read_text())["system"]}
-    assert rows["off (AR)"]["acceptance_length"] < 1.2 and rows["replay 0.00"]["acceptance_length"] > 4
+    assert rows["off (AR)"]["acceptance_length"] < 1.2 and rows["oracle 0.00"]["acceptance_length"] > 4
     assert all(r["completion_tokens"] == 24 for r in rows.values())

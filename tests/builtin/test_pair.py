@@ -14,10 +14,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from tests.client import generate
 
-from client import generate
 from splitspec.builtin import builtin_pair
-from splitspec.tokenizer import Tokenizer
+from splitspec.text.tokenizer import Tokenizer
 from splitspec.v1 import gateway_pb2
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "scripts"))

@@ -1,4 +1,4 @@
-"""The torch dequantizers (splitspec.models.dequant) against gguf's numpy reference, bit for bit
+"""The torch dequantizers (native.gguf_dequant) against gguf's numpy reference, bit for bit
 (on the GPU too where one is present)."""
 
 from __future__ import annotations
@@ -6,10 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize as reference
 
-from splitspec.models.dequant import TYPES, dequantize
+from native.gguf_dequant import TYPES, dequantize
 from splitspec.models.gguf_file import SUPPORTED_TYPES
 
 # Byte offsets of the f16 scales in each block: random bytes there could be NaN or inf.

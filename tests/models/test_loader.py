@@ -14,11 +14,12 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from safetensors.numpy import save_file
 
-from splitspec.hub import parse_hf_reference
+from splitspec.fixtures.gguf_writing import encoder
+from splitspec.fixtures.tiny import TinySpec, gguf_weights, random_draft, random_target, write_draft_gguf, write_target_gguf
 from splitspec.models.gguf_file import ModelFileError
+from splitspec.models.hub import parse_hf_reference
 from splitspec.models.loader import check_draft_fits, load_dflash_draft, load_target, read_target_config
-from splitspec.tiny import TinySpec, encoder, gguf_weights, random_draft, random_target, write_draft_gguf, write_target_gguf
-from splitspec.tokenizer import byte_level_vocab
+from splitspec.text.tokenizer import byte_level_vocab
 
 SPEC = TinySpec(hidden_size=64, target_layers=2, seed=4)
 
@@ -173,7 +174,7 @@ def test_offline_hub_reference_resolves_from_the_cache(tmp_path):
     config, state = random_target(SPEC, len(vocab.tokens), np.random.default_rng(0))
     write_target_gguf(snapshot / "m.gguf", config, gguf_weights(config, state), vocab, "f32", split_max_tensors=10)
     script = (
-        "from splitspec.hub import resolve_model; from splitspec.models.loader import read_target_config\n"
+        "from splitspec.models.hub import resolve_model; from splitspec.models.loader import read_target_config\n"
         "p = resolve_model('hf://splitspec-test/tiny/m-00002-of-00003.gguf'); print(p.name, read_target_config(p).num_layers)\n"
         "try:\n    resolve_model('hf://splitspec-test/tiny/absent.gguf')\nexcept Exception as e:\n    print(type(e).__name__, e)\n"
     )

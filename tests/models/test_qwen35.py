@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 import torch
 
+from splitspec.fixtures.tiny import TinySpec
+from splitspec.fixtures.tiny_qwen35 import qwen35_hf_weights, qwen35_to_gguf, tiny_qwen35_config, write_qwen35_gguf
 from splitspec.models.gguf_file import GGUFFile, ModelFileError
 from splitspec.models.loader import load_target, load_target_head, read_target_config
-from splitspec.models.qwen35_loader import tiled_v_head_order
 from splitspec.models.qwen35 import Qwen35Config, tree_node_bytes
-from splitspec.tiny import TinySpec
-from splitspec.tiny_qwen35 import qwen35_hf_weights, qwen35_to_gguf, tiny_qwen35_config, write_qwen35_gguf
-from splitspec.tokenizer import byte_level_vocab
+from splitspec.models.qwen35_loader import tiled_v_head_order
+from splitspec.text.tokenizer import byte_level_vocab
 
 transformers = pytest.importorskip("transformers")
 

@@ -1,4 +1,4 @@
-"""Benchmark-only random shapes (splitspec.models.random_weights): quantized blocks that decode to
+"""Benchmark-only random shapes (splitspec.bench.random_weights): quantized blocks that decode to
 finite values of the intended spread, llama.cpp's Q4_K_M types per tensor, the QuantLinear swap
 inside the hybrid model, the published geometries, and the roofline's byte count."""
 
@@ -6,16 +6,24 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as Q
 from torch import nn
 
+from native.gguf_dequant import dequantize
+from native.gguf_matmul import QuantLinear
 from splitspec.bench.components import weight_bytes
-from splitspec.models.dequant import dequantize
-from splitspec.models.loader import load_dflash_draft, load_target, load_target_head, read_target_config
-from splitspec.models.qwen35 import Qwen35Config, Qwen35ForCausalLM
+from splitspec.bench.random_weights import (
+    SHAPES,
+    random_blocks,
+    random_draft,
+    random_draft_config,
+    random_target,
+    random_target_config,
+    random_target_head,
+)
 from splitspec.models.quantized import q4_k_m_types, swap_quant_linears
-from splitspec.models.random_weights import SHAPES, random_blocks, random_draft_config
-from splitspec.native.gguf_matmul import QuantLinear
+from splitspec.models.qwen35 import Qwen35Config, Qwen35ForCausalLM
 
 # llama.cpp's use_more_bits layers, worked out by hand: first and last eighth, every third between.
 MORE_BITS_OF_4 = [2, 3]  # no first eighth (4 // 8 = 0); layer 3 is the last eighth (7 * 4 // 8 = 3), 2 is (2 - 0) % 3 == 2
@@ -45,7 +53,7 @@ def _types(model: nn.Module) -> dict[str, str]:
 
 
 def test_q4km_shapes_hold_the_llama_cpp_type_of_every_linear():
-    model, _ = load_target("random:tiny-q4km")
+    model, _ = random_target("random:tiny-q4km")
     types = _types(model)
     # Every linear is kept in blocks; the embedding stays a dense table, as the loader dequantizes it.
     assert len(types) == 1 + 4 * 7 and isinstance(model.embed_tokens, nn.Embedding)
@@ -82,7 +90,7 @@ def load_target_meta(name: str) -> nn.Module:
 
 @pytest.mark.parametrize("name", ["tiny-q4km", "tiny-qwen35-q4km"])
 def test_weight_bytes_are_the_packed_blocks_plus_the_other_parameters(name):
-    model, _ = load_target(f"random:{name}", dtype=torch.bfloat16)
+    model, _ = random_target(f"random:{name}", dtype=torch.bfloat16)
     raw = sum(m.raw.numel() for m in model.modules() if isinstance(m, QuantLinear))
     others = sum(p.numel() * 2 for n, p in model.named_parameters() if n != "embed_tokens.weight")  # norms, conv, ...
     assert raw > 0 and weight_bytes(model) == raw + others
@@ -95,8 +103,8 @@ def test_quant_linears_in_the_hybrid_model_compute_with_their_dequantized_weight
     """The module swap works in every qwen35 mixer: replacing each QuantLinear by an nn.Linear holding
     its dequantized weight gives the same logits, bit for bit (on the CPU QuantLinear runs the
     reference, dequantize + F.linear), over a chain pass and a tree pass."""
-    packed, config = load_target("random:tiny-qwen35-q4km")
-    dense, _ = load_target("random:tiny-qwen35-q4km")
+    packed, config = random_target("random:tiny-qwen35-q4km")
+    dense, _ = random_target("random:tiny-qwen35-q4km")
     for name, m in list(dense.named_modules()):
         if isinstance(m, QuantLinear):
             linear = nn.Linear(m.in_features, m.out_features, bias=False)
@@ -127,8 +135,8 @@ def test_swap_refuses_a_module_that_is_no_linear():
 
 
 def test_published_geometries():
-    c = read_target_config("random:qwen35-27b")
-    assert isinstance(c, Qwen35Config) and read_target_config("random:qwen35-27b-q4km") == c
+    c = random_target_config("random:qwen35-27b")
+    assert isinstance(c, Qwen35Config) and random_target_config("random:qwen35-27b-q4km") == c
     assert (c.hidden_size, c.num_layers, c.num_linear_layers, c.num_full_layers) == (5120, 64, 48, 16)
     assert (c.linear_num_key_heads, c.linear_num_value_heads, c.conv_channels, c.vocab_size) == (16, 48, 10240, 248320)
     d = random_draft_config("random:qwen35-27b-dflash")
@@ -136,15 +144,15 @@ def test_published_geometries():
     assert d.target_layer_ids == (1, 16, 31, 46, 61)
     assert random_draft_config("random:qwen3-8b-q4km-dflash") == random_draft_config("random:qwen3-8b-dflash")
     with pytest.raises(ValueError, match="random:qwen35-27b-q4km"):
-        read_target_config("random:qwen35-9b")
+        random_target_config("random:qwen35-9b")
 
 
 def test_quantized_draft_head_is_the_targets_dequantized_q6_k_head():
     """The draft worker borrows the target's LM head: for a quantized shape, the dequantized blocks
     the target multiplies with."""
-    model, _ = load_target("random:tiny-q4km")
-    embed, head, _ = load_target_head("random:tiny-q4km")
+    model, _ = random_target("random:tiny-q4km")
+    embed, head, _ = random_target_head("random:tiny-q4km")
     assert torch.equal(embed, model.embed_tokens.weight)
     assert torch.equal(head, dequantize(model.lm_head.raw, Q.Q6_K, tuple(head.shape)))
-    draft, config = load_dflash_draft("random:tiny-qwen35-q4km-dflash")
+    draft, config = random_draft("random:tiny-qwen35-q4km-dflash")
     assert config.num_heads == 4 and all(torch.isfinite(p).all() for p in draft.parameters())

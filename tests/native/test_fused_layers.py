@@ -12,7 +12,7 @@ from splitspec.models.layers import QKVProjection, RMSNorm, SwiGLU
 
 pytest.importorskip("triton", reason="triton is not installed")
 
-from splitspec.native import rms_norm, silu_mul, tree_attention  # noqa: E402
+from native import rms_norm, silu_mul, tree_attention  # noqa: E402
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 

@@ -1,4 +1,4 @@
-"""The GGUF-block matmul kernels (splitspec.native.gguf_matmul) against their torch reference, and a
+"""The GGUF-block matmul kernels (native.gguf_matmul) against their torch reference, and a
 model loaded with ``keep_quantized=True`` against the dequantized load.
 
 Triton kernels run on the CPU only under the interpreter and ``SPLITSPEC_NATIVE_CPU=1``. The
@@ -50,14 +50,13 @@ MODELS = [("llama", "q4_k_m"), ("qwen2", "q8_0"), ("qwen3", "q6_k")]  # permuted
 
 def _quantize(w: np.ndarray, qtype: Q) -> np.ndarray:
     from gguf.quants import quantize
-
-    from kquants import quantize_k
+    from tests.kquants import quantize_k
 
     return quantize(w, qtype) if qtype == Q.Q8_0 else quantize_k(w, qtype)
 
 
 def _kernel_checks() -> dict[str, float]:
-    from splitspec.native.gguf_matmul import Tiling, gguf_matmul, gguf_matmul_reference
+    from native.gguf_matmul import Tiling, gguf_matmul, gguf_matmul_reference
 
     rng = np.random.default_rng(0)
     results = {}
@@ -80,9 +79,10 @@ def _kernel_checks() -> dict[str, float]:
 
 
 def _model_checks(work: Path) -> dict[str, dict]:
-    from dense_fixtures import hf_model, write_gguf
+    from tests.dense_fixtures import hf_model, write_gguf
+
+    from native.gguf_matmul import QuantLinear
     from splitspec.models.loader import load_target
-    from splitspec.native.gguf_matmul import QuantLinear
 
     tokens = torch.tensor([[1, 17, 42, 99, 7, 250, 3, 64, 128]])
     results = {}
@@ -132,9 +132,10 @@ def test_keep_quantized_model_matches_the_dequantized_load(interpreted, arch, qu
 def test_keep_quantized_without_triton_runs_the_reference_bit_for_bit(tmp_path):
     """Without a GPU or the interpreter, QuantLinear falls back to dequantize + F.linear: the same
     weights, so the same logits to the bit."""
-    from dense_fixtures import hf_model, write_gguf
+    from tests.dense_fixtures import hf_model, write_gguf
+
+    from native.gguf_matmul import QuantLinear
     from splitspec.models.loader import load_target
-    from splitspec.native.gguf_matmul import QuantLinear
 
     assert os.environ.get("SPLITSPEC_NATIVE_CPU") != "1"
     path = write_gguf(hf_model("llama", seed=3, layers=1), tmp_path / "model.gguf", "q4_k_m")
@@ -148,5 +149,5 @@ def test_keep_quantized_without_triton_runs_the_reference_bit_for_bit(tmp_path):
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).parents[1]))  # tests/: kquants, dense_fixtures
+    sys.path.insert(0, str(Path(__file__).parents[2]))  # the checkout: tests.kquants, tests.dense_fixtures
     print(json.dumps({"kernels": _kernel_checks(), "models": _model_checks(Path(sys.argv[1]))}))

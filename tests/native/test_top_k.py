@@ -8,8 +8,8 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed")
 
-from splitspec.native import top_k  # noqa: E402
-from splitspec.services.draft.graphs import top_k_of  # noqa: E402
+from native import top_k  # noqa: E402
+from services.draft.graphs import top_k_of  # noqa: E402
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -1,4 +1,4 @@
-"""The Triton tree conv and tree delta rule (splitspec.native.tree_delta_rule) against their torch
+"""The Triton tree conv and tree delta rule (native.tree_delta_rule) against their torch
 references in splitspec.models.delta_rule, run on the CPU by Triton's interpreter; and a tiny
 Qwen3.5 target verifying a tree with the kernels against the same target on the torch path.
 
@@ -30,7 +30,7 @@ def _import_interpreted_kernels():
     os.environ["TRITON_INTERPRET"] = "1"
     try:
         triton = pytest.importorskip("triton", reason="the Triton kernels need the triton package (pip install triton)")
-        module = importlib.import_module("splitspec.native.tree_delta_rule")
+        module = importlib.import_module("native.tree_delta_rule")
     finally:
         if before is None:
             del os.environ["TRITON_INTERPRET"]

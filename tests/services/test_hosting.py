@@ -8,8 +8,8 @@ import time
 
 import pytest
 
+from services.worker.hosting import EngineHost, SequenceTable
 from splitspec.errors import Aborted
-from splitspec.services.hosting import EngineHost, SequenceTable
 
 
 class ThreadRecordingEngine:
@@ -31,7 +31,7 @@ async def step_thread(live: int) -> str:
     host = EngineHost("target")
     host.attach(ThreadRecordingEngine(live), None)
     try:
-        return await host.step("verify", "s0")
+        return await host.step(lambda engine: engine.verify("s0"))
     finally:
         host.executor.shutdown()
 
@@ -56,9 +56,9 @@ def test_a_step_never_overtakes_work_on_the_engine_thread():
     async def scenario():
         host = EngineHost("target")
         host.attach(ThreadRecordingEngine(1), None)
-        prefill = asyncio.ensure_future(host.call("prefill", 0.2))
+        prefill = asyncio.ensure_future(host.call(lambda engine: engine.prefill(0.2)))
         await asyncio.sleep(0.01)
-        ran_on = await host.step("verify", "s0")
+        ran_on = await host.step(lambda engine: engine.verify("s0"))
         done_first = prefill.done()
         host.executor.shutdown()
         return ran_on, done_first

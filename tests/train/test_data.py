@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from splitspec.tokenizer import Tokenizer
+from splitspec.text.tokenizer import Tokenizer
 from splitspec.train.data import load_corpus, pack, read_documents, split_heldout
 
 

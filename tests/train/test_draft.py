@@ -13,10 +13,10 @@ import torch
 from safetensors.torch import load_file
 from torch.nn import functional as F
 
+from splitspec.fixtures.tiny import TinySpec, gguf_weights, random_target, write_target_gguf
 from splitspec.models.dflash import DFlashDraft
 from splitspec.models.loader import check_draft_fits, load_dflash_draft, load_target, read_target_config
-from splitspec.tiny import TinySpec, gguf_weights, random_target, write_target_gguf
-from splitspec.tokenizer import Tokenizer, byte_level_vocab
+from splitspec.text.tokenizer import Tokenizer, byte_level_vocab
 from splitspec.train.draft import (
     DraftTrainConfig,
     block_hidden,
@@ -196,7 +196,7 @@ def test_trains_a_hybrid_target(tiny_qwen35_pair, looping, tmp_path):
     result = train_draft(_config(tiny_qwen35_pair.target, data, tmp_path, steps=2, taps=None, eval_sequences=1))
     draft, config = load_dflash_draft(result.out_dir)
     check_draft_fits(config, read_target_config(tiny_qwen35_pair.target), str(result.out_dir), str(tiny_qwen35_pair.target))
-    assert config.target_layer_ids == (1, 1)  # the reference's default taps for 4 target layers and 2 draft layers
+    assert config.target_layer_ids == (1, 1)  # DFlash's default taps for 4 target layers and 2 draft layers
 
 
 @pytest.mark.parametrize(
@@ -248,7 +248,8 @@ def test_cli_bad_input_is_one_clear_line(tiny_pair, tmp_path):
 
 @pytest.mark.slow
 def test_trained_draft_serves_losslessly(trained, services):
-    from client import generate
+    from tests.client import generate
+
     from splitspec.v1 import gateway_pb2
 
     target, result = trained

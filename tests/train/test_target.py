@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
+from splitspec.fixtures.tiny import TinySpec, random_draft, write_draft_dir
 from splitspec.models.loader import load_target
-from splitspec.tiny import TinySpec, random_draft, write_draft_dir
-from splitspec.tokenizer import Tokenizer
+from splitspec.text.tokenizer import Tokenizer
 from splitspec.train import bpe
 from splitspec.train.corpus import load_packed
 from splitspec.train.target import TargetTrainConfig, train_target
@@ -74,7 +74,8 @@ def test_the_gguf_loads_with_the_same_logits_and_tokenizer(trained, small_build)
 def test_the_trained_target_serves_with_a_draft(trained, services):
     """``splitspec target`` loads the trained GGUF; with a random DFlash draft using its ``<|mask|>``
     token, every speculation mode gives the target-only tokens."""
-    from client import generate
+    from tests.client import generate
+
     from splitspec.v1 import gateway_pb2
 
     config, result = trained

@@ -8,10 +8,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from services.draft.engine import DraftEngine
+from services.draft.graphs import BlockGraphs
 from splitspec.errors import FailedPrecondition, InvalidArgument
 from splitspec.models.loader import load_dflash_draft, load_target_head
-from splitspec.services.draft.engine import DraftEngine
-from splitspec.services.draft.graphs import BlockGraphs
 
 
 def _rms(x, w, eps=1e-6):
@@ -28,7 +28,7 @@ def _rope(x, positions, theta):
 
 
 def reference_block(w, cfg, embed, head, features, ctx_positions, anchor, anchor_position):
-    """Spec §1.2, written out: returns log-probs [B-1, vocab] for depths 1..B-1."""
+    """The DFlash block pass (arXiv 2602.06036), written out: returns log-probs [B-1, vocab] for depths 1..B-1."""
     B, H, Hkv, D = cfg.block_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     c = _rms(features @ w["fc.weight"].T, w["hidden_norm.weight"])  # once, shared by all layers
     block = torch.tensor([anchor] + [cfg.mask_token_id] * (B - 1))

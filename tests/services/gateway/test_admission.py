@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
+from services.gateway.admission import Admission
 from splitspec.errors import ResourceExhausted, Unavailable
-from splitspec.services.gateway.admission import Admission
 
 
 def test_queue_bounds_wait_and_drain():

@@ -9,7 +9,7 @@ import asyncio
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from splitspec.services.gateway.monitor import LATE_CHECKS_DOWN, WorkerMonitor
+from services.gateway.monitor import LATE_CHECKS_DOWN, WorkerMonitor
 
 INTERVAL_S = 0.5  # the check's timeout is max(0.5, interval)
 

@@ -2,7 +2,7 @@ import asyncio
 
 import pytest
 
-from splitspec.services.gateway.runahead import RunAhead
+from services.gateway.runahead import RunAhead
 
 
 class Steps:

@@ -1,6 +1,6 @@
 import time
 
-from splitspec.services.gateway.speculation import next_draft_context
+from services.gateway.speculation import next_draft_context
 
 
 def test_draft_context_numbers_increase_and_start_above_a_restarted_gateways():

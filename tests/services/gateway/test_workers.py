@@ -12,24 +12,24 @@ import asyncio
 
 import grpc
 import pytest
+from tests.worker_steps import BAD_TREE, PROMPT, TREES, client_on, prefill, run, steps
 
-from splitspec.services.gateway.workers import DraftClient, StepStream, TargetClient
+from services.gateway.workers import DraftClient, StepStream, TargetClient
 from splitspec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
-from worker_steps import BAD_TREE, PROMPT, TREES, client_on, prefill, run, steps
 
 pytestmark = pytest.mark.slow
 
-REPLAY_DELAY_S = 0.4
+ORACLE_DELAY_S = 0.4
 
 
 @pytest.fixture(scope="module")
 def workers(module_services, tiny_pair, tmp_path_factory):
     s = module_services
     model = str(tiny_pair.target)
-    table = tmp_path_factory.mktemp("replay") / "table.jsonl"
+    table = tmp_path_factory.mktemp("oracle") / "table.jsonl"
     table.write_text("")
     target = s.start("w-target", "target", "--model", model, "--dtype", "float64", "--threads", "1")
-    slow = s.start("w-slow", "draft", "--replay", str(table), "--replay-delay", str(REPLAY_DELAY_S), "--target-model", model)
+    slow = s.start("w-slow", "oracle-draft", "--table", str(table), "--delay", str(ORACLE_DELAY_S), "--target-model", model)
     return {"target": target, "slow": slow}
 
 
@@ -163,7 +163,7 @@ def test_draft_step_past_its_timeout_drops_the_stream(workers, wire):
                 assert missed.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
                 assert missed.value.details() == "Deadline Exceeded"
             assert carrier(draft, "late") is None  # dropped at once, not left for the late response
-            await asyncio.sleep(2 * REPLAY_DELAY_S)  # both late proposals ran on the worker
+            await asyncio.sleep(2 * ORACLE_DELAY_S)  # both late proposals ran on the worker
             await draft.release("late")  # as the gateway does after a failed draft step
             await unary.release("late-unary")
             top_ids, _ = await draft.propose("late", 1, len(PROMPT), PROMPT, None, 3, 0, timeout=10)
@@ -195,7 +195,7 @@ def test_a_step_in_flight_cannot_bring_back_a_released_context(workers, wire):
                 await draft.propose(gone, 1, len(PROMPT), PROMPT, None, 2, 0, timeout=0.05, context=1)
             assert missed.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
             await draft.release(gone, 1)  # while the late step still runs
-            await asyncio.sleep(2 * REPLAY_DELAY_S)  # it has run by now
+            await asyncio.sleep(2 * ORACLE_DELAY_S)  # it has run by now
             assert (await draft.info(timeout=10)).live_sequences == 2  # the busy ones only
             top_ids, _ = await draft.propose(gone, 1, len(PROMPT), PROMPT, None, 3, 0, timeout=10, context=2)
             assert top_ids.shape == (15, 3)

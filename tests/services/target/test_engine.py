@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
+from services.target.engine import TargetEngine, TargetLimits
 from splitspec.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from splitspec.models.loader import load_target
-from splitspec.services.target.engine import TargetEngine, TargetLimits
 from splitspec.spec.sampling import SamplingParams
 from splitspec.spec.tree import build_ddtree
 

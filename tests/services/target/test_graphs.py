@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 import torch
 
+from services.target.engine import TargetEngine
+from services.target.graphs import ROW_BUCKETS, PooledKVCache, StaticVerifier, prefill_bucket, row_bucket
+from services.worker.cuda_graphs import attention_span
 from splitspec.models.loader import load_target
-from splitspec.services.target.engine import TargetEngine
-from splitspec.cuda_graphs import attention_span
-from splitspec.services.target.graphs import ROW_BUCKETS, PooledKVCache, StaticVerifier, prefill_bucket, row_bucket
 from splitspec.spec.sampling import SamplingParams
 from splitspec.spec.tree import build_ddtree
 

@@ -8,16 +8,17 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
-from splitspec import busypoll
-from splitspec.errors import Aborted, InvalidArgument, Unavailable
+from splitspec.errors import Aborted, Unavailable
+from splitspec.transport import busypoll, rpc
 from splitspec.v1 import common_pb2
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class EngineHost:
@@ -52,22 +53,22 @@ class EngineHost:
             raise Unavailable(f"the {self.what} worker is still loading its model")
         return self.engine
 
-    async def call(self, method: str, *args, **kwargs) -> Any:
-        """``engine.<method>(*args, **kwargs)`` on the engine thread."""
-        fn = partial(getattr(self.require(), method), *args, **kwargs)
+    async def call(self, work: Callable[[Any], T]) -> T:
+        """``work(engine)`` on the engine thread."""
+        engine = self.require()
         self._pending += 1
         try:
-            return await asyncio.get_running_loop().run_in_executor(self.executor, fn)
+            return await asyncio.get_running_loop().run_in_executor(self.executor, work, engine)
         finally:
             self._pending -= 1
 
-    async def step(self, method: str, *args, **kwargs) -> Any:
-        """``engine.<method>(*args, **kwargs)`` for one sequence step: on the event loop's thread
-        when the engine thread is idle and at most one sequence is live, else like ``call``."""
+    async def step(self, work: Callable[[Any], T]) -> T:
+        """``work(engine)`` for one sequence step: on the event loop's thread when the engine thread
+        is idle and at most one sequence is live, else like ``call``."""
         engine = self.require()
         if self.inline_steps and self._pending == 0 and len(engine.sequences) <= 1:
-            return getattr(engine, method)(*args, **kwargs)
-        return await self.call(method, *args, **kwargs)
+            return work(engine)
+        return await self.call(work)
 
     def release(self, sequence_id: str, context: int = 0) -> bool:
         """Release at once, on the calling thread (see ``SequenceTable``)."""
@@ -166,24 +167,6 @@ class SequenceTable:
         return stale
 
 
-async def sequence_stream(
-    requests: AsyncIterator[Any], context: Any, step: Callable[[Any, Any], Awaitable[Any]]
-) -> AsyncIterator[Any]:
-    """The body of a ``*Stream`` RPC: each request answered by ``step`` (the unary RPC's method),
-    in order. A stream serves one sequence: a request naming another ends it with INVALID_ARGUMENT.
-    An error from ``step`` ends the stream; the service's ``ErrorInterceptor`` gives it the status
-    and message the unary RPC would."""
-    sequence_id = None
-    async for request in requests:
-        if sequence_id is None:
-            sequence_id = request.sequence_id
-        elif request.sequence_id != sequence_id:
-            raise InvalidArgument(
-                f"sequence_id: {request.sequence_id!r} on the stream of sequence {sequence_id!r} (one stream per sequence)"
-            )
-        yield await step(request, context)
-
-
 def model_geometry(config: Any, dtype: str, device: str, path: str) -> common_pb2.ModelGeometry:
     """The Info geometry of a target config (any family)."""
     return common_pb2.ModelGeometry(
@@ -196,11 +179,9 @@ async def serve_worker(
     name: str, server, health, service: str, host: EngineHost, load, grace_s: float, ttl_s: float, step_server=None
 ) -> None:
     """Serve a worker: ``load()`` runs on the engine thread, idle sequences expire after ``ttl_s``.
-    ``step_server`` (a ``splitspec.stepwire.StepSocketServer``) listens from the start, as gRPC
+    ``step_server`` (a ``splitspec.transport.stepwire.StepSocketServer``) listens from the start, as gRPC
     does (its steps answer UNAVAILABLE until the model is loaded), and closes after the gRPC
     server's drain, so steps in flight finish on both wires."""
-    from splitspec import rpc
-
     loop = asyncio.get_running_loop()
     if step_server is not None:
         await step_server.start()

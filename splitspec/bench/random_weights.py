@@ -1,7 +1,7 @@
 """Random weights of real model shapes — FOR BENCHMARKS ONLY, never for serving users.
 
-``random:NAME`` is accepted wherever a target or draft path is: the benchmark machines have no
-network and no model files, and a step's speed depends on shapes, dtypes and kernels, not on the
+``random:NAME`` names a shape for the benchmark (``splitspec bench``, ``splitspec.bench.workers``,
+the GPU scripts): the benchmark machines have no network and no model files, and a step's speed depends on shapes, dtypes and kernels, not on the
 values. The weights are drawn on the device itself, so a 16 GB model appears in a second instead
 of being written to and read from disk. Nothing about them is meaningful: a random target's
 greedy output is a fixed permutation of its input tokens, and a random draft accepts almost nothing.
@@ -19,14 +19,15 @@ import os
 from dataclasses import dataclass
 
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as Q
 
+from native.gguf_dequant import dequantize
+from native.gguf_matmul import QuantLinear, row_bytes
 from splitspec.models.dense import DenseConfig, DenseForCausalLM
-from splitspec.models.dequant import dequantize
 from splitspec.models.dflash import DFlashConfig, DFlashDraft, default_target_layer_ids
-from splitspec.models.qwen35 import Qwen35Config, Qwen35ForCausalLM
 from splitspec.models.quantized import q4_k_m_types, swap_quant_linears
-from splitspec.native.gguf_matmul import QuantLinear, row_bytes
+from splitspec.models.qwen35 import Qwen35Config, Qwen35ForCausalLM
 
 PREFIX = "random:"
 
@@ -47,7 +48,7 @@ QWEN3_06B = DenseConfig(
     vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_layers=28, num_heads=16,
     num_kv_heads=8, head_dim=128, max_context=40960, tie_word_embeddings=True,
 )
-# Qwen3.5-27B's text model: reference spec §4.1 (HF text_config), the same numbers as the GGUF
+# Qwen3.5-27B's text model: its Hugging Face text_config, the same numbers as the GGUF
 # metadata llama.cpp prints for it (qwen35.block_count 64, embedding_length 5120,
 # feed_forward_length 17408, attention.head_count 24 / head_count_kv 4 / key_length 256,
 # rope.dimension_count 64, ssm.group_count 16, ssm.time_step_rank 48, ssm.state_size 128,
@@ -72,7 +73,7 @@ TINY_QWEN35 = Qwen35Config(
     head_dim=128, rotary_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64,
     linear_value_head_dim=64, max_context=8192,
 )
-QWEN35_DRAFT_HEADS = (32, 8, 128)  # z-lab/Qwen3.5-27B-DFlash (reference spec §1.2, §1.7)
+QWEN35_DRAFT_HEADS = (32, 8, 128)  # the config.json of z-lab/Qwen3.5-27B-DFlash
 SHAPES = {
     "qwen3-8b": RandomShape(QWEN3_8B),
     "qwen3-8b-q4km": RandomShape(QWEN3_8B, quantized=True),
@@ -161,7 +162,7 @@ def _quantized_head(config, device: torch.device | str) -> torch.Tensor:
 
 
 def random_target(
-    path: str | os.PathLike, device: torch.device | str, dtype: torch.dtype, state_dtype: torch.dtype | None = None
+    path: str | os.PathLike, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, state_dtype: torch.dtype | None = None
 ) -> tuple[DenseForCausalLM | Qwen35ForCausalLM, DenseConfig | Qwen35Config]:
     """``state_dtype``: the hybrid family's recurrent-state storage (see ``Qwen35ForCausalLM``)."""
     shape = random_shape(path)
@@ -186,12 +187,12 @@ def random_target(
 
 
 def random_target_head(
-    path: str | os.PathLike, device: torch.device | str, dtype: torch.dtype
+    path: str | os.PathLike, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
 ) -> tuple[torch.Tensor, torch.Tensor, DenseConfig | Qwen35Config]:
     """Embedding [vocab, hidden] and LM head: head row ``j`` is the embedding of token ``perm[j]``
     for a fixed random permutation, so the model continues token ``x`` with ``perm^-1(x)``
     by a margin that no rounding difference between a tree pass and a single-token pass can flip:
-    greedy output is the same on every path, which the replay benchmark relies on. (Tied shapes
+    greedy output is the same on every path, which the oracle rows of the benchmark rely on. (Tied shapes
     repeat the last token.) A quantized shape's head is its random Q6_K blocks, dequantized as a
     draft worker dequantizes a real target's head (no such margin). Seeded, so the draft worker
     draws the same tensors as the target."""
@@ -233,7 +234,7 @@ def random_draft_config(path: str | os.PathLike) -> DFlashConfig:
     )
 
 
-def random_draft(path: str | os.PathLike, device: torch.device | str, dtype: torch.dtype) -> tuple[DFlashDraft, DFlashConfig]:
+def random_draft(path: str | os.PathLike, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> tuple[DFlashDraft, DFlashConfig]:
     config = random_draft_config(path)
     with torch.device("meta"):
         model = DFlashDraft(config)

@@ -12,7 +12,8 @@ Block layouts (llama.cpp's ``ggml-common.h``): a block of 32 values (Q4_0 ... Q8
 from __future__ import annotations
 
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as Q
 
 QK_K = 256
 

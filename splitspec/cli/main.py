@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 import logging
 
-from splitspec import __version__, busypoll
-from splitspec.envs import apply_env_defaults
-from splitspec.logs import setup_logging
+from splitspec import __version__
+from splitspec.cli.envs import apply_env_defaults
+from splitspec.cli.logs import setup_logging
+from splitspec.transport import busypoll
 
 DESCRIPTION = """\
 splitspec serves LLMs with DFlash block drafting and DDTree tree verification, split into three
@@ -19,11 +20,11 @@ Quick start:   splitspec serve            (the built-in pair, all three services
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from splitspec import generate, health, serve
+    from services.draft import main as draft_main
+    from services.gateway import main as gateway_main
+    from services.target import main as target_main
     from splitspec.bench import main as bench_main
-    from splitspec.services.draft import main as draft_main
-    from splitspec.services.gateway import main as gateway_main
-    from splitspec.services.target import main as target_main
+    from splitspec.cli import generate, health, serve
     from splitspec.train import main as train_main
 
     parser = argparse.ArgumentParser(prog="splitspec", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -51,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _make_tiny_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("out_dir", help="folder to write target.gguf and draft/ into")
-    # The keys of splitspec.tiny.WEIGHT_TYPES, listed here so that parsing never imports torch.
+    # The keys of splitspec.fixtures.tiny.WEIGHT_TYPES, listed here so that parsing never imports torch.
     weight_types = ["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"]
     p.add_argument("--weight-type", choices=weight_types, default="f32", help="GGUF type of the target's matrices")
     p.add_argument("--architecture", choices=["qwen3", "qwen2", "llama", "qwen35"], default="qwen3", help="architecture of the target")
@@ -62,23 +63,23 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level, args.log_json)
     log = logging.getLogger("splitspec")
-    from splitspec.allocator import keep_message_buffers
     from splitspec.errors import ServiceError
+    from splitspec.transport.allocator import keep_message_buffers
 
     keep_message_buffers()
     from splitspec.models.gguf_file import ModelFileError
 
     try:
         if args.command == "generate":
-            from splitspec.generate import run as run_generate
+            from splitspec.cli.generate import run as run_generate
 
             return run_generate(args)
         if args.command == "serve":
-            from splitspec.serve import run as run_serve
+            from splitspec.cli.serve import run as run_serve
 
             return run_serve(args, ["--log-level", args.log_level, *(["--log-json"] if args.log_json else [])])
         if args.command == "health":
-            from splitspec.health import run as run_health
+            from splitspec.cli.health import run as run_health
 
             return run_health(args)
         if args.command == "bench":
@@ -90,13 +91,13 @@ def main(argv: list[str] | None = None) -> int:
 
             return run_train(args)
         if args.command == "make-tiny":
-            from splitspec.tiny import TinySpec, make_tiny
+            from splitspec.fixtures.tiny import TinySpec, make_tiny
 
             target, draft = make_tiny(args.out_dir, TinySpec(architecture=args.architecture, seed=args.seed), weight_type=args.weight_type)
             print(f"wrote {target} and {draft}")
             return 0
         module = {"target": "target", "draft": "draft", "gateway": "gateway"}[args.command]
-        run = __import__(f"splitspec.services.{module}.main", fromlist=["run"]).run
+        run = __import__(f"services.{module}.main", fromlist=["run"]).run
         busypoll.run(run(args))
         return 0
     except (ModelFileError, ServiceError, ValueError, OSError) as exc:

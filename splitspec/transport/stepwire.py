@@ -37,9 +37,8 @@ from pathlib import Path
 import grpc
 
 from splitspec.errors import InvalidArgument, ResourceExhausted, Unauthenticated
-from splitspec.interceptors import status_of
-from splitspec.rpc import deadline_exceeded, rpc_error
-from splitspec.services.hosting import sequence_stream
+from splitspec.transport.interceptors import status_of
+from splitspec.transport.rpc import deadline_exceeded, rpc_error, sequence_stream
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""The benchmark-only ReplayDrafter: its proposals follow the recorded continuation, corrupted as
+"""The benchmark-only OracleDrafter: its proposals follow the recorded continuation, corrupted as
 the module docstring defines, exactly as the per-depth form below (how it was first written)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from splitspec.services.draft.replay import ReplayDrafter, ReplayTable
+from splitspec.bench.oracle_drafter import OracleDrafter, OracleTable
 
 
 def per_depth_ids(truth: list[int], anchor_position: int, anchor_token: int, vocab: int, corruption: float, top_k: int, depth: int):
@@ -33,7 +33,7 @@ def test_proposals_match_the_per_depth_definition(tmp_path, corruption, vocab, t
     recorded = rng.integers(0, vocab, 60).tolist()
     path = tmp_path / "table.jsonl"
     path.write_text(json.dumps({"tokens": recorded}) + "\n")
-    drafter = ReplayDrafter(ReplayTable(path), vocab, corruption=corruption)
+    drafter = OracleDrafter(OracleTable(path), vocab, corruption=corruption)
     history: list[int] = []
     for position in (10, 11, 30, 52):  # the last runs past the recording: random fill rows
         new, history = recorded[len(history) : position], recorded[:position]

@@ -1,14 +1,16 @@
-"""ReplayDrafter — FOR BENCHMARKS AND TESTS ONLY, never for serving users.
+"""OracleDrafter — FOR BENCHMARKS AND TESTS ONLY, never for serving users.
 
 It proposes continuations it was told in advance: a JSONL table whose lines are
 ``{"tokens": [prompt..., continuation...]}``, usually the target's own output recorded with
 speculation off. Each depth's true token is corrupted with probability ``corruption``: it is
 replaced at rank 0 by another token and either moved to rank 1 (a DDTree branch can still find
 it) or dropped. That drives the whole gateway -> draft -> target path at a chosen acceptance
-length, and exercises acceptance, rejection and branching deterministically.
+length, and exercises acceptance, rejection and branching deterministically. It runs no model and
+asks the target for no tap features, so its rounds are cheaper than a real draft's: a benchmark
+times a real-shaped DFlash draft beside it for the true round (splitspec/bench/system.py).
 
 The table is re-read when its file changes, so a harness can record references first and then
-replay them without restarting the worker.
+serve them without restarting the worker.
 """
 
 from __future__ import annotations
@@ -21,12 +23,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from services.draft.engine import Proposal
+from services.worker.hosting import SequenceTable
 from splitspec.errors import InvalidArgument
-from splitspec.services.draft.engine import Proposal
-from splitspec.services.hosting import SequenceTable
 
 
-class ReplayTable:
+class OracleTable:
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
         self._mtime: float | None = None
@@ -49,7 +51,7 @@ class ReplayTable:
         return []
 
 
-class ReplayDrafter:
+class OracleDrafter:
     """Same interface as ``DraftEngine``; needs token ids, not tap features."""
 
     target_layer_ids: tuple[int, ...] = ()  # asks the target for no features
@@ -57,11 +59,11 @@ class ReplayDrafter:
     num_layers = 0
 
     def __init__(
-        self, table: ReplayTable, vocab_size: int, block_size: int = 16, corruption: float = 0.0, max_top_k: int = 64,
+        self, table: OracleTable, vocab_size: int, block_size: int = 16, corruption: float = 0.0, max_top_k: int = 64,
         delay_s: float = 0.0,
     ) -> None:
         if not 0.0 <= corruption <= 1.0:
-            raise ValueError(f"--replay-corruption {corruption} must be in [0, 1]")
+            raise ValueError(f"--corruption {corruption} must be in [0, 1]")
         self.table, self.vocab_size, self.block_size = table, vocab_size, block_size
         self.corruption, self.max_top_k = corruption, max_top_k
         self.delay_s = delay_s  # a slow drafter, for deadline tests

@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from splitspec.services.gateway.workers import WIRES
+from services.gateway.workers import WIRES
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ def default_pair(work_dir: Path, builtin_dir: Path | None = None) -> tuple[Path,
     if pair is not None:
         logger.info("serving the built-in pair: target %s, draft %s", *pair)
         return pair
-    from splitspec.tiny import DRAFT_DIR, TARGET_FILE, make_tiny
+    from splitspec.fixtures.tiny import DRAFT_DIR, TARGET_FILE, make_tiny
 
     tiny = Path(work_dir) / "tiny"
     logger.warning("the built-in pair's weights are not installed; serving a random tiny pair from %s", tiny)

@@ -1,6 +1,6 @@
 """gRPC plumbing shared by the three services: options, server start-up and shutdown, channels.
 
-Every service runs on ``grpc.aio`` with the interceptors of ``splitspec.interceptors``, the
+Every service runs on ``grpc.aio`` with the interceptors of ``splitspec.transport.interceptors``, the
 standard health service (NOT_SERVING until its model is loaded) and server reflection.
 """
 
@@ -10,14 +10,16 @@ import asyncio
 import logging
 import signal
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from splitspec.interceptors import ErrorInterceptor, TokenAuthInterceptor
-from splitspec.security import ClientSecurity, ServerSecurity
+from splitspec.errors import InvalidArgument
+from splitspec.transport.interceptors import ErrorInterceptor, TokenAuthInterceptor
+from splitspec.transport.security import ClientSecurity, ServerSecurity
 
 logger = logging.getLogger(__name__)
 
@@ -174,3 +176,21 @@ async def serve(
             task.cancel()
     before_drain()
     await drain_and_stop(server, health_servicer, grace_s)
+
+
+async def sequence_stream(
+    requests: AsyncIterator[Any], context: Any, step: Callable[[Any, Any], Awaitable[Any]]
+) -> AsyncIterator[Any]:
+    """The body of a ``*Stream`` RPC: each request answered by ``step`` (the unary RPC's method),
+    in order. A stream serves one sequence: a request naming another ends it with INVALID_ARGUMENT.
+    An error from ``step`` ends the stream; the service's ``ErrorInterceptor`` gives it the status
+    and message the unary RPC would."""
+    sequence_id = None
+    async for request in requests:
+        if sequence_id is None:
+            sequence_id = request.sequence_id
+        elif request.sequence_id != sequence_id:
+            raise InvalidArgument(
+                f"sequence_id: {request.sequence_id!r} on the stream of sequence {sequence_id!r} (one stream per sequence)"
+            )
+        yield await step(request, context)

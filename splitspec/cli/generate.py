@@ -6,7 +6,7 @@ import argparse
 import sys
 import time
 
-from splitspec.security import add_client_arguments, client_security
+from splitspec.transport.security import add_client_arguments, client_security
 
 MODES = {"ddtree": 1, "chain": 2, "off": 3}
 
@@ -32,7 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import grpc
 
-    from splitspec.rpc import CHANNEL_OPTIONS
+    from splitspec.transport.rpc import CHANNEL_OPTIONS
     from splitspec.v1 import gateway_pb2, gateway_pb2_grpc
 
     if args.chat:

@@ -59,7 +59,7 @@ from splitspec import __version__
 from splitspec.errors import ServiceError
 
 if TYPE_CHECKING:
-    from splitspec.services.gateway.speculation import StepStats
+    from services.gateway.speculation import StepStats
 
 # `_created` series would double every counter and histogram for a timestamp nobody graphs.
 disable_created_metrics()

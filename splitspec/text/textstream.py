@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
-from splitspec.tokenizer import Tokenizer
+from splitspec.text.tokenizer import Tokenizer
 
 __all__ = ["StreamDelta", "TextStream"]
 

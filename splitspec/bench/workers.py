@@ -1,0 +1,99 @@
+"""Benchmark-only worker processes — never for serving users.
+
+``python -m splitspec.bench.workers COMMAND --listen ADDRESS ...`` runs the real target or draft
+service (the same servicers, engines and transport as ``splitspec target``/``splitspec draft``)
+around a model that only the benchmark and the tests use:
+
+- ``random-target --model random:SHAPE``: a target of random weights of a real shape
+  (``splitspec.bench.random_weights``), drawn on the device; it has no tokenizer, so its gateway
+  is given one with ``--tokenizer``.
+- ``random-draft --model random:SHAPE-dflash --target-model random:SHAPE``: a DFlash draft of
+  random weights with the random target's embedding and LM head.
+- ``oracle-draft --table FILE --target-model TARGET``: the OracleDrafter (``oracle_drafter.py``),
+  which proposes recorded continuations corrupted at ``--corruption``.
+
+Every other flag is the service's own (``splitspec target --help``, ``splitspec draft --help``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from services.draft import main as draft_main
+from services.target import main as target_main
+from splitspec.cli.envs import apply_env_defaults
+from splitspec.cli.logs import setup_logging
+from splitspec.transport import busypoll
+from splitspec.transport.allocator import keep_message_buffers
+
+logger = logging.getLogger(__name__)
+
+BENCH_WORKERS = ("random-target", "random-draft", "oracle-draft")
+
+
+def random_target(args: argparse.Namespace, device, dtype, state_dtype):
+    from splitspec.bench.random_weights import random_target as build
+
+    model, config = build(args.model, device, dtype, state_dtype)
+    return model, config, [], ""
+
+
+def random_draft(args: argparse.Namespace):
+    from splitspec.bench.random_weights import random_draft as build
+    from splitspec.bench.random_weights import random_target_head
+    from splitspec.models.devices import resolve_device, resolve_dtype
+
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    model, _ = build(args.model, device, dtype)
+    embed, head, target_config = random_target_head(args.target_model, device, dtype)
+    engine = draft_main.draft_engine(args, model, embed, head, device)
+    return engine, target_config, str(dtype).removeprefix("torch."), str(device)
+
+
+def oracle_draft(args: argparse.Namespace):
+    from splitspec.bench.oracle_drafter import OracleDrafter, OracleTable
+    from splitspec.bench.random_weights import is_random, random_target_config
+    from splitspec.models.loader import read_target_config
+
+    target = random_target_config(args.target_model) if is_random(args.target_model) else read_target_config(args.target_model)
+    engine = OracleDrafter(OracleTable(args.model), target.vocab_size, corruption=args.corruption, delay_s=args.delay)
+    logger.warning("ORACLE drafter (benchmark/test only): %s, corruption %.2f", args.model, args.corruption)
+    return engine, target, "n/a", "cpu"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m splitspec.bench.workers", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    target = sub.add_parser("random-target", help="the target service on random weights of a real shape")
+    target_main.add_arguments(target)
+    draft = sub.add_parser("random-draft", help="the draft service with a random DFlash draft of a real shape")
+    draft_main.add_arguments(draft)
+    oracle = sub.add_parser("oracle-draft", help="the draft service with the OracleDrafter")
+    draft_main.add_arguments(oracle, model=False)
+    oracle.add_argument("--table", required=True, dest="model", help='JSONL file of recorded sequences ({"tokens": [...]} per line)')
+    oracle.add_argument("--corruption", type=float, default=0.0, help="per-depth probability that the true token loses rank 0")
+    oracle.add_argument("--delay", type=float, default=0.0, help="seconds each proposal takes (a slow drafter, for deadline tests)")
+    for p, service in ((target, "target"), (draft, "draft"), (oracle, "draft")):
+        p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+        p.add_argument("--log-json", action="store_true")
+        apply_env_defaults(p, service)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging(args.log_level, args.log_json)
+    keep_message_buffers()
+    if args.command == "random-target":
+        service = target_main.run(args, load=random_target)
+    else:
+        service = draft_main.run(args, load=random_draft if args.command == "random-draft" else oracle_draft)
+    busypoll.run(service)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

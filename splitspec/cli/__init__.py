@@ -1,0 +1,1 @@
+"""The ``splitspec`` command line: one module per subcommand that is not a service (services/*/main.py)."""

@@ -1,0 +1,1 @@
+"""Text in and out of token ids: tokenizers from model files, chat templates, UTF-8-safe streaming."""
