@@ -74,8 +74,8 @@ def draft_engine(args: argparse.Namespace, model, embed, head, device):
     return DraftEngine(model, embed, head, max_sequences=args.max_sequences, graphs=graphs)
 
 
-async def run(args: argparse.Namespace, load=load_engine) -> None:
-    """Serve the draft worker; ``load(args)`` builds its engine once the socket listens (the
+async def run(args: argparse.Namespace, build=load_engine) -> None:
+    """Serve the draft worker; ``build(args)`` makes its engine once the socket listens (the
     benchmark passes its own: splitspec/bench/workers.py)."""
     import torch
 
@@ -98,7 +98,7 @@ async def run(args: argparse.Namespace, load=load_engine) -> None:
 
     def load() -> None:
         t0 = time.perf_counter()
-        engine, target_config, dtype, device = load(args)
+        engine, target_config, dtype, device = build(args)
         geometry = model_geometry(target_config, dtype, device, str(args.target_model))
         servicer.host.attach(engine, (geometry, str(args.model)))
         metrics.describe(device=device, backend=backend_name(torch.device(device)), dtype=dtype, draft=model_name(args.model))

@@ -85,8 +85,8 @@ def load_model(args: argparse.Namespace, device, dtype, state_dtype):
     return model, config, list(Tokenizer.load(path).eos_token_ids), str(path)
 
 
-async def run(args: argparse.Namespace, load=load_model) -> None:
-    """Serve the target worker; ``load(args, device, dtype, state_dtype)`` builds its model once the
+async def run(args: argparse.Namespace, build=load_model) -> None:
+    """Serve the target worker; ``build(args, device, dtype, state_dtype)`` makes its model once the
     socket listens (the benchmark passes its own: splitspec/bench/workers.py)."""
     import torch
 
@@ -116,7 +116,7 @@ async def run(args: argparse.Namespace, load=load_model) -> None:
 
     def load() -> None:
         t0 = time.perf_counter()
-        model, config, eos, tokenizer_path = load(args, device, dtype, state_dtype)
+        model, config, eos, tokenizer_path = build(args, device, dtype, state_dtype)
         if isinstance(config, Qwen35Config):
             node = tree_node_bytes(config, dtype, model.recurrent_dtype(dtype))
             logger.info(

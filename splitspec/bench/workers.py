@@ -88,9 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(args.log_level, args.log_json)
     keep_message_buffers()
     if args.command == "random-target":
-        service = target_main.run(args, load=random_target)
+        service = target_main.run(args, build=random_target)
     else:
-        service = draft_main.run(args, load=random_draft if args.command == "random-draft" else oracle_draft)
+        service = draft_main.run(args, build=random_draft if args.command == "random-draft" else oracle_draft)
     busypoll.run(service)
     return 0
 
