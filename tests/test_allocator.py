@@ -26,7 +26,7 @@ def churn(mode: str, rows: int) -> tuple[bool, int]:
     return out[0] == "True", int(out[1])
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc only")
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="not applicable: glibc only")
 def test_freed_message_buffers_stay_mapped():
     applied, tuned = churn("tuned", 6)  # a decode step's features, 245 KB
     _, default = churn("default", 6)
@@ -35,7 +35,7 @@ def test_freed_message_buffers_stay_mapped():
     assert tuned < 400  # the first serialisation's pages, then none
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc only")
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="not applicable: glibc only")
 def test_a_prompts_features_stay_mapped_too():
     """21 MB, a 512-token prompt: under the mmap threshold, so the heap keeps its pages after the
     first copies (a threshold under the message's size maps 5120 fresh pages every time)."""

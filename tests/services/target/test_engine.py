@@ -131,7 +131,7 @@ def test_verify_commits_target_tokens_and_compacts_kv(model):
 
 def test_chunked_prefill_equals_one_pass(model):
     if getattr(model, "state_dtype", None) == torch.bfloat16:
-        pytest.skip("a bfloat16 state is rounded at every chunk boundary, so chunkings differ by design")
+        pytest.skip("not applicable: a bfloat16 state is rounded at every chunk boundary, so chunkings differ by design")
     one = TargetEngine(model, TargetLimits(prefill_chunk=512))
     chunked = TargetEngine(model, TargetLimits(prefill_chunk=3))
     prompt = list(range(10, 21))
