@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import json
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -58,9 +59,16 @@ def import_files(modules: list[str], path: list[str], cwd: Path) -> dict[str, st
 
 @pytest.fixture(scope="module")
 def wheel_dir(tmp_path_factory) -> Path:
+    """The wheel of the checkout's files (tracked, and new ones not ignored), built in a copy (no stale build/)."""
     out = tmp_path_factory.mktemp("wheel")
+    source = out / "source"
+    tracked = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT, check=True, capture_output=True).stdout.decode().split("\0")
+    for name in filter(None, tracked):
+        if (ROOT / name).is_file():
+            (source / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, source / name)
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(ROOT)],
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(source)],
         check=True, capture_output=True, timeout=600,
     )
     (wheel,) = out.glob("splitspec-*.whl")

@@ -25,7 +25,7 @@ _NUMPY_DTYPES = {"float64": np.float64, "float32": np.float32, "float16": np.flo
 ITEM_SIZES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int32": 4, "int64": 8}
 
 
-class WireError(ValueError):
+class TensorFormatError(ValueError):
     """A tensor message whose dtype, shape and byte count do not agree."""
 
 
@@ -33,28 +33,28 @@ def _checked(msg: common_pb2.Tensor) -> tuple[tuple[int, ...], bytes]:
     """The message's shape and bytes, checked against each other. Reading ``msg.data`` copies the
     bytes (protobuf's upb runtime), so it is read here once: a prompt's features are tens of MB."""
     if msg.dtype not in ITEM_SIZES:
-        raise WireError(f"unknown tensor dtype {msg.dtype!r} (allowed: {', '.join(ITEM_SIZES)})")
+        raise TensorFormatError(f"unknown tensor dtype {msg.dtype!r} (allowed: {', '.join(ITEM_SIZES)})")
     shape = tuple(int(d) for d in msg.shape)
     if any(d < 0 for d in shape):
-        raise WireError(f"negative dimension in tensor shape {shape}")
+        raise TensorFormatError(f"negative dimension in tensor shape {shape}")
     expected = math.prod(shape) * ITEM_SIZES[msg.dtype]
     data = msg.data
     if len(data) != expected:
-        raise WireError(f"tensor of dtype {msg.dtype} and shape {shape} needs {expected} bytes, got {len(data)}")
+        raise TensorFormatError(f"tensor of dtype {msg.dtype} and shape {shape} needs {expected} bytes, got {len(data)}")
     return shape, data
 
 
 def array_to_pb(array: np.ndarray) -> common_pb2.Tensor:
     name = np.dtype(array.dtype).name
     if name not in _NUMPY_DTYPES:
-        raise WireError(f"cannot send numpy dtype {name}")
+        raise TensorFormatError(f"cannot send numpy dtype {name}")
     return common_pb2.Tensor(dtype=name, shape=list(array.shape), data=np.ascontiguousarray(array).tobytes())
 
 
 def array_from_pb(msg: common_pb2.Tensor) -> np.ndarray:
     shape, data = _checked(msg)
     if msg.dtype == "bfloat16":
-        raise WireError("bfloat16 tensors cannot be decoded without torch")
+        raise TensorFormatError("bfloat16 tensors cannot be decoded without torch")
     return np.frombuffer(data, dtype=_NUMPY_DTYPES[msg.dtype]).reshape(shape)
 
 
@@ -66,7 +66,7 @@ def tensor_to_pb(tensor: torch.Tensor, dtype: str | None = None) -> common_pb2.T
         tensor = tensor.to(getattr(torch, dtype))
     name = str(tensor.dtype).removeprefix("torch.")
     if name not in ITEM_SIZES:
-        raise WireError(f"cannot send torch dtype {name}")
+        raise TensorFormatError(f"cannot send torch dtype {name}")
     flat = tensor.detach().contiguous().cpu()
     if name == "bfloat16":
         flat = flat.view(torch.int16)

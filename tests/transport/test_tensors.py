@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import torch
 
-from splitspec.transport.tensors import WireError, array_from_pb, array_to_pb, tensor_from_pb, tensor_to_pb
+from splitspec.transport.tensors import TensorFormatError, array_from_pb, array_to_pb, tensor_from_pb, tensor_to_pb
 from splitspec.v1 import common_pb2
 
 
@@ -20,7 +20,7 @@ def test_cast_to_a_wire_dtype_and_numpy_side():
     assert tensor_from_pb(tensor_to_pb(tensor, "bfloat16")).dtype == torch.bfloat16
     array = np.arange(6, dtype=np.int32).reshape(2, 3)
     assert np.array_equal(array_from_pb(array_to_pb(array)), array)
-    with pytest.raises(WireError, match="without torch"):
+    with pytest.raises(TensorFormatError, match="without torch"):
         array_from_pb(tensor_to_pb(tensor, "bfloat16"))
 
 
@@ -34,5 +34,5 @@ def test_cast_to_a_wire_dtype_and_numpy_side():
     ],
 )
 def test_inconsistent_messages_are_refused(message, error):
-    with pytest.raises(WireError, match=error):
+    with pytest.raises(TensorFormatError, match=error):
         tensor_from_pb(message)
