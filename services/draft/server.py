@@ -6,7 +6,7 @@ from services.metrics import WorkerMetrics
 from services.worker.hosting import EngineHost
 from splitspec.errors import InvalidArgument
 from splitspec.transport.rpc import sequence_stream
-from splitspec.transport.tensors import WireError, tensor_from_pb, tensor_to_pb
+from splitspec.transport.tensors import TensorFormatError, tensor_from_pb, tensor_to_pb
 from splitspec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
 SERVICE = draft_pb2.DESCRIPTOR.services_by_name["DraftWorker"].full_name
@@ -44,7 +44,7 @@ class DraftServicer(draft_pb2_grpc.DraftWorkerServicer):
         if request.HasField("features") and request.features.shape:
             try:
                 features = tensor_from_pb(request.features)
-            except WireError as exc:
+            except TensorFormatError as exc:
                 raise InvalidArgument(f"features: {exc}") from exc
         tokens = list(request.tokens)
         proposal = await self.host.step(
