@@ -5,8 +5,13 @@ the first function of each held-out standard-library module of the built-in corp
 interpreter's copy). Modes: off, chain and ddtree at budgets 8-64, greedy, 128 tokens each.
 Writes the rows as JSON for ``build_builtin_pair.py card --measurements``.
 
+AL is splitspec.spec.acceptance_length's: tokens committed by verify steps / verify steps, pooled
+over a set's prompts; each prompt's first token comes from the prefill and is not counted, so
+``off`` is 1.000 exactly (a row also carries its ``steps`` and ``committed_tokens``).
+
 Usage: python scripts/measure_builtin_pair.py [--device cuda:0] [--prompts 8] [--out al.json]
        [--feature-dtypes float32,bfloat16,float16]   (AL cost of a narrower wire dtype for tap features)
+       [--chain-seed on,off] [--temperature 1 --seed 1]   (DDTree with and without the chain seed, sampled)
 """
 
 from __future__ import annotations
@@ -63,7 +68,11 @@ def main() -> None:
     p.add_argument("--out", default="", help="JSON rows for the model card")
     p.add_argument("--modes", default="", help="only these, e.g. off-0,ddtree-22 (default: all)")
     p.add_argument("--feature-dtypes", default="", help="gateway --feature-dtype values to compare, e.g. float32,bfloat16,float16 (default: the target's dtype)")
+    p.add_argument("--chain-seed", default="", help="DDTree chain-seed settings to compare, e.g. on,off (default: the gateway's default)")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy); request i of a set is seeded --seed + i")
+    p.add_argument("--seed", type=int, default=1)
     args = p.parse_args()
+    chain_seeds = [{"on": True, "off": False}[v] for v in args.chain_seed.split(",")] if args.chain_seed else [None]
     pair = builtin_pair()
     if pair is None:
         raise SystemExit("the built-in pair is not installed (splitspec/builtin/)")
@@ -80,12 +89,20 @@ def main() -> None:
         }
         for name, prompts in sets.items():
             reference = None
-            for (mode, enum, budget), (feature_dtype, gateway) in itertools.product(MODES, gateways.items()):
+            for (mode, enum, budget), (feature_dtype, gateway), chain_seed in itertools.product(MODES, gateways.items(), chain_seeds):
                 if args.modes and f"{mode}-{budget}" not in args.modes.split(","):
                     continue
+                if chain_seed is not None and mode != "ddtree":
+                    if chain_seed != chain_seeds[0]:
+                        continue  # the chain seed shapes DDTree only: other modes run once
+                    chain_seed = None
+                spec = Spec(mode=enum, budget=budget, **({} if chain_seed is None else {"chain_seed": chain_seed}))
                 requests = [
-                    gateway_pb2.GenerateRequest(text=t, max_tokens=args.max_tokens, ignore_eos=True, speculation=Spec(mode=enum, budget=budget))
-                    for t in prompts
+                    gateway_pb2.GenerateRequest(
+                        text=t, max_tokens=args.max_tokens, ignore_eos=True, speculation=spec,
+                        temperature=args.temperature, seed=args.seed + i,
+                    )
+                    for i, t in enumerate(prompts)
                 ]
                 run_batch(gateway, requests[:1], 1, "warm-up", budget)
                 row, outputs = run_batch(gateway, requests, 1, mode, budget)
@@ -94,10 +111,17 @@ def main() -> None:
                 rows.append({
                     "prompt_set": name, "mode": mode, "budget": budget, "acceptance_length": round(row.acceptance_length, 3),
                     "tokens_per_s": round(row.tokens_per_s, 1), "device": args.device, "prompts": len(prompts),
+                    "steps": row.steps, "committed_tokens": row.committed_tokens,
                     **({"feature_dtype": feature_dtype} if feature_dtype else {}),
+                    **({"chain_seed": chain_seed} if chain_seed is not None else {}),
+                    **({"temperature": args.temperature, "seed": args.seed} if args.temperature else {}),
                 })
                 label = f" features {feature_dtype}" if feature_dtype else ""
-                print(f"{name:16s} {mode:6s} {budget:3d}{label}: AL {row.acceptance_length:.2f}, {row.tokens_per_s:.1f} tok/s", flush=True)
+                label += "" if chain_seed is None else f" chain seed {'on' if chain_seed else 'off'}"
+                print(
+                    f"{name:16s} {mode:6s} {budget:3d}{label}: AL {row.acceptance_length:.3f} ({row.committed_tokens} tokens committed "
+                    f"in {row.steps} verify steps), {row.tokens_per_s:.1f} tok/s", flush=True,
+                )
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1) + "\n")
 

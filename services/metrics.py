@@ -9,11 +9,17 @@ call), ``phase`` (prefill, verify, propose), ``position`` (draft depth, 1 .. blo
 ``reason`` (a finish reason, a gRPC status code or a fallback cause, lower case).
 
 Terms. A *step* is one verify pass. It commits the root (last step's bonus token) plus the
-*accepted* draft nodes, so its *acceptance length* (AL) is accepted + 1, bonus included as in the
-literature. The *draft tokens* of a step are the positions it speculated: the depth of its tree (a
+*accepted* draft nodes: accepted + 1 tokens, bonus included as in the literature. The *acceptance
+length* (AL) is tokens committed by verify steps over verify steps, defined once in
+:mod:`splitspec.spec.acceptance_length`: the prompt's first token comes from the prefill, which is
+no step, and is not counted (so AL is not generated tokens / steps), and a step cut short by a stop
+condition counts every token it committed. The histogram ``spec_decode_acceptance_length_tokens``
+observes each step's committed tokens, so its ``_sum / _count`` is AL; target-only decoding gives
+exactly 1. The *draft tokens* of a step are the positions it speculated: the depth of its tree (a
 chain's length); its *tree nodes* are the nodes it sent to verification. Steps that ran target-only
 because the draft failed are *fallbacks*; they count as steps (AL 1), so the figures below are what
-users got, not what the draft could do.
+users got, not what the draft could do. A request's ``usage.steps`` and
+``usage.mean_acceptance_length`` count the same steps these metrics do.
 
 PromQL (add ``{model="..."}`` matchers or ``by (model)`` for several models):
 
@@ -22,10 +28,16 @@ PromQL (add ``{model="..."}`` matchers or ``by (model)`` for several models):
     sum(rate(splitspec_spec_decode_accepted_tokens_total[5m]))
       / sum(rate(splitspec_spec_decode_draft_tokens_total[5m]))
 
-- mean acceptance length (tokens committed per step, bonus included)::
+- mean acceptance length, AL (tokens committed by verify steps / verify steps, bonus included)::
 
     1 + sum(rate(splitspec_spec_decode_accepted_tokens_total[5m]))
       / sum(rate(splitspec_spec_decode_steps_total[5m]))
+
+  (the dashboard's form), or the same value from the histogram, whose observations are the steps'
+  committed tokens::
+
+    sum(rate(splitspec_spec_decode_acceptance_length_tokens_sum[5m]))
+      / sum(rate(splitspec_spec_decode_acceptance_length_tokens_count[5m]))
 
 - per-depth acceptance (share of steps whose accepted path reached depth ``position``)::
 
@@ -59,7 +71,7 @@ from splitspec import __version__
 from splitspec.errors import ServiceError
 
 if TYPE_CHECKING:
-    from services.gateway.speculation import StepStats
+    from services.gateway.stats import StepStats
 
 # `_created` series would double every counter and histogram for a timestamp nobody graphs.
 disable_created_metrics()
@@ -170,7 +182,9 @@ class GatewayMetrics(_Metrics):
         )
         self.tree_nodes = counter("splitspec_spec_decode_tree_nodes", "Draft tree nodes sent to verification", "mode")
         self.acceptance_length = histogram(
-            "splitspec_spec_decode_acceptance_length_tokens", "Tokens committed per step, bonus included", LENGTH_BUCKETS, "mode"
+            "splitspec_spec_decode_acceptance_length_tokens",
+            "Tokens committed per verify step, bonus included (the prefill's token is no step's); _sum / _count is AL",
+            LENGTH_BUCKETS, "mode",
         )
         self.fallbacks = counter("splitspec_draft_fallbacks", "Steps run target-only, by cause (a gRPC status code or no_draft)", "reason")
         self.rpc_duration = histogram("splitspec_rpc_duration_seconds", "Round trip of a worker call, as the gateway sees it", STEP_BUCKETS, "rpc")
@@ -189,7 +203,7 @@ class GatewayMetrics(_Metrics):
         for depth in range(1, step.accepted + 1):
             child(self.accepted_per_pos, mode, str(depth)).inc()
         child(self.tree_nodes, mode).inc(step.tree_nodes)
-        child(self.acceptance_length, mode).observe(step.accepted + 1)
+        child(self.acceptance_length, mode).observe(step.committed)
         if step.fallback:
             child(self.fallbacks, step.fallback).inc()
 

@@ -7,11 +7,11 @@ import urllib.request
 
 import pytest
 from prometheus_client import CollectorRegistry
-from tests.tools import free_port
 
-from services.gateway.speculation import SequenceStats, StepStats
+from services.gateway.stats import SequenceStats, StepStats
 from services.metrics import GatewayMetrics, WorkerMetrics, model_name, serve_metrics
 from splitspec.errors import InvalidArgument, ResourceExhausted
+from tests.tools import free_port
 
 
 def value(registry: CollectorRegistry, name: str, **labels) -> float:
@@ -47,6 +47,11 @@ def test_fallback_steps_are_counted_by_reason_and_in_the_sequence_stats(gateway)
         stats.add(step)
         gateway.observe_step("chain", step)
     assert (stats.steps, stats.committed, stats.fallbacks, stats.tree_nodes) == (3, 5, 2, 4)
+    # AL (splitspec.spec.acceptance_length): fallback steps count, with their one token each.
+    assert stats.mean_acceptance_length == 5 / 3
+    r = gateway.registry
+    al_sum, al_count = (value(r, f"splitspec_spec_decode_acceptance_length_tokens_{s}", mode="chain") for s in ("sum", "count"))
+    assert al_sum / al_count == stats.mean_acceptance_length
     assert value(gateway.registry, "splitspec_draft_fallbacks_total", reason="deadline_exceeded") == 2
 
 

@@ -29,6 +29,7 @@ from tests.client import Completion, generate
 from prometheus_client.parser import text_string_to_metric_families
 from tests.tools import free_port, require
 
+from splitspec.spec.acceptance_length import committed_tokens
 from splitspec.v1 import gateway_pb2
 
 pytestmark = pytest.mark.slow
@@ -128,7 +129,7 @@ def _wait_healthy(address: str, proc: subprocess.Popen, timeout: float = 60.0) -
 
 def _committed(c: Completion) -> int:
     """Tokens committed by the verify steps (root + accepted), from the usage the gateway returned."""
-    return round(c.final.usage.mean_acceptance_length * c.final.usage.steps)
+    return committed_tokens(c.final.usage)
 
 
 @pytest.fixture(scope="module")
@@ -199,6 +200,9 @@ def test_counters_equal_what_the_clients_counted(system):
             mine = [c for m, c in runs if m == mode]
             steps = sum(c.final.usage.steps for c in mine)
             accepted = sum(_committed(c) for c in mine) - steps
+            if mode == "off":  # AL counts verify steps only: target-only is exactly 1, the prefill's token aside
+                assert all(c.final.usage.mean_acceptance_length == 1.0 for c in mine) and accepted == 0
+                assert all(c.final.usage.steps == len(c.tokens) - 1 for c in mine)
             assert p.wait_for(f'splitspec_spec_decode_steps_total{{{sel}, mode="{mode}"}}', steps) == steps
             assert p.wait_for(f'splitspec_spec_decode_accepted_tokens_total{{{sel}, mode="{mode}"}}', accepted) == accepted
             by_depth = f'sum(splitspec_spec_decode_accepted_tokens_per_pos_total{{{sel}, mode="{mode}"}})'

@@ -22,10 +22,11 @@ import enum
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 
+from services.gateway.stats import SequenceStats, StepStats
 from services.gateway.workers import DraftClient, Prefilled, TargetClient
 from splitspec.errors import UpstreamError
 from splitspec.spec.tree import DraftTree, build_chain, build_ddtree
@@ -59,38 +60,6 @@ class SpeculationOptions:
     draft_window: int = 0  # context positions the draft attends to (0 = all)
     feature_dtype: str = ""  # wire dtype of tap features ("" = the target's compute dtype)
     draft_timeout_s: float = 5.0
-
-
-@dataclass(frozen=True)
-class StepStats:
-    """What one verify step did."""
-
-    tree_nodes: int  # drafted nodes sent to verification (0 = target-only)
-    draft_depth: int  # draft positions speculated: the depth of the deepest node
-    accepted: int  # accepted nodes, i.e. the depth of the accepted path; the step commits accepted + 1
-    fallback: str = ""  # why the step ran target-only although speculation was asked ("" = it did not)
-
-
-@dataclass
-class SequenceStats:
-    steps: int = 0  # verify passes
-    committed: int = 0  # tokens committed by verifies (root + accepted nodes)
-    tree_nodes: int = 0  # drafted nodes sent to verification
-    fallbacks: int = 0  # steps run target-only because the draft failed, was down or is missing
-    fallback_reasons: dict[str, int] = field(default_factory=dict)
-    recoveries: int = 0  # re-prefills after the target lost the sequence
-
-    def add(self, step: StepStats) -> None:
-        self.steps += 1
-        self.committed += step.accepted + 1
-        self.tree_nodes += step.tree_nodes
-        if step.fallback:
-            self.fallbacks += 1
-            self.fallback_reasons[step.fallback] = self.fallback_reasons.get(step.fallback, 0) + 1
-
-    @property
-    def mean_acceptance_length(self) -> float:
-        return self.committed / self.steps if self.steps else 0.0
 
 
 @dataclass(frozen=True)
@@ -226,11 +195,13 @@ class SpeculativeSequence:
     async def _forget_draft(self) -> None:
         self.draft_synced = 0
         if self.draft_live:
-            self.draft_live = False
             try:
                 await self.draft.release(self.sequence_id, self.draft_context)
             except grpc.aio.AioRpcError:
                 pass  # a draft that cannot be reached holds nothing we can free now; its TTL will
+            # Not live once the Release was answered or failed. Cancelled before (the client left
+            # or its deadline passed meanwhile), the context stays live here, so release() frees it.
+            self.draft_live = False
 
     async def _draft_tree(self, anchor: int, start: int, features, max_depth: int, max_nodes: int) -> tuple[DraftTree, str]:
         """Propose from the draft and build a tree of at most ``max_nodes`` nodes and ``max_depth``
@@ -245,10 +216,11 @@ class SpeculativeSequence:
             self.draft_context = next_draft_context()  # a fresh context: steps of the released one stay refused
         self.draft_live = True
         history = self._tokens(self.draft_synced, start)
+        timeout = self._timeout(opts.draft_timeout_s)
         try:
             top_ids, top_logprobs = await self.draft.propose(
                 self.sequence_id, anchor, start, history, features, opts.top_k, opts.draft_window,
-                timeout=self._timeout(opts.draft_timeout_s), context=self.draft_context,
+                timeout=timeout, context=self.draft_context,
             )
             self.draft_synced = start
         except grpc.aio.AioRpcError as exc:
@@ -256,7 +228,10 @@ class SpeculativeSequence:
                 "sequence %s: draft failed (%s: %s); continuing target-only",
                 self.sequence_id, exc.code().name, exc.details(),
             )
-            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            # The draft is down for everyone only through its own fault: a step cut short by the
+            # client's deadline (shorter than --draft-timeout) says nothing about it.
+            late = exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and timeout >= opts.draft_timeout_s
+            if exc.code() == grpc.StatusCode.UNAVAILABLE or late:
                 self.on_draft_failure()
             await self._forget_draft()
             return DraftTree.empty(), exc.code().name.lower()

@@ -4,9 +4,15 @@ The target's output is meaningless on random weights, so acceptance is set from 
 benchmark first records the target's own greedy continuation of each prompt (speculation off,
 which is also the AR row), then replays it through the **OracleDrafter** (benchmark-only),
 corrupted at a chosen rate per depth, so the whole gateway → draft → target path runs at a
-chosen acceptance length. A random DFlash draft of the real draft shape runs too: it accepts
-almost nothing, but its row is the true cost of a full round (draft pass, features on the wire,
-verify) at that budget.
+chosen acceptance length. The oracle runs no draft forward pass and asks the target for no tap
+features, so its rows' times are not a real drafter's: their labels say so
+(``report.ORACLE_NOTE``), and they only set the acceptance length. A random DFlash draft of the
+real draft shape runs too: it accepts almost nothing, but its row is the true cost of a full
+round (draft pass, features on the wire, verify) at that budget. The report's headline speed-up
+combines the two (``report.headline_speedups``).
+
+Acceptance length (AL) is :mod:`splitspec.spec.acceptance_length`'s: tokens committed by verify
+steps over verify steps, from each request's usage; the prefill's token is not counted.
 """
 
 from __future__ import annotations
@@ -23,8 +29,10 @@ from pathlib import Path
 import grpc
 import numpy as np
 
+from splitspec.bench.report import AR_LABEL, DFLASH_LABEL, oracle_label
 from splitspec.bench.workers import BENCH_WORKERS
 from splitspec.cli.serve import wait_ready
+from splitspec.spec.acceptance_length import acceptance_length, committed_tokens
 from splitspec.v1 import gateway_pb2, gateway_pb2_grpc
 
 Spec = gateway_pb2.Speculation
@@ -34,13 +42,16 @@ Spec = gateway_pb2.Speculation
 class SystemRow:
     label: str
     budget: int
-    completion_tokens: int
-    steps: int
+    completion_tokens: int  # tokens the clients received (each request's first from its prefill)
+    steps: int  # verify steps
+    committed_tokens: int  # tokens committed by the verify steps (usage: AL x steps)
     seconds: float  # wall time of the whole batch
     concurrency: int
     wire: str = "socket"  # the gateway's --wire
     decode_seconds: float = 0.0  # per request, first response to last, summed: steps without prefill
     draft_fallbacks: int = 0  # steps that ran target-only because the draft failed or was late
+    drafter: str = ""  # "off", "oracle" (benchmark-only) or "dflash"
+    corruption: float | None = None  # the oracle's corruption rate
 
     @property
     def tokens_per_s(self) -> float:
@@ -48,7 +59,8 @@ class SystemRow:
 
     @property
     def acceptance_length(self) -> float:
-        return self.completion_tokens / max(1, self.steps)
+        """AL (splitspec.spec.acceptance_length): committed tokens over verify steps; exactly 1 target-only."""
+        return acceptance_length(self.committed_tokens, self.steps)
 
     @property
     def ms_per_step(self) -> float:
@@ -117,7 +129,8 @@ def generate(address: str, request: gateway_pb2.GenerateRequest) -> tuple[list[i
 
 
 def run_batch(
-    address: str, requests: list[gateway_pb2.GenerateRequest], concurrency: int, label: str, budget: int, wire: str = "socket"
+    address: str, requests: list[gateway_pb2.GenerateRequest], concurrency: int, label: str, budget: int, wire: str = "socket",
+    drafter: str = "", corruption: float | None = None,
 ) -> tuple[SystemRow, list[list[int]]]:
     """All ``requests``, ``concurrency`` at a time; one row of aggregate figures."""
     outputs: list[list[int]] = [[] for _ in requests]
@@ -149,8 +162,8 @@ def run_batch(
         raise RuntimeError(f"{label}: {errors[0].code().name}: {errors[0].details()}")
     steps = sum(u.steps for u in usages)
     row = SystemRow(
-        label, budget, sum(len(o) for o in outputs), steps, seconds, concurrency, wire, sum(decode),
-        sum(u.draft_fallbacks for u in usages),
+        label, budget, sum(len(o) for o in outputs), steps, sum(committed_tokens(u) for u in usages), seconds, concurrency,
+        wire, sum(decode), sum(u.draft_fallbacks for u in usages), drafter, corruption,
     )
     return row, outputs
 
@@ -197,8 +210,9 @@ def run_system(
             "target", "random-target", "--model", target_model, "--device", device, "--dtype", dtype,
             "--graph-slots", str(max(2, concurrency)), "--graph-context", context,
         )
-        drafts = {f"oracle {p:.2f}": ("oracle-draft", "--table", str(table), "--corruption", str(p)) for p in corruptions}
-        drafts["dflash (random weights)"] = ("random-draft", "--model", f"{target_model}-dflash", "--device", draft_device, "--dtype", dtype)
+        drafts = {oracle_label(p): ("oracle-draft", "--table", str(table), "--corruption", str(p)) for p in corruptions}
+        drafts[DFLASH_LABEL] = ("random-draft", "--model", f"{target_model}-dflash", "--device", draft_device, "--dtype", dtype)
+        kinds = {oracle_label(p): ("oracle", p) for p in corruptions} | {DFLASH_LABEL: ("dflash", None)}
         draft_addresses = {
             label: c.start(f"draft{i}", args[0], "--target-model", target_model, *args[1:]) for i, (label, args) in enumerate(drafts.items())
         }
@@ -214,7 +228,7 @@ def run_system(
         for wire in wires:
             first = gateways[wire, next(iter(drafts))]
             run_batch(first, requests(warm, off), concurrency, "warm-up", 0, wire)  # captures graphs, fills caches
-            row, outputs = run_batch(first, requests(timed, off), concurrency, "off (AR)", 0, wire)
+            row, outputs = run_batch(first, requests(timed, off), concurrency, AR_LABEL, 0, wire, "off")
             rows.append(row)
             if wire == wires[0]:
                 with table.open("w") as f:
@@ -223,5 +237,5 @@ def run_system(
         for label in drafts:
             for wire in wires:
                 run_batch(gateways[wire, label], requests(warm, tree), concurrency, "warm-up", budget, wire)
-                rows.append(run_batch(gateways[wire, label], requests(timed, tree), concurrency, label, budget, wire)[0])
+                rows.append(run_batch(gateways[wire, label], requests(timed, tree), concurrency, label, budget, wire, *kinds[label])[0])
     return rows

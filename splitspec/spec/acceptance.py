@@ -9,7 +9,8 @@ rows
 accepted path
     Starting at the root, repeatedly move to the child whose token equals the target's own token
     at the current row; stop when no child matches. The accepted path is the list of visited rows,
-    root (row 0) included, in tree order. Its length is the acceptance length AL.
+    root (row 0) included, in tree order. Its length is the step's acceptance length (AL; over
+    many steps see :mod:`splitspec.spec.acceptance_length`).
 bonus token
     The target's token at the last accepted row: the first token that left the tree. It is not yet
     in the KV cache and becomes the next step's root.

@@ -24,6 +24,7 @@ accepted path
     (see :mod:`splitspec.spec.acceptance`).
 acceptance length (AL)
     The number of tokens committed per step, root included: ``len(accepted path incl. root)``.
+    Over many steps, committed tokens / steps (:mod:`splitspec.spec.acceptance_length`).
 
 Tree construction (DDTree, best-first): for depths ``d = 1..L`` the draft gives the top-K token ids
 and log-probs. The score of a path is the sum of the log-probs of its ranks, one per depth. A

@@ -4,7 +4,9 @@ Inputs are what ``scripts/build_builtin_pair.py`` writes: the corpus manifest
 (``corpus.manifest``), one log dict per stage (``corpus``, ``target``, ``draft``; None when the
 stage has not run) and acceptance-length measurements (rows of ``prompt_set``, ``mode``,
 ``budget``, ``acceptance_length``, ``tokens_per_s``, ``device``). Nothing is typed in by hand, so
-the card states what was actually run.
+the card states what was actually run. ``acceptance_length`` is AL as
+:mod:`splitspec.spec.acceptance_length` defines it (tokens committed by verify steps / verify
+steps), which ``scripts/measure_builtin_pair.py`` reports.
 """
 
 from __future__ import annotations
@@ -100,13 +102,25 @@ def _draft_section(draft: dict | None) -> list[str]:
     return lines + [""]
 
 
+AL_DEFINITION = (
+    "Mean acceptance length (AL): tokens committed by verify steps / verify steps, the bonus token included. "
+    "Each request's first token comes from the prompt's prefill, not from a verify step, and is not counted, "
+    "so target-only decoding (`off`) has AL 1.00 exactly."
+)
+
+
 def _measurements_section(rows: list[dict]) -> list[str]:
     lines = ["## Speculative decoding", "", "| prompt set | mode | budget | mean acceptance length | tokens/s | device |", "|---|---|---|---|---|---|"]
     if not rows:
         lines.append("| not measured yet | | | | | |")
     for m in rows:
+        if m["mode"] == "off" and m["acceptance_length"] != 1.0:
+            raise ValueError(
+                f"measurements: {m['prompt_set']} off has AL {m['acceptance_length']}, not 1: measured as generated tokens / steps "
+                "(before splitspec.spec.acceptance_length); measure again with scripts/measure_builtin_pair.py"
+            )
         lines.append(f"| {m['prompt_set']} | {m['mode']} | {m['budget']} | {m['acceptance_length']:.2f} | {m['tokens_per_s']:.1f} | {m['device']} |")
-    return lines + [""]
+    return lines + ["", AL_DEFINITION, ""]
 
 
 def render_card(manifest: dict, logs: dict[str, dict | None], measurements: list[dict]) -> str:

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from splitspec.bench.random_weights import random_draft, random_target, random_target_config
+from splitspec.bench.report import ORACLE_NOTE, oracle_label
 
 pytestmark = pytest.mark.slow
 
@@ -41,10 +42,29 @@ def test_bench_runs_every_part(tmp_path):
     assert comp["prefill_ms"]["fixed shapes"] > 0 and "Prefill of the prompt: fixed shapes" in proc.stdout
     for wire in ("stream", "unary"):
         rows = {r["label"]: r for r in result["system"] if r["wire"] == wire}
-        assert rows["off (AR)"]["acceptance_length"] < 1.2
+        # AL counts verify steps only (the prefill's token is no step's): target-only is exactly 1.
+        assert rows["off (AR)"]["acceptance_length"] == 1.0 and rows["off (AR)"]["committed_tokens"] == 2 * 23
         # An uncorrupted oracle is the target's own continuation: nearly every drafted token is accepted.
-        assert rows["oracle 0.00"]["acceptance_length"] > 2 * rows["oracle 0.90"]["acceptance_length"]
-        assert rows["oracle 0.00"]["draft_fallbacks"] == 0
+        assert rows[oracle_label(0.0)]["acceptance_length"] > 2 * rows[oracle_label(0.9)]["acceptance_length"]
+        assert rows[oracle_label(0.0)]["draft_fallbacks"] == 0
+        # Every request commits all its tokens but the prefill's through verify steps.
+        assert all(r["committed_tokens"] == r["completion_tokens"] - 2 for r in rows.values())
+        assert all(r["acceptance_length"] == r["committed_tokens"] / r["steps"] for r in rows.values())
+    # The oracle rows say, in their labels and beside the table, that they are benchmark-only.
+    oracle_rows = [r for r in result["system"] if r["drafter"] == "oracle"]
+    assert len(oracle_rows) == 2 * 2 and all(ORACLE_NOTE in r["label"] and r["label"].startswith("oracle") for r in oracle_rows)
+    assert all(f"| {r['label']} | {r['wire']} |" in proc.stdout for r in oracle_rows)
+    assert "The `oracle` rows are **benchmark-only**" in proc.stdout and "skips the draft's forward pass and all tap-feature traffic" in proc.stdout
+    # The headline: one line per oracle AL and wire, AL × t_AR / t_round from this run's own rows.
+    headline = result["headline"]
+    assert "AL × t_AR / t_round" in result["headline_rule"] and "**Headline**, " + result["headline_rule"] in proc.stdout
+    assert sorted((h["wire"], h["al_from"]) for h in headline) == sorted((r["wire"], r["label"]) for r in oracle_rows)
+    for h in headline:
+        rows = {r["label"]: r for r in result["system"] if r["wire"] == h["wire"]}
+        al, t_ar, t_round = rows[h["al_from"]]["acceptance_length"], rows["off (AR)"]["ms_per_step"], rows["dflash (random weights)"]["ms_per_step"]
+        assert (h["acceptance_length"], h["t_ar_ms"], h["t_round_ms"]) == (al, t_ar, t_round)
+        assert h["speedup"] == pytest.approx(al * t_ar / t_round, rel=1e-12) and h["speedup"] > 0
+        assert f"- {h['line']}" in proc.stdout and f"= {h['speedup']:.2f}× AR" in h["line"]
     assert len(result["system"]) == 2 * 4 and all(r["completion_tokens"] == 2 * 24 for r in result["system"])
     # Decode steps alone (prefill excluded) are shorter than the whole batch's time per step.
     assert all(0 < r["ms_per_step"] < 1e3 * r["seconds"] / r["steps"] for r in result["system"])
@@ -100,5 +120,5 @@ def test_bench_system_runs_a_hybrid_shape(tmp_path):
     proc = _bench(tmp_path, "tiny-qwen35", "--parts", "system", "--corruptions", "0.0", "--prompts", "1", "--max-tokens", "24")
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {r["label"]: r for r in json.loads((tmp_path / "bench.json").read_text())["system"]}
-    assert rows["off (AR)"]["acceptance_length"] < 1.2 and rows["oracle 0.00"]["acceptance_length"] > 4
+    assert rows["off (AR)"]["acceptance_length"] == 1.0 and rows[oracle_label(0.0)]["acceptance_length"] > 4
     assert all(r["completion_tokens"] == 24 for r in rows.values())
