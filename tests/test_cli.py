@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -201,3 +202,127 @@ def test_workers_load_hub_references_offline_from_the_cache(services, tiny_pair,
     assert services.procs["absent"].wait(timeout=60) == 2
     last = services.log("absent").strip().splitlines()[-1]
     assert "hf://splitspec-test/tiny-target/absent.gguf" in last and "HF_HUB_OFFLINE" in last
+
+
+def test_device_auto_is_the_first_gpu_or_the_cpu():
+    import torch
+
+    from splitspec.models.devices import resolve_device
+
+    expected = "cuda:0" if torch.cuda.is_available() else "cpu"
+    assert str(resolve_device("auto")) == expected  # on the CPU-only test machine: cpu
+    with pytest.raises(ValueError, match="use auto, cpu or cuda:N"):
+        resolve_device("gpu0")
+
+
+def _free_port_run(n: int) -> int:
+    """The first of ``n`` consecutive loopback ports that are free right now."""
+    import socket
+
+    for _ in range(50):
+        first = free_port()
+        try:
+            for port in range(first, first + n):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+            return first
+        except OSError:
+            continue
+    raise RuntimeError(f"no {n} consecutive free ports")
+
+
+def _read_lines_with_times(proc: subprocess.Popen):
+    """A thread collecting each stderr line of ``proc`` with the monotonic time it arrived, and
+    the time the process ended, into the list it returns along with the thread."""
+    lines: list[tuple[float, str]] = []
+
+    def read() -> None:
+        for line in proc.stderr:
+            lines.append((time.monotonic(), line.rstrip("\n")))
+        proc.wait()
+        lines.append((time.monotonic(), ""))
+
+    thread = threading.Thread(target=read, daemon=True)
+    thread.start()
+    return thread, lines
+
+
+def test_serve_ready_line_names_every_endpoint_and_the_device(tmp_path, tiny_pair):
+    """`serve` with its default --device auto: the ready line gives the gateway's address, the
+    three /metrics URLs (which answer, naming the device) and the pair; serve's own process never
+    loads torch. A `generate --wait` started before serve says once that it waits, then succeeds."""
+    import urllib.request
+
+    address = f"unix:{tmp_path / 'gw.sock'}"
+    waiting = subprocess.Popen(
+        [*CLI, "generate", "hello", "--address", address, "--max-tokens", "4", "--ignore-eos", "--wait", "--timeout", "120"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    port = _free_port_run(3)
+    log = tmp_path / "serve.log"
+    with log.open("wb") as out:
+        serve = subprocess.Popen(
+            [*CLI, "serve", "--listen", address, "--target-model", str(tiny_pair.target), "--draft-model", str(tiny_pair.draft),
+             "--metrics-port", str(port)],
+            stdout=out, stderr=subprocess.STDOUT,
+        )
+    try:
+        _wait_for("ready on", log, serve)
+        ready = next(line for line in log.read_text().splitlines() if "ready on" in line)
+        device = "cuda:0 (bfloat16" if "cuda" in ready else "cpu (float32"
+        assert f"ready on {address} (gateway gRPC, metrics http://127.0.0.1:{port}/metrics)" in ready, ready
+        assert f"target worker on {device}; --device auto), metrics http://127.0.0.1:{port + 1}/metrics" in ready, ready
+        assert f"draft worker on {device}; --device auto), metrics http://127.0.0.1:{port + 2}/metrics" in ready, ready
+        assert f"serving target and draft as given: target {tiny_pair.target}, draft {tiny_pair.draft}" in ready
+        for i, service in enumerate(["gateway", "target", "draft"]):
+            text = urllib.request.urlopen(f"http://127.0.0.1:{port + i}/metrics", timeout=10).read().decode()
+            assert f'service="{service}"' in text
+            if service != "gateway":
+                assert f'device="{device.split()[0]}"' in text
+        maps = open(f"/proc/{serve.pid}/maps").read()
+        assert "libtorch" not in maps and "torch/_C" not in maps
+        out, err = waiting.communicate(timeout=60)
+        assert waiting.returncode == 0, err
+        assert err.count("waiting for the gateway at") == 1 and "4 generated tokens" in err
+    finally:
+        waiting.kill()
+        serve.send_signal(signal.SIGTERM)
+        assert serve.wait(timeout=60) == 0
+
+
+def test_generate_without_a_gateway_says_so_and_gives_up(tmp_path):
+    """No gateway at a real (unused) Unix socket address: generate says at once where it waits and
+    how to start a gateway, then gives up after the connect timeout (default 10 s, or
+    --connect-timeout), or with --wait after the request's --timeout, with one line and exit 1."""
+    address = f"unix:{tmp_path / 'nobody.sock'}"
+    cases = {"default": ([], 10.0), "flag": (["--connect-timeout", "2"], 2.0), "wait": (["--wait", "--timeout", "4"], 4.0)}
+    procs = {
+        name: (time.monotonic(), subprocess.Popen([*CLI, "generate", "hi", "--address", address, *flags], stderr=subprocess.PIPE, text=True))
+        for name, (flags, _) in cases.items()
+    }
+    readers = {name: _read_lines_with_times(proc) for name, (_, proc) in procs.items()}
+    for name, (started, proc) in procs.items():
+        thread, lines = readers[name]
+        thread.join(timeout=60)
+        (ended, _), lines, limit = lines[-1], lines[:-1], cases[name][1]
+        assert proc.returncode == 1
+        assert len(lines) == 2, lines
+        (said_at, said), (_, gave_up) = lines
+        assert said == f"splitspec generate: waiting for the gateway at {address} (up to {limit:.0f} s; start one with `splitspec serve`)"
+        assert gave_up.startswith(f"splitspec generate: no gateway answered at {address} within {limit:.0f} s: start one with `splitspec serve`")
+        assert ("raise --timeout" in gave_up) == (name == "wait")
+        # The waiting line came at once (not after the wait), and the wait lasted the timeout.
+        assert limit - 0.5 <= ended - said_at <= limit + 3.0, (name, ended - said_at)
+        assert ended - started <= limit + 15.0  # Python start-up on a loaded 2-core machine included
+
+
+def test_gateway_waiting_for_a_worker_logs_once_then_every_10_s(services):
+    """The gateway's start-up wait for a worker that is not there: one line, then one line per 10 s
+    with the time waited and why, then (--worker-wait) one error line and exit 2."""
+    services.start("gateway", "gateway", "--target", services.address("absent-target"), "--draft", "", "--worker-wait", "12", wait=False)
+    assert services.procs["gateway"].wait(timeout=60) == 2
+    log = services.log("gateway")
+    assert log.count("waiting for the target worker") == 2  # "waiting ..." and "still waiting ..."
+    assert log.count("still waiting for the target worker after 10 s (not reachable: UNAVAILABLE)") == 1
+    assert "target worker: not reachable: UNAVAILABLE after 12 s (--worker-wait)" in log.strip().splitlines()[-1]
+    assert "Traceback" not in log

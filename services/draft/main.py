@@ -20,7 +20,7 @@ def add_arguments(p: argparse.ArgumentParser, model: bool = True) -> None:
         p.add_argument("--model", required=True, help="DFlash draft: a z-lab directory (config.json + model.safetensors), its GGUF conversion, or hf://...")
     p.add_argument("--target-model", required=True, help="the target model (GGUF, directory or hf://...): its embedding and LM head are read from it")
     p.add_argument("--listen", default="127.0.0.1:50053", help="address to serve on (host:port or unix:PATH)")
-    p.add_argument("--device", default="cpu", help="cpu or cuda:N")
+    p.add_argument("--device", default="cpu", help="cpu, cuda:N or auto (cuda:0 when torch sees a GPU, else cpu)")
     p.add_argument("--dtype", default="auto", help="auto (bfloat16 on GPU, float32 on CPU), float32, float16, bfloat16")
     p.add_argument("--max-sequences", type=int, default=256, help="live draft contexts at most")
     p.add_argument(

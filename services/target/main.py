@@ -20,7 +20,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "directory (config.json + safetensors), or hf://OWNER/REPO[/FILE.gguf] resolved through the Hugging Face cache",
     )
     p.add_argument("--listen", default="127.0.0.1:50052", help="address to serve on (host:port or unix:PATH)")
-    p.add_argument("--device", default="cpu", help="cpu or cuda:N (ROCm builds of torch answer to cuda:N too)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda:N (ROCm builds of torch answer to cuda:N too) or auto (cuda:0 when torch sees a GPU, else cpu)")
     p.add_argument("--dtype", default="auto", help="compute dtype: auto (bfloat16 on GPU, float32 on CPU), float32, float16, bfloat16, float64")
     p.add_argument(
         "--state-dtype", default="auto",

@@ -7,10 +7,25 @@ import torch
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 
+AUTO = "auto"
+
+
+def auto_device() -> str:
+    """What ``--device auto`` means here: the first GPU (``cuda:0``) when this torch build sees one
+    (``torch.cuda.is_available()`` is true for CUDA and ROCm builds alike), else ``cpu``."""
+    return "cuda:0" if torch.cuda.is_available() else "cpu"
+
+
 def resolve_device(name: str) -> torch.device:
-    """The device of a ``--device`` flag; a GPU also becomes the process's current device, which
-    libraries that follow it (cuBLAS, CUDA graph capture) then use."""
-    device = torch.device(name)
+    """The device of a ``--device`` flag (``cpu``, ``cuda:N`` or ``auto``, see ``auto_device``); a
+    GPU also becomes the process's current device, which libraries that follow it (cuBLAS, CUDA
+    graph capture) then use."""
+    if name.strip().lower() == AUTO:
+        name = auto_device()
+    try:
+        device = torch.device(name)
+    except RuntimeError as exc:  # torch's own message lists every device type it knows
+        raise ValueError(f"--device {name}: use auto, cpu or cuda:N") from exc
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError(f"--device {name}: this torch build sees no CUDA/ROCm GPU")
@@ -18,7 +33,7 @@ def resolve_device(name: str) -> torch.device:
             raise ValueError(f"--device {name}: only {torch.cuda.device_count()} GPU(s) visible")
         torch.cuda.set_device(device)
     elif device.type != "cpu":
-        raise ValueError(f"--device {name}: use cpu or cuda:N")
+        raise ValueError(f"--device {name}: use auto, cpu or cuda:N")
     return device
 
 
