@@ -97,6 +97,7 @@ def run(args: argparse.Namespace) -> int:
         if not connect(channel, args.address, args.timeout if args.wait else min(args.connect_timeout, args.timeout), args.wait):
             return 1
         stub = gateway_pb2_grpc.GatewayStub(channel)
+        started = time.perf_counter()  # rates and first-text time count from here, not from the wait
         try:
             # wait_for_ready: a connection lost between the wait above and the call is waited for too.
             remaining = max(0.001, args.timeout - (time.perf_counter() - t0))
@@ -111,14 +112,14 @@ def run(args: argparse.Namespace) -> int:
         except grpc.RpcError as exc:
             print(f"\nsplitspec generate: {exc.code().name}: {exc.details()}", file=sys.stderr)
             return 1
-    elapsed = time.perf_counter() - t0
+    elapsed = time.perf_counter() - started
     u = final.usage
     print(
         f"\n[{gateway_pb2.FinishReason.Name(final.finish_reason).lower()}: {u.prompt_tokens} prompt + "
         f"{u.completion_tokens} generated tokens in prefill + {u.steps} verify steps, mean acceptance length "
         f"{u.mean_acceptance_length:.2f}, {u.completion_tokens / elapsed:.1f} tok/s"
         + (f", {1000 * elapsed / u.steps:.1f} ms/step" if u.steps else "")
-        + (f", first text after {first - t0:.3f} s" if first else "")
+        + (f", first text after {first - started:.3f} s" if first else "")
         + (f", {u.draft_fallbacks} draft fallbacks" if u.draft_fallbacks else "")
         + "]",
         file=sys.stderr,
