@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import logging
+import sys
+import time
+from collections.abc import Iterator
+
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType as Q
@@ -11,10 +16,28 @@ from native.gguf_dequant import dequantize
 from splitspec.models.gguf_file import GGUFFile
 
 
-def progress(items: list, desc: str):
-    """``items`` with a progress bar on a terminal (one line that fills as tensors load)."""
-    # tqdm hides itself when stderr is not a terminal (disable=None).
-    return tqdm(items, desc=desc, unit="tensor", disable=None, leave=False)
+logger = logging.getLogger(__name__)
+
+PROGRESS_LOG_S = 10.0  # without a terminal, a progress line this often while a load lasts
+
+
+def progress(items: list, desc: str, every_s: float = PROGRESS_LOG_S):
+    """``items`` with their loading progress: a bar on a terminal (one line that fills as tensors
+    load); in a log (a service under ``serve``, docker, Kubernetes), a line every ``every_s``
+    seconds with the tensors done and the time taken, so a long load shows it is moving."""
+    if sys.stderr.isatty():
+        return tqdm(items, desc=desc, unit="tensor", leave=False)
+    return _logged(items, desc, every_s)
+
+
+def _logged(items: list, desc: str, every_s: float) -> Iterator:
+    start = last = time.monotonic()
+    for done, item in enumerate(items, 1):
+        yield item
+        now = time.monotonic()
+        if now - last >= every_s and done < len(items):
+            logger.info("%s: %d of %d tensors after %.0f s", desc, done, len(items), now - start)
+            last = now
 
 
 def load_gguf_raw(f: GGUFFile, name: str, shape: tuple[int, ...], device: torch.device | str) -> tuple[torch.Tensor, Q]:

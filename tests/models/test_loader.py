@@ -184,3 +184,14 @@ def test_offline_hub_reference_resolves_from_the_cache(tmp_path):
     first, second = out.stdout.strip().splitlines()
     assert first == "m-00001-of-00003.gguf 2"
     assert second.startswith("ModelFileError hf://splitspec-test/tiny/absent.gguf: cannot fetch") and "HF_HUB_OFFLINE" in second
+
+
+def test_a_load_without_a_terminal_logs_its_progress(caplog):
+    """Under serve, docker or Kubernetes a worker's stderr is no terminal: a long load logs a
+    progress line now and then instead of drawing a bar (splitspec.models.weights.progress)."""
+    from splitspec.models.weights import progress
+
+    with caplog.at_level("INFO", logger="splitspec.models.weights"):
+        assert list(progress(list(range(5)), "loading x.gguf", every_s=0.0)) == list(range(5))
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == [f"loading x.gguf: {i} of 5 tensors after 0 s" for i in range(1, 5)]
