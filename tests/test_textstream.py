@@ -75,28 +75,59 @@ def test_stop_string_spanning_pushes(tok):
     ids = byte_ids("Hello, world! STOP and more")
     stream = TextStream(tok, stop_strings=["STOP"])
     first = stream.push(ids[:16])  # "Hello, world! ST"
-    assert first.text == "Hello, world! " and not first.finished
+    # "S" and "T" may start the stop string: their text is held back, and so are they.
+    assert first == StreamDelta("Hello, world! ", ids[:14], False, None)
     second = stream.push(ids[16:])
-    assert second == StreamDelta("", ids[16:18], True, "stop_string")  # "O", "P" complete the stop
-    assert stream.num_tokens == 18
+    assert second == StreamDelta("", [], True, "stop_string")  # "O", "P" complete the stop; no token of it is reported
+    assert stream.num_tokens == 18 and stream.num_reported == 14
     with pytest.raises(RuntimeError):
         stream.push([ord("x")])
 
 
 def test_stop_string_prefix_is_held_then_released(tok):
     stream = TextStream(tok, stop_strings=["</answer>"])
-    assert stream.push(byte_ids("a </ans")).text == "a "
-    assert stream.push(byte_ids("x")).text == "</ansx"
-    assert stream.push(byte_ids("er <")).text == "er "
-    assert stream.push(byte_ids("/answer> tail")) == StreamDelta("", byte_ids("/answer>"), True, "stop_string")
+    assert stream.push(byte_ids("a </ans")) == StreamDelta("a ", byte_ids("a "), False, None)
+    assert stream.push(byte_ids("x")) == StreamDelta("</ansx", byte_ids("</ansx"), False, None)
+    assert stream.push(byte_ids("er <")) == StreamDelta("er ", byte_ids("er "), False, None)
+    assert stream.push(byte_ids("/answer> tail")) == StreamDelta("", [], True, "stop_string")
+    assert stream.num_reported == len("a </ansxer ")
 
 
 def test_stop_string_within_one_token_and_first_match_wins(tok):
     stream = TextStream(tok, stop_strings=["world", "lo, w"])
     delta = stream.push(tok.encode("Hello, world") + tok.encode(" ignored"))
     assert delta.finished and delta.text == "Hel"
-    assert tok.decode(delta.token_ids).startswith("Hello, w")
-    assert "lo, w" not in tok.decode(delta.token_ids[:-1])
+    # The tokens of the text sent: the last one holds "l" and runs on into the stop string "lo, w".
+    assert tok.decode(delta.token_ids).startswith("Hel") and len(tok.decode(delta.token_ids[:-1])) < len("Hel")
+
+
+def test_tokens_of_invalid_bytes_before_a_stop_string(tok):
+    """Bytes that never make a character come out as U+FFFD; the token after them starts after
+    that character, so a stop string starting there leaves every byte token reported."""
+    ids = [0xEB, 0xA9, 0xEF, 0xE6, 0xB0, ord("W"), ord("x")]  # "\ufffd\ufffd\ufffd" then "W"
+    stream = TextStream(tok, stop_strings=["W"])
+    deltas = run(stream, [[i] for i in ids])
+    assert "".join(d.text for d in deltas) == "\ufffd" * 3
+    assert [i for d in deltas for i in d.token_ids] == ids[:5] and deltas[-1].stop_reason == "stop_string"
+    # An emoji cut short by a stop string right after it: all of its bytes are its tokens.
+    emoji = byte_ids("😀")
+    stream = TextStream(tok, stop_strings=["!"])
+    deltas = run(stream, [[i] for i in [*emoji, ord("!")]])
+    assert "".join(d.text for d in deltas) == "😀" and [i for d in deltas for i in d.token_ids] == emoji
+
+
+def test_token_ids_are_the_tokens_of_the_text_sent(tok):
+    """A stop string that starts at a token boundary: the tokens it spans are never reported, and
+    usage counts (``num_reported``) are those of the text sent."""
+    words = ["def", " f", "():", "\n", "STOP", "\n", "more"]
+    ids = [i for w in words for i in tok.encode(w)]
+    stream = TextStream(tok, stop_strings=["STOP"])
+    deltas = run(stream, [[i] for i in ids])
+    text = "".join(d.text for d in deltas)
+    reported = [i for d in deltas for i in d.token_ids]
+    assert text == "def f():\n" and deltas[-1].stop_reason == "stop_string"
+    assert tok.decode(reported) == text and reported == [i for w in words[:4] for i in tok.encode(w)]
+    assert stream.num_reported == len(reported) < stream.num_tokens
 
 
 def test_stop_token_in_the_middle_of_a_push(tok):
@@ -114,14 +145,15 @@ def test_stop_token_in_the_middle_of_a_push(tok):
 def test_stop_token_releases_incomplete_character(tok):
     ids = byte_ids("ok 😀")[:-1]
     stream = TextStream(tok, stop_token_ids=[eos(tok)])
-    assert stream.push(ids).text == "ok "
-    assert stream.push([eos(tok)]) == StreamDelta("\ufffd", [eos(tok)], True, "stop_token")
+    # The emoji's first three bytes are held back with their text, which the stop token releases.
+    assert stream.push(ids) == StreamDelta("ok ", ids[:3], False, None)
+    assert stream.push([eos(tok)]) == StreamDelta("\ufffd", [*ids[3:], eos(tok)], True, "stop_token")
 
 
 def test_flush_releases_held_text(tok):
     stream = TextStream(tok, stop_strings=["<end>"])
-    assert stream.push(byte_ids("done <en")).text == "done "
-    assert stream.flush() == StreamDelta("<en", [], False, None)
+    assert stream.push(byte_ids("done <en")) == StreamDelta("done ", byte_ids("done "), False, None)
+    assert stream.flush() == StreamDelta("<en", byte_ids("<en"), False, None)  # the held tokens come with their text
     assert stream.flush() == StreamDelta("", [], False, None)
     with pytest.raises(RuntimeError):
         stream.push([ord("x")])
@@ -186,22 +218,35 @@ def test_joined_deltas_equal_truncated_decode(tok, text, data):
     emitted = "".join(d.text for d in deltas)
 
     assert reported == ids[: len(reported)]
-    assert stream.num_tokens == len(reported)
-    decoded = tok.decode(reported)
+    assert stream.num_reported == len(reported) <= stream.num_tokens
+    consumed = ids[: stream.num_tokens]
+    decoded = tok.decode(consumed)
     starts = [i for i in (decoded.find(s) for s in stop_strings) if i >= 0]
     assert emitted == decoded[: min(starts, default=len(decoded))]
     reason = deltas[-1].stop_reason
     assert deltas[-1].finished == (reason is not None)
     if reason == "stop_string":
-        # The last token completed the match: no stop string in the text before it (less a final
-        # U+FFFD, which may be a character the last token completes).
-        before = tok.decode(reported[:-1])
+        # The last token consumed completed the match: no stop string in the text before it (less a
+        # final U+FFFD, which may be a character the last token completes).
+        before = tok.decode(consumed[:-1])
         before = before[:-1] if before.endswith("\ufffd") else before
         assert starts and not any(s in before for s in stop_strings)
+        # The reported tokens are those of the text sent: each of them starts before the stop
+        # string (the text of the ones before it is shorter than what was sent), the next one does not.
+        settled = lambda t: t[:-1] if t.endswith("\ufffd") else t  # noqa: E731
+        if reported:
+            assert len(settled(tok.decode(reported[:-1]))) < len(emitted)
+        assert tok.decode(reported).startswith(emitted)
+        if "\ufffd" not in decoded:  # then exactly: the shortest run of tokens that spells the text sent
+            shortest = next(r for r in range(len(consumed) + 1) if tok.decode(consumed[:r]).startswith(emitted)) if emitted else 0
+            assert len(reported) == shortest
+        assert stream.num_tokens == len(consumed)
     elif reason == "stop_token":
         assert reported[-1] == stop and stop not in reported[:-1]
         assert not starts
     else:
         assert reported == ids and not starts
+    if reason != "stop_string":
+        assert stream.num_reported == stream.num_tokens
     if "\ufffd" not in decoded:
         assert all("\ufffd" not in d.text for d in deltas)

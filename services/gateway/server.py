@@ -11,7 +11,7 @@ import logging
 import math
 from dataclasses import dataclass
 
-from services.gateway.admission import Admission
+from services.gateway.admission import Admission, Ticket, client_identity
 from services.gateway.monitor import WorkerMonitor
 from services.gateway.runahead import RunAhead
 from services.gateway.speculation import DraftShape, Mode, SpeculationOptions, SpeculativeSequence
@@ -23,6 +23,7 @@ from splitspec.text.chat import ChatTemplate, ChatTemplateError
 from splitspec.text.textstream import TextStream
 from splitspec.text.tokenizer import Tokenizer
 from splitspec.transport.interceptors import request_id
+from splitspec.transport.rpc import new_request_id as new_sequence_id
 from splitspec.v1 import common_pb2, draft_pb2, gateway_pb2, gateway_pb2_grpc, target_pb2
 
 logger = logging.getLogger(__name__)
@@ -63,6 +64,9 @@ class GatewayState:
     tokenizer: Tokenizer
     chat: ChatTemplate | None = None
     chat_problem: str = "the model has no chat template"
+    # Whether special-token strings typed in chat messages are control tokens (trusted callers
+    # only; --chat-special-tokens) rather than plain text.
+    chat_special_tokens: bool = False
 
     @property
     def draft_shape(self) -> DraftShape | None:
@@ -90,9 +94,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         admission: Admission,
         monitor: WorkerMonitor,
         metrics: GatewayMetrics,
+        identity: str = "peer",
     ) -> None:
         self.target, self.draft, self.state, self.defaults = target, draft, state, defaults
         self.admission, self.monitor, self.metrics = admission, monitor, metrics
+        self.identity = identity  # how a request's client is told apart (admission.client_identity)
 
     @property
     def max_budget(self) -> int:
@@ -114,14 +120,26 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             draft_timeout_s=self.defaults.draft_timeout_s,
         )
 
-    def _prompt(self, request: gateway_pb2.GenerateRequest) -> list[int]:
+    async def _prompt(self, request: gateway_pb2.GenerateRequest, ticket: Ticket) -> list[int]:
+        """The prompt's token ids. Everything that grows with the request's size is bounded before
+        it runs: a text prompt's size is checked on its bytes, never tokenized when it cannot fit;
+        tokenizing and chat rendering run on the admission's preparation threads, off the event loop."""
         geometry = self.state.target_info.geometry
         which = request.WhichOneof("prompt")
         if which == "text":
-            ids = self.state.tokenizer.encode(request.text)
+            text = request.text
+            self._check_size(len(text.encode("utf-8")), request.max_tokens, "text")
+            ids = await self.admission.prepare(ticket, self.state.tokenizer.encode, text)
         elif which == "messages":
-            ids = self.state.tokenizer.encode(self._render_chat(request), add_special_tokens=False)
+            if self.state.chat is None:
+                raise FailedPrecondition(f"messages: {self.state.chat_problem}; send the prompt as text or tokens")
+            if not request.messages.messages:
+                raise InvalidArgument("messages: empty")
+            ids = await self.admission.prepare(ticket, self._chat_ids, request)
         elif which == "tokens":
+            count = len(request.tokens.ids)
+            if count >= geometry.max_context:
+                raise InvalidArgument(f"prompt: {count} tokens leave no room in the context of {geometry.max_context}")
             ids = list(request.tokens.ids)
             bad = [t for t in ids if not 0 <= t < geometry.vocab_size]
             if bad:
@@ -141,18 +159,36 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             )
         return ids
 
-    def _render_chat(self, request: gateway_pb2.GenerateRequest) -> str:
-        """The prompt text of ``request.messages`` (the template's own BOS included, so none is added)."""
-        if self.state.chat is None:
-            raise FailedPrecondition(f"messages: {self.state.chat_problem}; send the prompt as text or tokens")
-        messages = request.messages.messages
-        if not messages:
-            raise InvalidArgument("messages: empty")
+    def _check_size(self, num_bytes: int, max_tokens: int, what: str) -> None:
+        """Refuse a prompt of ``num_bytes`` UTF-8 bytes that cannot fit the context, from its size alone:
+        it has at least ``tokenizer.min_tokens(num_bytes)`` tokens (no bound: nothing is refused here)."""
+        least = self.state.tokenizer.min_tokens(num_bytes)
+        context = self.state.target_info.geometry.max_context
+        if least >= context:
+            most = self.state.tokenizer.max_input_bytes_per_token
+            raise InvalidArgument(
+                f"prompt: the {what} is {num_bytes} bytes, so at least {least} tokens (a token stands for at most "
+                f"{most} bytes), which leaves no room in the context of {context}; refused before tokenization"
+            )
+        if max_tokens > 0 and least + max_tokens > context:
+            raise InvalidArgument(
+                f"max_tokens: {max_tokens} beyond the context: the prompt ({what}, {num_bytes} bytes) has at least "
+                f"{least} tokens, so at most {context - least} fit in {context}"
+            )
+
+    def _chat_ids(self, request: gateway_pb2.GenerateRequest) -> list[int]:
+        """The token ids of ``request.messages`` (the template's own BOS included, so none is added).
+        Runs on a preparation thread: render, check the size, tokenize."""
         add_generation_prompt = request.add_generation_prompt if request.HasField("add_generation_prompt") else True
+        messages = [{"role": m.role, "content": m.content} for m in request.messages.messages]
+        tokenizer = self.state.tokenizer
+        strings = () if self.state.chat_special_tokens else tokenizer.special_token_strings
         try:
-            return self.state.chat.render([{"role": m.role, "content": m.content} for m in messages], add_generation_prompt)
+            prompt = self.state.chat.prompt(messages, add_generation_prompt, strings)
         except ChatTemplateError as exc:
             raise InvalidArgument(f"messages: {exc}") from exc
+        self._check_size(prompt.num_bytes, request.max_tokens, "rendered chat prompt")
+        return prompt.encode(tokenizer)
 
     @staticmethod
     def _sampling(request: gateway_pb2.GenerateRequest) -> common_pb2.Sampling:
@@ -199,24 +235,30 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     async def Generate(self, request, context):
         with self.metrics.request() as timing:
-            async for response in self._generate(request, context, timing):
-                yield response
+            async with self.admission.request(client_identity(context, self.identity)) as ticket:
+                async for response in self._generate(request, context, timing, ticket):
+                    yield response
 
-    async def _generate(self, request, context, timing: RequestObserver):
+    async def _generate(self, request, context, timing: RequestObserver, ticket: Ticket):
+        # The client's x-request-id (or a fresh one) names the request in logs and traces only. The
+        # workers key the sequence by the gateway's own id, unique per request and never taken from
+        # client input, so no two requests (a retry reusing its id, or a hostile client) share one.
         rid = request_id(context)
-        prompt = self._prompt(request)
+        sequence_id = new_sequence_id()
+        logger.info("request %s: sequence %s", rid, sequence_id)
         options = self._options(request.speculation)
         sampling = self._sampling(request)
         stop_strings, stop_ids = self._stops(request)
+        prompt = await self._prompt(request, ticket)  # the costly part last
         if not self.monitor.target_up:
             raise Unavailable(f"the target worker at {self.target.address} is unavailable")
         eos = set() if request.ignore_eos else set(self.state.target_info.eos_token_ids)
-        async with self.admission.slot() as queued_s:
+        async with self.admission.slot(ticket) as queued_s:
             timing.admitted(len(prompt))
             remaining = context.time_remaining()
             loop = asyncio.get_running_loop()
             seq = SpeculativeSequence(
-                sequence_id=rid,
+                sequence_id=sequence_id,
                 target=self.target,
                 draft=self.draft,
                 draft_shape=self.state.draft_shape,
@@ -254,10 +296,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             timing.tokens(len(tail.token_ids))
             if tail.text or tail.token_ids:
                 yield gateway_pb2.GenerateResponse(text=tail.text, token_ids=tail.token_ids)
+            if tail.finished:  # the released text completed a stop string
+                finish = gateway_pb2.STOP
         stats = seq.stats
         usage = gateway_pb2.Usage(
             prompt_tokens=len(prompt),
-            completion_tokens=stream.num_tokens,
+            completion_tokens=stream.num_reported,  # the tokens sent: those of the text sent, and a stop token
             steps=stats.steps,
             mean_acceptance_length=stats.mean_acceptance_length,
             draft_fallbacks=stats.fallbacks,
@@ -265,14 +309,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         reason = gateway_pb2.FinishReason.Name(finish).lower()
         elapsed = timing.finished(reason)
         summary = {
-            "request_id": seq.sequence_id, "finish_reason": reason, "prompt_tokens": len(prompt),
-            "completion_tokens": stream.num_tokens, "steps": stats.steps,
+            "request_id": rid, "sequence_id": sequence_id, "finish_reason": reason, "prompt_tokens": len(prompt),
+            "completion_tokens": stream.num_reported, "steps": stats.steps,
             "mean_acceptance_length": round(stats.mean_acceptance_length, 3), "draft_fallbacks": stats.fallbacks,
             "fallback_reasons": stats.fallback_reasons, "recoveries": stats.recoveries,
             "queued_s": round(queued_s, 6), "ttft_s": round(timing.first_token_s or 0.0, 6), "duration_s": round(elapsed, 6),
         }
         logger.info(
-            "request %(request_id)s done: %(finish_reason)s, %(prompt_tokens)d prompt + %(completion_tokens)d generated "
+            "request %(request_id)s (sequence %(sequence_id)s) done: %(finish_reason)s, %(prompt_tokens)d prompt + %(completion_tokens)d generated "
             "tokens, %(steps)d steps, AL %(mean_acceptance_length).2f, %(draft_fallbacks)d fallbacks %(fallback_reasons)s, "
             "%(recoveries)d recoveries, queued %(queued_s).3f s, first token %(ttft_s).3f s, %(duration_s).3f s",
             summary, extra={"request": summary},

@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, cached_property
 from pathlib import Path
 
 import gguf
@@ -120,7 +121,12 @@ class Tokenizer:
         self.chat_template = chat_template
         # Named special tokens as chat templates see them: bos_token, eos_token, unk_token, pad_token.
         self.special_tokens = dict(special_tokens or {})
-        self.special_ids = frozenset(i for i, t in backend.get_added_tokens_decoder().items() if t.special)
+        added = backend.get_added_tokens_decoder()
+        self.special_ids = frozenset(i for i, t in added.items() if t.special)
+        # The texts that encode() turns into control tokens.
+        self.special_token_strings = tuple(t.content for t in added.values() if t.special)
+        self._plain_lock = threading.Lock()
+        self._plain: tuple[tokenizers.Tokenizer, tokenizers.Tokenizer] | None = None
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Tokenizer:
@@ -237,10 +243,87 @@ class Tokenizer:
             sentencepiece=sentencepiece,
         )
 
-    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of ``text``; special tokens written in it (e.g. ``<|im_start|>``) map to their ids.
-        ``add_special_tokens`` adds BOS where the model asks for it."""
-        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+    def encode(self, text: str, *, add_special_tokens: bool = True, parse_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; special tokens written in it (e.g. ``<|im_start|>``) map to their ids,
+        or, with ``parse_special_tokens=False``, are tokenized as the plain text they spell (no control
+        token can come out). ``add_special_tokens`` adds BOS where the model asks for it."""
+        if parse_special_tokens:
+            return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        return self._plain_backends()[0].encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_with_literals(self, text: str, literals: Mapping[str, str]) -> list[int]:
+        """Ids of ``text`` (no BOS added) whose special-token strings are control tokens, except that each
+        character of ``literals`` (a key; chat.py uses private-use characters) stands for its value, which
+        is tokenized as plain text even where it spells a special token.
+
+        ``text`` is split at its special tokens as :meth:`encode` splits it (the library encodes the
+        pieces between special tokens independently); a piece holding a literal is encoded again with
+        the literals in place and special-token strings as text, every other piece as ``encode`` did.
+        Without literals in ``text`` this is ``encode(text, add_special_tokens=False)``.
+        """
+        keys = [k for k in literals if k in text]
+        if not keys:
+            return self.encode(text, add_special_tokens=False)
+        table = str.maketrans({k: literals[k] for k in keys})
+        encoding = self._backend.encode(text, add_special_tokens=False)
+        ids: list[int] = []
+        start, first_pass = 0, []  # the current piece: its first character and its ids from the first pass
+
+        def piece(end: int) -> list[int]:
+            chunk = text[start:end]
+            if not any(k in chunk for k in keys):
+                return first_pass
+            plain, continuation = self._plain_backends()
+            # A piece after a special token is no start of the text (SentencePiece adds its "▁" prefix only there).
+            backend = plain if start == 0 else continuation
+            return backend.encode(chunk.translate(table), add_special_tokens=False).ids
+
+        for token_id, (begin, end) in zip(encoding.ids, encoding.offsets):
+            if token_id in self.special_ids:
+                ids += piece(begin)
+                ids.append(token_id)
+                start, first_pass = end, []
+            else:
+                first_pass.append(token_id)
+        ids += piece(len(text))
+        return ids
+
+    def _plain_backends(self) -> tuple[tokenizers.Tokenizer, tokenizers.Tokenizer]:
+        """Copies of the backend that tokenize special-token strings as text: one for text that starts
+        the input, one for a piece that follows a special token (a "first"-only prefix space left out)."""
+        with self._plain_lock:
+            if self._plain is None:
+                source = self._backend.to_str()
+                plain = tokenizers.Tokenizer.from_str(source)
+                plain.encode_special_tokens = True
+                config = json.loads(source)
+                continuation = plain
+                if _prepend_never(config.get("pre_tokenizer")):
+                    continuation = tokenizers.Tokenizer.from_str(json.dumps(config))
+                    continuation.encode_special_tokens = True
+                self._plain = (plain, continuation)
+            return self._plain
+
+    @cached_property
+    def max_input_bytes_per_token(self) -> int | None:
+        """The most bytes of input text (UTF-8) that one token of :meth:`encode` can stand for, or None
+        where no such bound is known; then ``ceil(len(text.encode()) / max_input_bytes_per_token)``
+        is a lower bound on ``len(encode(text))``, found without tokenizing.
+
+        Known for BPE vocabularies (byte-level, and SentencePiece with all 256 byte-fallback tokens)
+        whose added tokens strip no whitespace, with no normalizer, or one that only lengthens text
+        (``Prepend``, a ``Replace`` by something longer) or is ``NFC`` (which shortens UTF-8 at most
+        threefold, Hangul jamo composing into syllables; the bound is then tripled), and whose
+        pre-tokenizers drop nothing. The longest token is measured as the normalized text it
+        matches (a byte-level token as its bytes, a SentencePiece piece with "▁" as 3 bytes, a
+        ``<0xNN>`` piece as 1), which is never less than the input it came from.
+        """
+        return _max_input_bytes_per_token(json.loads(self._backend.to_str()))
+
+    def min_tokens(self, num_bytes: int) -> int:
+        """A lower bound on the tokens of any text of ``num_bytes`` UTF-8 bytes (0 where none is known)."""
+        most = self.max_input_bytes_per_token
+        return -(-num_bytes // most) if most else 0
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         """Text of ``ids``; an invalid or incomplete UTF-8 sequence comes out as one U+FFFD."""
@@ -252,6 +335,89 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         """Id of a token as spelled in the vocabulary (or an added token's text), else None."""
         return self._backend.token_to_id(token)
+
+
+def _prepend_never(pre_tokenizer: dict | None) -> bool:
+    """Turn every ``Metaspace`` prefix scheme "first" in a pre-tokenizer's JSON into "never"; whether any was."""
+    if not isinstance(pre_tokenizer, dict):
+        return False
+    changed = False
+    if pre_tokenizer.get("type") == "Metaspace" and pre_tokenizer.get("prepend_scheme") == "first":
+        pre_tokenizer["prepend_scheme"] = "never"
+        changed = True
+    for inner in pre_tokenizer.get("pretokenizers") or ():
+        changed |= _prepend_never(inner)
+    return changed
+
+
+_KEEPING_PRE_TOKENIZERS = frozenset({"ByteLevel", "Metaspace", "Digits", "Punctuation", "UnicodeScripts"})
+
+
+def _keeps_all_text(pre_tokenizer: dict | None) -> bool:
+    """Whether a pre-tokenizer (JSON) passes every character on (splits, but removes nothing)."""
+    if pre_tokenizer is None:
+        return True
+    kind = pre_tokenizer.get("type")
+    if kind == "Sequence":
+        return all(_keeps_all_text(p) for p in pre_tokenizer.get("pretokenizers") or ())
+    if kind == "Split":
+        return pre_tokenizer.get("behavior") != "Removed"
+    return kind in _KEEPING_PRE_TOKENIZERS
+
+
+def _normalizer_shrink(normalizer: dict | None) -> int | None:
+    """By how much a normalizer (JSON) may shorten UTF-8 text at most (1 = never), or None if unknown."""
+    if normalizer is None:
+        return 1
+    kind = normalizer.get("type")
+    if kind == "Sequence":
+        factor = 1
+        for inner in normalizer.get("normalizers") or ():
+            f = _normalizer_shrink(inner)
+            if f is None:
+                return None
+            factor *= f
+        return factor
+    if kind == "Prepend":
+        return 1
+    if kind == "Replace":
+        pattern = normalizer.get("pattern") or {}
+        if "String" in pattern and len(normalizer.get("content", "").encode()) >= len(pattern["String"].encode()) > 0:
+            return 1
+        return None
+    if kind == "NFC":
+        return 3
+    return None
+
+
+def _max_input_bytes_per_token(config: dict) -> int | None:
+    """See :attr:`Tokenizer.max_input_bytes_per_token`; ``config`` is the backend's JSON."""
+    model = config.get("model") or {}
+    if model.get("type") != "BPE" or not _keeps_all_text(config.get("pre_tokenizer")):
+        return None
+    shrink = _normalizer_shrink(config.get("normalizer"))
+    if shrink is None:
+        return None
+    vocab: dict[str, int] = model.get("vocab") or {}
+    if not vocab:
+        return None
+    byte_level = '"ByteLevel"' in json.dumps(config.get("pre_tokenizer"))
+    if byte_level:
+        # Every byte must have its token, or an unknown byte would vanish or become a fused UNK.
+        alphabet = _byte_to_unicode()
+        if not set(alphabet.values()) <= vocab.keys():
+            return None
+        decoder = {c: b for b, c in alphabet.items()}
+        longest = max(len(t) if set(t) <= decoder.keys() else len(t.encode()) for t in vocab)
+    else:
+        if not model.get("byte_fallback") or any(f"<0x{b:02X}>" not in vocab for b in range(256)):
+            return None
+        longest = max(1 if len(t) == 6 and t.startswith("<0x") and t.endswith(">") else len(t.encode()) for t in vocab)
+    for added in config.get("added_tokens") or ():
+        if added.get("lstrip") or added.get("rstrip"):
+            return None  # such a token swallows any run of whitespace next to it
+        longest = max(longest, len(added["content"].encode()))
+    return longest * shrink
 
 
 def byte_level_backend(vocab: dict[str, int], merges: Sequence[str], pre: str) -> tokenizers.Tokenizer:
