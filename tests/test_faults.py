@@ -5,16 +5,17 @@ state is left on the workers afterwards."""
 from __future__ import annotations
 
 import json
+import re
 import signal
 import threading
 import time
 
 import grpc
 import pytest
-from tests.client import generate, worker_state
 
 from splitspec.transport.rpc import CHANNEL_OPTIONS
 from splitspec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, gateway_pb2, gateway_pb2_grpc, target_pb2, target_pb2_grpc
+from tests.client import generate, worker_state
 
 pytestmark = pytest.mark.slow
 Spec = gateway_pb2.Speculation
@@ -184,7 +185,9 @@ def test_gateway_recovers_a_sequence_the_target_lost(services, tiny_pair, tmp_pa
     with grpc.insecure_channel(gateway, options=CHANNEL_OPTIONS) as ch, grpc.insecure_channel(target) as tch:
         stream = open_stream(ch, tokens=PROMPT, max_tokens=LONG, ignore_eos=True, metadata=(("x-request-id", "lost-1"),))
         tokens = list(next(stream).token_ids)
-        released = target_pb2_grpc.TargetWorkerStub(tch).Release(common_pb2.ReleaseRequest(sequence_id="lost-1"), timeout=5)
+        # The workers know the request by the gateway's own sequence id, which its log names.
+        sequence_id = re.search(r"request lost-1: sequence (\w+)", services.log("gateway")).group(1)
+        released = target_pb2_grpc.TargetWorkerStub(tch).Release(common_pb2.ReleaseRequest(sequence_id=sequence_id), timeout=5)
         final = collect(stream, tokens)
     assert released.released
     assert tokens == reference and final.finish_reason == gateway_pb2.LENGTH
@@ -266,8 +269,9 @@ def test_malformed_draft_proposals_cost_only_speculation(services, tiny_pair, tm
 
 
 def test_a_reused_request_id_speculates_from_its_first_step(services, tiny_pair, tmp_path):
-    """Clients reuse x-request-id (retries): the draft remembers the contexts it released for that
-    id, and a new request's contexts, from this gateway or a restarted one, number above them."""
+    """Clients reuse x-request-id (retries): every request, from this gateway or a restarted one,
+    runs on a sequence id of the gateway's own, so nothing the workers remember of an earlier
+    request with that x-request-id holds it back."""
     table = tmp_path / "table.jsonl"
     target, draft, gateway = start_system(services, tiny_pair, table)
     reference = record_reference(gateway, table, max_tokens=64)

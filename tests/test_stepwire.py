@@ -13,7 +13,6 @@ import sys
 
 import grpc
 import pytest
-from tests.worker_steps import PROMPT, TREES, chain, client_on, prefill, run, steps
 
 from services.gateway.workers import DraftClient, TargetClient
 from splitspec.errors import FailedPrecondition
@@ -21,6 +20,7 @@ from splitspec.transport import busypoll
 from splitspec.transport.security import ClientSecurity
 from splitspec.transport.stepwire import ERROR, HELLO, OPEN, REQUEST, RESPONSE, StepSocket, StepSocketServer, frame, read_frame, resolve_step_socket
 from splitspec.v1 import target_pb2
+from tests.worker_steps import PROMPT, TREES, chain, client_on, prefill, run, steps
 
 pytestmark = pytest.mark.slow
 
@@ -194,6 +194,28 @@ def test_the_wire_choice(workers, tmp_path):
             await client.close()
 
     run(scenario())
+
+
+def test_a_connection_that_never_authenticates_is_closed(tmp_path, monkeypatch):
+    """A client that connects and sends no hello holds no connection for long."""
+    from splitspec.transport import stepwire
+
+    monkeypatch.setattr(stepwire, "HELLO_TIMEOUT_S", 0.3)
+
+    async def scenario():
+        server = StepSocketServer(str(tmp_path / "t.steps"), "target", "Verify", target_pb2.VerifyRequest, None, token="s3cret")
+        await server.start()
+        try:
+            reader, writer = await asyncio.open_unix_connection(server.path)
+            answer = await asyncio.wait_for(read_frame(reader), 5)
+            closed = await asyncio.wait_for(read_frame(reader), 5)
+            writer.close()
+            return answer, closed
+        finally:
+            await server.close()
+
+    answer, closed = run(scenario())
+    assert answer == (ERROR, b"UNAUTHENTICATED\nno hello within 0.3 s of connecting to the step socket") and closed is None
 
 
 def test_a_socket_that_cannot_be_bound(tmp_path):

@@ -4,16 +4,18 @@ The gateway's own health follows the target (without it nothing can be served). 
 optional: while it is down, sequences run target-only; when it answers again (and still fits the
 target) speculation resumes, in new and in running sequences.
 
-A target that cannot be reached, or says it is not serving, is down at once. One that is only
-late is down after ``LATE_CHECKS_DOWN`` late checks in a row: a worker serving one sequence runs
-its steps on its event loop, so a step that captures a new CUDA graph (a second or two on first
-use of a shape) holds its health check, and the requests in flight are doing fine.
+A target that cannot be reached, or says it is not serving, is down at once. One that answers is
+up, however late its answer: a worker answers its health checks on its event loop, which a long
+step can hold for a while (a step on the loop thread, or a first CUDA-graph capture of a shape),
+and the requests in flight are doing fine. Only a check left unanswered for ``ANSWER_TIMEOUT_S``
+(a hung or stopped process) takes the target down; a late answer is logged.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 
 import grpc
@@ -21,7 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 logger = logging.getLogger(__name__)
 SERVING = health_pb2.HealthCheckResponse.SERVING
-LATE_CHECKS_DOWN = 3
+ANSWER_TIMEOUT_S = 10.0  # a health check unanswered this long: the worker is hung, down
 
 
 async def is_serving(channel: grpc.aio.Channel, timeout: float) -> bool | None:
@@ -46,8 +48,8 @@ class WorkerMonitor:
         self.target_channel, self.draft_channel = target_channel, draft_channel
         self.on_target_change, self.draft_fits = on_target_change, draft_fits
         self.interval_s = interval_s
+        self.answer_timeout_s = max(ANSWER_TIMEOUT_S, 2 * interval_s)
         self.target_up = True
-        self.target_late = 0  # health checks in a row the target answered too late
         self.draft_up = draft_channel is not None
 
     def mark_draft_down(self) -> None:
@@ -57,18 +59,27 @@ class WorkerMonitor:
         self.draft_up = False
 
     async def check_once(self) -> None:
-        timeout = max(0.5, self.interval_s)
-        target_up = await is_serving(self.target_channel, timeout)
-        self.target_late = self.target_late + 1 if target_up is None else 0
+        """Check the target, and the draft while it is down, at the same time: a slow answer of
+        one does not hold the other's check."""
+        await asyncio.gather(self._check_target(), self._check_draft())
+
+    async def _check_target(self) -> None:
+        t0 = time.monotonic()
+        target_up = await is_serving(self.target_channel, self.answer_timeout_s)
+        took = time.monotonic() - t0
         if target_up is None:
-            logger.info("target worker late to its health check (%d in a row; down after %d)", self.target_late, LATE_CHECKS_DOWN)
-            target_up = self.target_up and self.target_late < LATE_CHECKS_DOWN
+            logger.warning("target worker left its health check unanswered for %.1f s", took)
+            target_up = False
+        elif took > max(0.5, self.interval_s):
+            logger.info("target worker answered its health check late (%.1f s); a worker that answers is up", took)
         if target_up != self.target_up:
             logger.warning("target worker is %s", "back" if target_up else "DOWN: requests get UNAVAILABLE")
             self.target_up = target_up
             await self.on_target_change(target_up)
+
+    async def _check_draft(self) -> None:
         if self.draft_channel is not None and not self.draft_up:
-            if await is_serving(self.draft_channel, timeout) is True and await self.draft_fits():
+            if await is_serving(self.draft_channel, self.answer_timeout_s) is True and await self.draft_fits():
                 logger.info("draft worker is back; speculation resumes")
                 self.draft_up = True
 

@@ -152,6 +152,27 @@ class TargetEngine:
             raise ResourceExhausted(
                 f"KV cache full: {self.reserved_tokens} of {self.limits.max_kv_tokens} positions reserved, {capacity} more asked"
             )
+        # Opened until the sequence is live: a Release arriving meanwhile (or before) makes this
+        # prefill end with ABORTED instead of leaving a sequence nobody will release.
+        self.sequences.open(sequence_id)
+        try:
+            state, result = self._prefill(tokens, sampling, taps, capacity, feature_rows, feature_dtype)
+        except BaseException:
+            self.sequences.abandon(sequence_id)
+            raise
+        self.sequences.finish(sequence_id, state)
+        return result
+
+    def _prefill(
+        self,
+        tokens: Sequence[int],
+        sampling: SamplingParams,
+        taps: tuple[int, ...],
+        capacity: int,
+        feature_rows: int,
+        feature_dtype: torch.dtype | None,
+    ) -> tuple[SequenceState, PrefillResult]:
+        n = len(tokens)
         t0 = time.perf_counter_ns()
         cache = (self.static and self.static.new_cache(capacity)) or self.model.new_cache(capacity, self.device, self.dtype)
         rows = n if feature_rows <= 0 else min(feature_rows, n)
@@ -174,8 +195,8 @@ class TargetEngine:
                 feature_chunks.append(features.clone() if graphed else features)
         next_token = int(draw_tokens(logits, torch.tensor([n], device=self.device), sampling)[0])
         features = torch.cat(feature_chunks).to(feature_dtype or self.dtype) if feature_chunks else None
-        self.sequences.add(sequence_id, SequenceState(cache, n, next_token, sampling, taps, feature_dtype))
-        return PrefillResult(next_token, features, time.perf_counter_ns() - t0)
+        state = SequenceState(cache, n, next_token, sampling, taps, feature_dtype)
+        return state, PrefillResult(next_token, features, time.perf_counter_ns() - t0)
 
     def verify(
         self, sequence_id: str, tokens: Sequence[int], parents: Sequence[int], return_features: bool = False

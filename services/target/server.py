@@ -65,7 +65,10 @@ class TargetServicer(target_pb2_grpc.TargetWorkerServicer):
             raise InvalidArgument(f"feature_dtype: {request.feature_dtype!r} is not one of {FEATURE_DTYPES[1:]}")
         sampling = sampling_from_pb(request.sampling)
         feature_dtype = DTYPES[request.feature_dtype] if request.feature_dtype else None
-        result = await self.host.call(
+        # host.open: a prefill whose caller goes away (cancelled, past its deadline, its step socket
+        # closed) releases the sequence it made, and a Release that overtook it refuses it.
+        result = await self.host.open(
+            request.sequence_id,
             lambda engine: engine.prefill(
                 request.sequence_id, list(request.tokens), sampling, taps=list(request.tap_layer_ids),
                 reserve_tokens=request.reserve_tokens, feature_rows=request.feature_rows, feature_dtype=feature_dtype,

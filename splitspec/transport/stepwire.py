@@ -10,7 +10,11 @@ Everything else (Prefill, Release, Info, health, the public API) stays on gRPC.
 
 Protocol: one connection per sequence, like a ``*Stream`` RPC. Every frame is a header
 ``<u32 payload bytes><u8 kind>`` then the payload:
-- ``HELLO`` (client, first frame): the worker's bearer token, empty when it has none;
+- ``HELLO`` (client, first frame): the worker's bearer token, empty when it has none; at most
+  ``MAX_HELLO_BYTES``, and due within ``HELLO_TIMEOUT_S`` of connecting. The worker checks it
+  before it reads anything else: a connection that has not authenticated gets no further than
+  a header (a first frame of another kind, or a larger one, is refused on its header alone), so
+  it cannot make the worker buffer a large frame;
 - ``REQUEST`` / ``RESPONSE``: the serialized protobuf messages of the unary RPC;
 - ``OPEN`` (client): the request of the worker's *opening* RPC, which starts a sequence (the
   target's Prefill), answered by a ``RESPONSE``: a prompt's tap features (21 MB for a 512-token
@@ -18,8 +22,11 @@ Protocol: one connection per sequence, like a ``*Stream`` RPC. Every frame is a 
 - ``ERROR`` (worker): ``CODE\\nmessage``, a gRPC status code name and the message the gRPC
   RPC would have given; the worker closes the connection after it, as a stream ends on an error.
 A request whose sequence id differs from the first one on the connection is an INVALID_ARGUMENT,
-as on the gRPC streams. The socket carries no TLS: it is offered only on the worker's own host
-(see ``resolve_step_socket``), where the file's permissions guard it.
+as on the gRPC streams. A client that hangs up while its ``OPEN`` runs gives that call up, as a
+cancelled gRPC call does: the worker cancels the servicer's coroutine (the target's Prefill then
+releases the sequence it makes, see ``EngineHost.open``). The socket carries no TLS: it is
+offered only on the worker's own host (see ``resolve_step_socket``), where the file's
+permissions guard it.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import math
 import os
 import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -51,6 +59,11 @@ WRITE_HIGH_WATER = 64 * 1024 * 1024
 # (at 1 MiB, reading a 21 MB frame paused and resumed the socket after every 256 KiB past 2 MiB).
 READ_LIMIT = 32 * 1024 * 1024
 ERROR_LINGER_S = 5.0  # how long a worker waits for the client to hang up after an ERROR frame
+# A client refused at its hello is waited for that long too, but only while it sends at most this
+# much (a hello and an ordinary first request sent with it); then the worker hangs up.
+UNAUTHENTICATED_LINGER_BYTES = 1024 * 1024
+MAX_HELLO_BYTES = 4096  # a bearer token (or the worker's own, if longer)
+HELLO_TIMEOUT_S = 10.0  # a connection must authenticate this soon after it opens
 
 
 def frame(kind: int, payload: bytes) -> bytes:
@@ -63,14 +76,22 @@ def write_frame(writer: asyncio.StreamWriter, kind: int, payload: bytes) -> None
     writer.write(payload)
 
 
-async def read_frame(reader: asyncio.StreamReader) -> tuple[int, bytes] | None:
-    """The next frame, or None when the peer closed the connection between frames."""
+async def read_header(reader: asyncio.StreamReader) -> tuple[int, int] | None:
+    """The next frame's (payload bytes, kind), or None when the peer closed the connection between frames."""
     try:
-        size, kind = HEADER.unpack(await reader.readexactly(HEADER.size))
+        return HEADER.unpack(await reader.readexactly(HEADER.size))
     except asyncio.IncompleteReadError as exc:
         if exc.partial:
             raise
         return None
+
+
+async def read_frame(reader: asyncio.StreamReader) -> tuple[int, bytes] | None:
+    """The next frame, or None when the peer closed the connection between frames."""
+    header = await read_header(reader)
+    if header is None:
+        return None
+    size, kind = header
     if size > MAX_FRAME_BYTES:
         raise ResourceExhausted(f"step socket frame of {size} bytes exceeds {MAX_FRAME_BYTES}")
     return kind, await reader.readexactly(size)
@@ -126,6 +147,25 @@ class _Call:
     sequence_id: str  # read by ``sequence_stream``: one sequence per connection
     method: Callable[[object, None], Awaitable[object]]
     request: object
+    opens: bool = False  # the opening RPC: given up when the client hangs up while it runs
+
+
+class _ServerProtocol(asyncio.StreamReaderProtocol):
+    """A stream protocol that also tells when its client hung up (its end of file, or a lost
+    connection): a worker busy with the client's call reads nothing meanwhile, so its reader alone
+    would not notice."""
+
+    def __init__(self, reader: asyncio.StreamReader, connected, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(reader, connected, loop=loop)
+        self.hung_up = asyncio.Event()
+
+    def eof_received(self):
+        self.hung_up.set()
+        return super().eof_received()
+
+    def connection_lost(self, exc) -> None:
+        self.hung_up.set()
+        super().connection_lost(exc)
 
 
 class StepSocketServer:
@@ -160,7 +200,15 @@ class StepSocketServer:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)  # a socket file left by a worker that died
         try:
-            self._server = await asyncio.start_unix_server(self._serve, self.path, limit=READ_LIMIT)
+            loop = asyncio.get_running_loop()
+
+            def protocol() -> _ServerProtocol:
+                made = _ServerProtocol(
+                    asyncio.StreamReader(limit=READ_LIMIT, loop=loop), lambda r, w: self._serve(r, w, made.hung_up), loop
+                )
+                return made
+
+            self._server = await loop.create_unix_server(protocol, self.path)
         except OSError as exc:
             if self.required:
                 raise OSError(f"--step-socket {self.path}: {exc}") from exc
@@ -179,27 +227,45 @@ class StepSocketServer:
             os.unlink(self.path)
         self._server = None
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, hung_up: asyncio.Event) -> None:
         task = asyncio.current_task()
         self._connections.add(task)
         writer.transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)
         try:
-            await self._answer(reader, writer)
+            await self._answer(reader, writer, hung_up)
         except (ConnectionError, asyncio.IncompleteReadError):
             pass  # the gateway went away mid-frame: nothing to answer
         finally:
             self._connections.discard(task)
             writer.close()
 
-    async def _answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        method = [self.method]  # the RPC of the frame being answered: an error's status names it
+    async def _authenticate(self, reader: asyncio.StreamReader) -> bool:
+        """Read and check the hello; False when the client closed the connection before sending one.
+        Refuses on the header alone a first frame that is not a hello or is too large to be one."""
+        refused = Unauthenticated("missing or wrong bearer token in the step socket's hello")
         try:
-            hello = await read_frame(reader)
-            if hello is None:
+            async with asyncio.timeout(HELLO_TIMEOUT_S):
+                header = await read_header(reader)
+                if header is None:
+                    return False
+                size, kind = header
+                if kind != HELLO or size > max(MAX_HELLO_BYTES, len(self._token)):
+                    raise refused
+                token = await reader.readexactly(size)
+        except TimeoutError:
+            raise Unauthenticated(f"no hello within {HELLO_TIMEOUT_S:g} s of connecting to the step socket") from None
+        if not hmac.compare_digest(token, self._token):
+            raise refused
+        return True
+
+    async def _answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, hung_up: asyncio.Event) -> None:
+        method = [self.method]  # the RPC of the frame being answered: an error's status names it
+        authenticated = False
+        try:
+            if not await self._authenticate(reader):
                 return
-            if hello[0] != HELLO or not hmac.compare_digest(hello[1], self._token):
-                raise Unauthenticated("missing or wrong bearer token in the step socket's hello")
-            async for response in sequence_stream(self._requests(reader, method), None, lambda call, _: call.method(call.request, None)):
+            authenticated = True
+            async for response in sequence_stream(self._requests(reader, method), None, lambda call, _: self._call(call, hung_up)):
                 write_frame(writer, RESPONSE, response.SerializeToString())
                 await writer.drain()
         except (ConnectionError, asyncio.IncompleteReadError):
@@ -211,11 +277,36 @@ class StepSocketServer:
             await writer.drain()
             # Hang up only after the client does (it closes on an ERROR): closing first would break
             # a client still writing (its hello and first request go out together), and a broken
-            # connection loses the ERROR frame waiting in its buffer.
+            # connection loses the ERROR frame waiting in its buffer. What it sends meanwhile is
+            # dropped as it comes; a client that has not authenticated may send only a little.
+            limit = math.inf if authenticated else UNAUTHENTICATED_LINGER_BYTES
             with contextlib.suppress(TimeoutError, ConnectionError):
                 async with asyncio.timeout(ERROR_LINGER_S):
-                    while await reader.read(1 << 16):
-                        pass
+                    while limit > 0 and (dropped := await reader.read(1 << 16)):
+                        limit -= len(dropped)
+
+    async def _call(self, call: _Call, hung_up: asyncio.Event):
+        """The servicer's answer to ``call``. An opening call is given up (its coroutine cancelled,
+        as gRPC cancels a handler whose client went away) when the client hangs up before its
+        answer; a step is not: it makes nothing that outlives the connection, and racing it would
+        cost every step two tasks."""
+        if not call.opens:
+            return await call.method(call.request, None)
+        answer = asyncio.ensure_future(call.method(call.request, None))
+        hang_up = asyncio.ensure_future(hung_up.wait())
+        try:
+            await asyncio.wait({answer, hang_up}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            answer.cancel()
+            raise
+        finally:
+            hang_up.cancel()
+        if not answer.done():
+            answer.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await answer
+            raise ConnectionResetError("the client hung up before the answer")
+        return answer.result()
 
     async def _requests(self, reader: asyncio.StreamReader, current: list[str]) -> AsyncIterator[_Call]:
         while (received := await read_frame(reader)) is not None:
@@ -231,7 +322,7 @@ class StepSocketServer:
                 request = request_type.FromString(payload)
             except Exception as exc:  # noqa: BLE001 - undecodable bytes are the client's error
                 raise InvalidArgument(f"request is not a valid {method} message: {exc}") from exc
-            yield _Call(request.sequence_id, call, request)
+            yield _Call(request.sequence_id, call, request, opens=kind == OPEN)
 
 
 class StepSocket:
