@@ -62,6 +62,8 @@ def pytest_make_collect_report(collector):
 # sessions running side by side never collide on the default ports.
 for _service in ("GATEWAY", "TARGET", "DRAFT", "SERVE"):
     os.environ.setdefault(f"SPLITSPEC_{_service}_METRICS_PORT", "0")
+# Likewise `splitspec serve` started by a test serves no HTTP API on 127.0.0.1:8000 unless it asks.
+os.environ.setdefault("SPLITSPEC_SERVE_HTTP_LISTEN", "")
 
 
 @dataclass(frozen=True)

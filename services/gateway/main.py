@@ -62,7 +62,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="let special-token strings typed in chat messages (e.g. <|im_end|>) act as control tokens; only for trusted "
         "callers (default: they are plain text, so a user cannot forge turns)",
     )
-    p.add_argument("--max-request-bytes", type=int, default=4 << 20, help="largest request message accepted")
+    p.add_argument("--max-request-bytes", type=int, default=4 << 20, help="largest request message (gRPC) or body (HTTP) accepted")
+    p.add_argument(
+        "--http-listen", default="",
+        help="also serve the OpenAI- and Anthropic-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, "
+        "/v1/messages, /health) on HOST:PORT or unix:PATH, with the same admission, auth token and TLS ('' = off; "
+        "splitspec serve turns it on at 127.0.0.1:8000)",
+    )
     p.add_argument("--health-interval", type=float, default=1.0, help="seconds between worker health checks")
     p.add_argument("--worker-wait", type=float, default=600.0, help="seconds to wait for the workers at start-up")
     p.add_argument("--metrics-port", type=int, default=9451, help="Prometheus /metrics port on the --listen host (0 = off)")
@@ -194,15 +200,35 @@ async def run(args: argparse.Namespace) -> None:
         args.listen, ServerSecurity.from_args(args), max_receive_bytes=args.max_request_bytes,
     )
     health_holder["health"] = health
+    http = None
+    if args.http_listen:
+        from services.gateway.http.app import HttpApi, HttpService
+
+        security_in = ServerSecurity.from_args(args)
+        api = HttpApi(servicer, token=security_in.token, identity=identity, max_request_bytes=args.max_request_bytes)
+        try:
+            http = HttpService(
+                api, args.http_listen, cert=security_in.cert, key=security_in.key, client_ca=security_in.client_ca, grace_s=args.shutdown_grace,
+            )
+        except ValueError as exc:
+            raise FailedPrecondition(str(exc)) from None
 
     async def ready() -> None:
+        if http is not None:
+            http.start()
         logger.info(
             "gateway serving on %s (target %s on the %s wire, draft %s%s, mode %s, budget %d)",
             args.listen, args.target, target.active_wire, args.draft or "none",
             f" on the {draft.active_wire} wire" if draft else "", args.mode, args.budget,
         )
+        if http is not None:
+            logger.info("gateway HTTP API (OpenAI, Anthropic) on %s%s", "https://" if args.tls_cert else "http://", args.http_listen)
 
     def drain() -> None:
         admission.draining = True
+        if http is not None:
+            http.stop()  # stops accepting; its requests in flight finish within the grace
 
     await rpc.serve("gateway", server, health, [SERVICE], ready, args.shutdown_grace, [monitor.run], drain)
+    if http is not None:
+        await http.wait(args.shutdown_grace)

@@ -54,6 +54,35 @@ def check_compatible(target: target_pb2.TargetInfo, draft: draft_pb2.DraftInfo) 
         raise FailedPrecondition(f"draft {draft.path} does not fit target {t.path}: " + "; ".join(problems))
 
 
+@dataclass(frozen=True)
+class Call:
+    """What the generation path needs to know of the call that asks: the request id of logs, the
+    client (admission's fairness), and the deadline (event-loop time; None: none). gRPC Generate
+    takes them from its context (:meth:`of_grpc`), the HTTP API (services/gateway/http) from its
+    request. Cancelling the task that iterates :meth:`GatewayServicer.generate` cancels the call."""
+
+    request_id: str
+    client: str
+    deadline: float | None = None
+
+    @classmethod
+    def of_grpc(cls, context, identity: str) -> Call:
+        remaining = context.time_remaining()
+        deadline = None if remaining is None else asyncio.get_running_loop().time() + remaining
+        return cls(request_id(context), client_identity(context, identity), deadline)
+
+
+@dataclass(frozen=True)
+class ChatInput:
+    """A chat prompt with what ``GenerateRequest.messages`` cannot carry (the HTTP APIs): messages
+    with tool calls and tool results, and the tools offered, for the chat template.
+    ``fill_context``: a ``max_tokens`` of 0 means as many as the context leaves (OpenAI's default)."""
+
+    messages: list[dict]
+    tools: list[dict] | None = None
+    fill_context: bool = False
+
+
 @dataclass
 class GatewayState:
     """What the gateway learned from its workers at start-up. ``chat`` is the model's chat template,
@@ -120,7 +149,23 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             draft_timeout_s=self.defaults.draft_timeout_s,
         )
 
-    async def _prompt(self, request: gateway_pb2.GenerateRequest, ticket: Ticket) -> list[int]:
+    async def _prompt(self, request: gateway_pb2.GenerateRequest, ticket: Ticket, chat: ChatInput | None = None) -> list[int]:
+        """The prompt's token ids, and ``request.max_tokens`` checked against the context (set, when
+        ``chat.fill_context`` and it is 0, to what the context leaves)."""
+        ids = await self._prompt_ids(request, ticket, chat)
+        geometry = self.state.target_info.geometry
+        if request.max_tokens <= 0 and chat is not None and chat.fill_context:
+            request.max_tokens = geometry.max_context - len(ids)
+        if request.max_tokens <= 0:
+            raise InvalidArgument(f"max_tokens: {request.max_tokens} must be >= 1")
+        if len(ids) + request.max_tokens > geometry.max_context:
+            raise InvalidArgument(
+                f"max_tokens: {request.max_tokens} beyond the context: the prompt has {len(ids)} tokens, "
+                f"so at most {geometry.max_context - len(ids)} fit in {geometry.max_context}"
+            )
+        return ids
+
+    async def _prompt_ids(self, request: gateway_pb2.GenerateRequest, ticket: Ticket, chat: ChatInput | None = None) -> list[int]:
         """The prompt's token ids. Everything that grows with the request's size is bounded before
         it runs: a text prompt's size is checked on its bytes, never tokenized when it cannot fit;
         tokenizing and chat rendering run on the admission's preparation threads, off the event loop."""
@@ -135,7 +180,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 raise FailedPrecondition(f"messages: {self.state.chat_problem}; send the prompt as text or tokens")
             if not request.messages.messages:
                 raise InvalidArgument("messages: empty")
-            ids = await self.admission.prepare(ticket, self._chat_ids, request)
+            ids = await self.admission.prepare(ticket, self._chat_ids, request, chat)
         elif which == "tokens":
             count = len(request.tokens.ids)
             if count >= geometry.max_context:
@@ -150,13 +195,6 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             raise InvalidArgument("prompt: empty after tokenization")
         if len(ids) >= geometry.max_context:
             raise InvalidArgument(f"prompt: {len(ids)} tokens leave no room in the context of {geometry.max_context}")
-        if request.max_tokens <= 0:
-            raise InvalidArgument(f"max_tokens: {request.max_tokens} must be >= 1")
-        if len(ids) + request.max_tokens > geometry.max_context:
-            raise InvalidArgument(
-                f"max_tokens: {request.max_tokens} beyond the context: the prompt has {len(ids)} tokens, "
-                f"so at most {geometry.max_context - len(ids)} fit in {geometry.max_context}"
-            )
         return ids
 
     def _check_size(self, num_bytes: int, max_tokens: int, what: str) -> None:
@@ -176,15 +214,18 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 f"{least} tokens, so at most {context - least} fit in {context}"
             )
 
-    def _chat_ids(self, request: gateway_pb2.GenerateRequest) -> list[int]:
+    def _chat_ids(self, request: gateway_pb2.GenerateRequest, chat: ChatInput | None = None) -> list[int]:
         """The token ids of ``request.messages`` (the template's own BOS included, so none is added).
         Runs on a preparation thread: render, check the size, tokenize."""
         add_generation_prompt = request.add_generation_prompt if request.HasField("add_generation_prompt") else True
-        messages = [{"role": m.role, "content": m.content} for m in request.messages.messages]
+        if chat is not None:
+            messages, tools = chat.messages, chat.tools
+        else:
+            messages, tools = [{"role": m.role, "content": m.content} for m in request.messages.messages], None
         tokenizer = self.state.tokenizer
         strings = () if self.state.chat_special_tokens else tokenizer.special_token_strings
         try:
-            prompt = self.state.chat.prompt(messages, add_generation_prompt, strings)
+            prompt = self.state.chat.prompt(messages, add_generation_prompt, strings, {"tools": tools} if tools else None)
         except ChatTemplateError as exc:
             raise InvalidArgument(f"messages: {exc}") from exc
         self._check_size(prompt.num_bytes, request.max_tokens, "rendered chat prompt")
@@ -234,29 +275,38 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         )
 
     async def Generate(self, request, context):
+        async for response in self.generate(request, Call.of_grpc(context, self.identity)):
+            yield response
+
+    async def generate(self, request: gateway_pb2.GenerateRequest, call: Call, chat: ChatInput | None = None):
+        """The one generation path (gRPC Generate and the HTTP API): validate, admit, speculate,
+        stream ``GenerateResponse`` messages, the last one with ``final``. Raises ServiceError."""
         with self.metrics.request() as timing:
-            async with self.admission.request(client_identity(context, self.identity)) as ticket:
-                async for response in self._generate(request, context, timing, ticket):
+            async with self.admission.request(call.client) as ticket:
+                async for response in self._generate(request, call, timing, ticket, chat):
                     yield response
 
-    async def _generate(self, request, context, timing: RequestObserver, ticket: Ticket):
+    async def count_prompt_tokens(self, request: gateway_pb2.GenerateRequest, call: Call, chat: ChatInput | None = None) -> int:
+        """The prompt's length in tokens, prepared as :meth:`generate` would (admitted, off the event loop)."""
+        async with self.admission.request(call.client) as ticket:
+            return len(await self._prompt_ids(request, ticket, chat))
+
+    async def _generate(self, request, call: Call, timing: RequestObserver, ticket: Ticket, chat: ChatInput | None = None):
         # The client's x-request-id (or a fresh one) names the request in logs and traces only. The
         # workers key the sequence by the gateway's own id, unique per request and never taken from
         # client input, so no two requests (a retry reusing its id, or a hostile client) share one.
-        rid = request_id(context)
+        rid = call.request_id
         sequence_id = new_sequence_id()
         logger.info("request %s: sequence %s", rid, sequence_id)
         options = self._options(request.speculation)
         sampling = self._sampling(request)
         stop_strings, stop_ids = self._stops(request)
-        prompt = await self._prompt(request, ticket)  # the costly part last
+        prompt = await self._prompt(request, ticket, chat)  # the costly part last
         if not self.monitor.target_up:
             raise Unavailable(f"the target worker at {self.target.address} is unavailable")
         eos = set() if request.ignore_eos else set(self.state.target_info.eos_token_ids)
         async with self.admission.slot(ticket) as queued_s:
             timing.admitted(len(prompt))
-            remaining = context.time_remaining()
-            loop = asyncio.get_running_loop()
             seq = SpeculativeSequence(
                 sequence_id=sequence_id,
                 target=self.target,
@@ -267,7 +317,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 sampling=sampling,
                 max_new_tokens=request.max_tokens,
                 max_context=self.state.target_info.geometry.max_context,
-                deadline=None if remaining is None else loop.time() + remaining,
+                deadline=call.deadline,
                 draft_available=lambda: self.monitor.draft_up,
                 on_draft_failure=self.monitor.mark_draft_down,
                 on_step=self.metrics.step_observer(options.mode.value),

@@ -59,6 +59,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-model", default="", help="DFlash draft: directory, GGUF or hf://... (default: the built-in pair's; 'none' = no draft)")
     p.add_argument("--listen", default="127.0.0.1:50051", help="public gateway address")
     p.add_argument(
+        "--http-listen", default="127.0.0.1:8000",
+        help="the gateway's OpenAI- and Anthropic-compatible HTTP API, HOST:PORT ('' = off)",
+    )
+    p.add_argument(
         "--device", default="auto",
         help="target device: auto (cuda:0 when the workers' torch sees a CUDA or ROCm GPU, else cpu), cpu or cuda:N",
     )
@@ -405,7 +409,7 @@ def run(args: argparse.Namespace, log_args: list[str]) -> int:
     children.append(Child("gateway", [
         *base, "gateway", *log_args, "--listen", args.listen, "--target", target_addr,
         "--draft", draft_addr if use_draft else "", "--mode", args.mode, "--budget", str(args.budget), "--wire", args.wire,
-        "--metrics-port", str(gateway_port), "--shutdown-grace", str(args.shutdown_grace),
+        "--metrics-port", str(gateway_port), "--shutdown-grace", str(args.shutdown_grace), "--http-listen", args.http_listen,
     ], args.listen))
     supervisor = Supervisor(children, args.max_restarts, args.shutdown_grace)
     previous = {sig: signal.signal(sig, supervisor.on_signal) for sig in STOP_SIGNALS}
@@ -417,7 +421,8 @@ def run(args: argparse.Namespace, log_args: list[str]) -> int:
             if use_draft:
                 placement["draft"] = _worker_placement(supervisor.child("draft"), draft_device)
             print(
-                f"splitspec serve: ready on {args.listen} (gateway gRPC, {metrics_url(gateway_port, args.listen)}); "
+                f"splitspec serve: ready on {args.listen} (gateway gRPC, {metrics_url(gateway_port, args.listen)}"
+                + (f", HTTP API http://{args.http_listen}/v1" if args.http_listen else "") + "); "
                 f"target worker on {placement['target']}, {metrics_url(target_port, target_addr)}; "
                 + (f"draft worker on {placement['draft']}, {metrics_url(draft_port, draft_addr)}; " if use_draft else "no draft worker; ")
                 + f"serving {pair}: target {target_model}, draft {draft_model if use_draft else 'none'}",
