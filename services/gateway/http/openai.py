@@ -169,11 +169,7 @@ def chat_request(body: dict) -> tuple[gateway_pb2.GenerateRequest, ChatInput, Ch
     f.sampling(req, body)
     f.stops(req, body, "stop")
     f.speculation(req, body)
-    stream = f.get_bool(body, "stream")
-    options = body.get("stream_options") or {}
-    if not isinstance(options, dict):
-        raise InvalidArgument("stream_options: must be an object")
-    call = ChatCall(body["model"], stream, f.get_bool(options, "include_usage"), tools is not None)
+    call = ChatCall(body["model"], *_streaming(body), tools is not None)
     return req, ChatInput(messages, tools, fill_context=True), call
 
 
@@ -196,12 +192,16 @@ def completion_request(body: dict) -> tuple[gateway_pb2.GenerateRequest, ChatCal
     f.sampling(req, body)
     f.stops(req, body, "stop")
     f.speculation(req, body)
-    stream = f.get_bool(body, "stream")
+    call = ChatCall(body["model"], *_streaming(body), False, id="cmpl-" + uuid.uuid4().hex)
+    return req, call
+
+
+def _streaming(body: dict) -> tuple[bool, bool]:
+    """(``stream``, ``stream_options.include_usage``) of a request."""
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise InvalidArgument("stream_options: must be an object")
-    call = ChatCall(body["model"], stream, f.get_bool(options, "include_usage"), False, id="cmpl-" + uuid.uuid4().hex)
-    return req, call
+    return f.get_bool(body, "stream"), f.get_bool(options, "include_usage")
 
 
 def usage(final: gateway_pb2.Final) -> dict:
