@@ -103,7 +103,7 @@ def check_parts(shape: str, parts: set[str]) -> None:
     if "system" in parts and s.quantized:
         raise ValueError(
             f"--parts system: random:{shape} has a random quantized LM head, so its greedy output is not the same on "
-            "every pass shape and the replay rows would measure noise; run --parts components"
+            "every pass shape and the oracle rows would measure noise; run --parts components"
         )
     if "baseline" in parts and (s.quantized or not isinstance(s.config, DenseConfig)):
         raise ValueError(f"--parts baseline: the transformers baseline runs the dense unquantized shapes only, not {shape}")

@@ -2,7 +2,7 @@
 
 The target's output is meaningless on random weights, so acceptance is set from outside: the
 benchmark first records the target's own greedy continuation of each prompt (speculation off,
-which is also the AR row), then replays it through the **OracleDrafter** (benchmark-only),
+which is also the AR row), then feeds it to the **OracleDrafter** (benchmark-only),
 corrupted at a chosen rate per depth, so the whole gateway → draft → target path runs at a
 chosen acceptance length. The oracle runs no draft forward pass and asks the target for no tap
 features, so its rows' times are not a real drafter's: their labels say so

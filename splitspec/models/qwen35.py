@@ -20,7 +20,7 @@ norm is plain in both formats.
 Sequence state (:class:`Qwen35Cache`): K/V of the attention layers, and per DeltaNet layer the
 last ``K - 1`` conv inputs and the recurrent state. A chain pass (prefill, ``parents=None``)
 advances it; a tree pass (verify) leaves it alone and keeps every row's candidate state, of which
-:meth:`Qwen35Cache.commit` adopts the deepest accepted row's: one pass per step, no replay.
+:meth:`Qwen35Cache.commit` adopts the deepest accepted row's: one pass per step, with no second pass over the accepted tokens.
 """
 
 from __future__ import annotations
