@@ -12,11 +12,13 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
+from services.gateway.speculation import Committed
+
 
 class RunAhead:
     """Iterates ``steps`` (lists of new tokens) in its own task, ``depth`` finished steps at most
     waiting for the reader while the next one runs; each read returns every token that is ready,
-    in order. Use as an async context manager: leaving it cancels the step still running and
+    in order (with their ``logprobs``, when the steps are ``Committed`` lists that carry them). Use as an async context manager: leaving it cancels the step still running and
     waits for it, so nothing touches the sequence after. The price of a stop string is the steps
     run past it (``depth`` + 1 at most), so the default keeps one: enough to overlap a write."""
 
@@ -58,6 +60,8 @@ class RunAhead:
         if not self._ready:
             raise self._end
         tokens = [t for step in self._ready for t in step]
+        if any(getattr(step, "logprobs", None) is not None for step in self._ready):  # they travel with their tokens
+            tokens = Committed(tokens, [lp for step in self._ready for lp in step.logprobs])
         for _ in self._ready:
             self._room.release()
         self._ready.clear()

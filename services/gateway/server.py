@@ -37,6 +37,7 @@ _MODES = {
 _MODE_PB = {mode: pb for pb, mode in _MODES.items()}
 MAX_BUDGET = 256
 MAX_STOP_STRINGS, MAX_STOP_LENGTH, MAX_STOP_TOKENS = 16, 256, 64
+MAX_TOP_LOGPROBS = 20  # as OpenAI's API and the target worker allow
 
 
 def check_compatible(target: target_pb2.TargetInfo, draft: draft_pb2.DraftInfo) -> None:
@@ -301,6 +302,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         options = self._options(request.speculation)
         sampling = self._sampling(request)
         stop_strings, stop_ids = self._stops(request)
+        if not 0 <= request.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidArgument(f"top_logprobs: {request.top_logprobs} is outside [0, {MAX_TOP_LOGPROBS}]")
+        if request.top_logprobs and not request.logprobs:
+            raise InvalidArgument("top_logprobs: set logprobs too")
+        top_logprobs = request.top_logprobs if request.logprobs else None
         prompt = await self._prompt(request, ticket, chat)  # the costly part last
         if not self.monitor.target_up:
             raise Unavailable(f"the target worker at {self.target.address} is unavailable")
@@ -321,16 +327,31 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 draft_available=lambda: self.monitor.draft_up,
                 on_draft_failure=self.monitor.mark_draft_down,
                 on_step=self.metrics.step_observer(options.mode.value),
+                top_logprobs=top_logprobs,
             )
             stream = TextStream(self.state.tokenizer, stop_strings=stop_strings, stop_token_ids=eos | stop_ids, prompt_ids=prompt)
             finish = gateway_pb2.CONTEXT
+            # Logprobs of the tokens pushed into `stream` and not reported yet, in order: the stream
+            # reports its tokens in the order pushed, so a delta's ids are the front of this list.
+            unreported: list = []
+
+            def reply(delta) -> gateway_pb2.GenerateResponse:
+                logprobs = None
+                if top_logprobs is not None:
+                    logprobs = unreported[: len(delta.token_ids)]
+                    del unreported[: len(delta.token_ids)]
+                return gateway_pb2.GenerateResponse(text=delta.text, token_ids=delta.token_ids, logprobs=logprobs)
+
             try:
                 async with RunAhead(seq.run()) as steps:
                     async for new_tokens in steps:
-                        delta = stream.push(new_tokens[: request.max_tokens - stream.num_tokens])
+                        pushed = new_tokens[: request.max_tokens - stream.num_tokens]
+                        if top_logprobs is not None:
+                            unreported.extend(new_tokens.logprobs[: len(pushed)])
+                        delta = stream.push(pushed)
                         timing.tokens(len(delta.token_ids))
                         if delta.text or delta.token_ids:
-                            yield gateway_pb2.GenerateResponse(text=delta.text, token_ids=delta.token_ids)
+                            yield reply(delta)
                         if delta.finished:
                             last = delta.token_ids[-1] if delta.token_ids else None
                             is_eos = delta.stop_reason == "stop_token" and last in eos and last not in stop_ids
@@ -345,7 +366,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             tail = stream.flush()
             timing.tokens(len(tail.token_ids))
             if tail.text or tail.token_ids:
-                yield gateway_pb2.GenerateResponse(text=tail.text, token_ids=tail.token_ids)
+                yield reply(tail)
             if tail.finished:  # the released text completed a stop string
                 finish = gateway_pb2.STOP
         stats = seq.stats

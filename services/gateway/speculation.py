@@ -73,6 +73,15 @@ def upstream(worker: str, exc: grpc.aio.AioRpcError) -> UpstreamError:
     return UpstreamError(exc.code().name, f"{worker} worker: {exc.details()}")
 
 
+class Committed(list):
+    """Newly committed token ids (a list, as ``run`` yields them), with their ``logprobs`` (one
+    ``TokenLogprob`` per id) when the sequence asked for them, else None."""
+
+    def __init__(self, tokens, logprobs=None) -> None:
+        super().__init__(tokens)
+        self.logprobs = logprobs
+
+
 class SpeculativeSequence:
     MAX_DRAFT_RESUMES = 3  # a draft that keeps failing for this sequence is given up on
 
@@ -91,7 +100,9 @@ class SpeculativeSequence:
         draft_available: Callable[[], bool] = lambda: True,
         on_draft_failure: Callable[[], None] = lambda: None,
         on_step: Callable[[StepStats], None] = lambda step: None,  # called after every verify
+        top_logprobs: int | None = None,  # None: no logprobs; N: each token's logprob and N alternatives
     ) -> None:
+        self.top_logprobs = top_logprobs
         self.sequence_id = sequence_id
         self.target, self.draft, self.shape = target, draft, draft_shape
         self.options = options
@@ -134,6 +145,8 @@ class SpeculativeSequence:
                     reserve_tokens=max(self.capacity, len(tokens) + 1),
                     feature_rows=self.options.draft_window,
                     feature_dtype=self.options.feature_dtype,
+                    logprobs=self.top_logprobs is not None,
+                    top_logprobs=self.top_logprobs or 0,
                 ),
                 timeout=self._timeout(),
             )
@@ -145,7 +158,7 @@ class SpeculativeSequence:
         prefilled = await self._prefill(self.prompt)
         anchor, features = prefilled.next_token, prefilled.features
         self.generated.append(anchor)
-        yield [anchor]
+        yield self._committed([anchor], [prefilled.logprob])
         while len(self.generated) < self.max_new_tokens:
             start = len(self.prompt) + len(self.generated) - 1  # positions in the target's KV cache
             # The tree's depth is bounded by the tokens still wanted and by the reserved positions,
@@ -172,7 +185,7 @@ class SpeculativeSequence:
                     raise upstream("target", exc) from exc
                 prefilled = await self._recover()
                 anchor, features = prefilled.next_token, prefilled.features
-                yield [anchor]
+                yield self._committed([anchor], [prefilled.logprob])
                 continue
             step = StepStats(tree.num_nodes, int(tree.depths.max(initial=0)), len(verified.committed_tokens) - 1, fallback)
             self.stats.add(step)
@@ -180,7 +193,14 @@ class SpeculativeSequence:
             new = verified.committed_tokens[1:] + [verified.next_token]
             self.generated.extend(new)
             anchor, features = verified.next_token, verified.features
-            yield new
+            yield self._committed(new, verified.logprobs)
+
+    def _committed(self, tokens: list[int], logprobs) -> Committed:
+        if self.top_logprobs is None:
+            return Committed(tokens)
+        if logprobs is None or len(logprobs) != len(tokens) or any(lp is None or lp.id != t for lp, t in zip(logprobs, tokens)):
+            raise UpstreamError("INTERNAL", "target worker: logprobs were asked for but it returned none, or not those of its tokens")
+        return Committed(tokens, list(logprobs))
 
     async def _recover(self) -> Prefilled:
         """The target lost the sequence: prefill everything generated so far and go on from there."""

@@ -42,6 +42,7 @@ WIRES = ("auto", "socket", "stream", "unary")
 class Prefilled:
     next_token: int
     features: common_pb2.Tensor | None
+    logprob: common_pb2.TokenLogprob | None = None  # next_token's, when the prefill asked for logprobs
 
 
 @dataclass
@@ -51,6 +52,7 @@ class Verified:
     committed_length: int
     features: common_pb2.Tensor | None
     forward_ns: int  # the target's time for the pass, as it reports it
+    logprobs: list[common_pb2.TokenLogprob] | None = None  # of committed_tokens[1:] + [next_token], when asked for
 
 
 class StepStream:
@@ -182,7 +184,8 @@ class TargetClient(WorkerClient):
             r = await self._observed("TargetWorker/Prefill", request, call)
         else:
             r = await self.stub.Prefill(request, timeout=timeout)
-        return Prefilled(r.next_token, r.features if r.HasField("features") else None)
+        logprob = r.next_token_logprob if r.HasField("next_token_logprob") else None
+        return Prefilled(r.next_token, r.features if r.HasField("features") else None, logprob)
 
     async def verify(
         self, sequence_id: str, tokens: np.ndarray, parents: np.ndarray, return_features: bool, timeout: float | None
@@ -194,7 +197,9 @@ class TargetClient(WorkerClient):
             timeout,
         )
         features = r.features if r.HasField("features") else None
-        return Verified(list(r.committed_tokens), r.next_token, r.committed_length, features, r.forward_ns)
+        return Verified(
+            list(r.committed_tokens), r.next_token, r.committed_length, features, r.forward_ns, list(r.logprobs) or None
+        )
 
 
 class DraftClient(WorkerClient):

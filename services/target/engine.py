@@ -26,7 +26,7 @@ from services.target.graphs import PREFILL_CHUNK, PooledKVCache, StaticVerifier
 from services.worker.hosting import SequenceTable
 from splitspec.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from splitspec.spec.acceptance import accept_path
-from splitspec.spec.sampling import SamplingParams, draw_tokens
+from splitspec.spec.sampling import SamplingParams, draw_tokens, token_logprobs
 from splitspec.spec.tree import node_depths, tree_attention_mask, validate_tree
 
 
@@ -76,6 +76,13 @@ class SequenceState:
     sampling: SamplingParams
     taps: tuple[int, ...]
     feature_dtype: torch.dtype | None  # wire dtype of returned features (None = compute dtype)
+    top_logprobs: int | None = None  # None: no logprobs; else alternatives per token (``token_logprobs``)
+
+
+# One generated token's logprob under the target's sampling distribution, and the top alternatives:
+# (id, logprob, [(id, logprob), ...]); see ``splitspec.spec.sampling.token_logprobs``.
+TokenLogprob = tuple[int, float, list[tuple[int, float]]]
+MAX_TOP_LOGPROBS = 20
 
 
 @dataclass
@@ -83,6 +90,7 @@ class PrefillResult:
     next_token: int
     features: torch.Tensor | None  # [rows, taps * hidden]
     forward_ns: int
+    logprob: TokenLogprob | None = None  # next_token's, when the prefill asked for logprobs
 
 
 @dataclass
@@ -93,6 +101,8 @@ class VerifyResult:
     features: torch.Tensor | None  # [len(committed_tokens), taps * hidden]
     committed_length: int
     forward_ns: int
+    # When the sequence asked for logprobs: those of committed_tokens[1:] + [next_token], in order.
+    logprobs: list[TokenLogprob] | None = None
 
 
 class TargetEngine:
@@ -131,8 +141,13 @@ class TargetEngine:
         reserve_tokens: int = 0,
         feature_rows: int = 0,
         feature_dtype: torch.dtype | None = None,
+        top_logprobs: int | None = None,
     ) -> PrefillResult:
+        """``top_logprobs``: None = no logprobs (nothing extra computed, then or in this sequence's
+        verifies); N >= 0 = return every generated token's logprob and its top N alternatives."""
         n = len(tokens)
+        if top_logprobs is not None and not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidArgument(f"top_logprobs: {top_logprobs} is outside [0, {MAX_TOP_LOGPROBS}]")
         if not sequence_id:
             raise InvalidArgument("sequence_id must not be empty")
         if sequence_id in self.sequences:
@@ -156,7 +171,7 @@ class TargetEngine:
         # prefill end with ABORTED instead of leaving a sequence nobody will release.
         self.sequences.open(sequence_id)
         try:
-            state, result = self._prefill(tokens, sampling, taps, capacity, feature_rows, feature_dtype)
+            state, result = self._prefill(tokens, sampling, taps, capacity, feature_rows, feature_dtype, top_logprobs)
         except BaseException:
             self.sequences.abandon(sequence_id)
             raise
@@ -171,6 +186,7 @@ class TargetEngine:
         capacity: int,
         feature_rows: int,
         feature_dtype: torch.dtype | None,
+        top_logprobs: int | None = None,
     ) -> tuple[SequenceState, PrefillResult]:
         n = len(tokens)
         t0 = time.perf_counter_ns()
@@ -195,8 +211,11 @@ class TargetEngine:
                 feature_chunks.append(features.clone() if graphed else features)
         next_token = int(draw_tokens(logits, torch.tensor([n], device=self.device), sampling)[0])
         features = torch.cat(feature_chunks).to(feature_dtype or self.dtype) if feature_chunks else None
-        state = SequenceState(cache, n, next_token, sampling, taps, feature_dtype)
-        return state, PrefillResult(next_token, features, time.perf_counter_ns() - t0)
+        logprob = None
+        if top_logprobs is not None:
+            logprob = token_logprobs(logits[-1:], [next_token], sampling, top_logprobs)[0]
+        state = SequenceState(cache, n, next_token, sampling, taps, feature_dtype, top_logprobs)
+        return state, PrefillResult(next_token, features, time.perf_counter_ns() - t0, logprob)
 
     def verify(
         self, sequence_id: str, tokens: Sequence[int], parents: Sequence[int], return_features: bool = False
@@ -220,6 +239,12 @@ class TargetEngine:
         accepted, next_token = accept_path(tokens_np, parents_np, target_tokens)
         state.cache.commit(start, accepted)
         committed = [state.pending_token] + [int(tokens_np[a - 1]) for a in accepted[1:]]
+        logprobs = None
+        if state.top_logprobs is not None:
+            # Token i of committed[1:] + [bonus] was drawn at row accepted[i] (its parent's row). Read
+            # now: a graphed pass's logits are rewritten by its next replay.
+            rows = logits.index_select(0, torch.tensor(accepted, device=logits.device, dtype=torch.int64))
+            logprobs = token_logprobs(rows, committed[1:] + [int(next_token)], state.sampling, state.top_logprobs)
         state.length = start + len(accepted)
         state.pending_token = int(next_token)
         out_features = None
@@ -230,7 +255,9 @@ class TargetEngine:
                 rows = features.index_select(0, torch.tensor(accepted, device=self.device, dtype=torch.int64))
             # On the host now: a graphed pass's features are rewritten by its next replay.
             out_features = rows.to(state.feature_dtype or self.dtype).cpu()
-        return VerifyResult(committed, accepted[1:], int(next_token), out_features, state.length, time.perf_counter_ns() - t0)
+        return VerifyResult(
+            committed, accepted[1:], int(next_token), out_features, state.length, time.perf_counter_ns() - t0, logprobs
+        )
 
     def tree_forward(
         self, state: SequenceState, tokens: np.ndarray, parents: np.ndarray

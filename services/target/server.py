@@ -29,6 +29,12 @@ def sampling_from_pb(msg: common_pb2.Sampling) -> SamplingParams:
     return SamplingParams(temperature=msg.temperature, top_p=top_p, top_k=msg.top_k, seed=msg.seed)
 
 
+def token_logprob_pb(logprob) -> common_pb2.TokenLogprob:
+    """The engine's ``(id, logprob, [(id, logprob), ...])`` as a ``TokenLogprob``."""
+    token, value, top = logprob
+    return common_pb2.TokenLogprob(id=token, logprob=value, top=[common_pb2.TopLogprob(id=i, logprob=v) for i, v in top])
+
+
 @dataclass
 class TargetDescription:
     """Static facts the Info RPC reports."""
@@ -72,11 +78,15 @@ class TargetServicer(target_pb2_grpc.TargetWorkerServicer):
             lambda engine: engine.prefill(
                 request.sequence_id, list(request.tokens), sampling, taps=list(request.tap_layer_ids),
                 reserve_tokens=request.reserve_tokens, feature_rows=request.feature_rows, feature_dtype=feature_dtype,
+                top_logprobs=request.top_logprobs if request.logprobs else None,
             )
         )
         self.metrics.forward("prefill", result.forward_ns)
         features = tensor_to_pb(result.features) if result.features is not None else None
-        return target_pb2.PrefillResponse(next_token=result.next_token, features=features, forward_ns=result.forward_ns)
+        logprob = token_logprob_pb(result.logprob) if result.logprob is not None else None
+        return target_pb2.PrefillResponse(
+            next_token=result.next_token, features=features, forward_ns=result.forward_ns, next_token_logprob=logprob
+        )
 
     async def Verify(self, request, context):
         tokens, parents = list(request.tokens), list(request.parents)
@@ -89,6 +99,7 @@ class TargetServicer(target_pb2_grpc.TargetWorkerServicer):
             features=tensor_to_pb(result.features) if result.features is not None else None,
             forward_ns=result.forward_ns,
             committed_length=result.committed_length,
+            logprobs=[token_logprob_pb(lp) for lp in result.logprobs] if result.logprobs is not None else None,
         )
 
     async def VerifyStream(self, requests, context):

@@ -73,3 +73,28 @@ def draw_tokens(logits: torch.Tensor, positions: torch.Tensor, params: SamplingP
         return logits.argmax(dim=-1)
     scaled = filter_logits(logits.float() / params.temperature, params.top_k, params.top_p)
     return (scaled + gumbel_noise(params.seed, positions.to(logits.device), logits.shape[-1])).argmax(dim=-1)
+
+
+def token_logprobs(
+    logits: torch.Tensor, tokens, params: SamplingParams, top: int
+) -> list[tuple[int, float, list[tuple[int, float]]]]:
+    """The logprobs OpenAI's ``logprobs`` report: for each row of ``logits`` [R, vocab] and the token
+    drawn there (``tokens`` [R]), ``(token, logprob, [(id, logprob)] * top)`` under the target's
+    *sampling distribution* ``log_softmax(logits / temperature)`` (for temperature 0, greedy, of the
+    raw logits), computed in float64. Top-k / top-p filtering is not applied: these are the
+    temperature-scaled model's probabilities. The alternatives are the ``top`` most likely ids, most
+    likely first."""
+    scaled = logits.to(torch.float64)
+    if not params.greedy:
+        scaled = scaled / params.temperature
+    logp = torch.log_softmax(scaled, dim=-1)
+    ids = torch.as_tensor(list(tokens), dtype=torch.int64, device=logp.device)
+    chosen = logp.gather(1, ids[:, None])[:, 0].tolist()
+    out = []
+    if top > 0:
+        values, indices = torch.topk(logp, min(top, logp.shape[-1]), dim=-1)
+        values, indices = values.tolist(), indices.tolist()
+    for r, token in enumerate(ids.tolist()):
+        alternatives = list(zip(indices[r], values[r])) if top > 0 else []
+        out.append((token, chosen[r], alternatives))
+    return out

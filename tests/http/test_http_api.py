@@ -79,6 +79,64 @@ def test_completions_equal_generate(http_gateway):
     assert streamed == expected.text
 
 
+@pytest.mark.parametrize("mode", ["ddtree", "off"])
+def test_chat_logprobs(http_gateway, mode):
+    gw = http_gateway
+    kw = dict(model=gw["model"], messages=MESSAGES, max_tokens=12, temperature=0.0, logprobs=True, top_logprobs=3,
+              extra_body={"speculation": {"mode": mode, "budget": 8}})
+    reply = oai(gw).chat.completions.create(**kw)
+    choice = reply.choices[0]
+    content = choice.logprobs.content
+    assert len(content) == reply.usage.completion_tokens > 0
+    expected = grpc_chat(gw, MESSAGES, max_tokens=12, temperature=0.0)
+    assert [lp.token for lp in content] == [tokenizer_text(gw, t) for t in expected.tokens]
+    for lp in content:
+        assert lp.logprob <= 0.0 and lp.bytes == list(lp.token.encode("utf-8"))
+        assert len(lp.top_logprobs) == 3
+        assert [t.logprob for t in lp.top_logprobs] == sorted((t.logprob for t in lp.top_logprobs), reverse=True)
+        assert lp.top_logprobs[0].logprob == pytest.approx(lp.logprob, abs=1e-6)  # greedy: the chosen token is the most likely
+    # Streamed: the same logprobs, spread over the chunks.
+    stream = oai(gw).chat.completions.create(stream=True, **kw)
+    streamed = [lp for c in stream if c.choices and c.choices[0].logprobs for lp in c.choices[0].logprobs.content]
+    assert [(lp.token, lp.logprob) for lp in streamed] == [(lp.token, lp.logprob) for lp in content]
+    # Off by default.
+    assert oai(gw).chat.completions.create(model=gw["model"], messages=MESSAGES, max_tokens=4).choices[0].logprobs is None
+
+
+def tokenizer_text(gw, token_id: int) -> str:
+    from splitspec.text.tokenizer import Tokenizer
+
+    if "tokenizer" not in gw:
+        gw["tokenizer"] = Tokenizer.load(worker_info_path(gw))
+    return gw["tokenizer"].decode([token_id], skip_special_tokens=False)
+
+
+def worker_info_path(gw) -> str:
+    import grpc
+
+    from splitspec.v1 import common_pb2, target_pb2_grpc
+
+    with grpc.insecure_channel(gw["target"]) as ch:
+        return target_pb2_grpc.TargetWorkerStub(ch).Info(common_pb2.InfoRequest(), timeout=10).tokenizer_path
+
+
+def test_completion_logprobs(http_gateway):
+    gw = http_gateway
+    kw = dict(model=gw["model"], prompt="import os\n", max_tokens=10, temperature=0.0, logprobs=2)
+    reply = oai(gw).completions.create(**kw)
+    lp = reply.choices[0].logprobs
+    n = reply.usage.completion_tokens
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n > 0
+    assert all(len(top) <= 2 and max(top.values()) == pytest.approx(v, abs=1e-6) for top, v in zip(lp.top_logprobs, lp.token_logprobs))
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(n)]
+    chunks = [c.choices[0].logprobs for c in oai(gw).completions.create(stream=True, **kw) if c.choices and c.choices[0].logprobs]
+    assert [t for c in chunks for t in c.tokens] == lp.tokens
+    assert [o for c in chunks for o in c.text_offset] == lp.text_offset
+    with pytest.raises(openai.BadRequestError) as info:
+        oai(gw).completions.create(**{**kw, "logprobs": 6})
+    assert info.value.body["param"] == "logprobs"
+
+
 def test_anthropic_messages_equal_generate(http_gateway):
     gw = http_gateway
     expected = grpc_chat(gw, MESSAGES, max_tokens=24, temperature=0.5, top_k=20, seed=11)
@@ -116,7 +174,9 @@ def test_errors_name_the_field(http_gateway):
     client = oai(gw)
     cases = [
         (dict(n=2), "n", openai.BadRequestError),
-        (dict(logprobs=True), "logprobs", openai.BadRequestError),
+        (dict(logprobs=True, top_logprobs=21), "top_logprobs", openai.BadRequestError),
+        (dict(top_logprobs=2), "top_logprobs", openai.BadRequestError),  # without logprobs
+        (dict(logprobs="yes"), "logprobs", openai.BadRequestError),
         (dict(max_tokens=10**6), "max_tokens", openai.BadRequestError),
         (dict(temperature=-1), "temperature", openai.BadRequestError),
         (dict(extra_body={"speculation": {"mode": "fast"}}), "speculation.mode", openai.BadRequestError),

@@ -74,6 +74,7 @@ class Generation:
     def __init__(self, responses: AsyncIterator[gateway_pb2.GenerateResponse]) -> None:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.ahead: list = []  # items taken from the queue and put back
+        self.logprobs: list = []  # what collect() gathered of the messages' logprobs, aligned with their token ids
         self.task = asyncio.ensure_future(self._pump(responses))
 
     async def _pump(self, responses) -> None:
@@ -105,6 +106,7 @@ class Generation:
         text = []
         while (r := await self.next()) is not None:
             text.append(r.text)
+            self.logprobs.extend(r.logprobs)
             if r.HasField("final"):
                 return "".join(text), r.final
         raise RuntimeError("the generation ended without a final message")
@@ -251,6 +253,10 @@ class HttpApi:
         return JSONResponse({"status": "ok" if up else "unavailable", "target": up, "draft": self.servicer.monitor.draft_up},
                             status_code=200 if up else 503)
 
+    def token_text(self, token_id: int) -> str:
+        """A token's text as logprobs name it: the token decoded alone, special tokens spelled out."""
+        return self.servicer.state.tokenizer.decode([token_id], skip_special_tokens=False)
+
     def _model_card(self) -> dict:
         return {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "splitspec",
                 "context_length": self.servicer.state.target_info.geometry.max_context,
@@ -270,17 +276,17 @@ class HttpApi:
         generation = await self._generate(request, rid, gen_request, chat)
         if not call.stream:
             text, final = await self._whole(request, generation)
-            return JSONResponse(oai.chat_response(call, text, final))
+            return JSONResponse(oai.chat_response(call, text, final, generation.logprobs, self.token_text))
 
         async def events():
-            chunks = oai.ChatChunks(call)
+            chunks = oai.ChatChunks(call, self.token_text)
             for chunk in chunks.start():
                 yield sse(chunk)
             async for item in _stream(generation, rid, request.url.path):
                 if isinstance(item, HttpError):
                     yield sse(item.openai())
                     return
-                out = chunks.end(item.final) if item.HasField("final") else chunks.text(item.text)
+                out = chunks.end(item.final) if item.HasField("final") else chunks.text(item.text, item.logprobs)
                 for chunk in out:
                     yield sse(chunk)
             yield sse("[DONE]")
@@ -294,9 +300,10 @@ class HttpApi:
         generation = await self._generate(request, rid, gen_request)
         if not call.stream:
             text, final = await self._whole(request, generation)
-            return JSONResponse(oai.completion_response(call, text, final))
+            return JSONResponse(oai.completion_response(call, text, final, generation.logprobs, self.token_text))
 
         async def events():
+            offset = 0  # characters of token text sent: the next token's text_offset
             async for item in _stream(generation, rid, request.url.path):
                 if isinstance(item, HttpError):
                     yield sse(item.openai())
@@ -307,6 +314,10 @@ class HttpApi:
                         chunk = oai.completion_chunk(call, "")
                         chunk["choices"], chunk["usage"] = [], oai.usage(item.final)
                         yield sse(chunk)
+                elif call.logprobs and item.logprobs:
+                    logprobs = oai.completion_logprobs(item.logprobs, self.token_text, offset)
+                    offset = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
+                    yield sse(oai.completion_chunk(call, item.text, logprobs=logprobs))
                 elif item.text:
                     yield sse(oai.completion_chunk(call, item.text))
             yield sse("[DONE]")

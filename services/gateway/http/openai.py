@@ -3,19 +3,22 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 import uuid
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from services.gateway.http import fields as f
 from services.gateway.http.toolcalls import OutputParser, ToolCall
 from services.gateway.server import ChatInput
 from splitspec.errors import InvalidArgument
-from splitspec.v1 import gateway_pb2
+from splitspec.v1 import common_pb2, gateway_pb2
 
 FINISH = {gateway_pb2.LENGTH: "length", gateway_pb2.CONTEXT: "length", gateway_pb2.STOP: "stop", gateway_pb2.EOS: "stop"}
 JSON_OBJECT_INSTRUCTION = "Respond with a single valid JSON object and nothing else."
 MAX_ID = 2**31 - 1
+MAX_TOP_LOGPROBS, MAX_COMPLETION_LOGPROBS = 20, 5  # OpenAI's limits: chat top_logprobs, completions logprobs
 
 
 @dataclass
@@ -26,6 +29,7 @@ class ChatCall:
     stream: bool
     include_usage: bool
     tools: bool
+    logprobs: bool = False  # the response carries the target's logprobs (GenerateResponse.logprobs)
     id: str = field(default_factory=lambda: "chatcmpl-" + uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -33,8 +37,6 @@ class ChatCall:
 def _unsupported(body: dict) -> None:
     f.refuse(body, "n", 1, "only n = 1 is supported")
     f.refuse(body, "best_of", 1, "only best_of = 1 is supported")
-    f.refuse(body, "logprobs", None, "logprobs are not supported yet (the target worker does not return its distribution)")
-    f.refuse(body, "top_logprobs", None, "top_logprobs are not supported yet (the target worker does not return its distribution)")
     f.refuse(body, "echo", None, "echo is not supported")
     f.refuse(body, "suffix", None, "suffix is not supported")
     f.refuse(body, "logit_bias", None, "logit_bias is not supported")
@@ -169,7 +171,11 @@ def chat_request(body: dict) -> tuple[gateway_pb2.GenerateRequest, ChatInput, Ch
     f.sampling(req, body)
     f.stops(req, body, "stop")
     f.speculation(req, body)
-    call = ChatCall(body["model"], *_streaming(body), tools is not None)
+    req.logprobs = f.get_bool(body, "logprobs")
+    req.top_logprobs = f.get_int(body, "top_logprobs", 0, high=MAX_TOP_LOGPROBS)
+    if req.top_logprobs and not req.logprobs:
+        raise InvalidArgument("top_logprobs: needs logprobs: true")
+    call = ChatCall(body["model"], *_streaming(body), tools is not None, req.logprobs)
     return req, ChatInput(messages, tools, fill_context=True), call
 
 
@@ -192,7 +198,11 @@ def completion_request(body: dict) -> tuple[gateway_pb2.GenerateRequest, ChatCal
     f.sampling(req, body)
     f.stops(req, body, "stop")
     f.speculation(req, body)
-    call = ChatCall(body["model"], *_streaming(body), False, id="cmpl-" + uuid.uuid4().hex)
+    f.refuse(body, "top_logprobs", None, "not a Completions field (logprobs: N asks for the top N)")
+    logprobs = f.get_int(body, "logprobs", None, high=MAX_COMPLETION_LOGPROBS)
+    if logprobs is not None:
+        req.logprobs, req.top_logprobs = True, logprobs
+    call = ChatCall(body["model"], *_streaming(body), False, req.logprobs, id="cmpl-" + uuid.uuid4().hex)
     return req, call
 
 
@@ -219,7 +229,58 @@ def tool_call_json(call: ToolCall, index: int | None = None) -> dict:
     return out
 
 
-def chat_response(call: ChatCall, text: str, final: gateway_pb2.Final) -> dict:
+TokenText = Callable[[int], str]  # a token id's text (its decoded string, special tokens spelled out)
+
+
+def _logprob(value: float) -> float:
+    """A logprob as JSON can carry it: -inf (a token of probability 0) as OpenAI's -9999.0."""
+    return value if math.isfinite(value) else -9999.0
+
+
+def chat_logprobs(logprobs: Sequence[common_pb2.TokenLogprob], token_text: TokenText) -> dict:
+    """``choices[].logprobs`` of a chat completion (or of one chunk): ``{content: [...]}``."""
+
+    def entry(token_id: int, value: float) -> dict:
+        text = token_text(token_id)
+        return {"token": text, "logprob": _logprob(value), "bytes": list(text.encode("utf-8"))}
+
+    return {
+        "content": [
+            {**entry(lp.id, lp.logprob), "top_logprobs": [entry(t.id, t.logprob) for t in lp.top]} for lp in logprobs
+        ],
+        "refusal": None,
+    }
+
+
+def _top_dict(top: Sequence[common_pb2.TopLogprob], token_text: TokenText) -> dict:
+    """Alternatives as the Completions API's text -> logprob dict. Tokens whose texts coincide (byte
+    tokens of partial characters all read U+FFFD) keep the most likely one's logprob."""
+    out: dict = {}
+    for t in top:
+        out.setdefault(token_text(t.id), _logprob(t.logprob))
+    return out
+
+
+def completion_logprobs(logprobs: Sequence[common_pb2.TokenLogprob], token_text: TokenText, offset: int = 0) -> dict:
+    """``choices[].logprobs`` of a completion (or of one chunk): tokens, token_logprobs, top_logprobs
+    (one dict per token, text -> logprob) and text_offset (each token's start in the completion text,
+    counting from ``offset``)."""
+    tokens, offsets = [], []
+    for lp in logprobs:
+        offsets.append(offset)
+        tokens.append(token_text(lp.id))
+        offset += len(tokens[-1])
+    return {
+        "tokens": tokens,
+        "token_logprobs": [_logprob(lp.logprob) for lp in logprobs],
+        "top_logprobs": [_top_dict(lp.top, token_text) for lp in logprobs],
+        "text_offset": offsets,
+    }
+
+
+def chat_response(
+    call: ChatCall, text: str, final: gateway_pb2.Final, logprobs: Sequence = (), token_text: TokenText | None = None
+) -> dict:
     parser = OutputParser(tools=call.tools)
     events = parser.push(text) + parser.finish()
     content = "".join(e.text for e in events if e.kind == "content")
@@ -232,7 +293,8 @@ def chat_response(call: ChatCall, text: str, final: gateway_pb2.Final) -> dict:
     finish = "tool_calls" if parser.calls else FINISH.get(final.finish_reason, "stop")
     return {
         "id": call.id, "object": "chat.completion", "created": call.created, "model": call.model,
-        "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
+        "choices": [{"index": 0, "message": message, "finish_reason": finish,
+                     "logprobs": chat_logprobs(logprobs, token_text) if call.logprobs else None}],
         "usage": usage(final),
     }
 
@@ -240,8 +302,8 @@ def chat_response(call: ChatCall, text: str, final: gateway_pb2.Final) -> dict:
 class ChatChunks:
     """Streamed chat: text deltas in, ``chat.completion.chunk`` objects out."""
 
-    def __init__(self, call: ChatCall) -> None:
-        self.call = call
+    def __init__(self, call: ChatCall, token_text: TokenText | None = None) -> None:
+        self.call, self.token_text = call, token_text
         self.parser = OutputParser(tools=call.tools)
         self.num_calls = 0
 
@@ -266,8 +328,15 @@ class ChatChunks:
                 self.num_calls += 1
         return out
 
-    def text(self, text: str) -> list[dict]:
-        return self._events(self.parser.push(text))
+    def text(self, text: str, logprobs: Sequence = ()) -> list[dict]:
+        """The chunks of a text delta; with logprobs on, the delta's tokens' logprobs ride on its last
+        chunk (on a chunk of their own, with an empty delta, when the text produced none yet)."""
+        out = self._events(self.parser.push(text))
+        if self.call.logprobs and logprobs:
+            if not out:
+                out.append(self._chunk({}))
+            out[-1]["choices"][0]["logprobs"] = chat_logprobs(logprobs, self.token_text)
+        return out
 
     def end(self, final: gateway_pb2.Final) -> list[dict]:
         out = self._events(self.parser.finish())
@@ -281,16 +350,19 @@ class ChatChunks:
         return out
 
 
-def completion_response(call: ChatCall, text: str, final: gateway_pb2.Final) -> dict:
+def completion_response(
+    call: ChatCall, text: str, final: gateway_pb2.Final, logprobs: Sequence = (), token_text: TokenText | None = None
+) -> dict:
+    lp = completion_logprobs(logprobs, token_text) if call.logprobs else None
     return {
         "id": call.id, "object": "text_completion", "created": call.created, "model": call.model,
-        "choices": [{"index": 0, "text": text, "finish_reason": FINISH.get(final.finish_reason, "stop"), "logprobs": None}],
+        "choices": [{"index": 0, "text": text, "finish_reason": FINISH.get(final.finish_reason, "stop"), "logprobs": lp}],
         "usage": usage(final),
     }
 
 
-def completion_chunk(call: ChatCall, text: str, finish: str | None = None) -> dict:
+def completion_chunk(call: ChatCall, text: str, finish: str | None = None, logprobs: dict | None = None) -> dict:
     return {
         "id": call.id, "object": "text_completion", "created": call.created, "model": call.model,
-        "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}],
+        "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}],
     }
