@@ -13,10 +13,9 @@ import sys
 import tempfile
 import time
 
-from tests.client import generate
-
 from splitspec.cli.serve import wait_ready
 from splitspec.v1 import gateway_pb2
+from tests.client import generate
 
 Spec = gateway_pb2.Speculation
 MODES = [("off", Spec(mode=Spec.OFF)), ("chain-16", Spec(mode=Spec.CHAIN, budget=16)),

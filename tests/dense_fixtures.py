@@ -13,13 +13,13 @@ from pathlib import Path
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType as Q
-from tests.kquants import quantize_k
 
 from splitspec.fixtures.gguf_writing import encoder
 from splitspec.fixtures.tiny import gguf_weights, write_target_gguf
 from splitspec.models.dense import DenseConfig
 from splitspec.models.layers import llama3_freq_factors
 from splitspec.text.tokenizer import byte_level_vocab
+from tests.kquants import quantize_k
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
 QUANT_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "q4_k_m")

@@ -15,19 +15,19 @@ import sys
 
 import numpy as np
 import pytest
-from tests.client import generate, live_sequences
-from tests.dense_fixtures import hf_model
 from safetensors.numpy import load_file
-from tests.tools import write_gguf
 
 from splitspec.fixtures.gguf_writing import CHATML_TEMPLATE
 from splitspec.fixtures.tiny import TinySpec, make_tiny, random_draft, write_draft_dir, write_draft_gguf
 from splitspec.models.dflash import DFlashConfig
 from splitspec.models.loader import read_target_config
+from splitspec.spec.acceptance_length import pooled_acceptance_length
 from splitspec.text.chat import ChatTemplate
 from splitspec.text.tokenizer import Tokenizer, byte_level_vocab, write_gguf_tokenizer
-from splitspec.spec.acceptance_length import pooled_acceptance_length
 from splitspec.v1 import gateway_pb2
+from tests.client import generate, live_sequences
+from tests.dense_fixtures import hf_model
+from tests.tools import write_gguf
 
 pytestmark = pytest.mark.slow
 transformers = pytest.importorskip("transformers")

@@ -13,11 +13,11 @@ from contextlib import contextmanager
 
 import numpy as np
 import pytest
-from tests.client import generate
-from tests.tools import free_port
 
 from splitspec.fixtures.tiny import TinySpec, make_tiny
 from splitspec.v1 import gateway_pb2
+from tests.client import generate
+from tests.tools import free_port
 
 pytestmark = pytest.mark.slow
 CLI = [sys.executable, "-m", "splitspec"]

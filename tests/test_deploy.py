@@ -20,9 +20,9 @@ from pathlib import Path
 import kubernetes_validate
 import pytest
 import yaml
-from tests.tools import require
 
 from splitspec.cli.main import build_parser
+from tests.tools import require
 
 DEPLOY = Path(__file__).parents[1] / "deploy"
 COMPOSE_FILES = sorted(DEPLOY.glob("docker-compose*.yml"))

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize
+
 from tests.kquants import quantize_k
 
 # Relative RMS error bounds: about one quantization step over the value range, per bit width.

@@ -9,10 +9,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
-from tests.client import generate, worker_state
 
 from splitspec.spec.acceptance_length import pooled_acceptance_length
 from splitspec.v1 import gateway_pb2
+from tests.client import generate, worker_state
 
 pytestmark = pytest.mark.slow
 Spec = gateway_pb2.Speculation

@@ -14,10 +14,10 @@ import json
 
 import numpy as np
 import pytest
-from tests.client import generate, live_sequences
 
 from splitspec.spec.acceptance_length import pooled_acceptance_length
 from splitspec.v1 import gateway_pb2
+from tests.client import generate, live_sequences
 
 pytestmark = pytest.mark.slow
 

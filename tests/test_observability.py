@@ -25,12 +25,12 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from tests.client import Completion, generate
 from prometheus_client.parser import text_string_to_metric_families
-from tests.tools import free_port, require
 
 from splitspec.spec.acceptance_length import committed_tokens
 from splitspec.v1 import gateway_pb2
+from tests.client import Completion, generate
+from tests.tools import free_port, require
 
 pytestmark = pytest.mark.slow
 

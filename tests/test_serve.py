@@ -19,10 +19,10 @@ from pathlib import Path
 
 import grpc
 import pytest
-from tests.client import generate
 
 from splitspec.transport.rpc import CHANNEL_OPTIONS
 from splitspec.v1 import gateway_pb2, gateway_pb2_grpc
+from tests.client import generate
 
 pytestmark = pytest.mark.slow
 CLI = [sys.executable, "-m", "splitspec"]

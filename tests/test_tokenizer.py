@@ -8,9 +8,9 @@ import sys
 import gguf
 import pytest
 import tokenizers
-from tests.tools import write_gguf
 
 from splitspec.text.tokenizer import ByteLevelVocab, Tokenizer, byte_level_vocab, write_gguf_tokenizer
+from tests.tools import write_gguf
 
 MIXED_TEXT = (
     "The quick brown fox jumps over the lazy dog. It's 2024; we'll see what they've done.\n"

@@ -15,9 +15,9 @@ from collections import Counter
 
 import gguf
 import pytest
-from tests.tools import write_gguf
 
 from splitspec.text.tokenizer import Tokenizer, byte_level_vocab, write_gguf_tokenizer
+from tests.tools import write_gguf
 
 transformers = pytest.importorskip("transformers")
 

@@ -15,7 +15,6 @@ from tqdm import tqdm
 from native.gguf_dequant import dequantize
 from splitspec.models.gguf_file import GGUFFile
 
-
 logger = logging.getLogger(__name__)
 
 PROGRESS_LOG_S = 10.0  # without a terminal, a progress line this often while a load lasts

@@ -15,12 +15,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from tests.client import generate
 
 from splitspec.builtin import builtin_pair
 from splitspec.spec.acceptance_length import pooled_acceptance_length
 from splitspec.text.tokenizer import Tokenizer
 from splitspec.v1 import gateway_pb2
+from tests.client import generate
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "scripts"))
 from measure_builtin_pair import humaneval_prompts, stdlib_prompts  # noqa: E402

@@ -10,12 +10,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from tests.dense_fixtures import ARCHITECTURES, LINEAR_ROPE, LLAMA3_ROPE, QUANT_TYPES, hf_model, write_gguf
 
 from splitspec.models.dense import DenseForCausalLM, KVCache
 from splitspec.models.gguf_file import GGUFFile
 from splitspec.models.loader import load_target, read_target_config
 from splitspec.text.tokenizer import Tokenizer
+from tests.dense_fixtures import ARCHITECTURES, LINEAR_ROPE, LLAMA3_ROPE, QUANT_TYPES, hf_model, write_gguf
 
 transformers = pytest.importorskip("transformers")
 
@@ -138,10 +138,9 @@ def test_hf_directory_matches_transformers(arch, tie, rope, shard, tmp_path):
 def test_split_gguf_loads_as_one_model(tmp_path):
     model = hf_model("qwen3", seed=5)
     whole, _ = load_target(write_gguf(model, tmp_path / "whole.gguf", "q8_0"))
-    from tests.dense_fixtures import dense_config, quant_encoder  # the writer's own pieces, split this time
-
     from splitspec.fixtures.tiny import gguf_weights, write_target_gguf
     from splitspec.text.tokenizer import byte_level_vocab
+    from tests.dense_fixtures import dense_config, quant_encoder  # the writer's own pieces, split this time
 
     config = dense_config(model)
     state = {k.removeprefix("model."): v.detach().numpy() for k, v in model.state_dict().items()}

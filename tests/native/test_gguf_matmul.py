@@ -50,6 +50,7 @@ MODELS = [("llama", "q4_k_m"), ("qwen2", "q8_0"), ("qwen3", "q6_k")]  # permuted
 
 def _quantize(w: np.ndarray, qtype: Q) -> np.ndarray:
     from gguf.quants import quantize
+
     from tests.kquants import quantize_k
 
     return quantize(w, qtype) if qtype == Q.Q8_0 else quantize_k(w, qtype)
@@ -79,10 +80,9 @@ def _kernel_checks() -> dict[str, float]:
 
 
 def _model_checks(work: Path) -> dict[str, dict]:
-    from tests.dense_fixtures import hf_model, write_gguf
-
     from native.gguf_matmul import QuantLinear
     from splitspec.models.loader import load_target
+    from tests.dense_fixtures import hf_model, write_gguf
 
     tokens = torch.tensor([[1, 17, 42, 99, 7, 250, 3, 64, 128]])
     results = {}
@@ -132,10 +132,9 @@ def test_keep_quantized_model_matches_the_dequantized_load(interpreted, arch, qu
 def test_keep_quantized_without_triton_runs_the_reference_bit_for_bit(tmp_path):
     """Without a GPU or the interpreter, QuantLinear falls back to dequantize + F.linear: the same
     weights, so the same logits to the bit."""
-    from tests.dense_fixtures import hf_model, write_gguf
-
     from native.gguf_matmul import QuantLinear
     from splitspec.models.loader import load_target
+    from tests.dense_fixtures import hf_model, write_gguf
 
     assert os.environ.get("SPLITSPEC_NATIVE_CPU") != "1"
     path = write_gguf(hf_model("llama", seed=3, layers=1), tmp_path / "model.gguf", "q4_k_m")

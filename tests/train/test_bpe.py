@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import gguf
-from tests.tools import write_gguf
 
 from splitspec.text.tokenizer import Tokenizer, write_gguf_tokenizer
 from splitspec.train import bpe, corpus
+from tests.tools import write_gguf
 
 
 def test_training_is_deterministic_with_special_tokens_first(small_build):

@@ -248,10 +248,9 @@ def test_cli_bad_input_is_one_clear_line(tiny_pair, tmp_path):
 
 @pytest.mark.slow
 def test_trained_draft_serves_losslessly(trained, services):
-    from tests.client import generate
-
     from splitspec.spec.acceptance_length import pooled_acceptance_length
     from splitspec.v1 import gateway_pb2
+    from tests.client import generate
 
     target, result = trained
     draft, config = load_dflash_draft(result.out_dir)

@@ -74,9 +74,8 @@ def test_the_gguf_loads_with_the_same_logits_and_tokenizer(trained, small_build)
 def test_the_trained_target_serves_with_a_draft(trained, services):
     """``splitspec target`` loads the trained GGUF; with a random DFlash draft using its ``<|mask|>``
     token, every speculation mode gives the target-only tokens."""
-    from tests.client import generate
-
     from splitspec.v1 import gateway_pb2
+    from tests.client import generate
 
     config, result = trained
     mask = Tokenizer.from_gguf(config.out).token_to_id(bpe.MASK)

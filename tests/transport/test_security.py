@@ -10,13 +10,13 @@ import sys
 
 import grpc
 import pytest
-from tests.client import generate
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from splitspec.v1 import common_pb2, target_pb2_grpc
+from tests.client import generate
 
 pytestmark = pytest.mark.slow
 

@@ -12,10 +12,10 @@ import asyncio
 
 import grpc
 import pytest
-from tests.worker_steps import BAD_TREE, PROMPT, TREES, client_on, prefill, run, steps
 
 from services.gateway.workers import DraftClient, StepStream, TargetClient
 from splitspec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+from tests.worker_steps import BAD_TREE, PROMPT, TREES, client_on, prefill, run, steps
 
 pytestmark = pytest.mark.slow
 
