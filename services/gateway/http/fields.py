@@ -39,13 +39,18 @@ def _kind(value: Any) -> str:
     return "null" if value is None else type(value).__name__
 
 
-def get_str(body: dict, name: str, default: Any = _MISSING, where: str = "") -> Any:
+def _get_typed(body: dict, name: str, default: Any, where: str, kind: type, noun: str) -> Any:
+    """``body[name]`` of type ``kind``; ``default`` when absent (required when there is none)."""
     value = body.get(name, default)
     if value is _MISSING:
         raise InvalidArgument(f"{where}{name}: required")
-    if value is not default and not isinstance(value, str):
-        raise InvalidArgument(f"{where}{name}: must be a string, not {_kind(value)}")
+    if value is not default and not isinstance(value, kind):
+        raise InvalidArgument(f"{where}{name}: must be {noun}, not {_kind(value)}")
     return value
+
+
+def get_str(body: dict, name: str, default: Any = _MISSING, where: str = "") -> Any:
+    return _get_typed(body, name, default, where, str, "a string")
 
 
 def get_bool(body: dict, name: str, default: bool = False) -> bool:
@@ -78,12 +83,7 @@ def get_float(body: dict, name: str, default: float | None = None) -> float | No
 
 
 def get_list(body: dict, name: str, default: Any = _MISSING, where: str = "") -> Any:
-    value = body.get(name, default)
-    if value is _MISSING:
-        raise InvalidArgument(f"{where}{name}: required")
-    if value is not default and not isinstance(value, list):
-        raise InvalidArgument(f"{where}{name}: must be a list, not {_kind(value)}")
-    return value
+    return _get_typed(body, name, default, where, list, "a list")
 
 
 def refuse(body: dict, name: str, allowed: Any, why: str) -> None:
