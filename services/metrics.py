@@ -44,6 +44,15 @@ PromQL (add ``{model="..."}`` matchers or ``by (model)`` for several models):
     sum by (position) (rate(splitspec_spec_decode_accepted_tokens_per_pos_total[5m]))
       / on () group_left () sum(rate(splitspec_spec_decode_steps_total[5m]))
 
+- tree budget per step, mean and p90 by mode (the node budget each drafted step's tree was built
+  under: the request's or the fixed ``--budget``, or under ``--budget auto`` the gateway's choice for
+  the load, large trees while few sequences share the target's passes and small ones under load)::
+
+    sum by (mode) (rate(splitspec_spec_decode_budget_nodes_sum[5m]))
+      / sum by (mode) (rate(splitspec_spec_decode_budget_nodes_count[5m]))
+
+    histogram_quantile(0.9, sum by (le, mode) (rate(splitspec_spec_decode_budget_nodes_bucket[5m])))
+
 - p90 inter-token latency::
 
     histogram_quantile(0.9, sum by (le) (rate(splitspec_inter_token_latency_seconds_bucket[5m])))
@@ -76,6 +85,8 @@ if TYPE_CHECKING:
 # `_created` series would double every counter and histogram for a timestamp nobody graphs.
 disable_created_metrics()
 
+BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 2048)
 # Seconds. Speculation commits several tokens per step, so per-token latency starts near 1 ms.
 TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 ITL_BUCKETS = (0.001, 0.0015, 0.002, 0.003, 0.004, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
@@ -84,6 +95,7 @@ QUEUE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5
 STEP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 BYTES_BUCKETS = tuple(64 * 4**i for i in range(13))  # 64 B .. 1 GiB
 LENGTH_BUCKETS = (*range(1, 17), 20, 24, 32)  # tokens committed per step
+BUDGET_BUCKETS = (0, 1, 2, 4, 6, 8, 12, 16, 22, 32, 48, 64, 96, 128, 192, 256)  # tree nodes per step
 
 # Worker calls of the speculation loop; Info is a start-up call that may wait minutes for a model load.
 OBSERVED_RPCS = ("Prefill", "Verify", "Propose", "Release")
@@ -186,6 +198,11 @@ class GatewayMetrics(_Metrics):
             "Tokens committed per verify step, bonus included (the prefill's token is no step's); _sum / _count is AL",
             LENGTH_BUCKETS, "mode",
         )
+        self.budget = histogram(
+            "splitspec_spec_decode_budget_nodes",
+            "Node budget of each drafted step's tree (fixed, or chosen for the load under --budget auto)",
+            BUDGET_BUCKETS, "mode",
+        )
         self.fallbacks = counter("splitspec_draft_fallbacks", "Steps run target-only, by cause (a gRPC status code or no_draft)", "reason")
         self.rpc_duration = histogram("splitspec_rpc_duration_seconds", "Round trip of a worker call, as the gateway sees it", STEP_BUCKETS, "rpc")
         self.rpc_request_bytes = histogram("splitspec_rpc_request_bytes", "Serialized size of a worker call's request", BYTES_BUCKETS, "rpc")
@@ -204,6 +221,8 @@ class GatewayMetrics(_Metrics):
             child(self.accepted_per_pos, mode, str(depth)).inc()
         child(self.tree_nodes, mode).inc(step.tree_nodes)
         child(self.acceptance_length, mode).observe(step.committed)
+        if step.budget is not None:
+            child(self.budget, mode).observe(step.budget)
         if step.fallback:
             child(self.fallbacks, step.fallback).inc()
 
@@ -316,6 +335,18 @@ class WorkerMetrics(_Metrics):
             ["model", "phase"], buckets=STEP_BUCKETS, registry=r,
         )
         self._load = Gauge("splitspec_worker_model_load_seconds", "Time the model took to load", ["model"], registry=r)
+        self._pass_sequences = Histogram(
+            "splitspec_worker_pass_sequences", "Sequences whose steps ran in one batched forward pass, by phase",
+            ["model", "phase"], buckets=BATCH_BUCKETS, registry=r,
+        )
+        self._pass_rows = Histogram(
+            "splitspec_worker_pass_rows", "Rows (tree nodes + roots of every sequence) of one batched verify pass",
+            ["model", "phase"], buckets=ROW_BUCKETS, registry=r,
+        )
+        self._queue = Histogram(
+            "splitspec_worker_queue_seconds", "Time a step waited for the batched pass it ran in to start, by phase",
+            ["model", "phase"], buckets=STEP_BUCKETS, registry=r,
+        )
         self._gauges = {
             name: Gauge(name, doc, ["model"], registry=r)
             for name, doc in (
@@ -323,11 +354,24 @@ class WorkerMetrics(_Metrics):
                 ("splitspec_worker_max_sequences", "Sequences this worker admits at most"),
                 ("splitspec_worker_kv_cache_reserved_tokens", "KV cache positions reserved by live sequences (target)"),
                 ("splitspec_worker_kv_cache_capacity_tokens", "KV cache positions this worker reserves at most (target)"),
+                ("splitspec_worker_kv_blocks_used", "Paged KV cache blocks held by live sequences (target)"),
+                ("splitspec_worker_kv_blocks_total", "Paged KV cache blocks in all (target)"),
             )
         }
 
     def forward(self, phase: str, forward_ns: int) -> None:
         self.child(self._forward, phase).observe(forward_ns / 1e9)
+
+    def batched(self, phase: str, results: list, waits: list[float]) -> None:
+        """One batched pass: its steps' results (exceptions for steps that failed alone; a result's
+        ``pass_rows`` when it has them) and how long each step waited for the pass."""
+        self.child(self._pass_sequences, phase).observe(len(results))
+        rows = next((r.pass_rows for r in results if getattr(r, "pass_rows", 0)), 0)
+        if rows:
+            self.child(self._pass_rows, phase).observe(rows)
+        queue = self.child(self._queue, phase)
+        for wait in waits:
+            queue.observe(wait)
 
     def loaded(self, seconds: float) -> None:
         self.child(self._load).set(seconds)

@@ -1,82 +1,98 @@
-"""Target engine: per-sequence model state, prefill, one-pass tree verify, acceptance, commit.
+"""Target engine: paged sequence state, prefill, and tree verification of many sequences in one pass.
 
-Terms (see ``splitspec.spec.tree``): the *root* is the pending token drawn last step (not yet in
-the KV cache); a verify pass runs ``[root, nodes]`` at positions ``length + depth`` with an
-ancestor-only mask and the rows' parents, draws the target's own token at every row, walks the
-tree, commits the accepted rows (K/V compacted down to ``length ..``; for hybrid models also the
-deepest accepted row's recurrent and conv state), and returns the *committed* tokens (root +
-accepted nodes) and the *bonus* (the target's token after the last accepted node: the next root).
+Terms (see ``splitspec.spec.tree`` and ``splitspec.models.paged``): the *root* is the pending token
+drawn last step (not yet in the KV cache); a verify pass runs ``[root, nodes]`` of each sequence at
+positions ``length + depth`` with an ancestor-only mask, draws the target's own token at every row,
+walks the tree, commits the accepted rows (K/V compacted down to ``length ..``; for hybrid models
+also the deepest accepted row's recurrent and conv state), and returns the *committed* tokens
+(root + accepted nodes) and the *bonus* (the target's token after the last accepted node: the next
+root).
 
-The engine knows model families only through :class:`TargetModel` and :class:`SequenceCache`.
+**Batching.** :meth:`TargetEngine.verify_batch` takes the steps of several sequences and runs them
+as one forward pass (their rows concatenated, each attending to its own sequence's blocks); the
+walks and the compaction stay per sequence. A decode step (no tree) is a tree of one row and
+batches alike. Each step is checked on its own: a bad one fails alone.
+
+**Paged KV.** Sequences own KV blocks (and, for recurrent families, one state slot), taken as
+they grow and given back when their state is dropped (release, expiry, failure: whenever nothing
+references it any more). When a step needs a block and none is free, the newest-admitted sequence
+is *preempted*: its state is dropped and its next step answers NOT_FOUND, which the gateway
+answers by prefilling the sequence's tokens again (seeded sampling keys on positions, so the
+output is unchanged). A prefill that cannot get its blocks now raises :class:`KVBlocksBusy` (the
+server waits for blocks and retries); RESOURCE_EXHAUSTED is for a request that could never fit.
 
 Not thread-safe: the service calls it from one worker thread, which serialises device work.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
+import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any, Protocol
 
 import numpy as np
 import torch
 
-from services.target.graphs import PREFILL_CHUNK, PooledKVCache, StaticVerifier
+from services.target.graphs import PREFILL_CHUNK, PassRunner
 from services.worker.hosting import SequenceTable
-from splitspec.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from splitspec.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, ServiceError
+from splitspec.models.paged import PagedState, PassInputs, pass_layout
 from splitspec.spec.acceptance import accept_path
 from splitspec.spec.sampling import SamplingParams, draw_tokens, token_logprobs
 from splitspec.spec.tree import node_depths, tree_attention_mask, validate_tree
 
 
-class SequenceCache(Protocol):
-    """One sequence's model state: K/V slots for ``capacity`` positions (plus recurrent state)."""
-
-    @property
-    def capacity(self) -> int: ...
-
-    def commit(self, start: int, accepted: Sequence[int]) -> None:
-        """Keep the accepted rows ``[AL]`` (root row 0 first) of the verify block written at ``start``."""
-
-
 class TargetModel(Protocol):
-    """A target family: ``Qwen3ForCausalLM``, ``Qwen35ForCausalLM``."""
+    """A target family: ``DenseForCausalLM``, ``Qwen35ForCausalLM``."""
 
     config: Any  # vocab_size, num_layers, max_context
 
-    def new_cache(self, capacity: int, device: torch.device, dtype: torch.dtype) -> SequenceCache: ...
+    def new_pool(self, num_blocks: int, block_size: int, max_sequences: int, device: torch.device, dtype: torch.dtype) -> PagedState: ...
 
-    def __call__(
-        self,
-        tokens: torch.Tensor,  # [T]
-        positions: torch.Tensor,  # [T]
-        cache: SequenceCache,
-        start: int,
-        mask: torch.Tensor,  # [T, start + T] bool
-        taps: Sequence[int] = (),
-        logit_rows: torch.Tensor | None = None,  # [R]
-        parents: torch.Tensor | None = None,  # [T] parent rows of a tree (-1 = committed state); None = a chain
+    def forward_paged(
+        self, inputs: PassInputs, state: PagedState, taps: Sequence[int] = (), logit_rows: torch.Tensor | None = None,
+        chain: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+
+
+class KVBlocksBusy(ResourceExhausted):
+    """Not enough free KV blocks (or state slots) now; some will be freed as sequences end."""
 
 
 @dataclass
 class TargetLimits:
     max_sequences: int = 64
-    max_kv_tokens: int = 1 << 20  # positions over all live sequences
+    max_kv_tokens: int = 1 << 16  # positions in the KV pool, over all sequences
     max_tree_nodes: int = 256
     prefill_chunk: int = 512
+    block_size: int = 16
 
 
 @dataclass
+class Holding:
+    """What a sequence holds in the pools: its block table (in position order) and its recurrent
+    state slot (hybrid families). Given back once: when the sequence is preempted, or when its state
+    is dropped (released, expired, failed), whichever comes first."""
+
+    blocks: list[int]
+    slot: int | None = None
+
+
+@dataclass(eq=False)
 class SequenceState:
-    cache: SequenceCache
+    holding: Holding
+    capacity: int  # positions the sequence may use (its Prefill's reserve_tokens)
     length: int  # positions in the KV cache (committed)
     pending_token: int  # the root of the next verify
     sampling: SamplingParams
     taps: tuple[int, ...]
     feature_dtype: torch.dtype | None  # wire dtype of returned features (None = compute dtype)
     top_logprobs: int | None = None  # None: no logprobs; else alternatives per token (``token_logprobs``)
+    admitted: int = 0  # admission order: the newest is preempted first
 
 
 # One generated token's logprob under the target's sampling distribution, and the top alternatives:
@@ -94,31 +110,70 @@ class PrefillResult:
 
 
 @dataclass
+class VerifyStep:
+    """One sequence's verify request: a tree (``tokens``/``parents`` as in ``DraftTree``; empty = a decode step)."""
+
+    sequence_id: str
+    tokens: Sequence[int]
+    parents: Sequence[int]
+    return_features: bool = False
+
+
+@dataclass
 class VerifyResult:
     committed_tokens: list[int]  # root + accepted nodes' tokens
     accepted_nodes: list[int]  # 1-based node indices
     next_token: int
     features: torch.Tensor | None  # [len(committed_tokens), taps * hidden]
     committed_length: int
-    forward_ns: int
+    forward_ns: int  # of the whole pass
     # When the sequence asked for logprobs: those of committed_tokens[1:] + [next_token], in order.
     logprobs: list[TokenLogprob] | None = None
+    pass_rows: int = 0  # rows of every sequence in the pass
+    pass_sequences: int = 0
+
+
+@dataclass
+class _Work:
+    """A checked step in a pass: its sequence, tree and rows."""
+
+    index: int  # in the batch
+    state: SequenceState
+    step: VerifyStep
+    tokens: np.ndarray  # [n] nodes
+    parents: np.ndarray  # [n]
+    row_tokens: list[int] = field(default_factory=list)  # [n + 1] root first
+    depths: np.ndarray | None = None  # [n + 1]
+    tree: np.ndarray | None = None  # [n + 1, n + 1] ancestor-only
 
 
 class TargetEngine:
-    def __init__(self, model: TargetModel, limits: TargetLimits | None = None, static: StaticVerifier | None = None) -> None:
+    def __init__(self, model: TargetModel, limits: TargetLimits | None = None, fixed_shapes: bool = False, capture: bool = False) -> None:
+        """``fixed_shapes``: pad passes to bucketed shapes (``services.target.graphs``), captured as CUDA
+        graphs with ``capture`` on a GPU; otherwise every pass runs eagerly at its exact shape."""
         self.model = model
         self.config = model.config
         self.limits = limits or TargetLimits()
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
+        blocks = -(-self.limits.max_kv_tokens // self.limits.block_size) + 1  # + the pad block
+        self.state = model.new_pool(blocks, self.limits.block_size, self.limits.max_sequences, self.device, self.dtype)
+        self.runner = PassRunner(model, self.state, fixed_shapes, capture)
         self.sequences = SequenceTable()  # of SequenceState
-        self.static = static  # fixed-shape (CUDA-graph) verify over pooled KV slots, when enabled
+        self._admissions = itertools.count(1)
+
+    @property
+    def kv(self):
+        return self.state.kv
 
     @property
     def reserved_tokens(self) -> int:
-        # A snapshot of the values: the metrics thread reads this while the engine thread runs.
-        return sum(s.cache.capacity for s in list(self.sequences.values()))
+        """KV positions held by live sequences (whole blocks)."""
+        return (self.kv.usable_blocks - self.kv.free_blocks) * self.kv.block_size
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.kv.usable_blocks * self.kv.block_size
 
     def _get(self, sequence_id: str) -> SequenceState:
         state = self.sequences.get(sequence_id)
@@ -131,6 +186,60 @@ class TargetEngine:
             if not 0 <= t < self.config.num_layers:
                 raise InvalidArgument(f"tap_layer_ids: {t} is outside [0, {self.config.num_layers})")
         return tuple(taps)
+
+    # -- state ----------------------------------------------------------------------------------
+
+    def _new_state(self, tokens: int, capacity: int) -> SequenceState:
+        """A sequence's state with blocks for ``tokens + 1`` positions and its state slot; raises
+        ``KVBlocksBusy`` when they are not free now."""
+        blocks = self.kv.allocate(self.kv.blocks_for(tokens + 1))
+        if blocks is None:
+            raise KVBlocksBusy(
+                f"KV cache full: {self.kv.free_blocks} of {self.kv.usable_blocks} blocks free, {self.kv.blocks_for(tokens + 1)} needed"
+            )
+        slot = None
+        if self.state.slots is not None:
+            slot = self.state.slots.allocate()
+            if slot is None:
+                self.kv.release(blocks)
+                raise KVBlocksBusy("every recurrent state slot is taken")
+        holding = Holding(blocks, slot)
+        state = SequenceState(holding, capacity, 0, 0, SamplingParams(), (), None, admitted=next(self._admissions))
+        # Blocks and slot go back when the state is dropped, on whichever path and thread drops it.
+        weakref.finalize(state, self._give_back, holding)
+        return state
+
+    def _give_back(self, holding: Holding) -> None:
+        self.kv.release(holding.blocks)
+        holding.blocks = []
+        if holding.slot is not None:
+            self.state.slots.release(holding.slot)
+            holding.slot = None
+
+    def _grow(self, state: SequenceState, positions: int, protected: set[int]) -> list[SequenceState]:
+        """Blocks for ``positions`` positions of ``state``, preempting the newest-admitted sequences
+        (never one in ``protected``, unless it is ``state`` itself) until they are free. Returns the
+        preempted states; ``state`` among them when it had to give way itself."""
+        need = self.kv.blocks_for(positions) - len(state.holding.blocks)
+        preempted: list[SequenceState] = []
+        while need > 0:
+            more = self.kv.allocate(need)
+            if more is not None:
+                state.holding.blocks.extend(more)
+                return preempted
+            # The newest-admitted sequence gives way: ``state`` itself when it is the newest of
+            # those not protected.
+            live = [(s.admitted, sid, s) for sid, s in self.sequences.items() if id(s) == id(state) or id(s) not in protected]
+            _, victim_id, victim = max(live, key=lambda entry: entry[0], default=(0, None, state))
+            if victim_id is not None:
+                self.sequences.pop(victim_id)
+            self._give_back(victim.holding)
+            preempted.append(victim)
+            if victim is state:
+                return preempted
+        return preempted
+
+    # -- prefill --------------------------------------------------------------------------------
 
     def prefill(
         self,
@@ -161,12 +270,12 @@ class TargetEngine:
         capacity = max(reserve_tokens, n + 1)
         if capacity > self.config.max_context:
             raise InvalidArgument(f"reserve_tokens: {capacity} positions exceed the context length {self.config.max_context}")
+        if capacity > self.capacity_tokens:
+            raise ResourceExhausted(
+                f"KV cache too small: {capacity} positions asked, the whole cache holds {self.capacity_tokens} (--max-kv-tokens)"
+            )
         if len(self.sequences) >= self.limits.max_sequences:
             raise ResourceExhausted(f"{len(self.sequences)} sequences are live, the limit is {self.limits.max_sequences}")
-        if self.reserved_tokens + capacity > self.limits.max_kv_tokens:
-            raise ResourceExhausted(
-                f"KV cache full: {self.reserved_tokens} of {self.limits.max_kv_tokens} positions reserved, {capacity} more asked"
-            )
         # Opened until the sequence is live: a Release arriving meanwhile (or before) makes this
         # prefill end with ABORTED instead of leaving a sequence nobody will release.
         self.sequences.open(sequence_id)
@@ -190,99 +299,196 @@ class TargetEngine:
     ) -> tuple[SequenceState, PrefillResult]:
         n = len(tokens)
         t0 = time.perf_counter_ns()
-        cache = (self.static and self.static.new_cache(capacity)) or self.model.new_cache(capacity, self.device, self.dtype)
+        state = self._new_state(n, capacity)
         rows = n if feature_rows <= 0 else min(feature_rows, n)
         feature_chunks, logits = [], None
-        graphed = isinstance(cache, PooledKVCache)
-        chunk = min(self.limits.prefill_chunk, PREFILL_CHUNK) if graphed else self.limits.prefill_chunk
+        chunk = min(self.limits.prefill_chunk, PREFILL_CHUNK) if self.runner.fixed_shapes else self.limits.prefill_chunk
         for begin in range(0, n, chunk):
             end = min(n, begin + chunk)
-            out = self.static.prefill(cache, tokens[begin:end], begin, taps) if graphed else None
-            if out is None:
-                positions = torch.arange(begin, end, device=self.device)
-                mask = torch.arange(end, device=self.device)[None, :] <= positions[:, None]  # causal [T, end]
-                last = torch.tensor([end - begin - 1], device=self.device) if end == n else torch.empty(0, dtype=torch.int64, device=self.device)
-                ids = torch.tensor(tokens[begin:end], device=self.device, dtype=torch.int64)
-                out = self.model(ids, positions, cache, begin, mask, taps, logit_rows=last)
-            logits, features = out
+            causal = np.tril(np.ones((end - begin, end - begin), dtype=bool))
+            layout = pass_layout(self.kv, [tokens[begin:end]], [np.arange(end - begin)], [begin], [state.holding.blocks], [causal])
+            logits, features = self.runner.run(layout, taps, prompt_chunk=True)
             if features is not None and end > n - rows:
-                # A copy where graphed: the pass's buffers are rewritten by its next replay.
-                features = features[max(0, n - rows - begin) :]
-                feature_chunks.append(features.clone() if graphed else features)
-        next_token = int(draw_tokens(logits, torch.tensor([n], device=self.device), sampling)[0])
+                # A copy: a fixed-shape pass's buffers are rewritten by its next replay.
+                feature_chunks.append(features[max(0, n - rows - begin) :].clone())
+        next_token = int(draw_tokens(logits[-1:], torch.tensor([n], device=self.device), sampling)[0])
         features = torch.cat(feature_chunks).to(feature_dtype or self.dtype) if feature_chunks else None
         logprob = None
         if top_logprobs is not None:
             logprob = token_logprobs(logits[-1:], [next_token], sampling, top_logprobs)[0]
-        state = SequenceState(cache, n, next_token, sampling, taps, feature_dtype, top_logprobs)
+        state.length, state.pending_token, state.sampling = n, next_token, sampling
+        state.taps, state.feature_dtype, state.top_logprobs = taps, feature_dtype, top_logprobs
         return state, PrefillResult(next_token, features, time.perf_counter_ns() - t0, logprob)
 
-    def verify(
-        self, sequence_id: str, tokens: Sequence[int], parents: Sequence[int], return_features: bool = False
-    ) -> VerifyResult:
-        state = self._get(sequence_id)
-        tokens_np = np.asarray(tokens, dtype=np.int64)
-        parents_np = np.asarray(parents, dtype=np.int64)
-        if len(tokens_np) or len(parents_np):  # a decode step (no tree) has nothing to check
+    # -- verify ---------------------------------------------------------------------------------
+
+    def verify(self, sequence_id: str, tokens: Sequence[int], parents: Sequence[int], return_features: bool = False) -> VerifyResult:
+        """One sequence's step: :meth:`verify_batch` of one, raising its error."""
+        result = self.verify_batch([VerifyStep(sequence_id, tokens, parents, return_features)])[0]
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    def verify_batch(self, steps: Sequence[VerifyStep]) -> list[VerifyResult | ServiceError]:
+        """Verify the steps of several sequences in one forward pass. Each step's result, or the
+        error that step alone failed with, in the order given."""
+        results: list[VerifyResult | ServiceError | None] = [None] * len(steps)
+        work: list[_Work] = []
+        seen: set[str] = set()
+        for i, step in enumerate(steps):
             try:
-                validate_tree(tokens_np, parents_np, self.config.vocab_size, self.limits.max_tree_nodes)
+                if step.sequence_id in seen:
+                    raise FailedPrecondition(f"sequence_id {step.sequence_id!r} has two steps in one pass")
+                work.append(self._check(i, step))
+                seen.add(step.sequence_id)
+            except ServiceError as exc:
+                results[i] = exc
+        work = self._reserve(work, results)
+        if work:
+            for item, result in zip(work, self._verify_pass(work)):
+                results[item.index] = result
+        return results  # type: ignore[return-value]
+
+    def _check(self, index: int, step: VerifyStep) -> _Work:
+        state = self._get(step.sequence_id)
+        tokens = np.asarray(step.tokens, dtype=np.int64)
+        parents = np.asarray(step.parents, dtype=np.int64)
+        if len(tokens) or len(parents):  # a decode step (no tree) has nothing to check
+            try:
+                validate_tree(tokens, parents, self.config.vocab_size, self.limits.max_tree_nodes)
             except ValueError as exc:
                 raise InvalidArgument(str(exc)) from exc
-        n, start = len(tokens_np), state.length
-        if start + n + 1 > state.cache.capacity:
+        n = len(tokens)
+        if state.length + n + 1 > state.capacity:
             raise FailedPrecondition(
-                f"tokens: a tree of {n} nodes needs {start + n + 1} positions, sequence reserved {state.cache.capacity}"
+                f"tokens: a tree of {n} nodes needs {state.length + n + 1} positions, sequence reserved {state.capacity}"
             )
-        t0 = time.perf_counter_ns()
-        logits, features, positions = self.tree_forward(state, tokens_np, parents_np)
-        target_tokens = draw_tokens(logits, positions, state.sampling).cpu().numpy()  # [n+1]
-        accepted, next_token = accept_path(tokens_np, parents_np, target_tokens)
-        state.cache.commit(start, accepted)
-        committed = [state.pending_token] + [int(tokens_np[a - 1]) for a in accepted[1:]]
-        logprobs = None
-        if state.top_logprobs is not None:
-            # Token i of committed[1:] + [bonus] was drawn at row accepted[i] (its parent's row). Read
-            # now: a graphed pass's logits are rewritten by its next replay.
-            rows = logits.index_select(0, torch.tensor(accepted, device=logits.device, dtype=torch.int64))
-            logprobs = token_logprobs(rows, committed[1:] + [int(next_token)], state.sampling, state.top_logprobs)
-        state.length = start + len(accepted)
-        state.pending_token = int(next_token)
-        out_features = None
-        if return_features and features is not None:
-            if accepted == list(range(len(accepted))):  # a decode step, or a first-child chain
-                rows = features[: len(accepted)]
+        return _work(index, state, step)
+
+    def _reserve(self, work: list[_Work], results: list) -> list[_Work]:
+        """Blocks for every step's rows; steps whose sequence was preempted to make room fail NOT_FOUND."""
+        protected = {id(item.state) for item in work}
+        dropped: set[int] = set()
+        for item in work:
+            if id(item.state) in dropped:
+                continue
+            for victim in self._grow(item.state, item.state.length + len(item.row_tokens), protected):
+                dropped.add(id(victim))
+                protected.discard(id(victim))
+        kept = []
+        for item in work:
+            if id(item.state) in dropped:
+                results[item.index] = NotFound(
+                    f"sequence_id {item.step.sequence_id!r} was preempted: the KV cache ran out of blocks; prefill it again"
+                )
             else:
-                rows = features.index_select(0, torch.tensor(accepted, device=self.device, dtype=torch.int64))
-            # On the host now: a graphed pass's features are rewritten by its next replay.
-            out_features = rows.to(state.feature_dtype or self.dtype).cpu()
-        return VerifyResult(
-            committed, accepted[1:], int(next_token), out_features, state.length, time.perf_counter_ns() - t0, logprobs
+                kept.append(item)
+        return kept
+
+    def _verify_pass(self, work: list[_Work]) -> list[VerifyResult]:
+        t0 = time.perf_counter_ns()
+        taps = _union_taps([item.state.taps for item in work])
+        layout = pass_layout(
+            self.kv, [w.row_tokens for w in work], [w.depths for w in work], [w.state.length for w in work],
+            [w.state.holding.blocks for w in work], [w.tree for w in work],
         )
+        logits, features = self.runner.run(layout, taps)
+        positions = torch.from_numpy(layout.positions)  # host: only seeded sampling reads them
+        greedy = logits.argmax(dim=-1).cpu().numpy()  # [N] every greedy sequence's tokens at once
+        feature_rows: list[torch.Tensor] = []
+        results = []
+        for s, item in enumerate(work):
+            first, last = int(layout.offsets[s]), int(layout.offsets[s + 1])
+            state = item.state
+            if state.sampling.greedy:
+                target_tokens = greedy[first:last]
+            else:
+                target_tokens = draw_tokens(logits[first:last], positions[first:last], state.sampling).cpu().numpy()
+            accepted, next_token = accept_path(item.tokens, item.parents, target_tokens)
+            start = state.length
+            self.commit(state, accepted, first)
+            committed = [state.pending_token] + [int(item.tokens[a - 1]) for a in accepted[1:]]
+            logprobs = None
+            if state.top_logprobs is not None:
+                # Token i of committed[1:] + [bonus] was drawn at row accepted[i] (its parent's row).
+                rows = logits.index_select(0, torch.tensor([first + a for a in accepted], device=logits.device))
+                logprobs = token_logprobs(rows, committed[1:] + [int(next_token)], state.sampling, state.top_logprobs)
+            state.pending_token = int(next_token)
+            if item.step.return_features and features is not None and state.taps:
+                feature_rows.append(torch.tensor([first + a for a in accepted], dtype=torch.int64))
+            results.append(VerifyResult(committed, accepted[1:], int(next_token), None, state.length, 0, logprobs))
+        self._attach_features(work, results, features, feature_rows, taps)
+        elapsed = time.perf_counter_ns() - t0
+        for result in results:
+            result.forward_ns, result.pass_rows, result.pass_sequences = elapsed, layout.num_rows, len(work)
+        return results
 
-    def tree_forward(
-        self, state: SequenceState, tokens: np.ndarray, parents: np.ndarray
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """One pass over ``[root, nodes]``: logits [n+1, vocab], features [n+1, taps*hidden], positions [n+1]
-        (on the host for the fixed-shape pass: a greedy step never reads them, and a copy to the
-        device would wait for the pass).
+    def commit(self, state: SequenceState, accepted: Sequence[int], first_row: int = 0) -> None:
+        """Keep the accepted rows (``[AL]``, root first) of ``state``'s block in the last pass, whose
+        rows start at ragged row ``first_row``: K/V compacted down to ``state.length ..``, and the
+        deepest accepted row's recurrent state adopted."""
+        self.kv.compact(state.holding.blocks, state.length, accepted)
+        if self.state.slots is not None:
+            self.state.slots.commit(state.holding.slot, first_row + accepted[-1])
+        state.length += len(accepted)
 
-        Writes the rows' K/V to slots ``length .. length + n`` and keeps every row's recurrent state
-        candidate; ``cache.commit`` after the walk keeps the accepted ones.
-        """
-        n, start, dev = len(tokens), state.length, self.device
-        row_tokens = [state.pending_token, *tokens.tolist()]  # [n+1]
-        if n:
-            positions = start + np.concatenate([[0], node_depths(parents)])  # [n+1] siblings share a position
-            tree_mask = tree_attention_mask(parents)  # [n+1, n+1] ancestor-only
-        else:  # a decode step
-            positions, tree_mask = np.array([start]), np.ones((1, 1), dtype=bool)
-        if isinstance(state.cache, PooledKVCache):
-            out = self.static.forward(state.cache, row_tokens, positions, start, tree_mask, state.taps)
-            if out is not None:
-                return *out, torch.from_numpy(positions)
-        ids = torch.tensor(row_tokens, device=dev, dtype=torch.int64)
-        row_parents = torch.from_numpy(np.concatenate([[-1], parents])).to(dev)  # [n+1], node j is row j
-        positions_t = torch.from_numpy(positions).to(dev)
-        mask = torch.cat([torch.ones(n + 1, start, dtype=torch.bool, device=dev), torch.from_numpy(tree_mask).to(dev)], dim=1)
-        logits, features = self.model(ids, positions_t, state.cache, start, mask, state.taps, parents=row_parents)
-        return logits, features, positions_t
+    def sequence_cache(self, state: SequenceState) -> SimpleNamespace:
+        """A sequence's state gathered out of the pools (tests and tools): ``k``, ``v`` ``[layers,
+        H_kv, positions, D]`` over its blocks, and a recurrent family's per-sequence tensors."""
+        positions = np.arange(len(state.holding.blocks) * self.kv.block_size)
+        slots = torch.from_numpy(self.kv.slots(state.holding.blocks, positions)).to(self.device)
+        parts = {"k": self.kv.k.index_select(2, slots), "v": self.kv.v.index_select(2, slots)}
+        if self.state.slots is not None:
+            parts.update(self.state.slots.read(state.holding.slot))
+        return SimpleNamespace(**parts)
+
+    def _attach_features(self, work, results, features, feature_rows, taps) -> None:
+        """Every asking sequence's accepted rows' features, brought to the host in one copy (a
+        fixed-shape pass's buffers are rewritten by its next replay)."""
+        if not feature_rows:
+            return
+        rows = torch.cat(feature_rows).to(features.device)
+        host = features.index_select(0, rows).cpu()  # [sum AL, union taps * hidden]
+        hidden = features.shape[1] // len(taps)
+        at = 0
+        for item, result in zip(work, results):
+            state = item.state
+            if not (item.step.return_features and state.taps):
+                continue
+            count = len(result.committed_tokens)
+            rows = host[at : at + count]
+            at += count
+            if state.taps != taps:  # this sequence's taps, in its order, out of the union
+                rows = torch.cat([rows[:, taps.index(t) * hidden : (taps.index(t) + 1) * hidden] for t in state.taps], dim=1)
+            result.features = rows.to(state.feature_dtype or self.dtype)
+
+    def tree_forward(self, state: SequenceState, tokens: np.ndarray, parents: np.ndarray) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """One sequence's pass over ``[root, nodes]`` without acceptance (tests and tools): logits
+        [n+1, vocab], features [n+1, taps * hidden], positions [n+1]. The rows' K/V and candidate
+        states are written as a verify's are; a verify afterwards rewrites them."""
+        item = _work(0, state, VerifyStep("", tokens, parents))
+        self._grow(state, state.length + len(item.row_tokens), {id(state)})
+        layout = pass_layout(self.kv, [item.row_tokens], [item.depths], [state.length], [state.holding.blocks], [item.tree])
+        logits, features = self.runner.run(layout, state.taps)
+        return logits, features, torch.from_numpy(layout.positions)
+
+
+def _work(index: int, state: SequenceState, step: VerifyStep) -> _Work:
+    """The rows of a (checked) step: ``[root, nodes]``, their depths and ancestor-only visibility."""
+    tokens = np.asarray(step.tokens, dtype=np.int64)
+    parents = np.asarray(step.parents, dtype=np.int64)
+    item = _Work(index, state, step, tokens, parents, [state.pending_token, *tokens.tolist()])
+    if len(tokens):
+        item.depths = np.concatenate([[0], node_depths(parents)]).astype(np.int64)
+        item.tree = tree_attention_mask(parents)
+    else:  # a decode step
+        item.depths, item.tree = np.zeros(1, dtype=np.int64), np.ones((1, 1), dtype=bool)
+    return item
+
+
+def _union_taps(taps: Sequence[tuple[int, ...]]) -> tuple[int, ...]:
+    """One tap list covering every sequence's: the common one when they agree (the usual case)."""
+    first = taps[0]
+    if all(t == first for t in taps):
+        return first
+    return tuple(sorted(set().union(*taps)))

@@ -34,16 +34,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "weights and the embeddings dequantize as usual",
     )
     p.add_argument("--max-sequences", type=int, default=64, help="live sequences at most")
-    p.add_argument("--max-kv-tokens", type=int, default=1 << 20, help="KV positions reserved over all sequences at most")
+    p.add_argument(
+        "--max-kv-tokens", type=int, default=0,
+        help="positions of the paged KV cache, over all sequences, allocated at start (0 = auto: on a GPU what "
+        "--kv-memory-fraction of its free memory holds after the model loaded, on a CPU 1 GiB's worth; at most "
+        "--max-sequences x the context length). Sequences take blocks as they grow; when none is free the newest "
+        "sequence is preempted and prefilled again later, and prefills wait for blocks",
+    )
+    p.add_argument("--kv-memory-fraction", type=float, default=0.85, help="share of the GPU memory free after loading that --max-kv-tokens auto takes")
+    p.add_argument("--kv-block-size", type=int, default=16, help="positions per KV cache block")
     p.add_argument("--max-tree-nodes", type=int, default=256, help="largest tree a Verify accepts")
     p.add_argument(
-        "--graph-slots", type=int, default=-1,
-        help="sequences that get the fast path: a preallocated KV slot and fixed-shape verify passes, replayed as "
-        "CUDA graphs on a GPU (on a CPU the same fixed shapes run eagerly); other sequences run eagerly "
-        "(-1 = 4 on CUDA, 0 on CPU; dense targets only)",
+        "--fixed-shapes", choices=("auto", "on", "off"), default="auto",
+        help="pad every forward pass (the verify steps of all ready sequences together, or a prompt chunk) to bucketed "
+        "shapes and replay them as CUDA graphs on a GPU (on a CPU the same fixed shapes run eagerly); off runs each "
+        "pass eagerly at its exact shape (auto: on on CUDA, off on a CPU)",
     )
-    p.add_argument("--graph-context", type=int, default=4096, help="positions per fast-path KV slot (prompt + output)")
-    p.add_argument("--no-cuda-graphs", action="store_true", help="run the fast path's fixed shapes without capturing graphs (debugging)")
+    p.add_argument("--no-cuda-graphs", action="store_true", help="run the fixed shapes without capturing graphs (debugging)")
     p.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0 = torch's default)")
     p.add_argument("--sequence-ttl", type=float, default=600.0, help="release sequences idle this many seconds")
     p.add_argument("--metrics-port", type=int, default=9452, help="Prometheus /metrics port on the --listen host (0 = off)")
@@ -53,25 +60,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_server_arguments(p)
 
 
-def static_verifier(model, config, device, args: argparse.Namespace):
-    """The fast path's slot pool (see services/target/graphs.py), or None when it is off."""
-    from services.target.graphs import StaticVerifier
-    from splitspec.models.dense import DenseForCausalLM
+def kv_tokens(args: argparse.Namespace, model, config, device, dtype) -> int:
+    """Positions of the paged KV cache (``--max-kv-tokens``, or its auto size)."""
+    import torch
 
-    slots = args.graph_slots if args.graph_slots >= 0 else (4 if device.type == "cuda" else 0)
-    if slots == 0:
-        return None
-    if not isinstance(model, DenseForCausalLM):
-        logger.warning("--graph-slots: the fast path serves dense targets; %s runs eagerly", config.architecture)
-        return None
-    context = min(args.graph_context, config.max_context)
-    capture = device.type == "cuda" and not args.no_cuda_graphs
-    static = StaticVerifier(model, slots, context, capture)
-    logger.info(
-        "fast path: %d KV slots of %d positions (%.2f GB), %s", slots, context, static.nbytes / 1e9,
-        "CUDA graphs" if capture else "fixed shapes run eagerly",
-    )
-    return static
+    most = args.max_sequences * config.max_context
+    if args.max_kv_tokens > 0:
+        return min(args.max_kv_tokens, most)
+    per_position = model.position_bytes(config, dtype)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = int(free * args.kv_memory_fraction)
+    else:
+        budget = 1 << 30
+    return max(args.kv_block_size, min(most, budget // per_position))
 
 
 def load_model(args: argparse.Namespace, device, dtype, state_dtype):
@@ -124,15 +126,25 @@ async def run(args: argparse.Namespace, build=load_model) -> None:
                 "(recurrent state %.3g MB, conv inputs %.3g MB, K/V %.3g MB)",
                 config.num_linear_layers, config.num_full_layers, node.total / 1e6, node.recurrent / 1e6, node.conv / 1e6, node.kv / 1e6,
             )
-        limits = TargetLimits(max_sequences=args.max_sequences, max_kv_tokens=args.max_kv_tokens, max_tree_nodes=args.max_tree_nodes)
+        limits = TargetLimits(
+            max_sequences=args.max_sequences, max_kv_tokens=kv_tokens(args, model, config, device, dtype),
+            max_tree_nodes=args.max_tree_nodes, block_size=args.kv_block_size,
+        )
         geometry = model_geometry(config, str(dtype).removeprefix("torch."), str(device), str(args.model))
-        engine = TargetEngine(model, limits, static_verifier(model, config, device, args))
+        fixed = args.fixed_shapes == "on" or (args.fixed_shapes == "auto" and device.type == "cuda")
+        engine = TargetEngine(model, limits, fixed_shapes=fixed, capture=fixed and device.type == "cuda" and not args.no_cuda_graphs)
+        logger.info(
+            "paged KV cache: %d positions in blocks of %d (%.2f GB); passes %s",
+            engine.capacity_tokens, limits.block_size, engine.kv.nbytes / 1e9,
+            ("replayed as CUDA graphs" if engine.runner.capture else "at fixed shapes, eagerly") if fixed else "eager at exact shapes",
+        )
         servicer.host.attach(engine, TargetDescription(geometry, eos, tokenizer_path))
         metrics.describe(device=str(device), backend=backend_name(device), dtype=geometry.dtype)
         metrics.loaded(time.perf_counter() - t0)
         metrics.watch(
             live_sequences=lambda: len(engine.sequences), max_sequences=lambda: limits.max_sequences,
-            kv_cache_reserved_tokens=lambda: engine.reserved_tokens, kv_cache_capacity_tokens=lambda: limits.max_kv_tokens,
+            kv_cache_reserved_tokens=lambda: engine.reserved_tokens, kv_cache_capacity_tokens=lambda: engine.capacity_tokens,
+            kv_blocks_used=lambda: engine.kv.usable_blocks - engine.kv.free_blocks, kv_blocks_total=lambda: engine.kv.usable_blocks,
         )
         logger.info(
             "loaded target %s: %d layers, hidden %d, vocab %d, on %s (%s, %s) in %.1f s; serving on %s",

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from dataclasses import dataclass
 
 from services.metrics import WorkerMetrics
-from services.target.engine import TargetEngine
-from services.worker.hosting import EngineHost
+from services.target.engine import KVBlocksBusy, TargetEngine, VerifyStep
+from services.worker.hosting import EngineHost, StepBatcher
 from splitspec.errors import InvalidArgument
 from splitspec.models.devices import DTYPES
 from splitspec.spec.sampling import SamplingParams
@@ -14,6 +16,7 @@ from splitspec.transport.rpc import sequence_stream
 from splitspec.transport.tensors import tensor_to_pb
 from splitspec.v1 import common_pb2, target_pb2, target_pb2_grpc
 
+logger = logging.getLogger(__name__)
 SERVICE = target_pb2.DESCRIPTOR.services_by_name["TargetWorker"].full_name
 FEATURE_DTYPES = ("", "float32", "float16", "bfloat16")
 
@@ -51,6 +54,9 @@ class TargetServicer(target_pb2_grpc.TargetWorkerServicer):
         self.host = EngineHost("target")
         self.step_server = None  # the worker's StepSocketServer (splitspec/stepwire.py), set by main
         self.metrics = metrics
+        # Verify steps of every sequence that is ready run as one pass (TargetEngine.verify_batch).
+        self.verifier = StepBatcher(self.host, lambda engine, steps: engine.verify_batch(steps), key=lambda step: step.sequence_id)
+        self.verifier.on_pass = lambda results, waits: metrics.batched("verify", results, waits)
 
     async def Info(self, request, context):
         engine: TargetEngine = self.host.require()
@@ -62,8 +68,11 @@ class TargetServicer(target_pb2_grpc.TargetWorkerServicer):
             live_sequences=len(engine.sequences),
             tokenizer_path=d.tokenizer_path,
             kv_reserved_tokens=engine.reserved_tokens,
-            kv_capacity_tokens=engine.limits.max_kv_tokens,
+            kv_capacity_tokens=engine.capacity_tokens,
             step_socket=self.step_server.offered if self.step_server else "",
+            kv_block_size=engine.kv.block_size,
+            kv_blocks_used=engine.kv.usable_blocks - engine.kv.free_blocks,
+            kv_blocks_total=engine.kv.usable_blocks,
         )
 
     async def Prefill(self, request, context):
@@ -73,14 +82,25 @@ class TargetServicer(target_pb2_grpc.TargetWorkerServicer):
         feature_dtype = DTYPES[request.feature_dtype] if request.feature_dtype else None
         # host.open: a prefill whose caller goes away (cancelled, past its deadline, its step socket
         # closed) releases the sequence it made, and a Release that overtook it refuses it.
-        result = await self.host.open(
-            request.sequence_id,
-            lambda engine: engine.prefill(
+        def prefill(engine: TargetEngine):
+            return engine.prefill(
                 request.sequence_id, list(request.tokens), sampling, taps=list(request.tap_layer_ids),
                 reserve_tokens=request.reserve_tokens, feature_rows=request.feature_rows, feature_dtype=feature_dtype,
                 top_logprobs=request.top_logprobs if request.logprobs else None,
             )
-        )
+
+        wait_s = 0.005
+        while True:
+            try:
+                result = await self.host.open(request.sequence_id, prefill)
+                break
+            except KVBlocksBusy as exc:
+                # Queued, not refused: blocks come back as other sequences end (or are preempted).
+                # The caller's deadline or cancellation ends the wait.
+                if wait_s == 0.005:
+                    logger.info("prefill of %s waits for KV blocks: %s", request.sequence_id, exc)
+                await asyncio.sleep(wait_s)
+                wait_s = min(0.05, 2 * wait_s)
         self.metrics.forward("prefill", result.forward_ns)
         features = tensor_to_pb(result.features) if result.features is not None else None
         logprob = token_logprob_pb(result.logprob) if result.logprob is not None else None
@@ -89,8 +109,8 @@ class TargetServicer(target_pb2_grpc.TargetWorkerServicer):
         )
 
     async def Verify(self, request, context):
-        tokens, parents = list(request.tokens), list(request.parents)
-        result = await self.host.step(lambda engine: engine.verify(request.sequence_id, tokens, parents, request.return_features))
+        step = VerifyStep(request.sequence_id, list(request.tokens), list(request.parents), request.return_features)
+        result = await self.verifier.submit(step)
         self.metrics.forward("verify", result.forward_ns)
         return target_pb2.VerifyResponse(
             committed_tokens=result.committed_tokens,
@@ -100,6 +120,8 @@ class TargetServicer(target_pb2_grpc.TargetWorkerServicer):
             forward_ns=result.forward_ns,
             committed_length=result.committed_length,
             logprobs=[token_logprob_pb(lp) for lp in result.logprobs] if result.logprobs is not None else None,
+            pass_rows=result.pass_rows,
+            pass_sequences=result.pass_sequences,
         )
 
     async def VerifyStream(self, requests, context):

@@ -146,6 +146,115 @@ class EngineHost:
                 logger.warning("released %s sequence %s after %.0f s idle", self.what, sid, ttl_s)
 
 
+class StepBatcher:
+    """Continuous batching of one kind of step (the target's Verify, the draft's Propose): steps of
+    different sequences that arrive while the engine thread runs a pass wait, and run together as
+    the next pass (``run(engine, items) -> results``, one result or exception per item). A sequence
+    joins the pass after the one in flight and leaves when it has no step waiting; no sequence
+    waits for another's later step.
+
+    Sequences that were in the last pass are likely to send their next step soon (an AR step comes
+    straight back). Starting the next pass with only the first of them would split one batch into
+    a pass of one and a pass of the rest, so a pass starts once every sequence of the last pass is
+    back, or after a short *gather window* (``gather_s``: a tenth of the last pass, at most
+    ``max_gather_s``), whichever comes first. A lone sequence never waits: with one live sequence
+    its steps run at once (on the event loop's thread when short, see ``EngineHost.step``).
+    """
+
+    def __init__(
+        self, host: EngineHost, run: Callable[[Any, list[Any]], list[Any]], key: Callable[[Any], str],
+        max_batch: int = 64, max_gather_s: float = 0.002,
+    ) -> None:
+        self.host, self.run, self.key = host, run, key
+        self.max_batch, self.max_gather_s = max_batch, max_gather_s
+        self._waiting: list[tuple[Any, asyncio.Future, float]] = []  # (item, its future, when it arrived)
+        self._running = False
+        self._last: set[str] = set()  # sequences of the last pass
+        self._last_pass_s = 0.0
+        self._timer: asyncio.TimerHandle | None = None
+        # Metrics: called after every pass with its results (or exceptions), one per step, and
+        # how long each step waited for the pass to start.
+        self.on_pass: Callable[[list[Any], list[float]], None] = lambda results, waits: None
+
+    async def submit(self, item: Any) -> Any:
+        """``item``'s result, from the pass it ran in (its exception raised here)."""
+        engine = self.host.require()
+        if not self._running and not self._waiting and self.host.inline_now(engine):
+            results = self.host._timed(lambda e: self.run(e, [item]))(engine)
+            self.on_pass(results, [0.0])
+            return self._one(results)
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._waiting.append((item, future, loop.time()))
+        self._maybe_start()
+        return await future
+
+    @staticmethod
+    def _one(results: list[Any]) -> Any:
+        if isinstance(results[0], BaseException):
+            raise results[0]
+        return results[0]
+
+    def _maybe_start(self) -> None:
+        if self._running:
+            return
+        self._waiting = [w for w in self._waiting if not w[1].done()]  # cancelled callers leave
+        if not self._waiting:
+            return
+        back = {self.key(item) for item, _, _ in self._waiting}
+        sequences = self.host.engine.sequences
+        expected = {k for k in self._last if k in sequences}  # of the last pass, still live
+        if len(back) >= min(len(sequences), self.max_batch) or expected <= back or self._gather_s() <= 0:
+            self._start()
+        elif self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(self._gather_s(), self._start)
+
+    def _gather_s(self) -> float:
+        return min(self.max_gather_s, 0.1 * self._last_pass_s)
+
+    def _start(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._running:
+            return
+        self._waiting = [w for w in self._waiting if not w[1].done()]
+        batch, seen, rest = [], set(), []
+        for entry in self._waiting:  # one step per sequence a pass, first come first served
+            k = self.key(entry[0])
+            if k in seen or len(batch) >= self.max_batch:
+                rest.append(entry)
+            else:
+                seen.add(k)
+                batch.append(entry)
+        self._waiting = rest
+        if not batch:
+            return
+        self._running = True
+        self._last = seen
+        loop = asyncio.get_running_loop()
+        waits = [loop.time() - arrived for _, _, arrived in batch]
+        items = [item for item, _, _ in batch]
+        t0 = time.perf_counter()
+        done = asyncio.wrap_future(self.host._submit(lambda engine: self.run(engine, items)))
+        done.add_done_callback(lambda d: self._finish(batch, waits, d, time.perf_counter() - t0))
+
+    def _finish(self, batch: list, waits: list[float], done: asyncio.Future, seconds: float) -> None:
+        self._running = False
+        self._last_pass_s = self.host.last_step_s = seconds
+        error = done.exception() if not done.cancelled() else asyncio.CancelledError()
+        results = done.result() if error is None else [error] * len(batch)
+        self.on_pass(results, waits)
+        for (_, future, _), result in zip(batch, results):
+            if future.done():
+                continue  # its caller went away; the pass ran anyway, keeping the engine consistent
+            if isinstance(result, BaseException):
+                future.set_exception(result)
+            else:
+                future.set_result(result)
+        self._maybe_start()
+
+
 class SequenceTable:
     """Live sequences by id, with their last use. Safe to read and release from the event loop
     while the engine thread works: a release must not queue behind other sequences' forward passes,
@@ -263,6 +372,10 @@ class SequenceTable:
     def values(self) -> list[Any]:
         with self._lock:
             return list(self._items.values())
+
+    def items(self) -> list[tuple[str, Any]]:
+        with self._lock:
+            return list(self._items.items())
 
     def expire(self, max_idle_s: float) -> list[str]:
         """Drop sequences unused for ``max_idle_s`` seconds; returns their ids."""

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from splitspec.models.layers import QKVProjection, RMSNorm, SwiGLU, rope_cos_sin
+from splitspec.models.paged import KVBlockPool, PagedState, PassInputs
 from splitspec.spec.acceptance import compact_rows
 
 
@@ -107,7 +108,12 @@ class DenseDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns ``(next_norm(h'), h')`` for the residual stream ``h'`` after this layer: each
         residual add is fused with the norm that follows it."""
-        x, h = self.post_attention_layernorm.forward_add(self.self_attn.project_attend_cached(x, cos, sin, k_cache, v_cache, start, mask), h)
+        return self.finish(self.self_attn.project_attend_cached(x, cos, sin, k_cache, v_cache, start, mask), h, next_norm)
+
+    def finish(self, attended: torch.Tensor, h: torch.Tensor, next_norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer after its attention output ``attended`` [T, hidden]: residual, norm, MLP,
+        residual, ``next_norm``; returns ``(next_norm(h'), h')``."""
+        x, h = self.post_attention_layernorm.forward_add(attended, h)
         return next_norm.forward_add(self.mlp(x), h)
 
     def forward_causal(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -130,6 +136,17 @@ class DenseForCausalLM(nn.Module):
 
     def new_cache(self, capacity: int, device: torch.device | str, dtype: torch.dtype) -> KVCache:
         return KVCache.allocate(self.config, capacity, torch.device(device), dtype)
+
+    def new_pool(self, num_blocks: int, block_size: int, max_sequences: int, device: torch.device, dtype: torch.dtype) -> PagedState:
+        """The paged state of every sequence a target engine serves (``max_sequences`` is for
+        recurrent families; attention needs blocks only)."""
+        c = self.config
+        return PagedState(KVBlockPool(c.num_layers, c.num_kv_heads, c.head_dim, num_blocks, block_size, device, dtype))
+
+    @staticmethod
+    def position_bytes(config: DenseConfig, dtype: torch.dtype) -> int:
+        """KV bytes of one position over all layers."""
+        return 2 * config.num_layers * config.num_kv_heads * config.head_dim * dtype.itemsize
 
     def fuse_projections(self) -> None:
         """Inference: q/k/v and gate/up each become one matmul (fewer, fuller kernels per step)."""
@@ -186,6 +203,33 @@ class DenseForCausalLM(nn.Module):
         for i, layer in enumerate(self.layers):
             next_norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
             x, h = layer(x, h, cos, sin, cache.k[i], cache.v[i], start, mask, next_norm)
+            if i in taps:
+                tapped[i] = h
+        features = torch.cat([tapped[i] for i in taps], dim=-1) if taps else None
+        if logit_rows is not None:
+            x = x[logit_rows]
+        return self.lm_head(x).float(), features
+
+    @torch.inference_mode()
+    def forward_paged(
+        self,
+        inputs: PassInputs,  # the pass's rows over several sequences (splitspec.models.paged)
+        state: PagedState,
+        taps: Sequence[int] = (),
+        logit_rows: torch.Tensor | None = None,  # [R] ragged rows to project to logits; None = all
+        chain: bool = False,  # a prompt chunk of one sequence (recurrent families advance on it)
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:meth:`forward` over the rows of several sequences at once, each row attending to its own
+        sequence's paged keys: logits [R, vocab] (float32) and tap features [N, len(taps) * hidden]."""
+        h = self.embed_tokens(inputs.tokens)
+        cos, sin = self._rope(inputs.positions, h.dtype)
+        at = inputs.attention()
+        pool = state.kv
+        x = self.layers[0].input_layernorm(h)
+        tapped: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            next_norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
+            x, h = layer.finish(layer.self_attn.project_attend_paged(x, cos, sin, pool.k[i], pool.v[i], at), h, next_norm)
             if i in taps:
                 tapped[i] = h
         features = torch.cat([tapped[i] for i in taps], dim=-1) if taps else None

@@ -13,6 +13,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from native import qkv_rope, rms_norm, silu_mul, tree_attention, use_triton
+from splitspec.models.paged import PassAttention
 
 # cuDNN's attention builds a plan for every new shape: ~1.3 ms of host time per call measured on
 # an H200 when the key length grows by one each decode step. The flash / memory-efficient kernels
@@ -229,13 +230,21 @@ class QKVProjection(nn.Module):
 
         ``gate`` [T, H * D] (Qwen3.5's output gate) scales the heads by ``sigmoid(gate)`` before ``o_proj``.
         """
+        out = self.attention(q, k, v, mask, causal)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return self.o_proj(out)
+
+    def attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool = False
+    ) -> torch.Tensor:
+        """:meth:`attend` before the gate and ``o_proj``: the heads' outputs [(B,) T, H * D]."""
         batched = q.dim() == 4
         if (
             not batched and mask is not None and mask.dim() == 2 and q.shape[0] * q.shape[1] <= TREE_ATTENTION_ROWS
             and use_triton(q, "tree_attention") and tree_attention.supported(q, k, v, mask)
         ):
-            out = tree_attention.tree_attention(q, k, v, mask)  # [T, H * D]
-            return self.o_proj(out if gate is None else out * torch.sigmoid(gate))
+            return tree_attention.tree_attention(q, k, v, mask)  # [T, H * D]
         if not batched:
             q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
         if mask is not None and mask.dim() == 3:
@@ -261,11 +270,63 @@ class QKVProjection(nn.Module):
             else:
                 out = F.scaled_dot_product_attention(rows, k, v, attn_mask=mask).reshape(b, h, t, d)
         out = out.transpose(1, 2).flatten(2)  # [B, T, H * D]
-        if not batched:
-            out = out[0]
+        return out if batched else out[0]
+
+    def attend_paged(
+        self,
+        q: torch.Tensor,  # [H, N, D] queries of the pass's ragged rows
+        k_pool: torch.Tensor,  # [H_kv, slots, D] this layer's paged keys (splitspec.models.paged)
+        v_pool: torch.Tensor,
+        at: PassAttention,
+        gate: torch.Tensor | None = None,  # [N, H * D]
+    ) -> torch.Tensor:
+        """Attention of a pass over several sequences, each row over its own sequence's keys: the
+        rows are laid out padded ``[B, T]`` and each sequence's keys gathered ``[B, H_kv, S, D]``
+        from its blocks. Returns ``[N, hidden]``."""
+        h, _, d = q.shape
+        b, t = at.row_index.shape
+        padded = torch.cat([q.transpose(0, 1), q.new_zeros(1, h, d)])[at.row_index]  # [B, T, H, D]; index N is the zero row
+        slots = at.key_slots.flatten()
+        k = k_pool.index_select(1, slots).unflatten(1, at.key_slots.shape).transpose(0, 1)  # [B, H_kv, S, D]
+        v = v_pool.index_select(1, slots).unflatten(1, at.key_slots.shape).transpose(0, 1)
+        if b == 1:  # one sequence: the unbatched forms (the native tree kernel where it runs)
+            out = self.attention(padded[0].transpose(0, 1), k[0], v[0], at.visible[0])  # [T, H * D]
+        else:
+            out = self.attention(padded.transpose(1, 2), k, v, at.visible).flatten(0, 1)  # [B * T, H * D]
+        out = out[at.out_index]  # [N, H * D]
         if gate is not None:
             out = out * torch.sigmoid(gate)
         return self.o_proj(out)
+
+    def write_and_attend_paged(
+        self,
+        q: torch.Tensor,  # [H, N, D]
+        k: torch.Tensor,  # [H_kv, N, D] this pass's keys and values
+        v: torch.Tensor,
+        k_pool: torch.Tensor,  # [H_kv, slots, D]
+        v_pool: torch.Tensor,
+        at: PassAttention,
+        gate: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Write the rows' K/V to their pool slots, then :meth:`attend_paged`."""
+        k_pool.index_copy_(1, at.write_slots, k)
+        v_pool.index_copy_(1, at.write_slots, v)
+        return self.attend_paged(q, k_pool, v_pool, at, gate)
+
+    def project_attend_paged(
+        self,
+        x: torch.Tensor,  # [N, hidden] normed input of the pass's rows
+        cos: torch.Tensor,  # [N, D]
+        sin: torch.Tensor,
+        k_pool: torch.Tensor,  # [H_kv, slots, D]
+        v_pool: torch.Tensor,
+        at: PassAttention,
+    ) -> torch.Tensor:
+        """:meth:`project_attend_cached` for a pass over paged sequences."""
+        if not self._fused_native(x):
+            return self.write_and_attend_paged(*self.query_key_value(x, cos, sin), k_pool, v_pool, at)
+        q = qkv_rope.qkv_rope(F.linear(x, *self._qkv), cos, sin, *self._norm_args(), k_pool, v_pool, at.write_slots, self.num_heads)
+        return self.attend_paged(q, k_pool, v_pool, at)
 
     def attend_cached(
         self,

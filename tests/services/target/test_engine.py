@@ -94,9 +94,9 @@ def test_commit_of_any_accepted_path_equals_sequential_decoding(model, seed):
     while row:
         accepted.append(row)
         row = int(tree.parents[row - 1])
-    state.cache.commit(len(prompt), [0, *reversed(accepted)])
+    engine.commit(state, [0, *reversed(accepted)])
     _, expected = decode_sequentially(model, prompt, [state.pending_token, *path_tokens(tree, deepest)])
-    assert_same_state(state.cache, expected, len(prompt) + len(accepted) + 1)
+    assert_same_state(engine.sequence_cache(state), expected, len(prompt) + len(accepted) + 1)
 
 
 def test_verify_commits_target_tokens_and_compacts_kv(model):
@@ -124,7 +124,7 @@ def test_verify_commits_target_tokens_and_compacts_kv(model):
     n = len(prompt) + 4
     assert tree_state.length == n and tree_state.pending_token == greedy[4]
     _, sequential = decode_sequentially(model, prompt, greedy[:4])
-    assert_same_state(tree_state.cache, sequential, n)
+    assert_same_state(engine.sequence_cache(tree_state), sequential, n)
     # Decoding continues identically from the compacted cache.
     assert [engine.verify("tree", [], []).next_token for _ in range(2)] == greedy[5:7]
 
@@ -140,7 +140,7 @@ def test_chunked_prefill_equals_one_pass(model):
     assert a.next_token == b.next_token
     assert a.features.shape == (4, 2 * model.config.hidden_size)
     assert torch.allclose(a.features, b.features, atol=1e-10)
-    assert_same_state(one.sequences.get("a").cache, chunked.sequences.get("a").cache, 11)
+    assert_same_state(one.sequence_cache(one.sequences.get("a")), chunked.sequence_cache(chunked.sequences.get("a")), 11)
 
 
 def test_errors_name_the_field(model):

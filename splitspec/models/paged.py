@@ -1,0 +1,280 @@
+"""Paged KV cache and the layout of one batched forward pass over several sequences.
+
+Terms
+-----
+block
+    ``block_size`` consecutive KV positions of one sequence. The pool holds ``num_blocks`` of them
+    per attention layer; a sequence owns a *block table* (its blocks in position order), grown as
+    it gets longer and given back whole when it ends. Position ``p`` of a sequence lives in pool
+    *slot* ``table[p // block_size] * block_size + p % block_size``.
+pad block
+    Block 0 is never given to a sequence: the rows and table entries that pad a pass to a fixed
+    shape point there, so they read and write nothing of any sequence.
+pass
+    One forward over the rows of ``B`` sequences: sequence ``s`` brings ``n_s`` rows (a verify
+    tree ``[root, nodes]``, a decode step's one row, or a prompt chunk) written at its positions
+    ``L_s .. L_s + n_s - 1``, where ``L_s`` (its *start*) is the number of positions it has
+    committed. Rows are *ragged*: concatenated, ``N = sum n_s`` of them, for every matmul. For
+    attention they are laid out padded, ``[B, T]`` with ``T >= max n_s``, against each sequence's
+    own keys ``[B, S]`` (``S`` a multiple of ``block_size`` covering ``max L_s + n_s``).
+visibility
+    Row ``j`` of sequence ``s`` sees all of its sequence's committed positions and the rows of
+    its own block that ``tree[s, j]`` marks (its ancestors and itself: causal for a prompt chunk).
+    A pad row sees itself only; its output is discarded.
+
+The layout's host side (:func:`pass_layout`) is numpy; the device side (:class:`PassInputs`)
+holds every tensor a pass reads, so a pass of fixed ``(N, B, T, S)`` can be captured as a CUDA
+graph and replayed with new inputs written into the same buffers.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+
+PAD_BLOCK = 0
+
+
+class KVBlockPool:
+    """K/V of every attention layer in blocks: ``k``, ``v`` ``[layers, H_kv, num_blocks * block_size, D]``.
+
+    Thread-safe allocation: blocks come back from whichever thread ends a sequence.
+    """
+
+    def __init__(
+        self, layers: int, kv_heads: int, head_dim: int, num_blocks: int, block_size: int,
+        device: torch.device, dtype: torch.dtype,
+    ) -> None:
+        if num_blocks < 2:
+            raise ValueError(f"a KV pool needs at least 2 blocks (one is the pad block), got {num_blocks}")
+        self.block_size, self.num_blocks = block_size, num_blocks
+        shape = (layers, kv_heads, num_blocks * block_size, head_dim)
+        # Zeros: a pad row reads slots nobody wrote, and 0 * NaN would poison its neighbours' sums.
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self._free = list(range(num_blocks - 1, PAD_BLOCK, -1))
+        self._lock = threading.Lock()
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    @property
+    def usable_blocks(self) -> int:
+        """Blocks a sequence can own: all but the pad block."""
+        return self.num_blocks - 1
+
+    @property
+    def free_blocks(self) -> int:
+        with self._lock:
+            return len(self._free)
+
+    def blocks_for(self, positions: int) -> int:
+        return -(-positions // self.block_size)
+
+    def allocate(self, count: int) -> list[int] | None:
+        """``count`` blocks, or None (nothing taken) when fewer are free."""
+        with self._lock:
+            if count > len(self._free):
+                return None
+            taken = self._free[len(self._free) - count :]
+            del self._free[len(self._free) - count :]
+            return taken[::-1]
+
+    def release(self, blocks: Sequence[int]) -> None:
+        with self._lock:
+            self._free.extend(blocks)
+
+    def slots(self, table: Sequence[int], positions: np.ndarray) -> np.ndarray:
+        """Pool slots of ``positions`` of the sequence owning blocks ``table``."""
+        table = np.asarray(table, dtype=np.int64)
+        return table[positions // self.block_size] * self.block_size + positions % self.block_size
+
+    def compact(self, table: Sequence[int], start: int, accepted: Sequence[int]) -> None:
+        """Keep the accepted rows of a verify block written at ``start``: row ``start + d`` of the
+        sequence receives the old row ``start + accepted[d]`` (``splitspec.spec.acceptance``)."""
+        moved = next((d for d, a in enumerate(accepted) if a != d), len(accepted))
+        if moved == len(accepted):  # a decode step, or an accepted first-child chain: all in place
+            return
+        src = torch.from_numpy(self.slots(table, start + np.asarray(accepted[moved:], dtype=np.int64)))
+        dst = torch.from_numpy(self.slots(table, start + np.arange(moved, len(accepted))))
+        src, dst = src.to(self.k.device), dst.to(self.k.device)
+        for pool in (self.k, self.v):
+            pool.index_copy_(2, dst, pool.index_select(2, src))  # gathered first: sources may be overwritten
+
+
+class StateSlots(Protocol):
+    """Fixed-size per-sequence state of a recurrent family (one slot per live sequence), beside
+    its KV blocks. A tree pass keeps every row's candidate state until :meth:`commit`."""
+
+    def allocate(self) -> int | None:
+        """A zeroed slot, or None when none is free."""
+
+    def release(self, slot: int) -> None: ...
+
+    def commit(self, slot: int, row: int) -> None:
+        """Adopt the candidate state of ragged row ``row`` of the last tree pass into ``slot``."""
+
+    def read(self, slot: int) -> dict[str, torch.Tensor]:
+        """The slot's tensors by name (tests and tools)."""
+
+
+@dataclass
+class PagedState:
+    """All a target engine keeps for its sequences: KV blocks, and state slots for recurrent families."""
+
+    kv: KVBlockPool
+    slots: StateSlots | None = None
+
+
+@dataclass
+class PassLayout:
+    """The host side of one pass (see the module docstring); every array is exactly sized."""
+
+    tokens: np.ndarray  # [N] int64
+    positions: np.ndarray  # [N] int64 RoPE positions (start + depth: siblings share one)
+    write_slots: np.ndarray  # [N] int64 pool slot of each row's K/V
+    offsets: np.ndarray  # [B + 1] int64 first row of each sequence in the ragged rows
+    starts: np.ndarray  # [B] int64 committed positions of each sequence (L_s)
+    tables: list[np.ndarray]  # B block tables
+    trees: list[np.ndarray]  # B [n_s, n_s] bool: each sequence's own visibility
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self.starts)
+
+    @property
+    def max_rows(self) -> int:
+        """Rows of the largest sequence block: T before padding."""
+        return int(np.diff(self.offsets).max())
+
+    @property
+    def max_keys(self) -> int:
+        """Key positions of the longest sequence: S before padding."""
+        return int((self.starts + np.diff(self.offsets)).max())
+
+
+def pass_layout(
+    pool: KVBlockPool,
+    tokens: Sequence[Sequence[int]],  # B lists of n_s row tokens
+    depths: Sequence[np.ndarray],  # B [n_s] depth of each row below the sequence's start
+    starts: Sequence[int],  # B committed positions
+    tables: Sequence[Sequence[int]],  # B block tables covering start + n_s positions
+    trees: Sequence[np.ndarray],  # B [n_s, n_s] bool visibility inside the block
+) -> PassLayout:
+    """The host layout of a pass over ``B`` sequences' blocks."""
+    counts = np.array([len(t) for t in tokens], dtype=np.int64)
+    offsets = np.concatenate([[0], np.cumsum(counts)])
+    starts_np = np.asarray(starts, dtype=np.int64)
+    flat_tokens = np.concatenate([np.asarray(t, dtype=np.int64) for t in tokens])
+    positions = np.concatenate([start + np.asarray(d, dtype=np.int64) for start, d in zip(starts_np, depths)])
+    write_slots = np.concatenate(
+        [pool.slots(table, start + np.arange(n)) for table, start, n in zip(tables, starts_np, counts)]
+    )
+    return PassLayout(
+        flat_tokens, positions, write_slots, offsets, starts_np,
+        [np.asarray(t, dtype=np.int64) for t in tables], [np.asarray(t, dtype=bool) for t in trees],
+    )
+
+
+@dataclass
+class PassInputs:
+    """The device side of a pass of fixed shape ``(N, B, T, S)``: what :meth:`attend` and the models
+    read. Rows ``N`` and sequences ``B`` may include padding (pad rows of no sequence write to the
+    pad block; pad sequences own only the pad block)."""
+
+    tokens: torch.Tensor  # [N] int64
+    positions: torch.Tensor  # [N] int64
+    write_slots: torch.Tensor  # [N] int64
+    row_index: torch.Tensor  # [B, T] int64 ragged row at (sequence, row), N for a pad
+    out_index: torch.Tensor  # [N] int64 padded position s * T + j of each ragged row
+    starts: torch.Tensor  # [B] int64
+    tables: torch.Tensor  # [B, S / block_size] int64, pad block past each sequence's blocks
+    trees: torch.Tensor  # [B, T, T] bool
+    last_row: torch.Tensor  # [1] int64 the last real row (a prompt chunk projects only it to logits)
+    block_size: int
+
+    @classmethod
+    def allocate(cls, rows: int, sequences: int, block_rows: int, keys: int, block_size: int, device: torch.device) -> PassInputs:
+        def zeros(*shape, dtype=torch.int64):
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        return cls(
+            zeros(rows), zeros(rows), zeros(rows), zeros(sequences, block_rows), zeros(rows), zeros(sequences),
+            zeros(sequences, keys // block_size), zeros(sequences, block_rows, block_rows, dtype=torch.bool), zeros(1),
+            block_size,
+        )
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """``(N, B, T, S)``."""
+        b, t = self.row_index.shape
+        return self.tokens.shape[0], b, t, self.tables.shape[1] * self.block_size
+
+    def write(self, layout: PassLayout, pad_slot: int = PAD_BLOCK) -> None:
+        """Fill from ``layout`` (which must fit the shape), padding the rest."""
+        n_pad, b_pad, t_pad, s_pad = self.shape
+        n, b = layout.num_rows, layout.num_sequences
+        tokens = np.zeros(n_pad, dtype=np.int64)
+        tokens[:n] = layout.tokens
+        positions = np.zeros(n_pad, dtype=np.int64)
+        positions[:n] = layout.positions
+        write_slots = np.full(n_pad, pad_slot, dtype=np.int64)
+        write_slots[:n] = layout.write_slots
+        row_index = np.full((b_pad, t_pad), n_pad, dtype=np.int64)  # n_pad: the zero row past the last
+        out_index = np.zeros(n_pad, dtype=np.int64)
+        starts = np.ones(b_pad, dtype=np.int64)  # a pad sequence: one committed position, in the pad block
+        tables = np.full((b_pad, s_pad // self.block_size), PAD_BLOCK, dtype=np.int64)
+        trees = np.broadcast_to(np.eye(t_pad, dtype=bool), (b_pad, t_pad, t_pad)).copy()  # pad rows see themselves
+        for s in range(b):
+            first, count = layout.offsets[s], layout.offsets[s + 1] - layout.offsets[s]
+            row_index[s, :count] = np.arange(first, first + count)
+            out_index[first : first + count] = s * t_pad + np.arange(count)
+            starts[s] = layout.starts[s]
+            width = min(len(layout.tables[s]), tables.shape[1])  # blocks past the pass's keys are not read
+            tables[s, :width] = layout.tables[s][:width]
+            trees[s, :count, :count] = layout.trees[s]
+        for name, value in (
+            ("tokens", tokens), ("positions", positions), ("write_slots", write_slots), ("row_index", row_index),
+            ("out_index", out_index), ("starts", starts), ("tables", tables), ("trees", trees),
+        ):
+            getattr(self, name).copy_(torch.from_numpy(value), non_blocking=False)
+
+    @classmethod
+    def exact(cls, layout: PassLayout, block_size: int, device: torch.device) -> PassInputs:
+        """Inputs of exactly the layout's shape (the eager pass)."""
+        keys = -(-layout.max_keys // block_size) * block_size
+        inputs = cls.allocate(layout.num_rows, layout.num_sequences, layout.max_rows, keys, block_size, device)
+        inputs.write(layout)
+        return inputs
+
+    def attention(self) -> PassAttention:
+        """What every attention layer of the pass reads, computed once per pass on the device."""
+        _, b, t, s = self.shape
+        cols = torch.arange(s, device=self.tables.device)
+        key_slots = self.tables[:, cols // self.block_size] * self.block_size + cols % self.block_size  # [B, S]
+        offset = cols[None, :] - self.starts[:, None]  # [B, S] column inside the sequence's block
+        inside = (offset >= 0) & (offset < t)
+        in_tree = self.trees.gather(2, offset.clamp(0, t - 1)[:, None, :].expand(b, t, s))  # [B, T, S]
+        visible = (offset < 0)[:, None, :] | (inside[:, None, :] & in_tree)
+        return PassAttention(self.write_slots, self.row_index, self.out_index, key_slots, visible)
+
+
+@dataclass
+class PassAttention:
+    """Per-pass attention indices (see :meth:`PassInputs.attention`)."""
+
+    write_slots: torch.Tensor  # [N] pool slot each ragged row's K/V is written to
+    row_index: torch.Tensor  # [B, T] ragged row at each padded place (N: a zero row)
+    out_index: torch.Tensor  # [N] padded place s * T + j of each ragged row
+    key_slots: torch.Tensor  # [B, S] pool slot of each sequence's key positions
+    visible: torch.Tensor  # [B, T, S] bool
