@@ -43,7 +43,7 @@ from splitspec.errors import FailedPrecondition, InvalidArgument, NotFound, Reso
 from splitspec.models.paged import PagedState, PassInputs, pass_layout
 from splitspec.spec.acceptance import accept_path
 from splitspec.spec.sampling import SamplingParams, draw_tokens, token_logprobs
-from splitspec.spec.tree import node_depths, tree_attention_mask, validate_tree
+from splitspec.spec.tree import tree_attention_mask, validate_tree
 
 
 class TargetModel(Protocol):
@@ -143,7 +143,7 @@ class _Work:
     tokens: np.ndarray  # [n] nodes
     parents: np.ndarray  # [n]
     row_tokens: list[int] = field(default_factory=list)  # [n + 1] root first
-    depths: np.ndarray | None = None  # [n + 1]
+    rows: np.ndarray | None = None  # [n + 1] parent row of each row, -1 for the root
     tree: np.ndarray | None = None  # [n + 1, n + 1] ancestor-only
 
 
@@ -216,27 +216,24 @@ class TargetEngine:
             self.state.slots.release(holding.slot)
             holding.slot = None
 
-    def _grow(self, state: SequenceState, positions: int, protected: set[int]) -> list[SequenceState]:
+    def _grow(self, state: SequenceState, positions: int) -> list[SequenceState]:
         """Blocks for ``positions`` positions of ``state``, preempting the newest-admitted sequences
-        (never one in ``protected``, unless it is ``state`` itself) until they are free. Returns the
-        preempted states; ``state`` among them when it had to give way itself."""
+        until they are free: ``state`` itself when it is the newest. Returns the preempted states."""
         need = self.kv.blocks_for(positions) - len(state.holding.blocks)
         preempted: list[SequenceState] = []
         while need > 0:
             more = self.kv.allocate(need)
             if more is not None:
                 state.holding.blocks.extend(more)
-                return preempted
-            # The newest-admitted sequence gives way: ``state`` itself when it is the newest of
-            # those not protected.
-            live = [(s.admitted, sid, s) for sid, s in self.sequences.items() if id(s) == id(state) or id(s) not in protected]
-            _, victim_id, victim = max(live, key=lambda entry: entry[0], default=(0, None, state))
-            if victim_id is not None:
-                self.sequences.pop(victim_id)
+                break
+            newest = max(self.sequences.items(), key=lambda entry: entry[1].admitted, default=None)
+            victim = state if newest is None or newest[1].admitted < state.admitted else newest[1]
+            if newest is not None and victim is newest[1]:
+                self.sequences.pop(newest[0])
             self._give_back(victim.holding)
             preempted.append(victim)
             if victim is state:
-                return preempted
+                break
         return preempted
 
     # -- prefill --------------------------------------------------------------------------------
@@ -306,7 +303,10 @@ class TargetEngine:
         for begin in range(0, n, chunk):
             end = min(n, begin + chunk)
             causal = np.tril(np.ones((end - begin, end - begin), dtype=bool))
-            layout = pass_layout(self.kv, [tokens[begin:end]], [np.arange(end - begin)], [begin], [state.holding.blocks], [causal])
+            chain = np.arange(-1, end - begin - 1)
+            layout = pass_layout(
+                self.kv, [tokens[begin:end]], [chain], [begin], [state.holding.blocks], [causal], [state.holding.slot]
+            )
             logits, features = self.runner.run(layout, taps, prompt_chunk=True)
             if features is not None and end > n - rows:
                 # A copy: a fixed-shape pass's buffers are rewritten by its next replay.
@@ -366,15 +366,14 @@ class TargetEngine:
         return _work(index, state, step)
 
     def _reserve(self, work: list[_Work], results: list) -> list[_Work]:
-        """Blocks for every step's rows; steps whose sequence was preempted to make room fail NOT_FOUND."""
-        protected = {id(item.state) for item in work}
+        """Blocks for every step's rows; steps whose sequence was preempted to make room (the
+        pass has not run: a step of the pass gives way too) fail NOT_FOUND."""
         dropped: set[int] = set()
         for item in work:
             if id(item.state) in dropped:
                 continue
-            for victim in self._grow(item.state, item.state.length + len(item.row_tokens), protected):
+            for victim in self._grow(item.state, item.state.length + len(item.row_tokens)):
                 dropped.add(id(victim))
-                protected.discard(id(victim))
         kept = []
         for item in work:
             if id(item.state) in dropped:
@@ -389,8 +388,8 @@ class TargetEngine:
         t0 = time.perf_counter_ns()
         taps = _union_taps([item.state.taps for item in work])
         layout = pass_layout(
-            self.kv, [w.row_tokens for w in work], [w.depths for w in work], [w.state.length for w in work],
-            [w.state.holding.blocks for w in work], [w.tree for w in work],
+            self.kv, [w.row_tokens for w in work], [w.rows for w in work], [w.state.length for w in work],
+            [w.state.holding.blocks for w in work], [w.tree for w in work], [w.state.holding.slot for w in work],
         )
         logits, features = self.runner.run(layout, taps)
         positions = torch.from_numpy(layout.positions)  # host: only seeded sampling reads them
@@ -467,22 +466,21 @@ class TargetEngine:
         [n+1, vocab], features [n+1, taps * hidden], positions [n+1]. The rows' K/V and candidate
         states are written as a verify's are; a verify afterwards rewrites them."""
         item = _work(0, state, VerifyStep("", tokens, parents))
-        self._grow(state, state.length + len(item.row_tokens), {id(state)})
-        layout = pass_layout(self.kv, [item.row_tokens], [item.depths], [state.length], [state.holding.blocks], [item.tree])
+        self._grow(state, state.length + len(item.row_tokens))
+        layout = pass_layout(
+            self.kv, [item.row_tokens], [item.rows], [state.length], [state.holding.blocks], [item.tree], [state.holding.slot]
+        )
         logits, features = self.runner.run(layout, state.taps)
         return logits, features, torch.from_numpy(layout.positions)
 
 
 def _work(index: int, state: SequenceState, step: VerifyStep) -> _Work:
-    """The rows of a (checked) step: ``[root, nodes]``, their depths and ancestor-only visibility."""
+    """The rows of a (checked) step: ``[root, nodes]``, their parent rows and ancestor-only visibility."""
     tokens = np.asarray(step.tokens, dtype=np.int64)
     parents = np.asarray(step.parents, dtype=np.int64)
     item = _Work(index, state, step, tokens, parents, [state.pending_token, *tokens.tolist()])
-    if len(tokens):
-        item.depths = np.concatenate([[0], node_depths(parents)]).astype(np.int64)
-        item.tree = tree_attention_mask(parents)
-    else:  # a decode step
-        item.depths, item.tree = np.zeros(1, dtype=np.int64), np.ones((1, 1), dtype=bool)
+    item.rows = np.concatenate([[-1], parents])  # node j is row j, its parent's row is its parent node
+    item.tree = tree_attention_mask(parents) if len(tokens) else np.ones((1, 1), dtype=bool)
     return item
 
 

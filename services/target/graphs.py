@@ -63,6 +63,9 @@ class PassRunner:
     def __init__(self, model, state: PagedState, fixed_shapes: bool, capture: bool, max_rows: int = ROW_BUCKETS[-1]) -> None:
         self.model, self.state = model, state
         self.device = state.kv.k.device
+        # Recurrent families run exact shapes: a pad row would advance a prompt chunk's state, and
+        # their tree passes are not captured yet.
+        fixed_shapes = fixed_shapes and state.slots is None
         self.fixed_shapes, self.capture = fixed_shapes, capture and fixed_shapes
         self.max_rows = max_rows
         self._passes: dict[tuple, _Pass] = {}

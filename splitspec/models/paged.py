@@ -139,8 +139,10 @@ class PassLayout:
     tokens: np.ndarray  # [N] int64
     positions: np.ndarray  # [N] int64 RoPE positions (start + depth: siblings share one)
     write_slots: np.ndarray  # [N] int64 pool slot of each row's K/V
+    parents: np.ndarray  # [N] int64 parent row of each row: a row of its sequence, or -(s + 1) before sequence s's block
     offsets: np.ndarray  # [B + 1] int64 first row of each sequence in the ragged rows
     starts: np.ndarray  # [B] int64 committed positions of each sequence (L_s)
+    state_slots: np.ndarray  # [B] int64 recurrent state slot of each sequence (0 where none)
     tables: list[np.ndarray]  # B block tables
     trees: list[np.ndarray]  # B [n_s, n_s] bool: each sequence's own visibility
 
@@ -166,22 +168,34 @@ class PassLayout:
 def pass_layout(
     pool: KVBlockPool,
     tokens: Sequence[Sequence[int]],  # B lists of n_s row tokens
-    depths: Sequence[np.ndarray],  # B [n_s] depth of each row below the sequence's start
+    parents: Sequence[np.ndarray],  # B [n_s] parent row of each row inside its block, -1 = before it
     starts: Sequence[int],  # B committed positions
     tables: Sequence[Sequence[int]],  # B block tables covering start + n_s positions
     trees: Sequence[np.ndarray],  # B [n_s, n_s] bool visibility inside the block
+    state_slots: Sequence[int | None] | None = None,  # B recurrent state slots
 ) -> PassLayout:
-    """The host layout of a pass over ``B`` sequences' blocks."""
+    """The host layout of a pass over ``B`` sequences' blocks; a row's depth (its RoPE position
+    past the start) is its distance from the block's start along ``parents``."""
     counts = np.array([len(t) for t in tokens], dtype=np.int64)
     offsets = np.concatenate([[0], np.cumsum(counts)])
     starts_np = np.asarray(starts, dtype=np.int64)
+    rows = []  # [N] ragged parents
+    depths = []
+    for s, block in enumerate(parents):
+        block = np.asarray(block, dtype=np.int64)
+        depth = np.zeros(len(block), dtype=np.int64)
+        for j, parent in enumerate(block):
+            depth[j] = 0 if parent < 0 else depth[parent] + 1
+        depths.append(depth)
+        rows.append(np.where(block >= 0, block + offsets[s], -(s + 1)))
     flat_tokens = np.concatenate([np.asarray(t, dtype=np.int64) for t in tokens])
     positions = np.concatenate([start + np.asarray(d, dtype=np.int64) for start, d in zip(starts_np, depths)])
     write_slots = np.concatenate(
         [pool.slots(table, start + np.arange(n)) for table, start, n in zip(tables, starts_np, counts)]
     )
+    slots = np.array([slot or 0 for slot in state_slots] if state_slots is not None else [0] * len(starts_np), dtype=np.int64)
     return PassLayout(
-        flat_tokens, positions, write_slots, offsets, starts_np,
+        flat_tokens, positions, write_slots, np.concatenate(rows), offsets, starts_np, slots,
         [np.asarray(t, dtype=np.int64) for t in tables], [np.asarray(t, dtype=bool) for t in trees],
     )
 
@@ -201,6 +215,9 @@ class PassInputs:
     tables: torch.Tensor  # [B, S / block_size] int64, pad block past each sequence's blocks
     trees: torch.Tensor  # [B, T, T] bool
     last_row: torch.Tensor  # [1] int64 the last real row (a prompt chunk projects only it to logits)
+    parents: torch.Tensor  # [N] int64 as PassLayout.parents (-1 for pad rows)
+    offsets: torch.Tensor  # [B + 1] int64 (pad sequences own no rows)
+    state_slots: torch.Tensor  # [B] int64 (0 for pad sequences)
     block_size: int
 
     @classmethod
@@ -211,7 +228,7 @@ class PassInputs:
         return cls(
             zeros(rows), zeros(rows), zeros(rows), zeros(sequences, block_rows), zeros(rows), zeros(sequences),
             zeros(sequences, keys // block_size), zeros(sequences, block_rows, block_rows, dtype=torch.bool), zeros(1),
-            block_size,
+            zeros(rows), zeros(sequences + 1), zeros(sequences), block_size,
         )
 
     @property
@@ -235,6 +252,12 @@ class PassInputs:
         starts = np.ones(b_pad, dtype=np.int64)  # a pad sequence: one committed position, in the pad block
         tables = np.full((b_pad, s_pad // self.block_size), PAD_BLOCK, dtype=np.int64)
         trees = np.broadcast_to(np.eye(t_pad, dtype=bool), (b_pad, t_pad, t_pad)).copy()  # pad rows see themselves
+        parents = np.full(n_pad, -1, dtype=np.int64)
+        parents[:n] = layout.parents
+        offsets = np.full(b_pad + 1, n, dtype=np.int64)
+        offsets[: b + 1] = layout.offsets
+        state_slots = np.zeros(b_pad, dtype=np.int64)
+        state_slots[:b] = layout.state_slots
         for s in range(b):
             first, count = layout.offsets[s], layout.offsets[s + 1] - layout.offsets[s]
             row_index[s, :count] = np.arange(first, first + count)
@@ -245,7 +268,8 @@ class PassInputs:
             trees[s, :count, :count] = layout.trees[s]
         for name, value in (
             ("tokens", tokens), ("positions", positions), ("write_slots", write_slots), ("row_index", row_index),
-            ("out_index", out_index), ("starts", starts), ("tables", tables), ("trees", trees),
+            ("out_index", out_index), ("starts", starts), ("tables", tables), ("trees", trees), ("parents", parents),
+            ("offsets", offsets), ("state_slots", state_slots),
         ):
             getattr(self, name).copy_(torch.from_numpy(value), non_blocking=False)
 

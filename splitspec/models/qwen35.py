@@ -25,6 +25,7 @@ advances it; a tree pass (verify) leaves it alone and keeps every row's candidat
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -36,6 +37,7 @@ from torch.nn import functional as F
 from splitspec.models.delta_rule import (
     ancestor_table,
     chain_parents,
+    committed_history,
     conv_silu,
     conv_windows,
     gated_delta,
@@ -43,6 +45,7 @@ from splitspec.models.delta_rule import (
     l2_normalize,
 )
 from splitspec.models.layers import QKVProjection, RMSNorm, SwiGLU, apply_rope, rope_cos_sin
+from splitspec.models.paged import KVBlockPool, PagedState, PassInputs
 from splitspec.spec.acceptance import compact_rows
 
 QWEN35_ARCHS = ("qwen35",)  # GGUF general.architecture values of this family
@@ -182,6 +185,45 @@ class Qwen35Cache:
         self.pending = None
 
 
+class Qwen35Slots:
+    """Every sequence's DeltaNet state in fixed slots (a :class:`splitspec.models.paged.StateSlots`):
+    ``conv`` [num_linear, slots, K-1, C] (compute dtype) and ``recurrent`` [num_linear, slots, Hv, Dk,
+    Dv] (state dtype). Slot 0 is the pad slot, never given out. A tree pass leaves the slots alone
+    and keeps every row's candidate (``pending``) until :meth:`commit`."""
+
+    def __init__(self, config: Qwen35Config, slots: int, device: torch.device, dtype: torch.dtype, state_dtype: torch.dtype) -> None:
+        c = config
+        self.conv = torch.zeros(c.num_linear_layers, slots + 1, c.conv_kernel - 1, c.conv_channels, device=device, dtype=dtype)
+        shape = (c.num_linear_layers, slots + 1, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim)
+        self.recurrent = torch.zeros(shape, device=device, dtype=state_dtype)
+        self.pending: PendingBlock | None = None
+        self._free = list(range(slots, 0, -1))
+        self._lock = threading.Lock()  # slots come back from whichever thread drops a sequence
+
+    def allocate(self) -> int | None:
+        with self._lock:
+            if not self._free:
+                return None
+            slot = self._free.pop()
+        self.conv[:, slot] = 0
+        self.recurrent[:, slot] = 0
+        return slot
+
+    def release(self, slot: int) -> None:
+        with self._lock:
+            self._free.append(slot)
+
+    def commit(self, slot: int, row: int) -> None:
+        if self.pending is None:
+            raise RuntimeError("commit without a tree pass to commit")
+        for i, (inputs, states) in enumerate(zip(self.pending.inputs, self.pending.states)):
+            self.conv[i, slot] = committed_history(self.conv[i, slot], inputs, self.pending.ancestors, row)
+            self.recurrent[i, slot] = states[row]
+
+    def read(self, slot: int) -> dict[str, torch.Tensor]:
+        return {"conv": self.conv[:, slot], "recurrent": self.recurrent[:, slot]}
+
+
 class GatedAttention(QKVProjection):
     """Qwen3.5 full attention: ``q_proj`` is twice as wide and packs ``[q_h | gate_h]`` per head."""
 
@@ -219,10 +261,11 @@ class GatedDeltaNet(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [T, hidden] normed input
-        history: torch.Tensor,  # [K-1, C] conv inputs before the block
-        state: torch.Tensor,  # [Hv, Dk, Dv] recurrent state before the block
+        history: torch.Tensor,  # [(S,) K-1, C] conv inputs before the block, per sequence
+        state: torch.Tensor,  # [(S,) Hv, Dk, Dv] recurrent state before the block, per sequence
         ancestors: torch.Tensor,  # [T, K]
         parents: torch.Tensor | None,  # [T], None = a causal chain
+        offsets: torch.Tensor | None = None,  # [S + 1] rows of each sequence when the block holds several
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Returns the mixer output [T, hidden], the conv inputs [T, C] and the recurrent states:
         after every row [T, Hv, Dk, Dv] for a tree, after the last row [1, Hv, Dk, Dv] for a chain."""
@@ -242,7 +285,7 @@ class GatedDeltaNet(nn.Module):
             states = final[None].to(state.dtype)
         else:
             tree = parents if parents is not None else chain_parents(1, x.device)
-            out, states = gated_delta(q, k, v, g, beta, state, tree, state.dtype)
+            out, states = gated_delta(q, k, v, g, beta, state, tree, state.dtype, offsets)
         z = self.in_proj_z(x).view(t, -1, c.linear_value_head_dim)
         y = self.norm(out.to(x.dtype)) * F.silu(z)  # [T, Hv, Dv]
         return self.out_proj(y.reshape(t, -1)), inputs, states
@@ -283,6 +326,17 @@ class Qwen35ForCausalLM(nn.Module):
 
     def new_cache(self, capacity: int, device: torch.device | str, dtype: torch.dtype) -> Qwen35Cache:
         return Qwen35Cache(self.config, capacity, torch.device(device), dtype, self.recurrent_dtype(dtype))
+
+    def new_pool(self, num_blocks: int, block_size: int, max_sequences: int, device: torch.device, dtype: torch.dtype) -> PagedState:
+        """KV blocks for the attention layers and ``max_sequences`` DeltaNet state slots."""
+        c = self.config
+        kv = KVBlockPool(c.num_full_layers, c.num_kv_heads, c.head_dim, num_blocks, block_size, device, dtype)
+        return PagedState(kv, Qwen35Slots(c, max_sequences, device, dtype, self.recurrent_dtype(dtype)))
+
+    @staticmethod
+    def position_bytes(config: Qwen35Config, dtype: torch.dtype) -> int:
+        """KV bytes of one position over the attention layers."""
+        return 2 * config.num_full_layers * config.num_kv_heads * config.head_dim * dtype.itemsize
 
     @torch.inference_mode()
     def forward(
@@ -330,6 +384,57 @@ class Qwen35ForCausalLM(nn.Module):
             if i in taps:
                 tapped[i] = h
         cache.pending = pending
+        features = torch.cat([tapped[i] for i in taps], dim=-1) if taps else None
+        if logit_rows is not None:
+            h = h[logit_rows]
+        return self.lm_head(self.norm(h)).float(), features
+
+    @torch.inference_mode()
+    def forward_paged(
+        self,
+        inputs: PassInputs,  # the pass's rows over several sequences (splitspec.models.paged)
+        state: PagedState,
+        taps: Sequence[int] = (),
+        logit_rows: torch.Tensor | None = None,  # [R] ragged rows to project to logits; None = all
+        chain: bool = False,  # a prompt chunk of one sequence: advance its state to the last row
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:meth:`forward` over the rows of several sequences at once. Attention layers attend over
+        each sequence's paged keys; DeltaNet rows start from their parent row's state or, at a
+        block's start, from their sequence's slot. A tree pass (``chain`` false) leaves the slots
+        alone and keeps every row's candidate state in ``state.slots.pending``; a prompt chunk
+        advances its sequence's slot. Returns logits [R, vocab] (float32) and tap features [N, taps * hidden]."""
+        c, slots = self.config, state.slots
+        h = self.embed_tokens(inputs.tokens)
+        cos, sin = rope_cos_sin(inputs.positions, c.rotary_dim, c.rope_theta, h.dtype)
+        at = inputs.attention()
+        seq_slots = inputs.state_slots  # [B]
+        ancestors = ancestor_table(inputs.parents, c.conv_kernel)  # [N, K]
+        pending = None if chain else PendingBlock(ancestors)
+        tapped: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            x = layer.input_layernorm(h)
+            slot = self.slots[i]
+            if layer.full_attention:
+                attn = layer.self_attn
+                q, gate = attn.query_and_gate(x, cos, sin)
+                k, v = attn.key_value(x, cos, sin)
+                h = h + attn.write_and_attend_paged(q, k, v, state.kv.k[slot], state.kv.v[slot], at, gate)
+            elif chain:
+                history, recurrent = slots.conv[slot, seq_slots[0]], slots.recurrent[slot, seq_slots[0]]  # one sequence
+                out, conv_inputs, states = layer.linear_attn(x, history, recurrent, ancestors, None)
+                h = h + out
+                slots.conv[slot, seq_slots[0]] = torch.cat([history, conv_inputs])[-(c.conv_kernel - 1) :]
+                slots.recurrent[slot, seq_slots[0]] = states[-1]
+            else:
+                history, recurrent = slots.conv[slot][seq_slots], slots.recurrent[slot][seq_slots]  # [B, K-1, C], [B, Hv, Dk, Dv]
+                out, conv_inputs, states = layer.linear_attn(x, history, recurrent, ancestors, inputs.parents, inputs.offsets)
+                h = h + out
+                pending.inputs.append(conv_inputs)
+                pending.states.append(states)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            if i in taps:
+                tapped[i] = h
+        slots.pending = pending
         features = torch.cat([tapped[i] for i in taps], dim=-1) if taps else None
         if logit_rows is not None:
             h = h[logit_rows]

@@ -1,0 +1,128 @@
+"""Verify of many sequences in one pass (continuous batching) and the paged KV cache's policy.
+
+Each sequence's output in a batch must equal its output alone, for the dense and the hybrid
+target, greedy and seeded sampling; a bad step fails alone; when blocks run out the newest sequence
+is preempted (NOT_FOUND, so the gateway prefills it again) and a prefill waits (KVBlocksBusy).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from services.target.engine import KVBlocksBusy, TargetEngine, TargetLimits, VerifyStep
+from splitspec.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from splitspec.models.loader import load_target
+from splitspec.models.paged import KVBlockPool, pass_layout
+from splitspec.spec.sampling import SamplingParams
+from splitspec.spec.tree import build_ddtree
+
+GREEDY = SamplingParams()
+SEEDED = SamplingParams(temperature=0.9, top_p=0.95, seed=7)
+
+
+@pytest.fixture(scope="module", params=["qwen3", "qwen35"])
+def model(request, tiny_pair, tiny_qwen35_pair):
+    path = tiny_pair.target if request.param == "qwen3" else tiny_qwen35_pair.target
+    model, _ = load_target(path, dtype=torch.float64)  # float64: batched and alone agree to ~1e-12
+    return model
+
+
+def random_tree(rng, vocab: int, budget: int):
+    ids = np.stack([rng.choice(vocab, 3, replace=False) for _ in range(6)])
+    return build_ddtree(ids, -np.sort(rng.random((6, 3)) * 3, axis=1), budget)
+
+
+def test_pass_layout_places_rows_of_each_sequence():
+    pool = KVBlockPool(1, 1, 2, num_blocks=6, block_size=4, device=torch.device("cpu"), dtype=torch.float32)
+    # Sequence 0: 5 committed positions, a tree root -> {1, 2}, 2 -> 3; sequence 1: 2 positions, one decode row.
+    layout = pass_layout(
+        pool, [[10, 11, 12, 13], [20]], [np.array([-1, 0, 0, 2]), np.array([-1])], [5, 2], [[3, 1, 2], [4]],
+        [np.ones((4, 4), dtype=bool), np.ones((1, 1), dtype=bool)], [7, 9],
+    )
+    assert layout.positions.tolist() == [5, 6, 6, 7, 2]  # start + depth: siblings share a position
+    assert layout.write_slots.tolist() == [1 * 4 + 1, 1 * 4 + 2, 1 * 4 + 3, 2 * 4 + 0, 4 * 4 + 2]  # positions 5..8, 2
+    assert layout.parents.tolist() == [-1, 0, 0, 2, -2]
+    assert layout.offsets.tolist() == [0, 4, 5] and layout.max_rows == 4 and layout.max_keys == 9
+    assert layout.state_slots.tolist() == [7, 9]
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_every_sequence_of_a_batch_gets_its_single_stream_output(model, sampling):
+    rng = np.random.default_rng(5)
+    vocab = model.config.vocab_size
+    prompts = {f"s{i}": rng.integers(0, vocab, n).tolist() for i, n in enumerate((4, 11, 29, 6, 17))}
+    trees = {sid: [random_tree(rng, vocab, int(rng.choice([0, 3, 12]))) for _ in range(5)] for sid in prompts}
+    # Which sequences step together changes from pass to pass.
+    schedule = [[sid for sid in prompts if rng.random() < 0.6] or ["s0"] for _ in range(5)]
+
+    def generate(batched: bool) -> dict[str, list]:
+        engine = TargetEngine(model)
+        out = {sid: [engine.prefill(sid, p, sampling, taps=(0, 2), reserve_tokens=120).next_token] for sid, p in prompts.items()}
+        done = {sid: 0 for sid in prompts}
+        for members in schedule:
+            steps = []
+            for sid in members:
+                tree = trees[sid][done[sid]]
+                done[sid] += 1
+                steps.append(VerifyStep(sid, tree.tokens.tolist(), tree.parents.tolist(), return_features=True))
+            results = engine.verify_batch(steps) if batched else [engine.verify_batch([s])[0] for s in steps]
+            for step, r in zip(steps, results, strict=True):
+                out[step.sequence_id].append((r.committed_tokens, r.next_token, r.committed_length, r.features))
+        return out
+
+    alone, together = generate(False), generate(True)
+    for sid in prompts:
+        assert alone[sid][0] == together[sid][0]
+        for a, b in zip(alone[sid][1:], together[sid][1:], strict=True):
+            assert a[:3] == b[:3], sid
+            assert torch.allclose(a[3], b[3], atol=1e-10)
+
+
+def test_a_bad_step_fails_alone(model):
+    engine = TargetEngine(model, TargetLimits(max_tree_nodes=4))
+    engine.prefill("a", [1, 2, 3], GREEDY, reserve_tokens=32)
+    engine.prefill("b", [4, 5], GREEDY, reserve_tokens=32)
+    engine.prefill("short", [6], GREEDY, reserve_tokens=3)
+    results = engine.verify_batch([
+        VerifyStep("a", [7], [0]),
+        VerifyStep("nope", [], []),
+        VerifyStep("b", [1, 2], [0, 2]),  # a parent after its node
+        VerifyStep("a", [], []),  # a second step of "a" in the pass
+        VerifyStep("short", [1, 2, 3], [0, 1, 2]),  # more positions than it reserved
+        VerifyStep("b", [1, 2, 3, 4, 5], [0, 1, 2, 3, 4]),  # more nodes than max_tree_nodes
+    ])
+    assert results[0].committed_length >= 4 and results[0].pass_sequences == 1
+    assert isinstance(results[1], NotFound)
+    assert isinstance(results[2], InvalidArgument) and "parents" in str(results[2])
+    assert isinstance(results[3], FailedPrecondition) and "two steps" in str(results[3])
+    assert isinstance(results[4], FailedPrecondition) and "reserved 3" in str(results[4])
+    assert isinstance(results[5], InvalidArgument)
+    assert engine.sequences.get("b").length == 2  # its failed steps changed nothing
+
+
+def test_when_blocks_run_out_the_newest_sequence_is_preempted_and_prefills_wait(model):
+    engine = TargetEngine(model, TargetLimits(max_kv_tokens=6 * 8, block_size=8))  # 6 blocks of 8
+    engine.prefill("old", list(range(1, 15)), GREEDY, reserve_tokens=40)  # 15 positions: 2 blocks
+    engine.prefill("mid", list(range(1, 15)), GREEDY, reserve_tokens=40)  # 2 blocks
+    engine.prefill("new", list(range(1, 7)), GREEDY, reserve_tokens=40)  # 1 block
+    with pytest.raises(KVBlocksBusy):  # 2 blocks needed, 1 free: the prefill waits (the server retries)
+        engine.prefill("late", list(range(1, 15)), GREEDY, reserve_tokens=40)
+    assert "late" not in engine.sequences
+    with pytest.raises(ResourceExhausted, match="whole cache holds"):  # could never fit: refused
+        engine.prefill("huge", [1, 2], GREEDY, reserve_tokens=49)
+    # "old" grows by a 7-node chain (15 + 8 positions: a third block); the one free block goes, then
+    # "mid" needs one too: "new", admitted last, gives way.
+    results = engine.verify_batch([VerifyStep("old", list(range(3, 10)), list(range(7))), VerifyStep("mid", list(range(3, 10)), list(range(7)))])
+    assert not any(isinstance(r, Exception) for r in results)
+    assert "new" not in engine.sequences
+    with pytest.raises(NotFound, match="not live"):
+        engine.verify("new", [], [])
+    # Both grow again: "mid" is now the newest and gives way to "old" in the same pass.
+    results = engine.verify_batch([VerifyStep("old", list(range(3, 12)), list(range(9))), VerifyStep("mid", list(range(3, 12)), list(range(9)))])
+    assert not isinstance(results[0], Exception)
+    assert isinstance(results[1], NotFound) and "preempted" in str(results[1])
+    assert list(engine.sequences.items())[0][0] == "old" and len(engine.sequences) == 1
+    engine.sequences.pop("old")
+    assert engine.kv.free_blocks == engine.kv.usable_blocks  # every block came back
