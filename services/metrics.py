@@ -355,7 +355,7 @@ class WorkerMetrics(_Metrics):
                 ("splitspec_worker_kv_cache_reserved_tokens", "KV cache positions reserved by live sequences (target)"),
                 ("splitspec_worker_kv_cache_capacity_tokens", "KV cache positions this worker reserves at most (target)"),
                 ("splitspec_worker_kv_blocks_used", "Paged KV cache blocks held by live sequences (target)"),
-                ("splitspec_worker_kv_blocks_total", "Paged KV cache blocks in all (target)"),
+                ("splitspec_worker_kv_blocks_capacity", "Paged KV cache blocks in all (target)"),
             )
         }
 

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 
+from services.gateway.budget import AUTO, DEFAULT_BUDGET, DEFAULT_MAX_BUDGET, parse_budget
 from services.gateway.workers import WIRES
 from splitspec.transport import busypoll, rpc
 from splitspec.transport.security import ServerSecurity, add_client_arguments, add_server_arguments, client_security
@@ -19,7 +20,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", default="127.0.0.1:50053", help="draft worker address; empty = no speculation")
     p.add_argument("--tokenizer", default="", help="GGUF file, tokenizer.json, model directory or hf://... (default: the path the target reports)")
     p.add_argument("--mode", choices=["ddtree", "chain", "off"], default="ddtree", help="default speculation mode")
-    p.add_argument("--budget", type=int, default=22, help="default tree nodes per step, root excluded")
+    p.add_argument(
+        "--budget", type=parse_budget, default=AUTO,
+        help="default DDTree nodes per step, root excluded: auto (chosen per step for the most tokens per second at the "
+        "load the target reports: large trees while few sequences share its passes, small ones under load; at most "
+        f"--max-budget, {DEFAULT_BUDGET} until it has measured a few passes) or a fixed N. A request's own "
+        f"speculation.budget wins. Chain mode's default length is N, or {DEFAULT_BUDGET} under auto",
+    )
+    p.add_argument(
+        "--max-budget", type=int, default=DEFAULT_MAX_BUDGET,
+        help="the largest budget --budget auto chooses (also capped by the target's largest tree): its trees are built "
+        "at this size, then cut per step",
+    )
     p.add_argument(
         "--chain-seed", action=argparse.BooleanOptionalAction, default=False,
         help="seed DDTree with the full top-1 chain before best-first growth (off by default: with the built-in pair at "
@@ -128,6 +140,7 @@ async def _wait_for(what: str, call, deadline: float, channel=None):
 
 async def run(args: argparse.Namespace) -> None:
     from services.gateway.admission import Admission, check_identity
+    from services.gateway.budget import BudgetPolicy
     from services.gateway.monitor import WorkerMonitor
     from services.gateway.server import SERVICE, GatewayServicer, GatewayState, check_compatible, load_chat_template
     from services.gateway.speculation import Mode, SpeculationOptions
@@ -138,8 +151,10 @@ async def run(args: argparse.Namespace) -> None:
     from splitspec.text.tokenizer import Tokenizer
     from splitspec.v1 import gateway_pb2_grpc
 
-    if args.budget < 1:
-        raise FailedPrecondition(f"--budget {args.budget} must be >= 1")
+    adaptive = args.budget == AUTO
+    if args.max_budget < 1:
+        raise FailedPrecondition(f"--max-budget {args.max_budget} must be >= 1")
+    fixed_budget = DEFAULT_BUDGET if adaptive else args.budget
     security = client_security(args, "worker-")
     try:
         identity = check_identity(args.client_identity)
@@ -166,7 +181,7 @@ async def run(args: argparse.Namespace) -> None:
     if chat is None:
         logger.warning("chat requests will be refused: %s", chat_problem)
     defaults = SpeculationOptions(
-        mode=Mode(args.mode), budget=args.budget, chain_seed=args.chain_seed, top_k=args.top_k,
+        mode=Mode(args.mode), budget=fixed_budget, adaptive=adaptive, chain_seed=args.chain_seed, top_k=args.top_k,
         draft_window=args.draft_window, feature_dtype=args.feature_dtype, draft_timeout_s=args.draft_timeout,
     )
     health_holder = {}
@@ -194,7 +209,8 @@ async def run(args: argparse.Namespace) -> None:
         f"a token stands for at most {most} bytes" if most else "no bound for this tokenizer (prompts are tokenized, off the event loop)",
     )
     state = GatewayState(target_info, draft_info, tokenizer, chat, chat_problem, chat_special_tokens=args.chat_special_tokens)
-    servicer = GatewayServicer(target, draft, state, defaults, admission, monitor, metrics, identity=identity)
+    policy = BudgetPolicy(min(DEFAULT_BUDGET, args.max_budget), args.max_budget)
+    servicer = GatewayServicer(target, draft, state, defaults, admission, monitor, metrics, policy, identity=identity)
     server, health = rpc.create_server(
         "gateway", [lambda s: gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, s)], [SERVICE],
         args.listen, ServerSecurity.from_args(args), max_receive_bytes=args.max_request_bytes,
@@ -217,9 +233,10 @@ async def run(args: argparse.Namespace) -> None:
         if http is not None:
             http.start()
         logger.info(
-            "gateway serving on %s (target %s on the %s wire, draft %s%s, mode %s, budget %d)",
+            "gateway serving on %s (target %s on the %s wire, draft %s%s, mode %s, budget %s)",
             args.listen, args.target, target.active_wire, args.draft or "none",
-            f" on the {draft.active_wire} wire" if draft else "", args.mode, args.budget,
+            f" on the {draft.active_wire} wire" if draft else "", args.mode,
+            f"auto (at most {args.max_budget})" if adaptive else args.budget,
         )
         if http is not None:
             logger.info("gateway HTTP API (OpenAI, Anthropic) on %s%s", "https://" if args.tls_cert else "http://", args.http_listen)

@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 
 from services.gateway.admission import Admission, Ticket, client_identity
+from services.gateway.budget import BudgetPolicy
 from services.gateway.monitor import WorkerMonitor
 from services.gateway.runahead import RunAhead
 from services.gateway.speculation import DraftShape, Mode, SpeculationOptions, SpeculativeSequence
@@ -124,11 +125,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         admission: Admission,
         monitor: WorkerMonitor,
         metrics: GatewayMetrics,
+        budget_policy: BudgetPolicy,
         identity: str = "peer",
     ) -> None:
         self.target, self.draft, self.state, self.defaults = target, draft, state, defaults
         self.admission, self.monitor, self.metrics = admission, monitor, metrics
         self.identity = identity  # how a request's client is told apart (admission.client_identity)
+        # Shared by every sequence: learns from all their steps; chooses the budgets of adaptive ones.
+        self.budget_policy = budget_policy
 
     @property
     def max_budget(self) -> int:
@@ -137,12 +141,18 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def _options(self, spec: gateway_pb2.Speculation) -> SpeculationOptions:
         if spec.mode not in (gateway_pb2.Speculation.MODE_UNSPECIFIED, *_MODES):
             raise InvalidArgument(f"speculation.mode: unknown value {spec.mode} (use DDTREE, CHAIN or OFF)")
-        budget = spec.budget or self.defaults.budget
+        mode = _MODES.get(spec.mode, self.defaults.mode)
+        # A request's own budget wins; without one, DDTree follows the gateway's default: fixed, or
+        # adaptive (trees built at the policy's largest budget and cut per step). Chain mode under an
+        # adaptive default keeps the fixed default as its length.
+        adaptive = not spec.budget and self.defaults.adaptive and mode is Mode.DDTREE
+        budget = min(self.budget_policy.max_budget, self.max_budget) if adaptive else spec.budget or self.defaults.budget
         if not 0 < budget <= self.max_budget:
             raise InvalidArgument(f"speculation.budget: {spec.budget} is outside [1, {self.max_budget}]")
         return SpeculationOptions(
-            mode=_MODES.get(spec.mode, self.defaults.mode),
+            mode=mode,
             budget=budget,
+            adaptive=adaptive,
             chain_seed=spec.chain_seed if spec.HasField("chain_seed") else self.defaults.chain_seed,
             top_k=min(self.defaults.top_k, budget),
             draft_window=self.defaults.draft_window,
@@ -262,8 +272,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             draft_path=d.path if d else "",
             draft_block_size=d.block_size if d else 0,
             tap_layer_ids=list(d.target_layer_ids) if d else [],
-            default_speculation=gateway_pb2.Speculation(
-                mode=_MODE_PB[self.defaults.mode], budget=self.defaults.budget, chain_seed=self.defaults.chain_seed
+            default_speculation=gateway_pb2.Speculation(  # budget 0: adaptive (--budget auto)
+                mode=_MODE_PB[self.defaults.mode], budget=0 if self.defaults.adaptive else self.defaults.budget,
+                chain_seed=self.defaults.chain_seed,
             ),
             default_top_k=self.defaults.top_k,
             max_budget=self.max_budget,
@@ -328,6 +339,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 on_draft_failure=self.monitor.mark_draft_down,
                 on_step=self.metrics.step_observer(options.mode.value),
                 top_logprobs=top_logprobs,
+                budget_policy=self.budget_policy,
             )
             stream = TextStream(self.state.tokenizer, stop_strings=stop_strings, stop_token_ids=eos | stop_ids, prompt_ids=prompt)
             finish = gateway_pb2.CONTEXT

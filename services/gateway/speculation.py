@@ -13,6 +13,13 @@ Faults never change the output, because the target's rule picks every token:
 - the target answers NOT_FOUND (it restarted and lost the sequence): the gateway prefills the
   prompt plus everything generated so far and carries on;
 - any other target failure ends the request with the target's status.
+
+With an adaptive budget (``SpeculationOptions.adaptive``) each DDTree step builds the tree of the
+largest budget once and cuts it to the gateway's :class:`~services.gateway.budget.BudgetPolicy`
+choice; a prefix of best-first pops is the tree of the smaller budget (``DraftTree.prefix``). Every
+verify feeds the policy its pass (rows, sequences, time), and a speculating step its round time and
+acceptance, whatever the step's mode or budget: the cost and calibration are the gateway's, not the
+request's.
 """
 
 from __future__ import annotations
@@ -26,8 +33,9 @@ from dataclasses import dataclass
 
 import grpc
 
+from services.gateway.budget import BudgetPolicy
 from services.gateway.stats import SequenceStats, StepStats
-from services.gateway.workers import DraftClient, Prefilled, TargetClient
+from services.gateway.workers import DraftClient, Prefilled, TargetClient, Verified
 from splitspec.errors import UpstreamError
 from splitspec.spec.tree import DraftTree, build_chain, build_ddtree
 from splitspec.v1 import common_pb2, target_pb2
@@ -54,7 +62,10 @@ class Mode(enum.Enum):
 @dataclass(frozen=True)
 class SpeculationOptions:
     mode: Mode = Mode.DDTREE
-    budget: int = 22  # tree nodes per step, root excluded
+    # Tree nodes per step, root excluded (chain mode: the chain's length). Adaptive: the most a step
+    # gets, the budget its tree is built at before the policy cuts it.
+    budget: int = 22
+    adaptive: bool = False  # DDTree only: each step's budget is the BudgetPolicy's choice, at most `budget`
     chain_seed: bool = True
     top_k: int = 8  # candidates per depth asked of the draft
     draft_window: int = 0  # context positions the draft attends to (0 = all)
@@ -101,7 +112,11 @@ class SpeculativeSequence:
         on_draft_failure: Callable[[], None] = lambda: None,
         on_step: Callable[[StepStats], None] = lambda step: None,  # called after every verify
         top_logprobs: int | None = None,  # None: no logprobs; N: each token's logprob and N alternatives
+        budget_policy: BudgetPolicy | None = None,  # the gateway's; observes every step, chooses adaptive budgets
     ) -> None:
+        if options.adaptive and (options.mode is not Mode.DDTREE or budget_policy is None):
+            raise ValueError("an adaptive budget needs DDTree mode and a budget policy")
+        self.budget_policy = budget_policy
         self.top_logprobs = top_logprobs
         self.sequence_id = sequence_id
         self.target, self.draft, self.shape = target, draft, draft_shape
@@ -167,10 +182,11 @@ class SpeculativeSequence:
             max_depth = min(self.max_new_tokens - len(self.generated) - 1, max_nodes)
             if max_depth < 0:
                 return
-            tree, fallback = DraftTree.empty(), ""
+            step_start = time.perf_counter()
+            tree, fallback, budget = DraftTree.empty(), "", None
             # Features are missing after steps run without the draft; a resumed draft needs them.
             if self._speculating() and (features is not None or not self.shape.taps):
-                tree, fallback = await self._draft_tree(anchor, start, features, max_depth, max_nodes)
+                tree, fallback, budget = await self._draft_tree(anchor, start, features, max_depth, max_nodes)
             elif self.wants_draft:
                 fallback = "draft_down"
             elif self.options.mode is not Mode.OFF:
@@ -187,13 +203,27 @@ class SpeculativeSequence:
                 anchor, features = prefilled.next_token, prefilled.features
                 yield self._committed([anchor], [prefilled.logprob])
                 continue
-            step = StepStats(tree.num_nodes, int(tree.depths.max(initial=0)), len(verified.committed_tokens) - 1, fallback)
+            accepted = len(verified.committed_tokens) - 1
+            self._observe(tree, budget is not None, verified, accepted, time.perf_counter() - step_start)
+            step = StepStats(tree.num_nodes, int(tree.depths.max(initial=0)), accepted, fallback, budget)
             self.stats.add(step)
             self.on_step(step)
             new = verified.committed_tokens[1:] + [verified.next_token]
             self.generated.extend(new)
             anchor, features = verified.next_token, verified.features
             yield self._committed(new, verified.logprobs)
+
+    def _observe(self, tree: DraftTree, drafted: bool, verified: Verified, accepted: int, step_s: float) -> None:
+        """Feed the budget policy a verified step; ``drafted``: the step proposed and built ``tree``."""
+        policy = self.budget_policy
+        if policy is None:
+            return
+        forward_s = verified.forward_ns / 1e9
+        # A target that does not batch reports no pass figures: its pass was this step's alone.
+        policy.observe_pass(verified.pass_rows or tree.num_nodes + 1, verified.pass_sequences or 1, forward_s)
+        if drafted:
+            policy.observe_round(step_s, forward_s)
+            policy.observe_acceptance(tree, accepted)
 
     def _committed(self, tokens: list[int], logprobs) -> Committed:
         if self.top_logprobs is None:
@@ -223,14 +253,17 @@ class SpeculativeSequence:
             # or its deadline passed meanwhile), the context stays live here, so release() frees it.
             self.draft_live = False
 
-    async def _draft_tree(self, anchor: int, start: int, features, max_depth: int, max_nodes: int) -> tuple[DraftTree, str]:
+    async def _draft_tree(
+        self, anchor: int, start: int, features, max_depth: int, max_nodes: int
+    ) -> tuple[DraftTree, str, int | None]:
         """Propose from the draft and build a tree of at most ``max_nodes`` nodes and ``max_depth``
-        depth; returns it and the fallback reason ("" = none). ``features`` are the rows ending at ``start``;
+        depth; returns it, the fallback reason ("" = none) and the budget it was built under (None:
+        none was built). ``features`` are the rows ending at ``start``;
         the token ids sent are those of every position the draft has not seen (all of them when a
         fresh context starts: token-based drafters need the whole history)."""
         opts = self.options
         if max_depth == 0:  # the last step: only the bonus token is still wanted
-            return DraftTree.empty(), ""
+            return DraftTree.empty(), "", None
         if not self.draft_live:
             self.resumes += self.stats.steps > 0  # the first context is a start, not a resume
             self.draft_context = next_draft_context()  # a fresh context: steps of the released one stay refused
@@ -254,16 +287,21 @@ class SpeculativeSequence:
             if exc.code() == grpc.StatusCode.UNAVAILABLE or late:
                 self.on_draft_failure()
             await self._forget_draft()
-            return DraftTree.empty(), exc.code().name.lower()
+            return DraftTree.empty(), exc.code().name.lower(), None
         budget = min(opts.budget, max_nodes)
         try:
             if opts.mode is Mode.CHAIN:
-                return build_chain(top_ids, min(budget, max_depth)), ""
-            return build_ddtree(top_ids, top_logprobs, budget, chain_seed=opts.chain_seed, max_depth=max_depth), ""
+                budget = min(budget, max_depth)
+                return build_chain(top_ids, budget), "", budget
+            tree = build_ddtree(top_ids, top_logprobs, budget, chain_seed=opts.chain_seed, max_depth=max_depth)
         except ValueError as exc:  # the draft's answer is input too: a broken one costs this step's speculation only
             logger.warning("sequence %s: malformed draft proposal (%s); continuing target-only", self.sequence_id, exc)
             await self._forget_draft()
-            return DraftTree.empty(), "malformed"
+            return DraftTree.empty(), "malformed", None
+        if opts.adaptive:
+            budget = self.budget_policy.choose(tree)
+            tree = tree.prefix(budget)
+        return tree, "", budget
 
     async def release(self) -> None:
         """Free the sequence on both workers; errors are logged, never raised. Survives cancellation."""

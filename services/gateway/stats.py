@@ -16,6 +16,7 @@ class StepStats:
     draft_depth: int  # draft positions speculated: the depth of the deepest node
     accepted: int  # accepted nodes, i.e. the depth of the accepted path; the step commits accepted + 1
     fallback: str = ""  # why the step ran target-only although speculation was asked ("" = it did not)
+    budget: int | None = None  # the node budget its tree was built under (None: no tree was drafted)
 
     @property
     def committed(self) -> int:

@@ -53,6 +53,9 @@ class Verified:
     features: common_pb2.Tensor | None
     forward_ns: int  # the target's time for the pass, as it reports it
     logprobs: list[common_pb2.TokenLogprob] | None = None  # of committed_tokens[1:] + [next_token], when asked for
+    # The target's batched pass this step ran in: rows and sequences over all its sequences (0: not reported).
+    pass_rows: int = 0
+    pass_sequences: int = 0
 
 
 class StepStream:
@@ -198,7 +201,8 @@ class TargetClient(WorkerClient):
         )
         features = r.features if r.HasField("features") else None
         return Verified(
-            list(r.committed_tokens), r.next_token, r.committed_length, features, r.forward_ns, list(r.logprobs) or None
+            list(r.committed_tokens), r.next_token, r.committed_length, features, r.forward_ns, list(r.logprobs) or None,
+            r.pass_rows, r.pass_sequences,
         )
 
 

@@ -144,7 +144,7 @@ async def run(args: argparse.Namespace, build=load_model) -> None:
         metrics.watch(
             live_sequences=lambda: len(engine.sequences), max_sequences=lambda: limits.max_sequences,
             kv_cache_reserved_tokens=lambda: engine.reserved_tokens, kv_cache_capacity_tokens=lambda: engine.capacity_tokens,
-            kv_blocks_used=lambda: engine.kv.usable_blocks - engine.kv.free_blocks, kv_blocks_total=lambda: engine.kv.usable_blocks,
+            kv_blocks_used=lambda: engine.kv.usable_blocks - engine.kv.free_blocks, kv_blocks_capacity=lambda: engine.kv.usable_blocks,
         )
         logger.info(
             "loaded target %s: %d layers, hidden %d, vocab %d, on %s (%s, %s) in %.1f s; serving on %s",

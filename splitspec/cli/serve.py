@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import splitspec
+from services.gateway.budget import AUTO, parse_budget
 from services.gateway.workers import WIRES
 
 logger = logging.getLogger(__name__)
@@ -69,7 +70,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-device", default="", help="draft device: auto, cpu or cuda:N (default: the same as --device)")
     p.add_argument("--dtype", default="auto", help="compute dtype of both workers")
     p.add_argument("--mode", choices=["ddtree", "chain", "off"], default="ddtree", help="default speculation mode")
-    p.add_argument("--budget", type=int, default=22, help="default tree nodes per step")
+    p.add_argument(
+        "--budget", type=parse_budget, default=AUTO,
+        help="default tree nodes per step: auto (chosen per step from the load; see splitspec gateway --help) or a fixed N",
+    )
     p.add_argument(
         "--wire", choices=WIRES, default="auto",
         help="gateway-to-worker steps: the workers' step sockets (auto: the workers here listen on Unix sockets), "

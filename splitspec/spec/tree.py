@@ -14,6 +14,9 @@ depth
     hence a position id (``start + depth``).
 budget
     The maximum number of non-root nodes in the tree.
+path score
+    The sum of the draft's log-probs of the ranks on the path from the root to a node (one rank per
+    depth): the node's log-probability under the draft, were its depths independent.
 chain seed
     The lucebox variant: the full top-1 spine (the chain DFlash would propose) is inserted first,
     then the remaining budget is spent best-first as usual.
@@ -31,7 +34,9 @@ and log-probs. The score of a path is the sum of the log-probs of its ranks, one
 max-heap pops the best frontier path; each popped node pushes its next sibling (same parent and
 depth, rank + 1) and its first child (depth + 1, rank 0). Since neither push can score above the
 popped node, pops come out in non-increasing score order and the tree is a prefix-closed top-budget
-set of paths.
+set of paths. The pops do not depend on the budget, so the tree of budget ``b`` is the first ``b``
+nodes of any larger one (:meth:`DraftTree.prefix`): one build at the largest budget serves every
+smaller one (``splitspec.spec.budget`` chooses among them).
 """
 
 from __future__ import annotations
@@ -58,23 +63,40 @@ class DraftTree:
     tokens: np.ndarray  # [num_nodes] int32: token of node i+1 (the root is not stored)
     parents: np.ndarray  # [num_nodes] int32: parent of node i+1; 0 = root, j > 0 = node j; parents[i] <= i
     depths: np.ndarray  # [num_nodes] int32: depth of node i+1 (root = 0, so depths >= 1)
+    # [num_nodes] float64: path score of node i+1, or None for a tree built without log-probs (a chain)
+    scores: np.ndarray | None = None
 
     @property
     def num_nodes(self) -> int:
         return len(self.tokens)
 
+    def prefix(self, num_nodes: int) -> DraftTree:
+        """The first ``num_nodes`` nodes (all of them if there are fewer).
+
+        Every node's parent comes before it (``parents[i] <= i``), so any prefix is itself a tree.
+        A tree of :func:`build_ddtree` cut to ``b`` nodes is exactly the tree it builds under budget
+        ``b`` from the same draft, ``max_depth`` and ``chain_seed``: pops come out in the same order
+        whatever the budget, and a chain seed of ``b`` or more nodes is cut to the one of budget ``b``.
+        """
+        if num_nodes < 0:
+            raise ValueError(f"num_nodes must be >= 0, got {num_nodes}")
+        cut = slice(0, num_nodes)
+        scores = None if self.scores is None else self.scores[cut]
+        return DraftTree(tokens=self.tokens[cut], parents=self.parents[cut], depths=self.depths[cut], scores=scores)
+
     @classmethod
     def empty(cls) -> DraftTree:
         """The root-only tree."""
         none = np.zeros(0, dtype=np.int32)
-        return cls(tokens=none, parents=none.copy(), depths=none.copy())
+        return cls(tokens=none, parents=none.copy(), depths=none.copy(), scores=np.zeros(0))
 
 
-def _from_lists(tokens: list[int], parents: list[int], depths: list[int]) -> DraftTree:
+def _from_lists(tokens: list[int], parents: list[int], depths: list[int], scores: list[float]) -> DraftTree:
     return DraftTree(
         tokens=np.asarray(tokens, dtype=np.int32),
         parents=np.asarray(parents, dtype=np.int32),
         depths=np.asarray(depths, dtype=np.int32),
+        scores=np.asarray(scores, dtype=np.float64),
     )
 
 
@@ -109,7 +131,8 @@ def build_ddtree(
     Node order is insertion order: pop order, preceded by the spine when ``chain_seed``. Ties in
     score pop in push order, so the result is deterministic. A pushed score is the parent's path
     score plus one log-prob (the same value as DDTree's sibling update, arXiv 2604.12989, without its rounding
-    drift), so equal paths tie exactly.
+    drift), so equal paths tie exactly. The tree carries each node's path score (``DraftTree.scores``:
+    non-increasing in node order, the spine aside).
     """
     top_ids = _check_top_ids(top_ids)
     top_logprobs = np.asarray(top_logprobs)
@@ -170,7 +193,7 @@ def build_ddtree(
         node = insert(parent, depth, rank, -neg_score)
         if depth < max_depth:
             push(node, depth + 1, 0)
-    return _from_lists(tokens, parents, depths)
+    return _from_lists(tokens, parents, depths, scores[1:])
 
 
 def build_chain(top_ids: np.ndarray, depth: int) -> DraftTree:

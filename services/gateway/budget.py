@@ -1,0 +1,166 @@
+"""The gateway's adaptive tree budget (``--budget auto``): one :class:`BudgetPolicy` per gateway,
+shared by all its sequences, learns from their steps and chooses each DDTree step's budget.
+
+It keeps running figures of what :mod:`splitspec.spec.budget` needs (see its terms), each an
+exponential moving average (EMA), so they follow the load as it changes:
+
+- the verify cost curve ``t(rows)``: per row bucket, the mean rows and seconds of the target's
+  passes, fed by every ``VerifyResponse`` (``pass_rows``, ``forward_ns``);
+- ``t_other``: a speculating step's time minus its verify pass;
+- the concurrency ``n``: sequences per pass (``pass_sequences``). The target counts every sequence
+  of the pass, so other gateways' sequences are in it too;
+- the calibration ``c(d)``: per depth, the observed and the predicted acceptance.
+
+Its methods never await, so on the gateway's one event loop each runs whole between steps of
+other sequences; no lock is needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+
+from splitspec.spec.budget import choose_budget, depth_mass, expected_acceptance, row_bucket, verify_cost
+from splitspec.spec.tree import DraftTree
+
+AUTO = "auto"
+DEFAULT_BUDGET = 22  # before the policy has cost data, and the chain length of chain mode under auto
+DEFAULT_MAX_BUDGET = 64
+
+
+def parse_budget(text: str) -> str | int:
+    """The ``--budget`` flag (argparse type): ``auto`` or a fixed number of nodes (>= 1)."""
+    if text.strip().lower() == AUTO:
+        return AUTO
+    try:
+        budget = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither auto nor a number") from None
+    if budget < 1:
+        raise argparse.ArgumentTypeError(f"{budget} must be >= 1 (or auto)")
+    return budget
+
+
+class _Ema:
+    """An exponential moving average; its first observation is its start value."""
+
+    def __init__(self, alpha: float) -> None:
+        self.alpha, self.value, self.count = alpha, 0.0, 0
+
+    def add(self, x: float) -> None:
+        self.value = x if self.count == 0 else self.value + self.alpha * (x - self.value)
+        self.count += 1
+
+
+class BudgetPolicy:
+    """Chooses each adaptive step's budget from what the gateway's steps observed.
+
+    Args:
+        default_budget: the budget chosen before ``warmup_passes`` passes and a speculating step were seen.
+        max_budget: the largest budget chosen (the adaptive trees are built at this size).
+        warmup_passes: verify passes to observe before choosing.
+        alpha: EMA weight of a new observation of cost, ``t_other`` and concurrency: about the last
+            ``1 / alpha`` observations count.
+        calibration_alpha: EMA weight of one step's acceptance. A step's acceptance at a depth is 0
+            or 1, so this averages over more steps.
+    """
+
+    def __init__(
+        self,
+        default_budget: int = DEFAULT_BUDGET,
+        max_budget: int = DEFAULT_MAX_BUDGET,
+        *,
+        warmup_passes: int = 8,
+        alpha: float = 0.1,
+        calibration_alpha: float = 0.01,
+    ) -> None:
+        if not 0 <= default_budget <= max_budget:
+            raise ValueError(f"default budget {default_budget} is outside [0, max budget {max_budget}]")
+        if warmup_passes < 1:
+            raise ValueError(f"warmup_passes must be >= 1 (the cost curve needs a point), got {warmup_passes}")
+        self.default_budget, self.max_budget, self.warmup_passes = default_budget, max_budget, warmup_passes
+        self.alpha, self.calibration_alpha = alpha, calibration_alpha
+        self.passes = 0
+        self._buckets: dict[int, tuple[_Ema, _Ema]] = {}  # row bucket -> (EMA of rows, EMA of seconds)
+        self._other = _Ema(alpha)  # t_other, seconds
+        self._concurrency = _Ema(alpha)  # sequences per pass
+        self._observed: list[_Ema] = []  # [depth] EMA of the steps' acceptance at that depth (index 0 unused)
+        self._predicted: list[_Ema] = []  # [depth] EMA of the draft's probability mass at that depth
+
+    def observe_pass(self, rows: int, pass_sequences: int, forward_s: float) -> None:
+        """A verify pass of ``rows`` rows over ``pass_sequences`` sequences took ``forward_s`` seconds.
+
+        Every sequence of a pass reports it, so a pass of ``n`` counts ``n`` times: its concurrency is
+        then the one a sequence meets, and its cost point simply settles sooner."""
+        if rows < 1 or pass_sequences < 1 or forward_s <= 0:
+            return  # a target that does not time or count its passes teaches nothing
+        bucket = self._buckets.setdefault(row_bucket(rows), (_Ema(self.alpha), _Ema(self.alpha)))
+        bucket[0].add(rows)
+        bucket[1].add(forward_s)
+        self._concurrency.add(pass_sequences)
+        self.passes += 1
+
+    def observe_round(self, seconds: float, verify_forward_s: float) -> None:
+        """A speculating step took ``seconds`` from its proposal to its verify response, of which its
+        verify pass took ``verify_forward_s``; the rest is ``t_other``."""
+        self._other.add(max(0.0, seconds - verify_forward_s))
+
+    def observe_acceptance(self, tree: DraftTree, accepted_depth: int) -> None:
+        """A step verified ``tree`` (with its scores) and accepted ``accepted_depth`` nodes: update the
+        calibration of every depth the tree reached (a depth it did not reach is no evidence)."""
+        if tree.num_nodes == 0 or tree.scores is None:
+            return
+        max_depth = int(tree.depths.max())
+        predicted = depth_mass(tree.scores, tree.depths, max_depth)  # [max_depth + 1]
+        while len(self._observed) <= max_depth:
+            self._observed.append(_Ema(self.calibration_alpha))
+            self._predicted.append(_Ema(self.calibration_alpha))
+        for depth in range(1, max_depth + 1):
+            observed, mass = self._observed[depth], self._predicted[depth]
+            if mass.count == 0:
+                # Both start at the first prediction, as if it had come true (c = 1), so that the first
+                # few steps, each accepting 0 or 1, cannot swing the ratio to 0 or to many times 1.
+                observed.add(predicted[depth])
+                mass.add(predicted[depth])
+            observed.add(float(accepted_depth >= depth))
+            mass.add(predicted[depth])
+
+    @property
+    def concurrency(self) -> float:
+        """Sequences per verify pass (1.0 before any pass was observed)."""
+        return self._concurrency.value if self._concurrency.count else 1.0
+
+    @property
+    def t_other(self) -> float:
+        return self._other.value
+
+    def calibration(self, max_depth: int) -> np.ndarray:
+        """``c(d)`` for ``d = 0 .. max_depth``: ``[max_depth + 1]`` float64, 1.0 where unobserved."""
+        c = np.ones(max_depth + 1)
+        for depth in range(1, min(max_depth + 1, len(self._observed))):
+            mass = self._predicted[depth].value
+            if self._predicted[depth].count and mass > 0:
+                c[depth] = self._observed[depth].value / mass
+        return c
+
+    def cost(self, rows: np.ndarray) -> np.ndarray:
+        """``t(rows)`` as learned so far (:func:`splitspec.spec.budget.verify_cost`); needs one pass."""
+        points = [(r.value, s.value) for r, s in self._buckets.values()]
+        known_rows, known_seconds = np.array(points).T  # [k] each
+        return verify_cost(rows, known_rows, known_seconds)
+
+    @property
+    def ready(self) -> bool:
+        """Whether the policy has seen enough to choose: ``warmup_passes`` passes and one speculating step."""
+        return self.passes >= self.warmup_passes and self._other.count > 0
+
+    def choose(self, tree: DraftTree) -> int:
+        """The budget for a step whose draft gave ``tree``, a DDTree of the largest budget (with its
+        scores): in ``[0, min(tree.num_nodes, max_budget)]``; cut the tree to it with ``tree.prefix``."""
+        most = min(tree.num_nodes, self.max_budget)
+        if not self.ready or most == 0:
+            return min(self.default_budget, most)
+        calibration = self.calibration(int(tree.depths[:most].max()))
+        expected_al = expected_acceptance(tree.scores[:most], tree.depths[:most], calibration)  # [most + 1]
+        return choose_budget(expected_al, self.cost, self.t_other, self.concurrency)

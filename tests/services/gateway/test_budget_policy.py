@@ -1,0 +1,236 @@
+"""The gateway's adaptive tree budget: BudgetPolicy learning from observed steps, and the
+speculation loop and the servicer using it (fake workers, no processes)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+from prometheus_client import CollectorRegistry
+
+from services.gateway.budget import BudgetPolicy, parse_budget
+from services.gateway.server import GatewayServicer, GatewayState
+from services.gateway.speculation import DraftShape, Mode, SpeculationOptions, SpeculativeSequence
+from services.gateway.workers import Prefilled, Verified
+from services.metrics import GatewayMetrics
+from splitspec.errors import InvalidArgument
+from splitspec.spec.budget import depth_mass
+from splitspec.spec.tree import build_ddtree
+from splitspec.v1 import common_pb2, gateway_pb2, target_pb2
+
+DEPTHS, K = 15, 8
+TOP_IDS = np.arange(DEPTHS * K, dtype=np.int64).reshape(DEPTHS, K)
+# A DFlash-like proposal: the top token has 0.75 of the mass at depth 1, decaying with depth. [L, K]
+TOP_LOGPROBS = np.log(0.75 * 0.97 ** np.arange(DEPTHS)[:, None] * 0.25 ** np.arange(K)[None, :])
+TREE = build_ddtree(TOP_IDS, TOP_LOGPROBS, budget=64)
+
+
+def flat_then_linear(rows: float) -> float:
+    """A large target's verify pass: 20 ms up to 128 rows (memory-bound), then 0.1 ms per row."""
+    return 0.020 + 1e-4 * max(0.0, rows - 128)
+
+
+def run_steps(policy: BudgetPolicy, sequences: int, steps: int, rng: np.random.Generator, true_q: np.ndarray | None = None) -> list[int]:
+    """``steps`` steps of ``sequences`` sequences sharing each pass, every one choosing as the policy
+    says: feed it what the gateway would see, the target priced by ``flat_then_linear`` and accepting
+    each depth with probability ``true_q[d]`` given the depth before (default: as the draft predicts).
+    Returns the budgets chosen."""
+    chosen = []
+    for _ in range(steps):
+        budget = policy.choose(TREE)
+        chosen.append(budget)
+        tree = TREE.prefix(budget)
+        rows = sequences * (budget + 1)
+        forward = flat_then_linear(rows)
+        for _ in range(sequences):
+            policy.observe_pass(rows, sequences, forward)
+            policy.observe_round(0.003 + forward, forward)
+            reach = depth_mass(tree.scores, tree.depths, DEPTHS) if true_q is None else np.cumprod(np.r_[1.0, true_q])
+            accepted = int(np.sum(rng.random() < reach[1 : int(tree.depths.max(initial=0)) + 1]))
+            policy.observe_acceptance(tree, accepted)
+    return chosen
+
+
+def test_the_default_budget_until_passes_and_a_round_were_seen():
+    policy = BudgetPolicy(22, 64, warmup_passes=4)
+    assert policy.choose(TREE) == 22 and policy.choose(TREE.prefix(5)) == 5
+    for _ in range(4):
+        policy.observe_pass(23, 1, 0.02)
+    assert policy.choose(TREE) == 22  # no round yet: t_other unknown
+    policy.observe_pass(0, 0, 0.0)  # a target that reports nothing teaches nothing
+    assert policy.passes == 4
+    policy.observe_round(0.025, 0.02)
+    assert policy.ready and policy.choose(TREE) == 64  # one cost point: flat, so the largest tree
+
+
+def test_it_learns_the_cost_curve_from_the_passes_it_sees():
+    policy = BudgetPolicy()
+    rng = np.random.default_rng(0)
+    for rows in rng.integers(1, 4096, 3000):
+        policy.observe_pass(int(rows), 1, flat_then_linear(rows))
+    probe = np.array([1, 20, 100, 128, 300, 1000, 4000])
+    learned = policy.cost(probe)
+    assert np.allclose(learned, [flat_then_linear(r) for r in probe], rtol=0.08)
+    assert np.all(np.diff(policy.cost(np.arange(1, 5000))) >= 0)
+
+
+def test_it_learns_the_per_depth_calibration():
+    """The target accepts each depth with probability 0.6 where the draft says 0.75: observed over
+    predicted acceptance at depth d tends to (0.6 / 0.75) ** d on a chain of top-1 tokens."""
+    policy = BudgetPolicy(calibration_alpha=0.002)  # averages over ~1000 steps: 0/1 outcomes are noisy
+    rng = np.random.default_rng(1)
+    chain = build_ddtree(TOP_IDS[:, :1], np.log(np.full((DEPTHS, 1), 0.75)), budget=DEPTHS)
+    for _ in range(6000):
+        accepts = rng.random(DEPTHS) < 0.6  # the target's token matches the chain's at each depth
+        policy.observe_acceptance(chain, DEPTHS if accepts.all() else int(np.argmin(accepts)))
+    c = policy.calibration(4)
+    assert c[0] == 1.0
+    assert np.allclose(c[1:], (0.6 / 0.75) ** np.arange(1, 5), rtol=0.15), c
+    assert policy.calibration(DEPTHS + 3)[-3:].tolist() == [1.0, 1.0, 1.0]  # depths never seen
+
+
+def test_its_choice_follows_the_observed_load():
+    """Alone, the pass costs the same at any budget: the largest tree. As 32 sequences share the
+    passes, the policy sees the concurrency and the cost of wide passes and cuts the trees; when the
+    load goes, the trees grow again."""
+    policy = BudgetPolicy(22, 64)
+    rng = np.random.default_rng(2)
+    alone = run_steps(policy, 1, 40, rng)
+    assert alone[:8] == [22] * 8 and alone[-1] == 64
+    busy = run_steps(policy, 32, 40, rng)
+    assert policy.concurrency == pytest.approx(32)
+    assert busy[-1] <= 4, busy
+    assert run_steps(policy, 1, 40, rng)[-1] == 64
+    assert run_steps(policy, 8, 60, rng)[-1] in range(8, 24)
+
+
+def test_a_draft_that_overpromises_gets_smaller_trees():
+    rng = np.random.default_rng(3)
+    trusting, doubting = BudgetPolicy(22, 64), BudgetPolicy(22, 64, calibration_alpha=0.05)
+    trusted = run_steps(trusting, 8, 150, rng)[-1]
+    doubted = run_steps(doubting, 8, 150, rng, true_q=np.full(DEPTHS, 0.3))[-1]
+    assert doubted < trusted, (doubted, trusted)
+
+
+def test_the_budget_flag():
+    assert parse_budget("auto") == "auto" and parse_budget("AUTO") == "auto" and parse_budget("16") == 16
+    for bad in ("0", "-3", "many"):
+        with pytest.raises(Exception, match="auto"):
+            parse_budget(bad)
+
+
+# The speculation loop and the servicer ------------------------------------------------------
+
+PROMPT = [1, 2, 3]
+MAX_NEW_TOKENS = 24
+# The target accepts nothing, so step i (1-based) follows i generated tokens and may draft this deep:
+# the tokens still wanted after its bonus. The last step drafts nothing.
+STEP_DEPTHS = [min(DEPTHS, MAX_NEW_TOKENS - i - 1) for i in range(1, MAX_NEW_TOKENS)]
+
+
+class FakeTarget:
+    """A target that accepts no draft node and reports a batched pass of 32 sequences."""
+
+    def __init__(self) -> None:
+        self.trees: list[tuple[list[int], list[int]]] = []
+
+    async def prefill(self, request, timeout=None) -> Prefilled:
+        return Prefilled(next_token=500, features=None)
+
+    async def verify(self, sequence_id, tokens, parents, return_features, timeout=None) -> Verified:
+        self.trees.append((np.asarray(tokens).tolist(), np.asarray(parents).tolist()))
+        rows = 32 * (len(tokens) + 1)
+        return Verified([500], 500, 0, None, int(flat_then_linear(rows) * 1e9), pass_rows=rows, pass_sequences=32)
+
+    async def release(self, sequence_id) -> None:
+        pass
+
+
+class FakeDraft:
+    async def propose(self, sequence_id, anchor, start, history, features, top_k, window, timeout=None, context=0):
+        return TOP_IDS, TOP_LOGPROBS
+
+    async def release(self, sequence_id, context=0) -> None:
+        pass
+
+
+def run_sequence(options: SpeculationOptions, policy: BudgetPolicy, max_new_tokens: int = MAX_NEW_TOKENS):
+    metrics = GatewayMetrics(CollectorRegistry())
+    metrics.model = "m"
+    target = FakeTarget()
+    seq = SpeculativeSequence(
+        "s", target, FakeDraft(), DraftShape(block_size=DEPTHS + 1, taps=()), options, PROMPT, common_pb2.Sampling(),
+        max_new_tokens=max_new_tokens, max_context=4096, on_step=metrics.step_observer(options.mode.value),
+        budget_policy=policy,
+    )
+
+    async def drain():
+        async for _ in seq.run():
+            pass
+
+    asyncio.run(drain())
+    budgets = metrics.registry.get_sample_value("splitspec_spec_decode_budget_nodes_sum", {"model": "m", "mode": options.mode.value})
+    return target.trees, budgets
+
+
+def recording(policy: BudgetPolicy) -> list[int]:
+    """Record every budget ``policy.choose`` returns."""
+    chosen, choose = [], policy.choose
+
+    def record(tree):
+        chosen.append(choose(tree))
+        return chosen[-1]
+
+    policy.choose = record
+    return chosen
+
+
+def test_an_adaptive_sequence_cuts_the_largest_tree_to_the_choice_and_feeds_the_policy():
+    policy = BudgetPolicy(22, 64, warmup_passes=3)
+    chosen = recording(policy)
+    options = SpeculationOptions(budget=64, adaptive=True)
+    trees, budgets = run_sequence(options, policy)
+    assert len(trees) == policy.passes == len(STEP_DEPTHS) and trees[-1] == ([], [])
+    assert len(chosen) == len(STEP_DEPTHS) - 1  # every step that drafted
+    assert policy.concurrency == 32 and policy.t_other >= 0
+    # The default until 3 passes were seen, then the largest tree (one cost point: a flat curve), whose
+    # wide pass (32 x 65 rows) shows the cost growing: the trees shrink.
+    assert chosen[:4] == [22, 22, 22, 64] and max(chosen[4:]) < 22, chosen
+    for (tokens, parents), budget, depth in zip(trees, chosen, STEP_DEPTHS):
+        want = build_ddtree(TOP_IDS, TOP_LOGPROBS, budget, chain_seed=options.chain_seed, max_depth=depth)
+        assert (tokens, parents) == (want.tokens.tolist(), want.parents.tolist())
+    assert budgets == sum(chosen)
+
+
+def test_a_fixed_budget_wins_over_the_policy_and_still_teaches_it():
+    policy = BudgetPolicy(22, 64, warmup_passes=3)
+    chosen = recording(policy)
+    trees, budgets = run_sequence(SpeculationOptions(budget=12), policy)
+    assert chosen == [] and policy.passes == len(STEP_DEPTHS) and policy.concurrency == 32
+    # 12 nodes a step, but at depth 1 (one token left before the bonus) the draft's 8 candidates.
+    assert [len(tokens) for tokens, _ in trees] == [12] * (len(STEP_DEPTHS) - 2) + [8, 0]
+    assert budgets == 12 * (len(STEP_DEPTHS) - 1)
+    with pytest.raises(ValueError):
+        run_sequence(SpeculationOptions(mode=Mode.CHAIN, adaptive=True), policy)
+
+
+def servicer(defaults: SpeculationOptions, policy: BudgetPolicy, max_tree_nodes: int = 256) -> GatewayServicer:
+    state = GatewayState(target_pb2.TargetInfo(max_tree_nodes=max_tree_nodes), None, tokenizer=None)
+    return GatewayServicer(None, None, state, defaults, None, None, None, policy)
+
+
+def test_a_requests_own_budget_wins_over_the_adaptive_default():
+    Spec = gateway_pb2.Speculation
+    gateway = servicer(SpeculationOptions(budget=22, adaptive=True), BudgetPolicy(22, 64))
+    auto = gateway._options(Spec())
+    assert (auto.mode, auto.adaptive, auto.budget) == (Mode.DDTREE, True, 64)  # built at the most, cut per step
+    own = gateway._options(Spec(budget=5))
+    assert (own.adaptive, own.budget, own.top_k) == (False, 5, 5)
+    chain = gateway._options(Spec(mode=Spec.CHAIN))
+    assert (chain.adaptive, chain.budget) == (False, 22)
+    with pytest.raises(InvalidArgument, match="speculation.budget"):
+        gateway._options(Spec(budget=300))
+    assert servicer(SpeculationOptions(budget=22, adaptive=True), BudgetPolicy(22, 64), max_tree_nodes=40)._options(Spec()).budget == 40
+    fixed = servicer(SpeculationOptions(budget=16), BudgetPolicy(22, 64))._options(Spec())
+    assert (fixed.adaptive, fixed.budget) == (False, 16)
