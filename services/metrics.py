@@ -63,6 +63,37 @@ PromQL (add ``{model="..."}`` matchers or ``by (model)`` for several models):
       / sum(rate(splitspec_rpc_duration_seconds_count{rpc="TargetWorker/Verify"}[5m]))
     - sum(rate(splitspec_worker_forward_duration_seconds_sum{phase="verify"}[5m]))
       / sum(rate(splitspec_worker_forward_duration_seconds_count{phase="verify"}[5m]))
+
+  (the worker's own share of the waiting is ``splitspec_worker_queue_seconds``, below)
+
+- sequences per batched pass, mean and p90 by phase (verify on the target, propose on the draft;
+  near 1 while sequences run one at a time)::
+
+    sum by (phase) (rate(splitspec_worker_pass_sequences_sum[5m]))
+      / sum by (phase) (rate(splitspec_worker_pass_sequences_count[5m]))
+
+    histogram_quantile(0.9, sum by (le, phase) (rate(splitspec_worker_pass_sequences_bucket[5m])))
+
+- rows per verify pass, mean (every sequence's tree nodes plus its root)::
+
+    sum(rate(splitspec_worker_pass_rows_sum{phase="verify"}[5m]))
+      / sum(rate(splitspec_worker_pass_rows_count{phase="verify"}[5m]))
+
+- queueing in a worker, p50 and p99 by phase (a step's wait for the batched pass it ran in to start)::
+
+    histogram_quantile(0.5, sum by (le, phase) (rate(splitspec_worker_queue_seconds_bucket[5m])))
+
+    histogram_quantile(0.99, sum by (le, phase) (rate(splitspec_worker_queue_seconds_bucket[5m])))
+
+- paged KV cache of the target, blocks held vs in all, and the share held (at 1 the newest
+  sequence is preempted and prefills wait for blocks)::
+
+    sum by (instance) (splitspec_worker_kv_blocks_used)
+
+    sum by (instance) (splitspec_worker_kv_blocks_capacity)
+
+    sum by (instance) (splitspec_worker_kv_blocks_used)
+      / sum by (instance) (splitspec_worker_kv_blocks_capacity)
 """
 
 from __future__ import annotations

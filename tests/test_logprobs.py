@@ -47,7 +47,7 @@ def system(request, module_services, tiny_pair, tmp_path_factory):
     s, model = module_services, str(tiny_pair.target)
     table = tmp_path_factory.mktemp("logprobs-oracle") / "table.jsonl"
     # The fast path's fixed shapes (pooled KV slot, padded rows; graphs on a GPU) read the same logits.
-    fast = ["--graph-slots", "1", "--graph-context", "512"] if request.param == "fast-path" else []
+    fast = ["--fixed-shapes", "on"] if request.param == "fast-path" else []
     target = s.start("lp-target", "target", "--model", model, "--dtype", "float64", "--threads", "1", *fast)
     oracle = s.start("lp-oracle", "oracle-draft", "--table", str(table), "--corruption", "0.3", "--target-model", model)
     gateway = s.start("lp-gateway", "gateway", "--target", target, "--draft", oracle)

@@ -56,8 +56,8 @@ def system(request, module_services, tiny_pair, tiny_qwen35_pair, tmp_path_facto
     pair = tiny_qwen35_pair if arch == "qwen35" else tiny_pair
     model = str(pair.target)
     table = tmp_path_factory.mktemp(f"oracle-{arch}") / "table.jsonl"
-    # The fast path's fixed shapes (pooled KV slot, padded rows, bucketed spans; graphs on a GPU).
-    fast = ["--graph-slots", "1", "--graph-context", "512"] if arch.endswith("fast-path") else []
+    # The fixed-shape passes (padded rows and sequences, bucketed spans; graphs on a GPU).
+    fast = ["--fixed-shapes", "on"] if arch.endswith("fast-path") else []
     # One torch thread per worker: two workers spinning all cores of a small CI machine stall each other.
     target = s.start(f"{arch}-target", "target", "--model", model, "--dtype", "float64", "--threads", "1", *fast)
     oracle = s.start(f"{arch}-oracle", "oracle-draft", "--table", str(table), "--corruption", "0.3", "--target-model", model)

@@ -21,7 +21,6 @@ import torch
 from services.draft.engine import DraftEngine
 from services.draft.graphs import BlockGraphs
 from services.target.engine import TargetEngine, TargetLimits
-from services.target.graphs import StaticVerifier, row_bucket
 from splitspec.bench.random_weights import random_draft, random_target, random_target_head
 from splitspec.models.dense import DenseForCausalLM
 from splitspec.spec.sampling import SamplingParams
@@ -108,19 +107,19 @@ def time_target(
     vocab = model.config.vocab_size
     prompt = rng.integers(0, vocab, prompt_len).tolist()
     steps = (len(budgets) + 1) * (iters + 3)  # every verify commits at least its root
-    context = prompt_len + steps + (row_bucket(max(budgets) + 1) or max(budgets) + 1)  # no step may fall off the fast path
+    context = prompt_len + steps + max(budgets) + 1
     if not isinstance(model, DenseForCausalLM):
-        paths = {"eager": False}  # the fast path (services/target/graphs.py) serves dense targets only
+        paths = {"eager": False}  # fixed shapes (services/target/graphs.py) serve dense targets only
     elif graphs and device.type == "cuda":
         paths = {"graphs": True, "eager": False}
     else:
         paths = {"fixed shapes" if graphs else "eager": False}
     for label, capture in paths.items():
-        static = StaticVerifier(model, 2, context, capture) if label != "eager" else None  # the second slot: prefill
-        engine = TargetEngine(model, TargetLimits(max_tree_nodes=max(budgets)), static)
+        limits = TargetLimits(max_tree_nodes=max(budgets), max_kv_tokens=2 * context + 64)
+        engine = TargetEngine(model, limits, fixed_shapes=label != "eager", capture=capture)
         engine.prefill("bench", prompt, GREEDY, reserve_tokens=context)
 
-        def prefill() -> None:  # a second sequence (in the second slot on the graphed path)
+        def prefill() -> None:  # a second sequence
             engine.prefill("prefill", prompt, GREEDY, reserve_tokens=context)
             engine.sequences.pop("prefill")
 

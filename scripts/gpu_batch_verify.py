@@ -1,0 +1,129 @@
+"""GPU check and timing of batched verify (continuous batching) in the target engine, no services.
+
+1. Correctness (float32, random qwen3-0.6b shape): the verify steps of several sequences run as one
+   fixed-shape pass replayed as a CUDA graph give every sequence the tokens of running it alone
+   eagerly, over steps that mix decode steps and trees.
+2. Timing (bfloat16, random weights of ``--shape``): for each batch size B, B sequences with
+   ``--prompt`` prompt tokens each take decode steps (1 row each) and budget-``--budget`` trees
+   together: ms per pass and aggregate decode tok/s (B / ms), then the pass time by total rows
+   (the cost curve the gateway's adaptive budget learns).
+
+Usage: python scripts/gpu_batch_verify.py [--shape qwen3-8b] [--batches 1,4,8,16,32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+import torch
+
+from services.target.engine import TargetEngine, TargetLimits, VerifyStep
+from splitspec.bench.components import random_tree
+from splitspec.bench.random_weights import random_target
+from splitspec.spec.sampling import SamplingParams
+
+GREEDY = SamplingParams()
+
+
+def check(shape: str, device: str) -> bool:
+    model, config = random_target(f"random:{shape}", device, torch.float32)
+    eager = TargetEngine(model, TargetLimits(max_kv_tokens=16 * 1024))
+    graphed = TargetEngine(model, TargetLimits(max_kv_tokens=16 * 1024), fixed_shapes=True, capture=device == "cuda")
+    rng = np.random.default_rng(0)
+    ids = [f"s{i}" for i in range(6)]
+    for sid in ids:
+        prompt = rng.integers(0, config.vocab_size, int(rng.integers(5, 300))).tolist()
+        for e in (eager, graphed):
+            e.prefill(sid, prompt, GREEDY, taps=(1, 2), reserve_tokens=1024)
+    same, worst = True, 0.0
+    for _ in range(30):
+        members = [sid for sid in ids if rng.random() < 0.7] or ids[:1]
+        steps = []
+        for sid in members:
+            budget = int(rng.choice([0, 5, 22]))
+            tokens, parents = random_tree(rng, config.vocab_size, budget) if budget else ([], [])
+            steps.append(VerifyStep(sid, tokens, parents, True))
+        alone = [eager.verify_batch([s])[0] for s in steps]
+        together = graphed.verify_batch(steps)
+        for a, b in zip(alone, together):
+            same &= (a.committed_tokens, a.next_token) == (b.committed_tokens, b.next_token)
+            worst = max(worst, (a.features.float() - b.features.float()).abs().max().item())
+    ok = same and worst < 1e-2
+    print(f"{'PASS' if ok else 'FAIL'} batched graphs vs alone eager, {shape} float32: tokens identical {same}, "
+          f"max |feature diff| {worst:.2e}, graphs {graphed.runner.graphs}", flush=True)
+    return ok
+
+
+def timed(engine: TargetEngine, steps: list[VerifyStep], iters: int) -> float:
+    """Median ms of one verify_batch of ``steps`` (each sequence's KV grows as it goes)."""
+    for _ in range(3):
+        engine.verify_batch(steps)
+    times = []
+    sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
+    for _ in range(iters):
+        sync()
+        t0 = time.perf_counter()
+        engine.verify_batch(steps)
+        sync()
+        times.append(1e3 * (time.perf_counter() - t0))
+    return float(np.median(times))
+
+
+def bench(shape: str, batches: list[int], prompt: int, budget: int, iters: int, device: str) -> None:
+    model, config = random_target(f"random:{shape}", device, torch.bfloat16 if device == "cuda" else torch.float32)
+    top = max(batches)
+    engine = TargetEngine(
+        model, TargetLimits(max_sequences=top, max_kv_tokens=top * (prompt + 2048)), fixed_shapes=True, capture=device == "cuda"
+    )
+    rng = np.random.default_rng(1)
+    print(f"{shape} {next(model.parameters()).dtype}, prompts of {prompt}, random weights (benchmark-only), paged KV, CUDA graphs", flush=True)
+    print("| sequences | decode ms/pass | decode aggregate tok/s | x B=1 | tree b%d ms/pass | tree / decode |" % budget)
+    print("|---|---|---|---|---|---|")
+    base = None
+    for b in batches:
+        ids = [f"b{b}-{i}" for i in range(b)]
+        for sid in ids:
+            engine.prefill(sid, rng.integers(0, config.vocab_size, prompt).tolist(), GREEDY, taps=tuple(range(1, config.num_layers, max(1, config.num_layers // 5)))[:5], reserve_tokens=prompt + 2048)
+        decode = timed(engine, [VerifyStep(sid, [], [], True) for sid in ids], iters)
+        trees = []
+        for sid in ids:
+            tokens, parents = random_tree(rng, config.vocab_size, budget)
+            trees.append(VerifyStep(sid, tokens, parents, True))
+        tree = timed(engine, trees, iters)
+        rate = 1e3 * b / decode
+        base = base or rate
+        print(f"| {b} | {decode:.2f} | {rate:.0f} | {rate / base:.2f} | {tree:.2f} | {tree / decode:.2f} |", flush=True)
+        if b == top:
+            curve = []
+            for nodes in (1, 4, 8, 16, 22, 32):
+                steps = []
+                for sid in ids:
+                    tokens, parents = random_tree(rng, config.vocab_size, nodes)
+                    steps.append(VerifyStep(sid, tokens, parents, True))
+                curve.append((b * (nodes + 1), timed(engine, steps, max(5, iters // 2))))
+            print("pass ms by total rows at B=%d: " % b + ", ".join(f"{r} rows {ms:.2f}" for r, ms in curve), flush=True)
+        for sid in ids:
+            engine.sequences.pop(sid)
+    print(f"graphs captured: {engine.runner.graphs}", flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", default="qwen3-8b")
+    p.add_argument("--check-shape", default="qwen3-0.6b")
+    p.add_argument("--batches", default="1,4,8,16,32")
+    p.add_argument("--prompt", type=int, default=512)
+    p.add_argument("--budget", type=int, default=22)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--skip-check", action="store_true")
+    p.add_argument("--device", default="cuda", help="cuda, or cpu for a dry run of the script")
+    args = p.parse_args()
+    ok = args.skip_check or check(args.check_shape, args.device)
+    bench(args.shape, [int(b) for b in args.batches.split(",")], args.prompt, args.budget, args.iters, args.device)
+    raise SystemExit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
