@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.worker.cuda_graphs import attention_span, capture
+from services.worker.cuda_graphs import StagedInputs, attention_span, capture
 from splitspec.models.paged import PagedState, PassInputs, PassLayout
 
 logger = logging.getLogger(__name__)
@@ -51,7 +51,8 @@ def bucket(value: int, buckets: tuple[int, ...]) -> int | None:
 class _Pass:
     """One captured shape: its input buffers and the outputs its replays rewrite."""
 
-    inputs: PassInputs
+    staged: StagedInputs  # the inputs' bytes: written on the host, one copy to the device a pass
+    inputs: PassInputs  # views of the staged device bytes
     logits: torch.Tensor | None = None  # [N or 1, vocab] float32
     features: torch.Tensor | None = None  # [N, taps * hidden]
     graph: torch.cuda.CUDAGraph | None = None
@@ -82,19 +83,19 @@ class PassRunner:
         ``[N, taps * hidden]`` of the layout's rows. A fixed-shape pass returns views of its own
         buffers, which its next replay rewrites: read them before the next pass."""
         shape = self._shape(layout, prompt_chunk) if self.fixed_shapes else None
+        block_size = self.state.kv.block_size
         if shape is None:
-            inputs = PassInputs.exact(layout, self.state.kv.block_size, self.device)
-            last = torch.tensor([layout.num_rows - 1], device=self.device) if prompt_chunk else None
-            return self.model.forward_paged(inputs, self.state, taps, logit_rows=last, chain=prompt_chunk)
+            inputs = PassInputs.exact(layout, block_size, self.device, layout.num_rows - 1)
+            return self.model.forward_paged(inputs, self.state, taps, logit_rows=inputs.last_row if prompt_chunk else None, chain=prompt_chunk)
         key = (*shape, taps, prompt_chunk)
         p = self._passes.get(key)
         fresh = p is None
         if fresh:
-            p = self._passes[key] = _Pass(PassInputs.allocate(*shape, self.state.kv.block_size, self.device))
-        p.inputs.write(layout)
-        if prompt_chunk:
-            # The chunk's last real row, read inside the pass: one graph serves every chunk length.
-            p.inputs.last_row.fill_(layout.num_rows - 1)
+            staged = StagedInputs.allocate(PassInputs.nbytes(*shape, block_size), self.device)
+            p = self._passes[key] = _Pass(staged, PassInputs.on(staged.on_device, *shape, block_size))
+        # The chunk's last real row is read inside the pass: one graph serves every chunk length.
+        p.inputs.fill(layout, p.staged.writable(), layout.num_rows - 1)
+        p.staged.upload()
         self._run(p, taps, prompt_chunk, fresh)
         n = layout.num_rows
         return (p.logits if prompt_chunk else p.logits[:n]), (None if p.features is None else p.features[:n])

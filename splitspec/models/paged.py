@@ -200,12 +200,41 @@ def pass_layout(
     )
 
 
+# PassInputs' fields in its byte buffer, in order: (name, dtype, shape in terms of N, B, T, S / block_size).
+_FIELDS = (
+    ("tokens", np.int64, lambda n, b, t, w: (n,)),
+    ("positions", np.int64, lambda n, b, t, w: (n,)),
+    ("write_slots", np.int64, lambda n, b, t, w: (n,)),
+    ("row_index", np.int64, lambda n, b, t, w: (b, t)),
+    ("out_index", np.int64, lambda n, b, t, w: (n,)),
+    ("starts", np.int64, lambda n, b, t, w: (b,)),
+    ("tables", np.int64, lambda n, b, t, w: (b, w)),
+    ("last_row", np.int64, lambda n, b, t, w: (1,)),
+    ("parents", np.int64, lambda n, b, t, w: (n,)),
+    ("offsets", np.int64, lambda n, b, t, w: (b + 1,)),
+    ("state_slots", np.int64, lambda n, b, t, w: (b,)),
+    ("trees", np.bool_, lambda n, b, t, w: (b, t, t)),  # last: the int64 fields stay 8-byte aligned
+)
+
+
+def _places(rows: int, sequences: int, block_rows: int, table_width: int) -> tuple[dict[str, tuple], int]:
+    """Each field's (dtype, shape, byte offset) in the buffer of a pass of this shape, and its size."""
+    places, offset = {}, 0
+    for name, dtype, shape_of in _FIELDS:
+        shape = shape_of(rows, sequences, block_rows, table_width)
+        places[name] = (dtype, shape, offset)
+        offset += int(np.prod(shape)) * np.dtype(dtype).itemsize
+    return places, offset
+
+
 @dataclass
 class PassInputs:
-    """The device side of a pass of fixed shape ``(N, B, T, S)``: what :meth:`attend` and the models
-    read. Rows ``N`` and sequences ``B`` may include padding (pad rows of no sequence write to the
-    pad block; pad sequences own only the pad block)."""
+    """The device side of a pass of fixed shape ``(N, B, T, S)``: what :meth:`PassInputs.attention`
+    and the models read. Rows ``N`` and sequences ``B`` may include padding (pad rows of no sequence
+    write to the pad block; pad sequences own only the pad block). Every field is a view of one
+    byte ``buffer``, so a pass's inputs reach the device in one copy."""
 
+    buffer: torch.Tensor  # [nbytes] uint8
     tokens: torch.Tensor  # [N] int64
     positions: torch.Tensor  # [N] int64
     write_slots: torch.Tensor  # [N] int64
@@ -213,23 +242,26 @@ class PassInputs:
     out_index: torch.Tensor  # [N] int64 padded position s * T + j of each ragged row
     starts: torch.Tensor  # [B] int64
     tables: torch.Tensor  # [B, S / block_size] int64, pad block past each sequence's blocks
-    trees: torch.Tensor  # [B, T, T] bool
     last_row: torch.Tensor  # [1] int64 the last real row (a prompt chunk projects only it to logits)
     parents: torch.Tensor  # [N] int64 as PassLayout.parents (-1 for pad rows)
     offsets: torch.Tensor  # [B + 1] int64 (pad sequences own no rows)
     state_slots: torch.Tensor  # [B] int64 (0 for pad sequences)
+    trees: torch.Tensor  # [B, T, T] bool
     block_size: int
 
-    @classmethod
-    def allocate(cls, rows: int, sequences: int, block_rows: int, keys: int, block_size: int, device: torch.device) -> PassInputs:
-        def zeros(*shape, dtype=torch.int64):
-            return torch.zeros(shape, dtype=dtype, device=device)
+    @staticmethod
+    def nbytes(rows: int, sequences: int, block_rows: int, keys: int, block_size: int) -> int:
+        return _places(rows, sequences, block_rows, keys // block_size)[1]
 
-        return cls(
-            zeros(rows), zeros(rows), zeros(rows), zeros(sequences, block_rows), zeros(rows), zeros(sequences),
-            zeros(sequences, keys // block_size), zeros(sequences, block_rows, block_rows, dtype=torch.bool), zeros(1),
-            zeros(rows), zeros(sequences + 1), zeros(sequences), block_size,
-        )
+    @classmethod
+    def on(cls, buffer: torch.Tensor, rows: int, sequences: int, block_rows: int, keys: int, block_size: int) -> PassInputs:
+        """The inputs of a pass of this shape as views of ``buffer`` (uint8, at least :meth:`nbytes`)."""
+        places, _ = _places(rows, sequences, block_rows, keys // block_size)
+        views = {}
+        for name, (dtype, shape, offset) in places.items():
+            size = int(np.prod(shape)) * np.dtype(dtype).itemsize
+            views[name] = buffer[offset : offset + size].view(torch.from_numpy(np.zeros(0, dtype)).dtype).view(shape)
+        return cls(buffer, **views, block_size=block_size)
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -237,49 +269,45 @@ class PassInputs:
         b, t = self.row_index.shape
         return self.tokens.shape[0], b, t, self.tables.shape[1] * self.block_size
 
-    def write(self, layout: PassLayout, pad_slot: int = PAD_BLOCK) -> None:
-        """Fill from ``layout`` (which must fit the shape), padding the rest."""
+    def fill(self, layout: PassLayout, host: np.ndarray, last_row: int = 0) -> None:
+        """Write the bytes of the inputs of ``layout`` (which must fit the shape), padded, into
+        ``host`` (uint8, laid out as ``buffer``); the caller copies them to the device."""
         n_pad, b_pad, t_pad, s_pad = self.shape
+        places, _ = _places(n_pad, b_pad, t_pad, s_pad // self.block_size)
+        f = {}
+        for name, (dtype, shape, offset) in places.items():
+            f[name] = host[offset : offset + int(np.prod(shape)) * np.dtype(dtype).itemsize].view(dtype).reshape(shape)
         n, b = layout.num_rows, layout.num_sequences
-        tokens = np.zeros(n_pad, dtype=np.int64)
-        tokens[:n] = layout.tokens
-        positions = np.zeros(n_pad, dtype=np.int64)
-        positions[:n] = layout.positions
-        write_slots = np.full(n_pad, pad_slot, dtype=np.int64)
-        write_slots[:n] = layout.write_slots
-        row_index = np.full((b_pad, t_pad), n_pad, dtype=np.int64)  # n_pad: the zero row past the last
-        out_index = np.zeros(n_pad, dtype=np.int64)
-        starts = np.ones(b_pad, dtype=np.int64)  # a pad sequence: one committed position, in the pad block
-        tables = np.full((b_pad, s_pad // self.block_size), PAD_BLOCK, dtype=np.int64)
-        trees = np.broadcast_to(np.eye(t_pad, dtype=bool), (b_pad, t_pad, t_pad)).copy()  # pad rows see themselves
-        parents = np.full(n_pad, -1, dtype=np.int64)
-        parents[:n] = layout.parents
-        offsets = np.full(b_pad + 1, n, dtype=np.int64)
-        offsets[: b + 1] = layout.offsets
-        state_slots = np.zeros(b_pad, dtype=np.int64)
-        state_slots[:b] = layout.state_slots
+        f["tokens"][:n], f["tokens"][n:] = layout.tokens, 0
+        f["positions"][:n], f["positions"][n:] = layout.positions, 0
+        f["write_slots"][:n], f["write_slots"][n:] = layout.write_slots, PAD_BLOCK * self.block_size
+        f["parents"][:n], f["parents"][n:] = layout.parents, -1
+        f["row_index"][:] = n_pad  # the zero row past the last
+        f["out_index"][:] = 0
+        f["starts"][:] = 1  # a pad sequence: one committed position, in the pad block
+        f["tables"][:] = PAD_BLOCK
+        f["trees"][:] = np.eye(t_pad, dtype=bool)  # pad rows see themselves
+        f["offsets"][: b + 1], f["offsets"][b + 1 :] = layout.offsets, n
+        f["state_slots"][:b], f["state_slots"][b:] = layout.state_slots, 0
+        f["last_row"][0] = last_row
         for s in range(b):
             first, count = layout.offsets[s], layout.offsets[s + 1] - layout.offsets[s]
-            row_index[s, :count] = np.arange(first, first + count)
-            out_index[first : first + count] = s * t_pad + np.arange(count)
-            starts[s] = layout.starts[s]
-            width = min(len(layout.tables[s]), tables.shape[1])  # blocks past the pass's keys are not read
-            tables[s, :width] = layout.tables[s][:width]
-            trees[s, :count, :count] = layout.trees[s]
-        for name, value in (
-            ("tokens", tokens), ("positions", positions), ("write_slots", write_slots), ("row_index", row_index),
-            ("out_index", out_index), ("starts", starts), ("tables", tables), ("trees", trees), ("parents", parents),
-            ("offsets", offsets), ("state_slots", state_slots),
-        ):
-            getattr(self, name).copy_(torch.from_numpy(value), non_blocking=False)
+            f["row_index"][s, :count] = np.arange(first, first + count)
+            f["out_index"][first : first + count] = s * t_pad + np.arange(count)
+            f["starts"][s] = layout.starts[s]
+            width = min(len(layout.tables[s]), f["tables"].shape[1])  # blocks past the pass's keys are not read
+            f["tables"][s, :width] = layout.tables[s][:width]
+            f["trees"][s, :count, :count] = layout.trees[s]
 
     @classmethod
-    def exact(cls, layout: PassLayout, block_size: int, device: torch.device) -> PassInputs:
-        """Inputs of exactly the layout's shape (the eager pass)."""
+    def exact(cls, layout: PassLayout, block_size: int, device: torch.device, last_row: int = 0) -> PassInputs:
+        """Inputs of exactly the layout's shape (the eager pass), copied to ``device`` at once."""
         keys = -(-layout.max_keys // block_size) * block_size
-        inputs = cls.allocate(layout.num_rows, layout.num_sequences, layout.max_rows, keys, block_size, device)
-        inputs.write(layout)
-        return inputs
+        shape = (layout.num_rows, layout.num_sequences, layout.max_rows, keys, block_size)
+        host = np.zeros(cls.nbytes(*shape), dtype=np.uint8)
+        inputs = cls.on(torch.from_numpy(host), *shape)
+        inputs.fill(layout, host, last_row)
+        return inputs if device.type == "cpu" else cls.on(inputs.buffer.to(device), *shape)
 
     def attention(self) -> PassAttention:
         """What every attention layer of the pass reads, computed once per pass on the device."""

@@ -68,7 +68,10 @@ def test_a_prompt_runs_in_chunked_fixed_passes_equal_to_the_eager_prefill(model,
     prompt = np.random.default_rng(prompt_len).integers(0, model.config.vocab_size, prompt_len).tolist()
     results = [e.prefill("s", prompt, GREEDY, taps=(0, 2), reserve_tokens=600, feature_rows=feature_rows) for e in (eager, fixed)]
     chunks = sorted(key[0] for key in fixed.runner._passes if key[-1])  # prompt-chunk passes by padded rows
-    assert chunks == ([64] if prompt_len < 64 else [64, 512])
+    if fixed.runner.fixed_shapes:
+        assert chunks == ([64] if prompt_len < 64 else [64, 512])
+    else:  # the hybrid runs exact shapes (a pad row would advance the chunk's recurrent state)
+        assert chunks == []
     assert results[0].next_token == results[1].next_token
     assert results[0].features.shape == results[1].features.shape == (feature_rows or prompt_len, 2 * model.config.hidden_size)
     assert torch.allclose(results[0].features, results[1].features, atol=1e-9)
