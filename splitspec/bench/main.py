@@ -9,6 +9,12 @@ traffic; their labels say so): they set the acceptance length and nothing else. 
 speed-up of the shape, printed and written as ``headline``, is a real drafter's: ``AL × t_AR /
 t_round`` with each oracle row's AL, the AR row's decode ms/step as t_AR and the random-weight
 DFlash row's as t_round, all from the same run (``splitspec.bench.report.headline_speedups``).
+
+``--concurrency 1,4,16,32`` sweeps the end-to-end part over clients generating at once: every row
+at every level, a table with a row per level (``report.concurrency_table``), and the headline at
+each level in aggregate, ``N × AL / t_round``. ``--pair builtin`` runs that part on the built-in
+pair as ``splitspec serve`` serves it (its trained draft: a real AL, no oracle), e.g.
+``splitspec bench --pair builtin --concurrency 1,8`` on a CPU.
 """
 
 from __future__ import annotations
@@ -28,6 +34,13 @@ from splitspec.transport import busypoll
 logger = logging.getLogger(__name__)
 
 PARTS = ("components", "system", "baseline")
+PAIRS = ("random", "builtin")
+# What an unset flag means for each --pair: the random shapes' defaults as before; the built-in pair
+# as `splitspec serve` runs it (device and dtype auto) with a prompt that fits its 512-token context.
+PAIR_DEFAULTS = {
+    "random": {"parts": ",".join(PARTS), "device": "cuda:0", "dtype": "bfloat16", "prompt_len": 512},
+    "builtin": {"parts": "system", "device": "auto", "dtype": "auto", "prompt_len": 256},
+}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -38,10 +51,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "(CPU). The -q4km shapes run the components part only; the system part also runs qwen35 shapes (eager "
         "target); the baseline part runs the dense unquantized shapes only",
     )
-    p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated parts to run: {', '.join(PARTS)}")
-    p.add_argument("--device", default="cuda:0", help="target device")
-    p.add_argument("--draft-device", default="", help="draft device (default: --device)")
-    p.add_argument("--dtype", default="bfloat16", help="compute dtype")
+    p.add_argument(
+        "--pair", choices=PAIRS, default="random",
+        help="random: random weights of --shape (every part); builtin: the built-in pair as `splitspec serve` serves it "
+        "with no model flags, on held-out standard-library prompts (system part only: its trained DFlash draft gives a "
+        "real AL, no oracle)",
+    )
+    p.add_argument("--parts", default="", help=f"comma-separated parts to run: {', '.join(PARTS)} (default: all; system with --pair builtin)")
+    p.add_argument("--device", default="", help="target device (default: cuda:0; auto with --pair builtin: cuda:0 when torch sees a GPU, else cpu)")
+    p.add_argument("--draft-device", default="", help="draft device (default: --device; --pair builtin: always --device, as serve does)")
+    p.add_argument("--dtype", default="", help="compute dtype (default: bfloat16; auto with --pair builtin: bfloat16 on a GPU, float32 on a CPU)")
     p.add_argument("--budgets", default="16,22,32,64", help="verify budgets (tree nodes) of the component table")
     p.add_argument("--budget", type=int, default=22, help="tree budget of the end-to-end runs")
     p.add_argument(
@@ -49,10 +68,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="OracleDrafter corruption rates of the end-to-end runs (lower = longer acceptance); its rows are "
         "benchmark-only (no draft forward pass, no tap features) and set the AL of the headline speed-up",
     )
-    p.add_argument("--prompt-len", type=int, default=512, help="prompt tokens")
-    p.add_argument("--max-tokens", type=int, default=128, help="generated tokens per request")
-    p.add_argument("--prompts", type=int, default=4, help="timed requests per end-to-end row")
-    p.add_argument("--concurrency", type=int, default=1, help="requests in flight at once in the end-to-end runs")
+    p.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default: 512; 256 with --pair builtin)")
+    p.add_argument("--max-tokens", "--new-tokens", type=int, default=128, help="generated tokens per request")
+    p.add_argument(
+        "--prompts", type=int, default=4,
+        help="timed requests per end-to-end row, at least: at concurrency N, N × ceil(prompts / N), so all N stay busy",
+    )
+    p.add_argument(
+        "--concurrency", default="1",
+        help="clients generating at once in the end-to-end runs; several levels, e.g. 1,4,16,32, sweep: every row at each "
+        "level, after a warm-up at that level, and a table of aggregate tok/s per level",
+    )
     p.add_argument(
         "--wire", default="socket",
         help="gateway wire(s) of the end-to-end runs, comma-separated: socket (the workers' step sockets), stream, unary, "
@@ -117,16 +143,49 @@ def device_name(device: str) -> str:
     return platform.processor() or platform.machine()
 
 
+def resolve_pair_defaults(args: argparse.Namespace) -> None:
+    """Fill the flags left unset with the defaults of ``--pair`` (:data:`PAIR_DEFAULTS`); ``auto``
+    device and dtype become what the services would pick, so the report names them."""
+    for name, value in PAIR_DEFAULTS[args.pair].items():
+        if getattr(args, name) in (None, ""):
+            setattr(args, name, value)
+    if args.device == "auto" or args.dtype == "auto":
+        import torch
+
+        from splitspec.models.devices import auto_device, resolve_dtype
+
+        args.device = auto_device() if args.device == "auto" else args.device
+        args.dtype = str(resolve_dtype(args.dtype, torch.device(args.device))).removeprefix("torch.")
+
+
+def check_pair(args: argparse.Namespace, parts: set[str]) -> None:
+    """Refuse, in one line, what ``--pair builtin`` cannot do: it runs `splitspec serve` unchanged."""
+    if args.pair != "builtin":
+        return
+    if parts != {"system"}:
+        raise ValueError("--pair builtin runs the system part only (components and baseline time random weights of --shape)")
+    if args.busy_poll != "auto":
+        raise ValueError("--busy-poll: --pair builtin runs `splitspec serve`, whose services keep their own default (auto)")
+    if args.draft_device and args.draft_device != args.device:
+        raise ValueError("--draft-device: --pair builtin runs `splitspec serve` with one --device for both workers")
+
+
 def run(args: argparse.Namespace) -> int:
-    import torch
+    from splitspec.bench.system import parse_concurrency
 
-    from splitspec.bench.components import time_draft, time_target
-    from splitspec.bench.report import HEADLINE_RULE, headline_speedups, markdown
-
+    levels = parse_concurrency(args.concurrency)  # before anything slow: a bad value fails at once
+    resolve_pair_defaults(args)
     parts = set(args.parts.split(","))
     if parts - set(PARTS):
         raise ValueError(f"--parts: unknown {sorted(parts - set(PARTS))}; choose from {', '.join(PARTS)}")
-    check_parts(args.shape, parts)
+    check_pair(args, parts)
+    if args.pair == "random":
+        check_parts(args.shape, parts)
+
+    import torch
+
+    from splitspec.bench.report import HEADLINE_RULE, concurrency_scaling, headline_speedups, markdown
+
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     draft_device = args.draft_device or args.device
     budgets = [int(b) for b in args.budgets.split(",")]
@@ -137,16 +196,19 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--wire: unknown {sorted(set(wires) - set(WIRES))}; choose from {', '.join(WIRES)}")
     result: dict = {
         "date": date.today().isoformat(), "card": device_name(args.device), "draft_card": device_name(draft_device),
-        "shape": args.shape, "dtype": args.dtype, "torch": torch.__version__, "args": vars(args),
+        "shape": args.shape if args.pair == "random" else "built-in pair", "pair": args.pair, "dtype": args.dtype,
+        "torch": torch.__version__, "concurrency": levels, "args": vars(args),
     }
     path = f"random:{args.shape}"
     if "components" in parts:
+        from splitspec.bench.components import time_draft, time_target
+
         logger.info("component timings: %s on %s", path, args.device)
         report = time_target(path, device, dtype, budgets, args.prompt_len, args.iters, graphs=True)
         report.draft_ms = time_draft(path, torch.device(draft_device), dtype, args.prompt_len, args.iters)
         result["components"] = {**asdict(report), "roofline_ms": report.roofline_ms}
     if "system" in parts:
-        from splitspec.bench.system import run_system
+        from splitspec.bench.system import run_builtin_system, run_system
 
         busy_poll_us = busypoll.spin_us_for(args.busy_poll, device.type == "cuda", busypoll.usable_cpus())
         result["busy_poll_us"] = busy_poll_us
@@ -154,11 +216,16 @@ def run(args: argparse.Namespace) -> int:
         with tempfile.TemporaryDirectory(prefix="splitspec-bench-") as work:
             if args.log_dir:
                 Path(args.log_dir).mkdir(parents=True, exist_ok=True)
-            rows = run_system(
-                args.shape, args.device, draft_device, args.dtype, [float(c) for c in args.corruptions.split(",")],
-                args.budget, args.prompts, args.prompt_len, args.max_tokens, args.concurrency, Path(work),
-                Path(args.log_dir) if args.log_dir else Path(work), wires, busy_poll_us,
-            )
+            log_dir = Path(args.log_dir) if args.log_dir else Path(work)
+            if args.pair == "builtin":
+                rows = run_builtin_system(
+                    args.device, args.dtype, args.budget, args.prompts, args.prompt_len, args.max_tokens, levels, log_dir, wires,
+                )
+            else:
+                rows = run_system(
+                    args.shape, args.device, draft_device, args.dtype, [float(c) for c in args.corruptions.split(",")],
+                    args.budget, args.prompts, args.prompt_len, args.max_tokens, levels, Path(work), log_dir, wires, busy_poll_us,
+                )
         result["system"] = [
             {**asdict(r), "tokens_per_s": r.tokens_per_s, "acceptance_length": r.acceptance_length, "ms_per_step": r.ms_per_step}
             for r in rows
@@ -166,6 +233,8 @@ def run(args: argparse.Namespace) -> int:
         # The speed-up a real drafter gets: oracle ALs with the real draft's round time (report.HEADLINE_RULE).
         result["headline_rule"] = HEADLINE_RULE
         result["headline"] = headline_speedups(result["system"])
+        if len(levels) > 1:  # each kind's aggregate tok/s at N over at the lowest level
+            result["concurrency_scaling"] = concurrency_scaling(result["system"])
     if "baseline" in parts:
         logger.info("transformers baseline")
         result["baseline_tokens_per_s"] = transformers_tokens_per_s(args.shape, args.device, args.dtype, args.prompt_len, args.max_tokens)

@@ -1,10 +1,19 @@
-"""Markdown tables of a ``splitspec bench`` result (the JSON it writes), with the goal ratios."""
+"""Markdown tables of a ``splitspec bench`` result (the JSON it writes), with the goal ratios.
+
+Terms of the concurrency sweep (``--concurrency 1,4,16,32``): at *concurrency N*, N clients
+generate at once through the gateway. A row's *aggregate tok/s* is all its clients' generated
+tokens over the wall time of the row; its *ms per step* is one sequence's decode step (prefill
+excluded) averaged over every step of every sequence, so concurrent steps overlap; for the DFlash
+row that is *t_round*, the full round of a real-shaped draft at that concurrency. *× at B* divides
+a row's aggregate tok/s by the same kind's at the sweep's lowest level B (usually 1).
+"""
 
 from __future__ import annotations
 
 # Row labels of the end-to-end part (splitspec.bench.system), which the headline reads.
 AR_LABEL = "off (AR)"
 DFLASH_LABEL = "dflash (random weights)"
+BUILTIN_LABEL = "dflash (built-in pair)"  # --pair builtin: the trained draft, a real AL, no oracle
 ORACLE_NOTE = "benchmark-only: no draft forward pass, no tap-feature traffic"
 
 
@@ -20,31 +29,145 @@ HEADLINE_RULE = (
 )
 
 
+AGGREGATE_RULE = (
+    "honest aggregate at concurrency N = N × AL / t_round, with AL from the oracle row and t_round the decode ms/step "
+    f"of the `{DFLASH_LABEL}` row at N (decode only: the prefill is no step), same wire, same run"
+)
+
+
+def _by_level(rows: list[dict]) -> dict[tuple[str, int], list[dict]]:
+    """Rows grouped by (wire, concurrency), in the order they first appear."""
+    groups: dict[tuple[str, int], list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["wire"], r.get("concurrency", 1)), []).append(r)
+    return groups
+
+
+def _levels(rows: list[dict]) -> list[int]:
+    return sorted({r.get("concurrency", 1) for r in rows})
+
+
+def _row(rows: list[dict], label: str) -> dict | None:
+    return next((r for r in rows if r["label"] == label), None)
+
+
+def _is_oracle(r: dict) -> bool:
+    return r.get("drafter", "oracle" if r["label"].startswith("oracle") else "") == "oracle"
+
+
+def _base(rows: list[dict], wire: str, label: str) -> dict:
+    """The row of ``label`` on ``wire`` at the lowest concurrency of the run: what "× at B" divides by."""
+    return min((r for r in rows if r["wire"] == wire and r["label"] == label), key=lambda r: r.get("concurrency", 1))
+
+
 def headline_speedups(rows: list[dict]) -> list[dict]:
-    """The speed-up a real drafter of this shape gets at each oracle row's acceptance length, per wire:
-    ``AL × t_AR / t_round`` (:data:`HEADLINE_RULE`). The oracle rows' own tok/s are not used: the
-    OracleDrafter runs no draft pass and moves no tap features, so its rounds are cheaper than a real one."""
+    """The speed-up a real drafter of this shape gets at each oracle row's acceptance length, per wire
+    and concurrency: ``AL × t_AR / t_round`` (:data:`HEADLINE_RULE`), and what that makes in aggregate,
+    ``N × AL / t_round`` (:data:`AGGREGATE_RULE`). The oracle rows' own tok/s are not used: the
+    OracleDrafter runs no draft pass and moves no tap features, so its rounds are cheaper than a real one.
+    With several levels each line also gives the AR rows' aggregate tok/s at N over that at the lowest level."""
     out = []
-    for wire in dict.fromkeys(r["wire"] for r in rows):
-        mine = [r for r in rows if r["wire"] == wire]
-        ar = next((r for r in mine if r["label"] == AR_LABEL), None)
-        dflash = next((r for r in mine if r["label"] == DFLASH_LABEL), None)
+    sweep = len(_levels(rows)) > 1
+    for (wire, n), mine in _by_level(rows).items():
+        ar, dflash = _row(mine, AR_LABEL), _row(mine, DFLASH_LABEL)
         if ar is None or dflash is None:
             continue
         t_ar, t_round = ar["ms_per_step"], dflash["ms_per_step"]
-        for r in mine:
-            if r.get("drafter", "oracle" if r["label"].startswith("oracle") else "") != "oracle":
-                continue
+        base = _base(rows, wire, AR_LABEL)
+        ar_scaling = ar["tokens_per_s"] / base["tokens_per_s"]
+        for r in filter(_is_oracle, mine):
             al = r["acceptance_length"]
             speedup = al * t_ar / t_round
+            aggregate = 1e3 * n * al / t_round  # tok/s: N sequences, AL tokens each per round of t_round ms
             source = f"oracle {r['corruption']:.2f}" if r.get("corruption") is not None else r["label"]
+            line = (
+                f"wire {wire}, budget {dflash['budget']}, concurrency {n}, AL {al:.2f} (from {source}): "
+                f"{al:.2f} × {t_ar:.2f} ms / {t_round:.2f} ms = {speedup:.2f}× AR; "
+                f"aggregate {n} × {al:.2f} / {t_round:.2f} ms = {aggregate:.1f} tok/s"
+            )
+            if sweep and n != base.get("concurrency", 1):
+                line += f"; AR aggregate at {n} / at {base.get('concurrency', 1)}: {ar_scaling:.2f}×"
             out.append({
-                "wire": wire, "budget": dflash["budget"], "concurrency": dflash["concurrency"], "al_from": r["label"],
+                "wire": wire, "budget": dflash["budget"], "concurrency": n, "al_from": r["label"],
                 "acceptance_length": al, "t_ar_ms": t_ar, "t_round_ms": t_round, "speedup": speedup,
-                "line": f"wire {wire}, budget {dflash['budget']}, AL {al:.2f} (from {source}): "
-                        f"{al:.2f} × {t_ar:.2f} ms / {t_round:.2f} ms = {speedup:.2f}× AR",
+                "aggregate_tokens_per_s": aggregate, "ar_scaling": ar_scaling, "line": line,
             })
     return out
+
+
+def concurrency_scaling(rows: list[dict]) -> list[dict]:
+    """Each kind's aggregate tok/s at every level above the lowest, over its own at the lowest (B):
+    how much more the system serves with N clients than with B."""
+    out = []
+    for r in rows:
+        base = _base(rows, r["wire"], r["label"])
+        n, b = r.get("concurrency", 1), base.get("concurrency", 1)
+        if n == b:
+            continue
+        ratio = r["tokens_per_s"] / base["tokens_per_s"]
+        out.append({
+            "wire": r["wire"], "label": r["label"], "concurrency": n, "base_concurrency": b,
+            "tokens_per_s": r["tokens_per_s"], "base_tokens_per_s": base["tokens_per_s"], "ratio": ratio,
+            "line": f"wire {r['wire']}, {r['label']}: aggregate at {n} {r['tokens_per_s']:.1f} tok/s / at {b} "
+                    f"{base['tokens_per_s']:.1f} tok/s = {ratio:.2f}×",
+        })
+    return out
+
+
+def _kind_header(label: str) -> str:
+    # The oracle's long note is said once under the table; its column keeps the word that matters.
+    return label.replace(ORACLE_NOTE, "benchmark-only")
+
+
+def concurrency_table(rows: list[dict], wire: str) -> list[str]:
+    """Markdown: one row per concurrency level, one column per kind (AR, the DFlash draft, each oracle),
+    then the honest aggregate at each oracle's AL (:data:`AGGREGATE_RULE`)."""
+    mine = [r for r in rows if r["wire"] == wire]
+    kinds = list(dict.fromkeys(r["label"] for r in sorted(mine, key=lambda r: (r["label"] != AR_LABEL, _is_oracle(r)))))
+    levels = _levels(mine)
+    headline = {(h["concurrency"], h["al_from"]): h for h in headline_speedups(mine)}
+    honest = [k for k in kinds if any(a == k for _, a in headline)]
+    lines = [
+        "| concurrency | " + " | ".join(_kind_header(k) for k in kinds)
+        + "".join(f" | honest aggregate at {_kind_header(k).split(' (')[0]}'s AL" for k in honest) + " |",
+        "|---|" + "---|" * (len(kinds) + len(honest)),
+    ]
+    for n in levels:
+        cells = []
+        for k in kinds:
+            r = next((r for r in mine if r["label"] == k and r.get("concurrency", 1) == n), None)
+            if r is None:
+                cells.append("-")
+                continue
+            base = _base(mine, wire, k)
+            cells.append(
+                f"{r['tokens_per_s']:.1f} tok/s ({r['tokens_per_s'] / base['tokens_per_s']:.2f}×), "
+                f"{r['ms_per_step']:.2f} ms, AL {r['acceptance_length']:.2f}"
+            )
+        for k in honest:
+            h = headline.get((n, k))
+            cells.append(f"{h['aggregate_tokens_per_s']:.1f} tok/s ({h['speedup']:.2f}× AR)" if h else "-")
+        lines.append(f"| {n} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def sweep_markdown(rows: list[dict]) -> list[str]:
+    """The concurrency sweep: a table per wire, then each kind's aggregate tok/s at N over at the lowest level."""
+    lines = []
+    for wire in dict.fromkeys(r["wire"] for r in rows):
+        intro = (
+            f"Concurrency sweep, wire {wire}. Each cell: aggregate tok/s (× the same column at the lowest level), ms per "
+            "step (mean over every sequence's steps; the DFlash column's is t_round), AL."
+        )
+        if any(map(_is_oracle, rows)):
+            intro += (
+                f" The oracle columns are benchmark-only ({ORACLE_NOTE.removeprefix('benchmark-only: ')}): only the honest "
+                "columns use them, for their AL."
+            )
+        lines += ["", intro, ""]
+        lines += concurrency_table(rows, wire)
+    lines += ["", "**Aggregate tok/s at N / at the lowest level:**", ""] + [f"- {s['line']}" for s in concurrency_scaling(rows)]
+    return lines
 
 
 def markdown(result: dict) -> str:
@@ -74,7 +197,7 @@ def markdown(result: dict) -> str:
         lines.append("")
     rows = result.get("system")
     if rows:
-        ar = {r["wire"]: r["tokens_per_s"] for r in rows if r["label"] == AR_LABEL}  # × AR: same wire
+        ar = {(r["wire"], r["concurrency"]): r["tokens_per_s"] for r in rows if r["label"] == AR_LABEL}  # × AR: same wire and level
         lines += [
             "| end-to-end (3 services) | wire | budget | concurrency | AL | tok/s | decode ms/step | × AR | draft fallbacks |",
             "|---|---|---|---|---|---|---|---|---|",
@@ -83,25 +206,35 @@ def markdown(result: dict) -> str:
             wire = r["wire"]
             lines.append(
                 f"| {r['label']} | {wire} | {r['budget']} | {r['concurrency']} | {r['acceptance_length']:.2f} | {r['tokens_per_s']:.1f} "
-                f"| {r['ms_per_step']:.2f} | {r['tokens_per_s'] / ar[wire]:.2f} | {r.get('draft_fallbacks', 0)} |"
+                f"| {r['ms_per_step']:.2f} | {r['tokens_per_s'] / ar[wire, r['concurrency']]:.2f} | {r.get('draft_fallbacks', 0)} |"
             )
         headline = result.get("headline") or headline_speedups(rows)
-        lines += [
-            "",
-            "AL: tokens committed by verify steps / verify steps (the prefill's token is not counted; target-only is 1.00). "
-            "The `oracle` rows are **benchmark-only**: the OracleDrafter proposes the target's recorded output, corrupted "
-            "at the given rate, to set the acceptance length; it skips the draft's forward pass and all tap-feature "
-            "traffic, so their tok/s, ms/step and × AR are not what a real drafter gets"
-            + (": the headline below is." if headline else "."),
-        ]
+        note = "AL: tokens committed by verify steps / verify steps (the prefill's token is not counted; target-only is 1.00)."
+        if any(map(_is_oracle, rows)):
+            note += (
+                " The `oracle` rows are **benchmark-only**: the OracleDrafter proposes the target's recorded output, corrupted "
+                "at the given rate, to set the acceptance length; it skips the draft's forward pass and all tap-feature "
+                "traffic, so their tok/s, ms/step and × AR are not what a real drafter gets"
+                + (": the headline below is." if headline else ".")
+            )
+        if any(r["label"] == BUILTIN_LABEL for r in rows):
+            note += (
+                f" `{BUILTIN_LABEL}`: the built-in pair's trained draft as `splitspec serve` serves it, on held-out "
+                "standard-library prompts: its AL and tok/s are a real drafter's."
+            )
+        lines += ["", note]
         if headline:
-            lines += ["", f"**Headline**, {HEADLINE_RULE}:", ""] + [f"- {h['line']}" for h in headline]
+            lines += ["", f"**Headline**, {HEADLINE_RULE}; {AGGREGATE_RULE}:", ""] + [f"- {h['line']}" for h in headline]
+        if len(_levels(rows)) > 1:
+            lines += sweep_markdown(rows)
         spin = result.get("busy_poll_us")
         if spin is not None:
             lines += ["", f"Services' busy polling: {f'{spin} µs' if spin else 'off'}."]
         lines.append("")
     if "baseline_tokens_per_s" in result:
         base = result["baseline_tokens_per_s"]
-        extra = f" (our AR through the services: {rows[0]['tokens_per_s'] / base:.2f}×)" if rows else ""
+        # transformers generates one sequence: compare it with our AR row at concurrency 1 only.
+        ar1 = next((r for r in rows or [] if r["label"] == AR_LABEL and r.get("concurrency", 1) == 1), None)
+        extra = f" (our AR through the services: {ar1['tokens_per_s'] / base:.2f}×)" if ar1 else ""
         lines += [f"transformers eager `generate`, same shape: {base:.1f} tok/s{extra}.", ""]
     return "\n".join(lines)

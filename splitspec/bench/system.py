@@ -13,29 +13,47 @@ combines the two (``report.headline_speedups``).
 
 Acceptance length (AL) is :mod:`splitspec.spec.acceptance_length`'s: tokens committed by verify
 steps over verify steps, from each request's usage; the prefill's token is not counted.
+
+**Concurrency sweep.** Every row is measured at each level N of ``--concurrency``: N clients
+generate at once through the gateway, each its own prompt, after a warm-up of N requests at once
+(it captures the graphs of N sequences and fills caches). A level times N × ceil(prompts / N)
+requests, which the N clients take from one queue, so N are in flight until the queue runs dry.
+Each level draws prompts no other level uses, and the oracle reads the AR rows' output of its own
+level.
+
+``--pair builtin`` (:func:`run_builtin_system`) runs the sweep on the built-in pair instead, served
+by ``splitspec serve`` with no model flags, on held-out standard-library prompts: the trained
+DFlash draft, so its AL is real and no oracle is needed.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import threading
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import numpy as np
 
-from splitspec.bench.report import AR_LABEL, DFLASH_LABEL, oracle_label
+from splitspec.bench.report import AR_LABEL, BUILTIN_LABEL, DFLASH_LABEL, oracle_label
 from splitspec.bench.workers import BENCH_WORKERS
 from splitspec.cli.serve import wait_ready
 from splitspec.spec.acceptance_length import acceptance_length, committed_tokens
 from splitspec.v1 import gateway_pb2, gateway_pb2_grpc
 
 Spec = gateway_pb2.Speculation
+# The gateway's --max-running and the target's --max-sequences by default: more clients than this
+# would wait in the gateway's queue, not generate at once.
+MAX_CONCURRENCY = 64
 
 
 @dataclass
@@ -45,8 +63,8 @@ class SystemRow:
     completion_tokens: int  # tokens the clients received (each request's first from its prefill)
     steps: int  # verify steps
     committed_tokens: int  # tokens committed by the verify steps (usage: AL x steps)
-    seconds: float  # wall time of the whole batch
-    concurrency: int
+    seconds: float  # wall time of the whole batch, all clients together
+    concurrency: int  # clients generating at once
     wire: str = "socket"  # the gateway's --wire
     decode_seconds: float = 0.0  # per request, first response to last, summed: steps without prefill
     draft_fallbacks: int = 0  # steps that ran target-only because the draft failed or was late
@@ -55,6 +73,7 @@ class SystemRow:
 
     @property
     def tokens_per_s(self) -> float:
+        """Aggregate: every client's tokens over the wall time of the batch."""
         return self.completion_tokens / self.seconds
 
     @property
@@ -64,7 +83,8 @@ class SystemRow:
 
     @property
     def ms_per_step(self) -> float:
-        """Wall time of one sequence's decode step (prefill excluded; concurrent steps overlap)."""
+        """Wall time of one sequence's decode step (prefill excluded; concurrent steps overlap),
+        averaged over every step of every sequence; a DFlash row's is t_round."""
         return 1e3 * self.decode_seconds / max(1, self.steps)
 
 
@@ -89,14 +109,15 @@ class Cluster:
         self.procs: list[subprocess.Popen] = []
 
     def start(self, name: str, *args: str, timeout: float = 600.0) -> str:
-        """Start ``args[0]``: a ``splitspec`` service or a benchmark-only worker of
-        ``splitspec.bench.workers`` (random-target, random-draft, oracle-draft)."""
+        """Start ``args[0]``: a ``splitspec`` service (or ``serve``, all three) or a benchmark-only
+        worker of ``splitspec.bench.workers`` (random-target, random-draft, oracle-draft)."""
         address = f"unix:{self.sockets / name}.sock"
         log = (self.log_dir / f"{name}.log").open("w")
         module = "splitspec.bench.workers" if args[0] in BENCH_WORKERS else "splitspec"
+        # `splitspec serve` has no --busy-poll: its services keep their own default, as a user's do.
+        busy_poll = [] if args[0] == "serve" else ["--busy-poll", str(self.busy_poll_us)]
         proc = subprocess.Popen(
-            [sys.executable, "-m", module, args[0], "--listen", address, "--metrics-port", "0",
-             "--busy-poll", str(self.busy_poll_us), *args[1:]],
+            [sys.executable, "-m", module, args[0], "--listen", address, "--metrics-port", "0", *busy_poll, *args[1:]],
             stdout=log, stderr=subprocess.STDOUT,
         )
         self.procs.append(proc)
@@ -168,6 +189,91 @@ def run_batch(
     return row, outputs
 
 
+def parse_concurrency(text: str) -> list[int]:
+    """The levels of ``--concurrency`` (``1,4,16,32``), ascending: distinct whole numbers in
+    [1, :data:`MAX_CONCURRENCY`]. Raises ValueError naming the flag and the bad value."""
+    hint = f"expected distinct whole numbers from 1 to {MAX_CONCURRENCY}, comma-separated, e.g. 1,4,16,32"
+    levels = []
+    for item in text.split(","):
+        try:
+            n = int(item.strip())
+        except ValueError:
+            raise ValueError(f"--concurrency {text!r}: {item.strip()!r} is not a whole number; {hint}") from None
+        if not 1 <= n <= MAX_CONCURRENCY:
+            raise ValueError(f"--concurrency {text!r}: {n} is out of range; {hint} (more would queue in the gateway)")
+        if n in levels:
+            raise ValueError(f"--concurrency {text!r}: {n} is given twice; {hint}")
+        levels.append(n)
+    return sorted(levels)
+
+
+def requests_per_level(prompts: int, concurrency: int) -> int:
+    """Timed requests at one level: at least ``prompts`` and a multiple of N (N × ceil(prompts / N)),
+    so that N stay in flight until the queue runs dry rather than a part of N finishing alone."""
+    return concurrency * math.ceil(prompts / concurrency)
+
+
+@dataclass
+class Level:
+    """One concurrency level's prompts: N warm-up requests (sent at once), then the timed ones."""
+
+    concurrency: int
+    warm: list[list[int]]
+    timed: list[list[int]]
+
+
+def plan_levels(pool: Iterator[list[int]], levels: Sequence[int], prompts: int) -> list[Level]:
+    """Each level's prompts, drawn in turn from ``pool``: no two levels share one (a cached prefix
+    or a recorded oracle continuation of another level would change what is timed)."""
+    plan = []
+    for n in levels:
+        drawn = list(itertools.islice(pool, n + requests_per_level(prompts, n)))
+        if len(drawn) < n + requests_per_level(prompts, n):
+            raise ValueError(f"--concurrency {n}: the prompts ran out; lower --prompts, --prompt-len or --concurrency")
+        plan.append(Level(n, drawn[:n], drawn[n:]))
+    return plan
+
+
+def random_prompts(vocab_size: int, length: int, seed: int = 0) -> Iterator[list[int]]:
+    """Prompts of uniform random token ids, for a random target (its output is noise anyway)."""
+    rng = np.random.default_rng(seed)
+    while True:
+        yield rng.integers(0, vocab_size, length).tolist()
+
+
+def heldout_prompts(tokenizer, length: int) -> Iterator[list[int]]:
+    """Consecutive windows of ``length`` tokens of the built-in pair's held-out standard-library
+    modules (``splitspec.train.corpus.HELDOUT``: never trained on, tokenizer included), read from
+    this interpreter's copy: real code, which the draft has not seen."""
+    from splitspec.train.corpus import HELDOUT
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = [f for name in HELDOUT for f in (sorted((root / name).rglob("*.py")) if name.endswith("/") else [root / name])]
+    ids: list[int] = []
+    for f in files:
+        ids += tokenizer.encode(f.read_text(encoding="utf-8"), add_special_tokens=False)
+        while len(ids) >= length:
+            yield ids[:length]
+            ids = ids[length:]
+
+
+def requests_for(ids: list[list[int]], spec: gateway_pb2.Speculation, max_tokens: int) -> list[gateway_pb2.GenerateRequest]:
+    return [
+        gateway_pb2.GenerateRequest(tokens=gateway_pb2.TokenIds(ids=p), max_tokens=max_tokens, ignore_eos=True, speculation=spec)
+        for p in ids
+    ]
+
+
+def measure(
+    address: str, level: Level, spec: gateway_pb2.Speculation, max_tokens: int, label: str, wire: str,
+    drafter: str = "", corruption: float | None = None,
+) -> tuple[SystemRow, list[list[int]]]:
+    """One row at one level: the warm-up (N at once), then the timed requests, N at a time."""
+    n = level.concurrency
+    run_batch(address, requests_for(level.warm, spec, max_tokens), n, "warm-up", spec.budget, wire)
+    return run_batch(address, requests_for(level.timed, spec, max_tokens), n, label, spec.budget, wire, drafter, corruption)
+
+
 def run_system(
     shape: str,
     device: str,
@@ -178,14 +284,15 @@ def run_system(
     prompts: int,
     prompt_len: int,
     max_tokens: int,
-    concurrency: int,
+    levels: Sequence[int],
     work_dir: Path,
     log_dir: Path,
     wires: tuple[str, ...] = ("socket",),
     busy_poll_us: int = 0,
 ) -> list[SystemRow]:
-    """The AR row, then one row per draft, for each gateway ``--wire`` in ``wires``: the workers are
-    shared and the wires take turns row by row, so both see the same machine state."""
+    """At each concurrency level: the AR row, then one row per draft, for each gateway ``--wire`` in
+    ``wires``. The workers are shared and the wires take turns row by row, so both see the same
+    machine state. The AR rows of the first wire record the oracle's table for that level."""
     from splitspec.bench.random_weights import random_target_config
 
     target_model = f"random:{shape}"
@@ -193,22 +300,16 @@ def run_system(
     tokenizer = synthetic_tokenizer(config.vocab_size, work_dir / "tokenizer.json")
     table = work_dir / "oracle.jsonl"
     table.write_text("")
-    rng = np.random.default_rng(0)
-    prompt_ids = [rng.integers(0, config.vocab_size, prompt_len).tolist() for _ in range(prompts + concurrency)]
-    warm, timed = prompt_ids[:concurrency], prompt_ids[concurrency:]
-    context = str(prompt_len + max_tokens + 2 * budget + 64)
-
-    def requests(ids: list[list[int]], spec: gateway_pb2.Speculation) -> list[gateway_pb2.GenerateRequest]:
-        return [
-            gateway_pb2.GenerateRequest(tokens=gateway_pb2.TokenIds(ids=p), max_tokens=max_tokens, ignore_eos=True, speculation=spec)
-            for p in ids
-        ]
+    plan = plan_levels(random_prompts(config.vocab_size, prompt_len), levels, prompts)
+    # The paged KV cache holds every sequence of the top level at full length (and one more, with room to
+    # spare for block rounding) and no more: its auto size would take most of a GPU that the draft shares.
+    kv_tokens = (max(levels) + 1) * (prompt_len + max_tokens + 2 * budget + 64)
 
     rows = []
     with Cluster(log_dir, busy_poll_us) as c:
         target = c.start(
             "target", "random-target", "--model", target_model, "--device", device, "--dtype", dtype,
-            "--graph-slots", str(max(2, concurrency)), "--graph-context", context,
+            "--max-kv-tokens", str(kv_tokens),
         )
         drafts = {oracle_label(p): ("oracle-draft", "--table", str(table), "--corruption", str(p)) for p in corruptions}
         drafts[DFLASH_LABEL] = ("random-draft", "--model", f"{target_model}-dflash", "--device", draft_device, "--dtype", dtype)
@@ -225,17 +326,55 @@ def run_system(
         }
         off = Spec(mode=Spec.OFF)
         tree = Spec(mode=Spec.DDTREE, budget=budget)
-        for wire in wires:
-            first = gateways[wire, next(iter(drafts))]
-            run_batch(first, requests(warm, off), concurrency, "warm-up", 0, wire)  # captures graphs, fills caches
-            row, outputs = run_batch(first, requests(timed, off), concurrency, AR_LABEL, 0, wire, "off")
-            rows.append(row)
-            if wire == wires[0]:
-                with table.open("w") as f:
-                    for p, out in zip(timed + warm, outputs + [[]] * len(warm)):
-                        f.write(json.dumps({"tokens": p + out}) + "\n")
-        for label in drafts:
+        for level in plan:
             for wire in wires:
-                run_batch(gateways[wire, label], requests(warm, tree), concurrency, "warm-up", budget, wire)
-                rows.append(run_batch(gateways[wire, label], requests(timed, tree), concurrency, label, budget, wire, *kinds[label])[0])
+                row, outputs = measure(gateways[wire, next(iter(drafts))], level, off, max_tokens, AR_LABEL, wire, "off")
+                rows.append(row)
+                if wire == wires[0]:
+                    with table.open("a") as f:  # the oracle re-reads its table when the file changes
+                        f.writelines(json.dumps({"tokens": p + out}) + "\n" for p, out in zip(level.timed, outputs))
+            for label in drafts:
+                for wire in wires:
+                    rows.append(measure(gateways[wire, label], level, tree, max_tokens, label, wire, *kinds[label])[0])
+    return rows
+
+
+def run_builtin_system(
+    device: str,
+    dtype: str,
+    budget: int,
+    prompts: int,
+    prompt_len: int,
+    max_tokens: int,
+    levels: Sequence[int],
+    log_dir: Path,
+    wires: tuple[str, ...] = ("socket",),
+) -> list[SystemRow]:
+    """The sweep on the built-in pair (``splitspec.builtin``) as ``splitspec serve`` serves it with
+    no model flags (one ``serve`` per wire): at each level the AR row, then the trained DFlash draft's
+    (:data:`BUILTIN_LABEL`), whose AL is real. Prompts are held-out standard-library code."""
+    from splitspec.builtin import builtin_pair
+    from splitspec.models.loader import read_target_config
+    from splitspec.text.tokenizer import Tokenizer
+
+    pair = builtin_pair()
+    if pair is None:
+        raise ValueError("--pair builtin: the built-in pair's weights are not installed (splitspec/builtin/)")
+    context = read_target_config(str(pair[0])).max_context
+    if prompt_len + max_tokens > context:
+        raise ValueError(f"--pair builtin: --prompt-len {prompt_len} + --max-tokens {max_tokens} exceed the pair's context of {context}")
+    plan = plan_levels(heldout_prompts(Tokenizer.from_gguf(pair[0]), prompt_len), levels, prompts)
+    rows = []
+    with Cluster(log_dir) as c:
+        gateways = {
+            # No model flags: serve picks the built-in pair (checked above) and splits the CPU threads; no
+            # --budget either: every request below names its own.
+            wire: c.start(f"serve-{wire}", "serve", "--http-listen", "", "--device", device, "--dtype", dtype, "--wire", wire)
+            for wire in wires
+        }
+        kinds = ((Spec(mode=Spec.OFF), AR_LABEL, "off"), (Spec(mode=Spec.DDTREE, budget=budget), BUILTIN_LABEL, "dflash"))
+        for level in plan:
+            for spec, label, drafter in kinds:
+                for wire in wires:
+                    rows.append(measure(gateways[wire], level, spec, max_tokens, label, wire, drafter)[0])
     return rows

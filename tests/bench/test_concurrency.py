@@ -1,0 +1,141 @@
+"""``splitspec bench --concurrency``: the levels it accepts, how each level's requests are planned,
+the sweep's table, and the sweep end to end through the real services on the tiny random pair and
+on the built-in pair."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from splitspec.bench.report import AR_LABEL, BUILTIN_LABEL, DFLASH_LABEL, concurrency_table, headline_speedups, oracle_label
+from splitspec.bench.system import MAX_CONCURRENCY, parse_concurrency, plan_levels, random_prompts, requests_per_level
+
+
+def test_concurrency_levels_are_parsed_ascending():
+    assert parse_concurrency("1") == [1]
+    assert parse_concurrency("16, 1,4,32") == [1, 4, 16, 32]
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("1,x", "'x' is not a whole number"),
+        ("", "'' is not a whole number"),
+        ("1,,4", "'' is not a whole number"),
+        ("2.5", "'2.5' is not a whole number"),
+        ("0,4", "0 is out of range"),
+        ("-1", "-1 is out of range"),
+        (str(MAX_CONCURRENCY + 1), f"{MAX_CONCURRENCY + 1} is out of range"),
+        ("1,4,1", "1 is given twice"),
+    ],
+)
+def test_bad_concurrency_values_are_rejected_with_the_flag_and_the_value(text, message):
+    with pytest.raises(ValueError) as exc:
+        parse_concurrency(text)
+    assert str(exc.value).startswith(f"--concurrency {text!r}: {message}") and "e.g. 1,4,16,32" in str(exc.value)
+
+
+def test_the_cli_refuses_a_bad_level_in_one_line_before_starting_anything(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "splitspec", "bench", "--parts", "system", "--concurrency", "1,x", "--json", str(tmp_path / "b.json")],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2 and "--concurrency '1,x': 'x' is not a whole number" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "b.json").exists()
+
+
+def test_each_level_gets_its_own_prompts_and_the_same_number_per_client():
+    assert [requests_per_level(4, n) for n in (1, 3, 4, 16)] == [4, 6, 4, 16]
+    plan = plan_levels(random_prompts(100, 5), [1, 3], prompts=2)
+    assert [(p.concurrency, len(p.warm), len(p.timed)) for p in plan] == [(1, 1, 2), (3, 3, 3)]
+    drawn = [tuple(ids) for p in plan for ids in p.warm + p.timed]
+    assert len(set(drawn)) == len(drawn) == 9 and all(len(ids) == 5 for ids in drawn)
+    # A single level draws what the benchmark drew before the sweep: warm-up first, then the timed prompts.
+    rng_order = plan_levels(random_prompts(100, 5), [1], prompts=2)[0]
+    assert rng_order.warm + rng_order.timed == [ids for ids, _ in zip(random_prompts(100, 5), range(3))]
+
+
+def _row(label: str, n: int, tok_s: float, ms: float, al: float, drafter: str, corruption: float | None = None) -> dict:
+    steps = 10
+    return {
+        "label": label, "wire": "socket", "budget": 22, "concurrency": n, "tokens_per_s": tok_s, "ms_per_step": ms,
+        "acceptance_length": al, "steps": steps, "committed_tokens": al * steps, "drafter": drafter, "corruption": corruption,
+    }
+
+
+def test_the_sweep_table_has_a_row_per_level_and_a_column_per_kind():
+    rows = [
+        r
+        for n, ar_tok_s, t_ar, t_round in ((1, 100.0, 5.0, 8.0), (4, 300.0, 6.0, 10.0))
+        for r in (
+            _row(AR_LABEL, n, ar_tok_s, t_ar, 1.0, "off"),
+            _row(oracle_label(0.1), n, 5 * ar_tok_s, 7.0, 8.0, "oracle", 0.1),
+            _row(DFLASH_LABEL, n, 0.6 * ar_tok_s, t_round, 1.0, "dflash"),
+        )
+    ]
+    table = concurrency_table(rows, "socket")
+    assert table[0] == (
+        "| concurrency | off (AR) | dflash (random weights) | oracle 0.10 (benchmark-only) | honest aggregate at oracle 0.10's AL |"
+    )
+    assert table[1] == "|---|---|---|---|---|" and len(table) == 2 + 2
+    assert table[2] == (
+        "| 1 | 100.0 tok/s (1.00×), 5.00 ms, AL 1.00 | 60.0 tok/s (1.00×), 8.00 ms, AL 1.00 "
+        "| 500.0 tok/s (1.00×), 7.00 ms, AL 8.00 | 1000.0 tok/s (5.00× AR) |"
+    )
+    # At 4: 4 × AL 8 / t_round 10 ms = 3200 tok/s; AL × t_AR / t_round = 8 × 6 / 10 = 4.80× AR; AR 300 / 100 = 3.00×.
+    assert table[3].startswith("| 4 | 300.0 tok/s (3.00×), 6.00 ms, AL 1.00 |") and table[3].endswith("| 3200.0 tok/s (4.80× AR) |")
+    h = {x["concurrency"]: x for x in headline_speedups(rows)}
+    assert h[4]["aggregate_tokens_per_s"] == pytest.approx(3200.0) and h[4]["ar_scaling"] == pytest.approx(3.0)
+    assert "aggregate 4 × 8.00 / 10.00 ms = 3200.0 tok/s; AR aggregate at 4 / at 1: 3.00×" in h[4]["line"]
+    assert "AR aggregate" not in h[1]["line"]
+
+
+def _sweep(tmp_path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "splitspec", "bench", "--parts", "system", "--device", "cpu", "--dtype", "float32",
+         "--prompts", "1", "--max-tokens", "8", "--concurrency", "1,3", "--json", str(out), *args],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc, json.loads(out.read_text())
+
+
+@pytest.mark.slow
+def test_bench_sweeps_concurrency_through_the_services(tmp_path):
+    """Every kind at every level; 3 clients at once each generate their own prompt."""
+    proc, result = _sweep(tmp_path, "--shape", "tiny", "--corruptions", "0.0", "--prompt-len", "16")
+    assert result["concurrency"] == [1, 3]
+    kinds = [AR_LABEL, oracle_label(0.0), DFLASH_LABEL]
+    for n in (1, 3):
+        rows = {r["label"]: r for r in result["system"] if r["concurrency"] == n}
+        assert sorted(rows) == sorted(kinds)
+        assert all(r["tokens_per_s"] > 0 and r["ms_per_step"] > 0 and r["completion_tokens"] == n * 8 for r in rows.values())
+        assert proc.stdout.count(f"\n| {n} | ") == 1  # one row of the sweep table per level
+    assert "| concurrency | off (AR) | dflash (random weights) | oracle 0.00 (benchmark-only) | honest aggregate at oracle 0.00's AL |" in proc.stdout
+    # The honest headline at each level, in aggregate: N × AL / t_round, and AR at N over AR at 1.
+    ar1 = next(r for r in result["system"] if r["label"] == AR_LABEL and r["concurrency"] == 1)
+    assert sorted(h["concurrency"] for h in result["headline"]) == [1, 3]
+    for h in result["headline"]:
+        rows = {r["label"]: r for r in result["system"] if r["concurrency"] == h["concurrency"]}
+        expected = 1e3 * h["concurrency"] * rows[oracle_label(0.0)]["acceptance_length"] / rows[DFLASH_LABEL]["ms_per_step"]
+        assert h["aggregate_tokens_per_s"] == pytest.approx(expected, rel=1e-12) and f"- {h['line']}" in proc.stdout
+        assert h["ar_scaling"] == pytest.approx(rows[AR_LABEL]["tokens_per_s"] / ar1["tokens_per_s"], rel=1e-12)
+    assert {(s["label"], s["concurrency"], s["base_concurrency"]) for s in result["concurrency_scaling"]} == {(k, 3, 1) for k in kinds}
+
+
+@pytest.mark.slow
+def test_bench_sweeps_the_builtin_pair_through_serve(tmp_path):
+    """--pair builtin: `splitspec serve` with no model flags, the trained draft on held-out code (no oracle)."""
+    proc, result = _sweep(tmp_path, "--pair", "builtin", "--prompt-len", "32")
+    assert result["pair"] == "builtin" and "built-in pair" in proc.stdout.splitlines()[0]
+    assert sorted((r["label"], r["concurrency"]) for r in result["system"]) == sorted(
+        (k, n) for k in (AR_LABEL, BUILTIN_LABEL) for n in (1, 3)
+    )
+    assert all(r["tokens_per_s"] > 0 and r["completion_tokens"] == r["concurrency"] * 8 for r in result["system"])
+    assert all(r["acceptance_length"] > 1 for r in result["system"] if r["label"] == BUILTIN_LABEL)  # a trained draft
+    assert "| concurrency | off (AR) | dflash (built-in pair) |" in proc.stdout and "oracle" not in proc.stdout
+    assert f"{BUILTIN_LABEL}: aggregate at 3 " in proc.stdout and not result["headline"]
