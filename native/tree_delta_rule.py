@@ -1,5 +1,6 @@
 """Triton kernels for the tree-aware Gated DeltaNet: the conv over each row's ancestors, and the
-delta rule with every row starting from its parent's state (spec 3.3).
+delta rule with every row starting from its parent's state (spec 3.3), over the rows of one
+sequence or of several concatenated (batched verify).
 
 They compute what :func:`splitspec.models.delta_rule.conv_silu_reference` and
 :func:`splitspec.models.delta_rule.gated_delta_tree` compute, with the same terms (block, parents,
@@ -7,13 +8,15 @@ history, ancestor table, recurrent state); those torch functions are the referen
 path is launch-bound: a few small ops per depth level per layer. Here each is one launch.
 
 - :func:`tree_conv_silu`: one program per (row, channel block) sums the ``K`` taps of the row's
-  window, read through the ancestor table straight from the history and the block's inputs (no
+  window, read through the ancestor table straight from the histories and the block's inputs (no
   ``[T, K, C]`` gather), and applies SiLU.
-- :func:`tree_gated_delta`: one program per (value head, ``Dv`` tile) holds the ``[Dk, BV]`` state
-  tile in registers and walks the rows in order (parents come first). A row whose parent is the
-  previous row continues in registers; any other row reloads its parent's stored state (or the
-  state before the block), prefetched with its inputs while the previous row computes. Every
-  row's state is stored, since the deepest accepted row's becomes the sequence's state on commit.
+- :func:`tree_gated_delta`: one program per (value head, ``Dv`` tile, sequence) holds the
+  ``[Dk, BV]`` state tile in registers and walks its sequence's rows in order (parents come
+  first); the sequences of a batch run side by side, not one after another. A row whose parent is
+  the previous row continues in registers; any other row reloads its parent's stored state (or its
+  sequence's state before the block), prefetched with its inputs while the previous row computes.
+  Every row's state is stored, since the deepest accepted row's becomes the sequence's state on
+  commit. A one-sequence call walks rows ``0 .. T - 1`` without reading any offsets.
   The state is rounded to the storage dtype after every row, as the torch path does by reading its
   parent's *stored* state, so both give the same stored bits up to float32 rounding.
 
@@ -51,7 +54,7 @@ def _rounded(x, dtype: tl.constexpr):
 
 @triton.jit
 def _conv_silu_kernel(
-    history,  # [K-1, C]
+    history,  # [S, K-1, C]
     inputs,  # [T, C]
     ancestors,  # [T, K] int64
     weight,  # [C, K]
@@ -59,17 +62,25 @@ def _conv_silu_kernel(
     C,
     K: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    BATCHED: tl.constexpr,  # histories of several sequences: virtual rows need the sequence decoded
 ):
     row = tl.program_id(0)
     channels = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     valid = channels < C
     acc = tl.zeros([BLOCK_C], dtype=tl.float32)
     for tap in tl.static_range(K):
-        a = tl.load(ancestors + row * K + tap)  # a row of the block, or -1, -2, ... into the history
+        a = tl.load(ancestors + row * K + tap)  # a row of the block, or virtual row -(s(K-1) + i) of sequence s
         in_block = a >= 0
+        # history[s, K-1-i] in the flattened history; one sequence's -i is simply K-1-i, without the
+        # divide on every tap's load chain (int32: a divide by the constant K - 1 is a multiply).
+        if BATCHED:
+            back = tl.maximum(-a - 1, 0).to(tl.int32)  # s(K-1) + i - 1
+            past = back // (K - 1) * (K - 1) + K - 2 - back % (K - 1)
+        else:
+            past = tl.maximum(a + K - 1, 0)
         # Both indices clamped in range; the masks pick the one that applies.
         x_block = tl.load(inputs + tl.maximum(a, 0) * C + channels, mask=valid & in_block, other=0.0)
-        x_history = tl.load(history + tl.maximum(a + K - 1, 0) * C + channels, mask=valid & (a < 0), other=0.0)
+        x_history = tl.load(history + past * C + channels, mask=valid & (a < 0), other=0.0)
         w = tl.load(weight + channels * K + tap, mask=valid, other=0.0)
         acc += (x_block.to(tl.float32) + x_history.to(tl.float32)) * w.to(tl.float32)
     y = acc * tl.sigmoid(acc)
@@ -77,7 +88,7 @@ def _conv_silu_kernel(
 
 
 def tree_conv_silu(
-    history: torch.Tensor,  # [K-1, C] conv inputs before the block
+    history: torch.Tensor,  # [S, K-1, C] (or [K-1, C] for S = 1) conv inputs before the block
     inputs: torch.Tensor,  # [T, C]
     ancestors: torch.Tensor,  # [T, K] int64, see delta_rule.ancestor_table
     weight: torch.Tensor,  # [C, K], oldest tap first
@@ -87,7 +98,10 @@ def tree_conv_silu(
     accumulated in float32 (the torch reference rounds each product to ``inputs.dtype`` first)."""
     num_rows, channels = inputs.shape
     width = weight.shape[1]
-    if history.shape != (width - 1, channels) or ancestors.shape != (num_rows, width) or weight.shape[0] != channels:
+    if (
+        history.dim() not in (2, 3) or history.shape[-2:] != (width - 1, channels)
+        or ancestors.shape != (num_rows, width) or weight.shape[0] != channels
+    ):
         raise ValueError(
             f"tree_conv_silu: history {tuple(history.shape)}, inputs {tuple(inputs.shape)}, ancestors "
             f"{tuple(ancestors.shape)} and weight {tuple(weight.shape)} disagree"
@@ -99,7 +113,8 @@ def tree_conv_silu(
     block_c = min(block_c, triton.next_power_of_2(channels))
     with _on_device_of(inputs):
         _conv_silu_kernel[(num_rows, triton.cdiv(channels, block_c))](
-            history, inputs, ancestors, weight, out, channels, K=width, BLOCK_C=block_c
+            history, inputs, ancestors, weight, out, channels, K=width, BLOCK_C=block_c,
+            BATCHED=history.dim() == 3 and history.shape[0] > 1,
         )
     return out
 
@@ -111,8 +126,9 @@ def _tree_delta_kernel(
     v,  # [T, H, DV]
     g,  # [T, H] log-decay
     beta,  # [T, H]
-    initial,  # [H, DK, DV] the state before the block, storage dtype
-    parents,  # [T] int64
+    initial,  # [S, H, DK, DV] the states before the block, storage dtype
+    parents,  # [T] int64, -(s + 1) = sequence s's state
+    offsets,  # [S + 1] int64 row offsets of the sequences (read only when RAGGED)
     out,  # [T, H, DV] float32
     states,  # [T, H, DK, DV] storage dtype
     q_row,  # elements between rows of q, k and v (heads and dims are packed within a row)
@@ -124,33 +140,46 @@ def _tree_delta_kernel(
     DV: tl.constexpr,
     BK: tl.constexpr,
     BV: tl.constexpr,
+    RAGGED: tl.constexpr,  # several sequences: this program walks rows offsets[s] .. offsets[s + 1] - 1
 ):
     head = tl.program_id(0)
     cols = tl.program_id(1) * BV + tl.arange(0, BV)  # [BV] value dims of this tile
+    sequence = tl.program_id(2)
     keys = tl.arange(0, BK)  # [BK]
     col_ok, key_ok = cols < DV, keys < DK
     tile_ok = key_ok[:, None] & col_ok[None, :]
     tile = head * DK * DV + keys[:, None] * DV + cols[None, :]  # [BK, BV] offsets of this tile in one state
     state_size = H * DK * DV
-    # Row t's inputs and starting state are loaded during row t - 1 (row 0's before the loop), so
-    # their latency hides behind a row of arithmetic. A starting state other than the previous
-    # row's is the state before the block or a row < t - 1, both stored by then.
-    s = tl.load(initial + tile, mask=tile_ok, other=0.0).to(tl.float32)  # row 0's parent is -1
-    qt = tl.load(q + head * DK + keys, mask=key_ok, other=0.0).to(tl.float32)  # [BK]
-    kt = tl.load(k + head * DK + keys, mask=key_ok, other=0.0).to(tl.float32)  # [BK]
-    vt = tl.load(v + head * DV + cols, mask=col_ok, other=0.0).to(tl.float32)  # [BV]
-    gt = tl.load(g + head).to(tl.float32)
-    bt = tl.load(beta + head).to(tl.float32)
-    t = 0
-    while t < T:  # not `for t in range(T)`: the interpreter cannot index with a runtime T under numpy >= 2.4
-        # Prefetch row t + 1 (masked off past the end).
+    if RAGGED:
+        t = tl.load(offsets + sequence).to(tl.int32)
+        end = tl.load(offsets + sequence + 1).to(tl.int32)
+        before = initial + sequence.to(tl.int64) * state_size  # this sequence's state before the block
+        # A sequence of no rows (t = end, maybe T) runs no row: its first row's loads below need
+        # only stay in range, and so go unmasked, as on the one-sequence path.
+        first = tl.minimum(t, T - 1)
+    else:
+        t = 0
+        end = T
+        before = initial
+        first = 0
+    # Row t's inputs and starting state are loaded during row t - 1 (the first row's before the
+    # loop), so their latency hides behind a row of arithmetic. A starting state other than the
+    # previous row's is the state before the block or an earlier row's, stored by then.
+    s = tl.load(before + tile, mask=tile_ok, other=0.0).to(tl.float32)  # the first row's parent is -(s + 1)
+    qt = tl.load(q + first * q_row + head * DK + keys, mask=key_ok, other=0.0).to(tl.float32)  # [BK]
+    kt = tl.load(k + first * k_row + head * DK + keys, mask=key_ok, other=0.0).to(tl.float32)  # [BK]
+    vt = tl.load(v + first * v_row + head * DV + cols, mask=col_ok, other=0.0).to(tl.float32)  # [BV]
+    gt = tl.load(g + first * H + head).to(tl.float32)
+    bt = tl.load(beta + first * H + head).to(tl.float32)
+    while t < end:  # not `for t in range(...)`: the interpreter cannot index with a runtime bound under numpy >= 2.4
+        # Prefetch row t + 1 (masked off past the sequence's end).
         nt = t + 1
-        more = nt < T
+        more = nt < end
         nth = nt * H + head  # T * H stays far below 2**31; T * state_size need not
         pn = tl.load(parents + nt, mask=more, other=t)
         reload = more & (pn != t)  # row t + 1 does not continue row t
         tl.debug_barrier()  # rows stored by earlier iterations are visible to every thread
-        from_initial = tl.load(initial + tile, mask=tile_ok & reload & (pn < 0), other=0.0)
+        from_before = tl.load(before + tile, mask=tile_ok & reload & (pn < 0), other=0.0)
         from_row = tl.load(states + tl.maximum(pn, 0) * state_size + tile, mask=tile_ok & reload & (pn >= 0), other=0.0)
         qn = tl.load(q + nt * q_row + head * DK + keys, mask=key_ok & more, other=0.0)
         kn = tl.load(k + nt * k_row + head * DK + keys, mask=key_ok & more, other=0.0)
@@ -166,10 +195,22 @@ def _tree_delta_kernel(
         stored = _rounded(s, states.dtype.element_ty)
         tl.store(states + t.to(tl.int64) * state_size + tile, stored, mask=tile_ok)
         # Children read the stored (rounded) state, as in the torch path.
-        s = tl.where(reload, from_initial.to(tl.float32) + from_row.to(tl.float32), stored.to(tl.float32))
+        s = tl.where(reload, from_before.to(tl.float32) + from_row.to(tl.float32), stored.to(tl.float32))
         qt, kt, vt = qn.to(tl.float32), kn.to(tl.float32), vn.to(tl.float32)
         gt, bt = gn.to(tl.float32), bn.to(tl.float32)
         t = nt
+
+
+def _sequence_offsets(parents: torch.Tensor, num_seqs: int) -> torch.Tensor:
+    """``[S + 1]`` row offsets of the sequences of a block, from its ``parents`` alone, on the device
+    (no host sync). Sequences are concatenated in order and each one's first row starts from its
+    state (parent ``-(s + 1)``), so sequence ``s`` starts at the first row that starts a sequence
+    ``>= s`` (``T`` if none: ``offsets[S]``, and any sequence of no rows at the end)."""
+    rows = torch.arange(parents.shape[0], device=parents.device)
+    starts = torch.where(parents < 0, -parents - 1, -1)  # [T] the sequence a row starts, -1 = none
+    sequences = torch.arange(num_seqs + 1, device=parents.device)
+    # An [S + 1, T] compare and a min: a few small launches, unlike a scan over the rows.
+    return torch.where(starts >= sequences[:, None], rows, parents.shape[0]).amin(1)
 
 
 def tree_gated_delta(
@@ -178,19 +219,32 @@ def tree_gated_delta(
     v: torch.Tensor,  # [T, H, Dv]
     g: torch.Tensor,  # [T, H] log-decay
     beta: torch.Tensor,  # [T, H]
-    state: torch.Tensor,  # [H, Dk, Dv] the state before the block
-    parents: torch.Tensor,  # [T], parents[t] < t
+    state: torch.Tensor,  # [S, H, Dk, Dv] (or [H, Dk, Dv] for S = 1) the states before the block
+    parents: torch.Tensor,  # [T], parents[t] < t, -(s + 1) = sequence s's state
     store_dtype: torch.dtype,
-    block_v: int = 16,
-    num_warps: int = 4,
+    offsets: torch.Tensor | None = None,  # [S + 1] row offsets of the sequences
+    block_v: int | None = None,
+    num_warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`splitspec.models.delta_rule.gated_delta_tree` as one launch: outputs ``[T, H, Dv]``
-    (float32) and the state after every row ``[T, H, Dk, Dv]`` (``store_dtype``)."""
+    (float32) and the state after every row ``[T, H, Dk, Dv]`` (``store_dtype``).
+
+    With ``S > 1`` sequences each walks its own rows; ``offsets`` (which the caller that built the
+    batch knows, once for all layers) save deriving them from ``parents`` in a few small launches.
+    A sequence may have no rows. ``block_v`` and ``num_warps`` (the ``[Dk, block_v]`` state tile
+    of a program and its warps) default to what was fastest on an H200 at the Qwen3.5-27B
+    geometry with trees of 23 rows: 16 and 4 for one sequence; for 8 to 32 sequences 32, with 4
+    warps for float32 states (S = 32: 875 us against 958 for 16 and 4) and 2 for bfloat16 ones
+    (674 us against 1056)."""
     num_rows, heads, dk = k.shape
     dv = v.shape[-1]
+    num_seqs = state.shape[0] if state.dim() == 4 else 1
     expected = {"q": (num_rows, heads, dk), "v": (num_rows, heads, dv), "g": (num_rows, heads), "beta": (num_rows, heads),
-                "state": (heads, dk, dv), "parents": (num_rows,)}
-    for name, tensor in (("q", q), ("v", v), ("g", g), ("beta", beta), ("state", state), ("parents", parents)):
+                "state": (num_seqs, heads, dk, dv) if state.dim() == 4 else (heads, dk, dv), "parents": (num_rows,), "offsets": (num_seqs + 1,)}
+    given = {"q": q, "v": v, "g": g, "beta": beta, "state": state, "parents": parents}
+    if offsets is not None:
+        given["offsets"] = offsets
+    for name, tensor in given.items():
         if tuple(tensor.shape) != expected[name]:
             raise ValueError(f"tree_gated_delta: {name} has shape {tuple(tensor.shape)}, expected {expected[name]}")
     out = torch.empty(num_rows, heads, dv, dtype=torch.float32, device=v.device)
@@ -202,10 +256,18 @@ def tree_gated_delta(
     q, k, v = (x if x.stride(-1) == 1 and x.stride(-2) == x.shape[-1] else x.contiguous() for x in (q, k, v))
     g, beta, parents = (x.contiguous() for x in (g, beta, parents.long()))
     initial = state.to(store_dtype).contiguous()
+    if offsets is None and num_seqs > 1:
+        offsets = _sequence_offsets(parents, num_seqs)
+    ragged = offsets is not None
+    if num_seqs == 1:
+        block_v, num_warps = block_v or 16, num_warps or 4
+    else:
+        block_v, num_warps = block_v or 32, num_warps or (4 if initial.element_size() >= 4 else 2)
     block_v = min(block_v, triton.next_power_of_2(dv))
     with _on_device_of(v):
-        _tree_delta_kernel[(heads, triton.cdiv(dv, block_v))](
-            q, k, v, g, beta, initial, parents, out, states, q.stride(0), k.stride(0), v.stride(0), num_rows, heads,
-            DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV=block_v, num_warps=num_warps,
+        _tree_delta_kernel[(heads, triton.cdiv(dv, block_v), num_seqs)](
+            q, k, v, g, beta, initial, parents, offsets.long().contiguous() if ragged else parents,  # parents: unread
+            out, states, q.stride(0), k.stride(0), v.stride(0), num_rows, heads,
+            DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV=block_v, RAGGED=ragged, num_warps=num_warps,
         )
     return out, states

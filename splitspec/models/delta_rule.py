@@ -1,25 +1,39 @@
 """Gated DeltaNet state math over a chain or a tree of rows: causal conv gather and delta rule.
 
+One pass may carry the rows of several sequences (batched verify): each has its own committed
+conv history and recurrent state, and its rows only ever read its own.
+
 Terms
 -----
 block
-    The ``T`` rows of one forward pass: a prefill chunk (a chain) or a verify tree.
+    The ``T`` rows of one forward pass: a prefill chunk (a chain), a verify tree, or the rows of
+    ``S`` sequences concatenated, sequence ``s`` owning rows ``[offsets[s], offsets[s + 1])``.
+offsets
+    ``[S + 1]`` int64 row offsets of the sequences in the block (``offsets[0] = 0``,
+    ``offsets[S] = T``); one sequence is ``[0, T]``. :func:`batch_parents` builds them.
 parents
-    ``[T]`` int64: the row each row continues from. ``-1`` means the state before the block (the
-    sequence's committed state); otherwise ``parents[t] < t``. A chain has ``parents[t] = t - 1``.
-    Verify rows are ``[root, node 1..n]`` with the root at ``-1`` and node ``j``'s parent row as
-    in :mod:`splitspec.spec.tree`.
+    ``[T]`` int64: the row each row continues from. ``-(s + 1)`` means sequence ``s``'s state
+    before the block (its committed state), so with one sequence ``-1``; otherwise ``parents[t]``
+    is a row of the same sequence with ``parents[t] < t``. A chain has ``parents[t] = t - 1``.
+    Verify rows are ``[root, node 1..n]`` with the root at ``-(s + 1)`` and node ``j``'s parent
+    row as in :mod:`splitspec.spec.tree`.
 history
-    ``[K - 1, C]``: the last ``K - 1`` conv inputs before the block, oldest first (``K`` is the
-    conv kernel width).
+    ``[S, K - 1, C]`` (``[K - 1, C]`` when ``S = 1``): per sequence, the last ``K - 1`` conv
+    inputs before the block, oldest first (``K`` is the conv kernel width).
 ancestor table
     ``[T, K]`` int64: column ``K - 1`` is the row itself, column ``j`` is ``K - 1 - j`` steps up
-    its parent chain. Steps past the block's start continue into the history as virtual rows
-    ``-1`` (the latest history input), ``-2``, ... E.g. with ``K = 4``, ``parents = [-1, 0, 0]``
-    gives ``[[-3, -2, -1, 0], [-2, -1, 0, 1], [-2, -1, 0, 2]]``: siblings 1 and 2 convolve over
-    their own lineage, not over each other (spec 3.3, ``ggml_ssm_conv_tree``).
+    its parent chain. Steps past the block's start continue into the row's own sequence's
+    history as *virtual rows*: ``-(s * (K - 1) + i)`` is the ``i``-th latest history input of
+    sequence ``s`` (``i = 1 .. K - 1``; ``history[s, K - 1 - i]``), so one sequence has ``-1``
+    (its latest input), ``-2``, ... and a row's code does not depend on how many sequences share
+    the block. E.g. with ``K = 4``, ``parents = [-1, 0, 0]`` gives
+    ``[[-3, -2, -1, 0], [-2, -1, 0, 1], [-2, -1, 0, 2]]``: siblings 1 and 2 convolve over their
+    own lineage, not over each other (spec 3.3, ``ggml_ssm_conv_tree``). Two sequences,
+    ``parents = [-1, -2, 1]`` (sequence 0: row 0; sequence 1: rows 1 and 2), give
+    ``[[-3, -2, -1, 0], [-6, -5, -4, 1], [-5, -4, 1, 2]]``.
 recurrent state
-    ``S`` ``[H, Dk, Dv]`` per value head. One token with query ``q``, key ``k`` (both
+    ``[H, Dk, Dv]`` per sequence (``[S, H, Dk, Dv]`` for a block of ``S`` sequences), one
+    ``[Dk, Dv]`` matrix ``S`` per value head. One token with query ``q``, key ``k`` (both
     L2-normalised, ``q`` scaled by ``1/sqrt(Dk)``), value ``v``, log-decay ``g <= 0`` and
     write strength ``beta`` in (0, 1) updates it as::
 
@@ -30,7 +44,8 @@ recurrent state
     In a tree, each row starts from its parent row's state (the parent-chain recurrence of
     spec 3.3), so every row's output equals that of decoding its root-to-row path one token at a
     time. The state after every row is kept (``[T, H, Dk, Dv]``); after acceptance the deepest
-    accepted row's state becomes the sequence's state.
+    accepted row's state becomes its sequence's state, and the last ``K - 1`` inputs along its
+    path (:func:`committed_history`) its sequence's history.
 
 The arithmetic runs in float32 (float64 when the inputs are); ``store_dtype`` is the dtype states
 are kept in between tokens. A row reads its parent's *stored* state, so a tree row and a
@@ -39,10 +54,13 @@ sequential step compute the same thing for any ``store_dtype``.
 :func:`conv_silu` and :func:`gated_delta` are what the model calls: they run the Triton kernels of
 :mod:`native.tree_delta_rule` where :func:`native_kernels_for` says so, and otherwise
 the torch functions here (:func:`conv_silu_reference`, :func:`gated_delta_tree`), which are the
-kernels' references.
+kernels' references. A block of several sequences gives every row what the one-sequence call on
+its own sequence's rows gives (prefill, :func:`gated_delta_chunked`, stays one sequence per call).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 from torch.nn import functional as F
@@ -51,7 +69,9 @@ from native import use_triton
 
 __all__ = [
     "ancestor_table",
+    "batch_parents",
     "chain_parents",
+    "committed_history",
     "conv_silu",
     "conv_silu_reference",
     "conv_windows",
@@ -69,32 +89,62 @@ def chain_parents(num_rows: int, device: torch.device | str = "cpu") -> torch.Te
     return torch.arange(-1, num_rows - 1, device=device)
 
 
+def batch_parents(blocks: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The one-sequence parents of ``S >= 1`` blocks (each ``[n_s]``, ``-1`` = before the block)
+    -> the parents ``[T]`` of their concatenation and its ``offsets`` ``[S + 1]``."""
+    lengths = torch.tensor([len(p) for p in blocks])
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]).to(blocks[0].device)  # [S+1]
+    parents = torch.cat([torch.where(p >= 0, p + offsets[s], -(s + 1)) for s, p in enumerate(blocks)])
+    return parents, offsets
+
+
 def ancestor_table(parents: torch.Tensor, width: int) -> torch.Tensor:
-    """``parents`` ``[T]`` -> the ancestor table ``[T, width]`` (see the module docstring)."""
+    """``parents`` ``[T]`` -> the ancestor table ``[T, width]``, with the virtual-row codes of the
+    module docstring for rows of any sequence."""
     num_rows = parents.shape[0]
     table = torch.empty(num_rows, width, dtype=torch.int64, device=parents.device)
     table[:, width - 1] = torch.arange(num_rows, device=parents.device)
     for j in range(width - 2, -1, -1):
         newer = table[:, j + 1]  # [T]
+        up = parents[newer.clamp(min=0)]  # [T] the parent where newer is a row
+        # A parent -(s + 1) is before the block: sequence s's latest history input, -(s(K-1) + 1).
+        up = torch.where(up >= 0, up, (up + 1) * (width - 1) - 1)
         # Inside the block follow the parent; in the history, step one input further back.
-        table[:, j] = torch.where(newer >= 0, parents[newer.clamp(min=0)], newer - 1)
+        table[:, j] = torch.where(newer >= 0, up, newer - 1)
     return table
 
 
 def conv_windows(history: torch.Tensor, inputs: torch.Tensor, ancestors: torch.Tensor) -> torch.Tensor:
-    """The ``K``-tap input window of every row along its parent chain, oldest first.
+    """The ``K``-tap input window of rows along their parent chains, oldest first.
 
-    ``history`` [K-1, C], ``inputs`` [T, C], ``ancestors`` [T, K] -> ``[T, K, C]``. The conv
-    output of row ``t`` is ``sum_k windows[t, k] * weight[:, k]``, and the conv state after row
-    ``t`` (the history its children see) is ``windows[t, 1:]``.
+    ``history`` [S, K-1, C] (or [K-1, C] for one sequence), ``inputs`` [T, C], ``ancestors``
+    [R, K] (the table's rows, or any of them) -> ``[R, K, C]``. The conv output of row ``t`` is
+    ``sum_k windows[t, k] * weight[:, k]``, and the conv state after row ``t`` (the history its
+    children see) is ``windows[t, 1:]``: ``conv_windows(history, inputs, ancestors[rows])[:, 1:]``
+    is every sequence's new history at once when ``rows`` are their deepest accepted rows.
     """
-    sequence = torch.cat([history.to(inputs.dtype), inputs])  # [K-1+T, C]; virtual row -1 is index K-2
-    return sequence[ancestors + history.shape[0]]
+    before = history.shape[-2]  # K - 1
+    flat = history.reshape(-1, history.shape[-1]).to(inputs.dtype)  # [S*(K-1), C], sequence s at s*(K-1)
+    back = -ancestors - 1  # [R, K] s*(K-1) + i - 1 for the virtual row i inputs back in sequence s
+    in_history = back // before * before + before - 1 - back % before  # its index in flat
+    index = torch.where(ancestors >= 0, ancestors + flat.shape[0], in_history)
+    return torch.cat([flat, inputs])[index]  # [S*(K-1)+T, C] gathered
+
+
+def committed_history(history: torch.Tensor, inputs: torch.Tensor, ancestors: torch.Tensor, row: int) -> torch.Tensor:
+    """One sequence's conv history after ``row``: its new history when ``row`` is its deepest
+    accepted row. ``history`` [K-1, C] is that sequence's alone (as a per-sequence cache holds it),
+    ``inputs`` [T, C] and ``ancestors`` [T, K] the whole block's -> ``[K-1, C]``."""
+    before = history.shape[-2]
+    window = ancestors[row]  # [K]
+    # Re-code the row's virtual rows -(s(K-1) + i) as the one-sequence -i of the history given.
+    window = torch.where(window >= 0, window, -((-window - 1) % before) - 1)
+    return conv_windows(history, inputs, window[None])[0, 1:]
 
 
 def conv_silu_reference(history: torch.Tensor, inputs: torch.Tensor, ancestors: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """SiLU of the depthwise conv of every row's window: ``history`` [K-1, C], ``inputs`` [T, C],
-    ``ancestors`` [T, K], ``weight`` [C, K] (oldest tap first) -> ``[T, C]``."""
+    """SiLU of the depthwise conv of every row's window: ``history`` [S, K-1, C] or [K-1, C],
+    ``inputs`` [T, C], ``ancestors`` [T, K], ``weight`` [C, K] (oldest tap first) -> ``[T, C]``."""
     return F.silu((conv_windows(history, inputs, ancestors) * weight.T).sum(1))
 
 
@@ -126,28 +176,32 @@ def gated_delta_tree(
     v: torch.Tensor,  # [T, H, Dv]
     g: torch.Tensor,  # [T, H] log-decay
     beta: torch.Tensor,  # [T, H]
-    state: torch.Tensor,  # [H, Dk, Dv] the state before the block
-    parents: torch.Tensor,  # [T]
+    state: torch.Tensor,  # [S, H, Dk, Dv] (or [H, Dk, Dv] for S = 1) the states before the block
+    parents: torch.Tensor,  # [T], -(s + 1) = sequence s's state
     store_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The recurrent form over a tree: outputs ``[T, H, Dv]`` and the state after every row
-    ``[T, H, Dk, Dv]`` (in ``store_dtype``). A chain is the tree with ``chain_parents``."""
+    """The recurrent form over a tree (or the trees of ``S`` sequences): outputs ``[T, H, Dv]``
+    and the state after every row ``[T, H, Dk, Dv]`` (in ``store_dtype``). A chain is the tree
+    with ``chain_parents``."""
     dt = _math_dtype(v.dtype)
     q, k, v, beta = (x.to(dt) for x in (q, k, v, beta))
     decay = g.to(dt).exp()[..., None, None]  # [T, H, 1, 1]
-    # Slot 0 holds the state before the block, slot t + 1 the state after row t: a row's starting
-    # state is slot parents + 1, one gather for the whole level.
-    slots = torch.empty((v.shape[0] + 1, *state.shape), dtype=store_dtype, device=v.device)  # [T+1, H, Dk, Dv]
-    slots[0] = state
+    initial = state if state.dim() == 4 else state[None]  # [S, H, Dk, Dv]
+    num_seqs = initial.shape[0]
+    # Slot s holds sequence s's state before the block, slot S + t the state after row t: a row's
+    # starting state is one slot, one gather for the whole level.
+    slots = torch.empty((num_seqs + v.shape[0], *initial.shape[1:]), dtype=store_dtype, device=v.device)  # [S+T, H, Dk, Dv]
+    slots[:num_seqs] = initial
+    start = torch.where(parents >= 0, parents + num_seqs, -parents - 1)  # [T]
     out = torch.empty_like(v)  # [T, H, Dv]
     for rows in depth_levels(parents):
-        s = slots[parents[rows] + 1].to(dt) * decay[rows]  # [R, H, Dk, Dv]
+        s = slots[start[rows]].to(dt) * decay[rows]  # [R, H, Dk, Dv]
         kr = k[rows][..., None]  # [R, H, Dk, 1]
         predicted = (s * kr).sum(-2)  # [R, H, Dv]  S^T k
         s = s + kr * ((v[rows] - predicted) * beta[rows][..., None])[..., None, :]
         out[rows] = (s * q[rows][..., None]).sum(-2)
-        slots[rows + 1] = s.to(store_dtype)
-    return out, slots[1:]
+        slots[rows + num_seqs] = s.to(store_dtype)
+    return out, slots[num_seqs:]
 
 
 def gated_delta_chunked(
@@ -209,11 +263,13 @@ def conv_silu(history: torch.Tensor, inputs: torch.Tensor, ancestors: torch.Tens
 
 def gated_delta(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-    state: torch.Tensor, parents: torch.Tensor, store_dtype: torch.dtype,
+    state: torch.Tensor, parents: torch.Tensor, store_dtype: torch.dtype, offsets: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`gated_delta_tree`, by a Triton kernel where :func:`native_kernels_for` says so."""
+    """:func:`gated_delta_tree`, by a Triton kernel where :func:`native_kernels_for` says so.
+    ``offsets`` [S + 1] (the block's sequences) spare the kernel deriving them from ``parents``;
+    the torch path needs none."""
     if native_kernels_for(v):
         from native.tree_delta_rule import tree_gated_delta
 
-        return tree_gated_delta(q, k, v, g, beta, state, parents, store_dtype)
+        return tree_gated_delta(q, k, v, g, beta, state, parents, store_dtype, offsets)
     return gated_delta_tree(q, k, v, g, beta, state, parents, store_dtype)

@@ -17,7 +17,14 @@ import pytest
 import torch
 
 from splitspec.models import delta_rule
-from splitspec.models.delta_rule import ancestor_table, chain_parents, conv_silu_reference, gated_delta_tree, l2_normalize
+from splitspec.models.delta_rule import (
+    ancestor_table,
+    batch_parents,
+    chain_parents,
+    conv_silu_reference,
+    gated_delta_tree,
+    l2_normalize,
+)
 from splitspec.models.loader import load_target
 from splitspec.spec.tree import node_depths, tree_attention_mask
 
@@ -68,6 +75,30 @@ def tree_parents(kind: str, n: int, rng: np.random.Generator) -> torch.Tensor:
     if kind == "deep":
         return torch.tensor([-1] + [t - 1 if rng.random() < 0.7 else int(rng.integers(0, t)) for t in range(1, n)])
     return torch.tensor([-1] + [int(rng.integers(-1, t)) for t in range(1, n)])
+
+
+def batch_blocks(rng: np.random.Generator) -> list[torch.Tensor]:
+    """One-sequence parents of a batched verify: a chain, a bushy tree, single-row decode steps, a
+    30-row tree beside a 1-row one, and random rows restarting from the committed state."""
+    return [
+        tree_parents("chain", 4, rng),
+        tree_parents("wide", 6, rng),
+        chain_parents(1),
+        tree_parents("deep", 30, rng),
+        chain_parents(1),
+        tree_parents("random", 7, rng),
+    ]
+
+
+def assert_delta_close(out, states, ref_out, ref_states, store_dtype):
+    """The tolerances of test_tree_delta_rule_matches_torch."""
+    if store_dtype == torch.float32:
+        torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(states, ref_states, atol=1e-5, rtol=1e-5)
+    else:
+        assert (states == ref_states).float().mean().item() > 0.99
+        torch.testing.assert_close(states.float(), ref_states.float(), atol=1e-2, rtol=1e-2)
+        torch.testing.assert_close(out, ref_out, atol=1e-3, rtol=1e-3)
 
 
 def delta_inputs(gen: torch.Generator, n: int):
@@ -122,10 +153,111 @@ def test_tree_conv_silu_matches_torch(kind, width, dtype):
     torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize(
+    ("given_offsets", "store_dtype"),
+    [(True, torch.float32), (True, torch.bfloat16), (False, torch.float32)],
+    ids=["offsets-f32-state", "offsets-bf16-state", "derived-offsets-f32-state"],
+)
+def test_batched_tree_delta_rule_equals_per_sequence_calls(given_offsets, store_dtype):
+    """One launch over six sequences (a program per sequence, head and tile) gives every row what
+    the one-sequence launch on its own rows and state gives, and what the torch path gives."""
+    rng, gen = np.random.default_rng(10), torch.Generator().manual_seed(10)
+    blocks = batch_blocks(rng)
+    parents, offsets = batch_parents(blocks)
+    q, k, v, g, beta = delta_inputs(gen, len(parents))
+    state = torch.randn(len(blocks), H, DK, DV, generator=gen).to(store_dtype)  # [S, H, Dk, Dv]
+    out, states = native.tree_gated_delta(
+        q, k, v, g, beta, state, parents, store_dtype, offsets if given_offsets else None, block_v=BLOCK_V
+    )
+    assert_delta_close(out, states, *gated_delta_tree(q, k, v, g, beta, state, parents, store_dtype), store_dtype)
+    for s, block in enumerate(blocks):
+        rows = slice(offsets[s], offsets[s + 1])
+        own = native.tree_gated_delta(q[rows], k[rows], v[rows], g[rows], beta[rows], state[s], block, store_dtype, block_v=BLOCK_V)
+        assert_delta_close(out[rows], states[rows], *own, store_dtype)
+
+
+def test_one_sequence_through_offsets_equals_the_plain_launch():
+    """``[1, H, Dk, Dv]`` with offsets ``[0, T]`` (the ragged walk) is the ``[H, Dk, Dv]`` launch."""
+    rng, gen = np.random.default_rng(11), torch.Generator().manual_seed(11)
+    parents = tree_parents("random", 9, rng)
+    q, k, v, g, beta = delta_inputs(gen, 9)
+    state = torch.randn(H, DK, DV, generator=gen)
+    plain = native.tree_gated_delta(q, k, v, g, beta, state, parents, torch.float32, block_v=BLOCK_V)
+    ragged = native.tree_gated_delta(q, k, v, g, beta, state[None], parents, torch.float32, torch.tensor([0, 9]), block_v=BLOCK_V)
+    for ours, theirs in zip(ragged, plain):
+        torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("given_offsets", [True, False], ids=["offsets", "derived-offsets"])
+def test_a_sequence_without_rows_runs_nothing(given_offsets):
+    rng, gen = np.random.default_rng(12), torch.Generator().manual_seed(12)
+    blocks = [tree_parents("deep", 5, rng), torch.zeros(0, dtype=torch.int64), tree_parents("wide", 4, rng)]
+    parents, offsets = batch_parents(blocks)
+    assert offsets.tolist() == [0, 5, 5, 9]
+    q, k, v, g, beta = delta_inputs(gen, 9)
+    state = torch.randn(3, H, DK, DV, generator=gen)
+    out, states = native.tree_gated_delta(q, k, v, g, beta, state, parents, torch.float32, offsets if given_offsets else None, block_v=BLOCK_V)
+    assert_delta_close(out, states, *gated_delta_tree(q, k, v, g, beta, state, parents, torch.float32), torch.float32)
+
+
+@pytest.mark.parametrize(
+    ("width", "dtype"), [(2, torch.float32), (4, torch.float32), (4, torch.bfloat16)], ids=["2-f32", "4-f32", "4-bf16"]
+)
+def test_batched_tree_conv_silu_equals_per_sequence_calls(width, dtype):
+    """Each row's window runs through its own sequence's history in ``[S, K-1, C]``."""
+    rng, gen = np.random.default_rng(width), torch.Generator().manual_seed(width)
+    blocks = batch_blocks(rng)
+    parents, offsets = batch_parents(blocks)
+    channels = 20
+    ancestors = ancestor_table(parents, width)
+    history = torch.randn(len(blocks), width - 1, channels, generator=gen).to(dtype)  # [S, K-1, C]
+    inputs = torch.randn(len(parents), channels, generator=gen).to(dtype)
+    weight = torch.randn(channels, width, generator=gen).to(dtype)
+    out = native.tree_conv_silu(history, inputs, ancestors, weight, block_c=8)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2  # as test_tree_conv_silu_matches_torch
+    torch.testing.assert_close(out.float(), conv_silu_reference(history, inputs, ancestors, weight).float(), atol=tol, rtol=tol)
+    for s, block in enumerate(blocks):
+        rows = slice(offsets[s], offsets[s + 1])
+        own = native.tree_conv_silu(history[s], inputs[rows], ancestor_table(block, width), weight, block_c=8)
+        torch.testing.assert_close(out[rows], own, atol=tol, rtol=tol)
+
+
+def test_dispatch_runs_batches_on_the_kernels(monkeypatch):
+    """delta_rule.conv_silu and gated_delta hand ``[S, ...]`` histories, states and offsets to the kernels."""
+    rng, gen = np.random.default_rng(13), torch.Generator().manual_seed(13)
+    blocks = batch_blocks(rng)
+    parents, offsets = batch_parents(blocks)
+    calls = []
+
+    def counted(name):
+        kernel = getattr(native, name)
+
+        def wrapper(*args):
+            calls.append(name)
+            return kernel(*args)
+        return wrapper
+
+    for name in ("tree_conv_silu", "tree_gated_delta"):
+        monkeypatch.setattr(native, name, counted(name))
+    channels, width = 9, 4
+    ancestors = ancestor_table(parents, width)
+    history = torch.randn(len(blocks), width - 1, channels, generator=gen)
+    inputs, weight = torch.randn(len(parents), channels, generator=gen), torch.randn(channels, width, generator=gen)
+    conv = delta_rule.conv_silu(history, inputs, ancestors, weight)
+    torch.testing.assert_close(conv, conv_silu_reference(history, inputs, ancestors, weight), atol=1e-5, rtol=1e-5)
+    q, k, v, g, beta = delta_inputs(gen, len(parents))
+    state = torch.randn(len(blocks), H, DK, DV, generator=gen)
+    ours = delta_rule.gated_delta(q, k, v, g, beta, state, parents, torch.float32, offsets)
+    assert_delta_close(*ours, *gated_delta_tree(q, k, v, g, beta, state, parents, torch.float32), torch.float32)
+    assert calls == ["tree_conv_silu", "tree_gated_delta"]
+
+
 def test_shape_mismatch_names_the_tensor():
     q, k, v, g, beta = delta_inputs(torch.Generator().manual_seed(0), 3)
     with pytest.raises(ValueError, match="beta has shape"):
         native.tree_gated_delta(q, k, v, g, beta[:2], torch.zeros(H, DK, DV), chain_parents(3), torch.float32)
+    with pytest.raises(ValueError, match="offsets has shape"):
+        native.tree_gated_delta(q, k, v, g, beta, torch.zeros(2, H, DK, DV), chain_parents(3), torch.float32, torch.tensor([0, 3]))
 
 
 def test_dispatch_uses_the_kernels_on_cuda_or_under_the_interpreter(monkeypatch):
