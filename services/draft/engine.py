@@ -6,17 +6,21 @@ A proposal appends the new features (positions ``ctx_end .. anchor_position - 1`
 non-causal pass over ``[anchor, MASK × (B-1)]`` at positions ``anchor_position + 0..B-1``, applies
 the target's LM head to rows 1..B-1, and returns per-depth top-K ids and log-probs.
 
+Propose steps of several sequences (``ProposeStep``) run together in one batched pass
+(``propose_batch``): S blocks, each attending to its own context, padded to the longest.
+
 Not thread-safe: the service calls it from one worker thread.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from services.draft.graphs import BlockGraphs, top_k_proposal
+from services.draft.graphs import BlockGraphs, top_k_proposal, top_k_proposals
 from services.worker.hosting import SequenceTable
 from splitspec.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from splitspec.models.dflash import DFlashConfig, DFlashDraft
@@ -78,10 +82,30 @@ class DraftSequence:
 
 
 @dataclass
+class ProposeStep:
+    """One sequence's Propose: the arguments of :meth:`DraftEngine.propose`."""
+
+    sequence_id: str
+    anchor_token: int
+    anchor_position: int
+    features: torch.Tensor | None  # [m, taps * hidden] for positions anchor_position - m ..
+    top_k: int
+    window: int = 0  # attend to the last ``window`` context positions only; 0: all
+    tokens: Sequence[int] = ()  # token ids of the new positions; DFlash conditions on features only
+    context: int = 0  # the gateway's number of this draft context (SequenceTable.claim)
+
+    @property
+    def rows(self) -> int:
+        """m: the new feature rows."""
+        return 0 if self.features is None else self.features.shape[0]
+
+
+@dataclass
 class Proposal:
     top_ids: torch.Tensor  # [B-1, K] int32, on the host
     top_logprobs: torch.Tensor  # [B-1, K] float32, on the host
-    forward_ns: int
+    forward_ns: int  # the whole pass's time (appends, block pass, host copies), shared by its sequences
+    pass_sequences: int = 1  # sequences in the pass that computed this proposal
 
 
 class DraftEngine:
@@ -133,62 +157,175 @@ class DraftEngine:
         tokens=(),  # token ids of the new positions; DFlash conditions on features only
         context: int = 0,  # the gateway's number of this draft context (SequenceTable.claim)
     ) -> Proposal:
+        """One sequence's step: :meth:`propose_batch` of that step alone, raising its error."""
+        step = ProposeStep(sequence_id, anchor_token, anchor_position, features, top_k, window, tokens, context)
+        result = self.propose_batch([step])[0]
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    def propose_batch(self, steps: list[ProposeStep]) -> list[Proposal | BaseException]:
+        """The proposals of several sequences' steps, computed in one block pass; per step its
+        ``Proposal`` or the error that refused or failed it.
+
+        Each step is admitted on its own, with the checks of :meth:`propose`: a refused step gets
+        its error (InvalidArgument, FailedPrecondition, ResourceExhausted, Aborted) and changes
+        nothing :meth:`propose` would not, and the other steps go on. A step whose sequence_id an
+        earlier step of the batch has (admitted or not) is refused (FailedPrecondition): a
+        sequence's steps depend on each other, so two in one pass are the caller's mistake.
+
+        One admitted step runs the single-sequence pass (the CUDA graphs when enabled). Several
+        share one eager pass: their new rows' keys and values in one ``context_kv``, appended to
+        each context, then one block pass (``DFlashDraft.forward_batch``); an error there goes to
+        each of them. On an H200 (bf16, 8B-sized draft, contexts ~1000) that pass took 9-17 ms for
+        2-8 sequences against 1.2 ms per graphed single pass, and beat the graphed passes run one
+        after another from about 16 sequences on (32: 23 ms against 39 ms).
+        """
+        results: list[Proposal | BaseException | None] = [None] * len(steps)
+        admitted: list[tuple[int, ProposeStep, DraftSequence]] = []
+        seen: set[str] = set()
+        for i, step in enumerate(steps):
+            earlier = step.sequence_id in seen
+            seen.add(step.sequence_id)
+            try:
+                admitted.append((i, step, self._admit(step, earlier)))
+            except Exception as exc:  # a refusal (a ServiceError) or a bad argument's own error: that step's alone
+                results[i] = exc
+        if len(admitted) == 1:
+            i, step, seq = admitted[0]
+            try:
+                results[i] = self._propose_one(step, seq)
+            except Exception as exc:  # the step's result: propose raises it
+                results[i] = exc
+        elif admitted:
+            for (i, _, _), result in zip(admitted, self._propose_many([(step, seq) for _, step, seq in admitted])):
+                results[i] = result
+        return results  # type: ignore[return-value]
+
+    def _admit(self, step: ProposeStep, earlier: bool) -> DraftSequence:
+        """The step's sequence, created if new, after the checks of :meth:`propose`; ``earlier``:
+        a step of the same sequence_id came before it in the batch."""
         c: DFlashConfig = self.config
-        if not sequence_id:
+        if not step.sequence_id:
             raise InvalidArgument("sequence_id must not be empty")
-        if not 0 <= anchor_token < self.vocab_size:
-            raise InvalidArgument(f"anchor_token: {anchor_token} is outside [0, {self.vocab_size})")
-        if not 1 <= top_k <= min(self.max_top_k, self.vocab_size):
-            raise InvalidArgument(f"top_k: {top_k} is outside [1, {min(self.max_top_k, self.vocab_size)}]")
-        if window < 0:
-            raise InvalidArgument(f"window: {window} must be >= 0")
-        m = 0 if features is None else features.shape[0]
+        if not 0 <= step.anchor_token < self.vocab_size:
+            raise InvalidArgument(f"anchor_token: {step.anchor_token} is outside [0, {self.vocab_size})")
+        if not 1 <= step.top_k <= min(self.max_top_k, self.vocab_size):
+            raise InvalidArgument(f"top_k: {step.top_k} is outside [1, {min(self.max_top_k, self.vocab_size)}]")
+        if step.window < 0:
+            raise InvalidArgument(f"window: {step.window} must be >= 0")
+        features, m = step.features, step.rows
         width = c.num_taps * c.hidden_size
         if features is not None and (features.dim() != 2 or features.shape[1] != width):
             raise InvalidArgument(f"features: shape {tuple(features.shape)} is not [rows, {width}]")
+        if earlier:
+            raise FailedPrecondition(f"sequence_id {step.sequence_id!r} has more than one step in this batch")
 
         def new_context() -> DraftSequence:
-            if len(self.sequences) >= self.max_sequences and sequence_id not in self.sequences:
+            if len(self.sequences) >= self.max_sequences and step.sequence_id not in self.sequences:
                 raise ResourceExhausted(f"{len(self.sequences)} draft contexts are live, the limit is {self.max_sequences}")
             if m == 0:
-                raise FailedPrecondition(f"sequence_id {sequence_id!r} is new to the draft worker and carries no features")
+                raise FailedPrecondition(f"sequence_id {step.sequence_id!r} is new to the draft worker and carries no features")
             cache = ContextCache(c.num_layers)
             if self.graphs:  # the slot comes back when the cache is garbage
                 cache.slot, cache.k, cache.v = self.graphs.take(cache) or (None, [], [])
-            return DraftSequence(cache, anchor_position - m, anchor_position - m)
+            return DraftSequence(cache, step.anchor_position - m, step.anchor_position - m)
 
-        seq = self.sequences.claim(sequence_id, context, new_context)
-        if seq.ctx_end + m != anchor_position:
+        seq = self.sequences.claim(step.sequence_id, step.context, new_context)
+        if seq.ctx_end + m != step.anchor_position:
             raise FailedPrecondition(
                 f"features: the draft context ends at position {seq.ctx_end} but {m} rows before "
-                f"anchor_position {anchor_position} start at {anchor_position - m}"
+                f"anchor_position {step.anchor_position} start at {step.anchor_position - m}"
             )
-        t0 = time.perf_counter_ns()
-        dev = self.device
-        out = None
-        if m and self.graphs:  # the graphed pass appends up to a block of new rows itself
-            first = max(0, seq.cache.size + m - window) if window else 0
-            out = self.graphs.run(seq.cache, anchor_token, anchor_position, first, top_k, features, seq.ctx_end)
-            if out:
-                seq.cache.size += m
-        if m and not out:
-            positions = torch.arange(seq.ctx_end, anchor_position, device=dev)
-            seq.cache.append(self.model.context_kv(features.to(device=dev, dtype=self.dtype), positions))
-        seq.ctx_end = anchor_position
+        return seq
+
+    def _extend(self, step: ProposeStep, seq: DraftSequence, kv: list[tuple[torch.Tensor, torch.Tensor]] | None) -> None:
+        """Bring ``seq``'s context up to the anchor: append ``kv`` (per layer (k, v) [H_kv, m, D],
+        the step's new rows; None when there are none or a graphed pass appended them already),
+        then compact a windowed cache."""
+        if kv is not None:
+            seq.cache.append(kv)
+        seq.ctx_end = step.anchor_position
+        window = step.window
         if window and seq.cache.size > 2 * window:  # compact rarely; attention slices the window anyway
             seq.ctx_start += seq.cache.size - window
             seq.cache.drop_front(seq.cache.size - window)
+
+    def _context_kv(self, admitted: list[tuple[ProposeStep, DraftSequence]]) -> list[list[tuple[torch.Tensor, torch.Tensor]] | None]:
+        """Per step the keys and values of its new rows, per layer (k, v) [H_kv, m, D] (None: it has
+        none), computed in one ``context_kv`` over all of them: rows are independent, and one
+        call launches its kernels once instead of once per sequence."""
+        new = [n for n, (step, _) in enumerate(admitted) if step.rows]
+        out: list[list[tuple[torch.Tensor, torch.Tensor]] | None] = [None] * len(admitted)
+        if not new:
+            return out
+        kv = self.model.context_kv(*self._joined_rows([admitted[n] for n in new]))  # per layer (k, v) [H_kv, M, D]
+        rows = [admitted[n][0].rows for n in new]
+        pieces = [list(zip(k.split(rows, dim=1), v.split(rows, dim=1))) for k, v in kv]  # [layer][j]: (k, v) [H_kv, m_j, D]
+        for j, n in enumerate(new):
+            out[n] = [layer[j] for layer in pieces]
+        return out
+
+    def _joined_rows(self, new: list[tuple[ProposeStep, DraftSequence]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The steps' new feature rows [M, taps * hidden] and their positions [M], on the device.
+        Several steps' rows are joined where the first one's are (features from the wire are on
+        the host) and sent in one copy."""
+        if len(new) == 1:
+            step, seq = new[0]
+            positions = torch.arange(seq.ctx_end, step.anchor_position, device=self.device)
+            return step.features.to(device=self.device, dtype=self.dtype), positions
+        where = new[0][0].features.device
+        features = torch.cat([step.features.to(device=where, dtype=self.dtype) for step, _ in new])
+        positions = torch.cat([torch.arange(seq.ctx_end, step.anchor_position) for step, seq in new])
+        return features.to(self.device), positions.to(self.device)
+
+    def _propose_one(self, step: ProposeStep, seq: DraftSequence) -> Proposal:
+        """One sequence's pass: a CUDA graph where one serves it (appending up to a block of new
+        rows inside the graph), else the eager pass."""
+        c: DFlashConfig = self.config
+        t0 = time.perf_counter_ns()
+        dev, m, window = self.device, step.rows, step.window
+        out = None
+        if m and self.graphs:  # the graphed pass appends up to a block of new rows itself
+            first = max(0, seq.cache.size + m - window) if window else 0
+            out = self.graphs.run(seq.cache, step.anchor_token, step.anchor_position, first, step.top_k, step.features, seq.ctx_end)
+            if out:
+                seq.cache.size += m
+        self._extend(step, seq, None if out else self._context_kv([(step, seq)])[0])
         if not out:
             first = max(0, seq.cache.size - window) if window else 0
-            out = self.graphs and self.graphs.run(seq.cache, anchor_token, anchor_position, first, top_k)
+            out = self.graphs and self.graphs.run(seq.cache, step.anchor_token, step.anchor_position, first, step.top_k)
         if not out:
             block = torch.full((c.block_size,), c.mask_token_id, dtype=torch.int64, device=dev)
-            block[0] = anchor_token
-            positions = torch.arange(anchor_position, anchor_position + c.block_size, device=dev)
-            out = top_k_proposal(self.model, self.embed, self.lm_head, block, positions, seq.cache.layers(window), top_k)
-        # Host copies, made here: a graph's outputs live in the graphs' shared pool, where another
-        # slot's replay may write before the servicer has sent them. Both copies, then one wait.
-        ids, logprobs = (t.to("cpu", non_blocking=True) for t in out)
-        if out[0].is_cuda:
-            torch.cuda.current_stream(out[0].device).synchronize()
+            block[0] = step.anchor_token
+            positions = torch.arange(step.anchor_position, step.anchor_position + c.block_size, device=dev)
+            out = top_k_proposal(self.model, self.embed, self.lm_head, block, positions, seq.cache.layers(window), step.top_k)
+        [(ids, logprobs)] = _to_host([out])
         return Proposal(ids, logprobs, time.perf_counter_ns() - t0)
+
+    def _propose_many(self, admitted: list[tuple[ProposeStep, DraftSequence]]) -> list[Proposal | BaseException]:
+        """Several sequences' pass: their new rows' keys and values in one ``context_kv``, appended
+        to each context, then one eager batched block pass. An error fails every step of it."""
+        t0 = time.perf_counter_ns()
+        steps = [step for step, _ in admitted]
+        try:
+            for (step, seq), kv in zip(admitted, self._context_kv(admitted)):
+                self._extend(step, seq, kv)
+            anchors = torch.tensor([s.anchor_token for s in steps], dtype=torch.int64).to(self.device)  # [S]
+            anchor_positions = torch.tensor([s.anchor_position for s in steps], dtype=torch.int64).to(self.device)  # [S]
+            contexts = [seq.cache.layers(step.window) for step, seq in admitted]
+            outs = _to_host(top_k_proposals(self.model, self.embed, self.lm_head, anchors, anchor_positions, contexts, [s.top_k for s in steps]))
+        except Exception as exc:  # every step of the pass fails with it
+            return [exc] * len(admitted)
+        forward_ns = time.perf_counter_ns() - t0
+        return [Proposal(ids, logprobs, forward_ns, len(admitted)) for ids, logprobs in outs]
+
+
+def _to_host(outs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Host copies of (ids, log-probs) pairs, made here: a graph's outputs live in the graphs'
+    shared pool, where another slot's replay may write before the servicer has sent them. All
+    copies, then one wait."""
+    host = [tuple(t.to("cpu", non_blocking=True) for t in out) for out in outs]
+    if outs and outs[0][0].is_cuda:
+        torch.cuda.current_stream(outs[0][0].device).synchronize()
+    return host

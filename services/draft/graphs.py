@@ -88,13 +88,17 @@ class BlockPass:
         self.inputs.upload(size)
 
 
-def top_k_of(hidden: torch.Tensor, lm_head: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block hidden states [B, hidden] -> per-depth top-K ids [B-1, K] int32 and log-probs [B-1, K]
-    float32 (row 0 is the anchor's)."""
-    logits = hidden[1:] @ lm_head.T.to(hidden.dtype)  # [B-1, vocab]
+def top_k_log_softmax(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [R, vocab] -> top-K ids [R, K] int32 and log-probs [R, K] float32, each row on its own."""
     if use_triton(logits, "top_k") and native_top_k.supported(logits, top_k):
         return native_top_k.top_k_log_softmax(logits, top_k)
     return native_top_k.top_k_log_softmax_reference(logits, top_k)
+
+
+def top_k_of(hidden: torch.Tensor, lm_head: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block hidden states [B, hidden] -> per-depth top-K ids [B-1, K] int32 and log-probs [B-1, K]
+    float32 (row 0 is the anchor's)."""
+    return top_k_log_softmax(hidden[1:] @ lm_head.T.to(hidden.dtype), top_k)  # logits [B-1, vocab]
 
 
 def top_k_proposal(
@@ -103,6 +107,34 @@ def top_k_proposal(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One eager block pass over ``context`` (per layer (k, v) [H_kv, S, D])."""
     return top_k_of(model(embed[block].to(model.fc.weight.dtype), positions, context), lm_head, top_k)
+
+
+def top_k_proposals(
+    model: DFlashDraft, embed: torch.Tensor, lm_head: torch.Tensor, anchors: torch.Tensor, anchor_positions: torch.Tensor,
+    contexts: list[list[tuple[torch.Tensor, torch.Tensor]]], top_ks: list[int],
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`top_k_proposal` of S sequences in one eager pass (``DFlashDraft.forward_batch``):
+    ``anchors`` and ``anchor_positions`` [S] int64, ``contexts`` per sequence, per layer (k, v)
+    [H_kv, n_s, D]. Returns per sequence top-K ids [B-1, K_s] int32 and log-probs [B-1, K_s] float32.
+
+    The top-K runs once per distinct K over the rows of the sequences asking for it, not once
+    with the largest K sliced: ``torch.topk`` orders tied values differently for different K, and
+    each row must come out as :func:`top_k_of` gives it alone."""
+    c = model.config
+    rows = torch.arange(c.block_size, device=anchors.device)  # [B]
+    blocks = torch.where(rows == 0, anchors[:, None], c.mask_token_id)  # [S, B]: anchor, MASK × (B-1)
+    hidden = model.forward_batch(embed[blocks].to(model.fc.weight.dtype), anchor_positions[:, None] + rows, contexts)  # [S, B, hidden]
+    # One [S * (B-1), hidden] matmul: a 3-D operand would run as a batched matmul over the
+    # broadcast LM head (H200, S=32, vocab 152k: 9 ms against well under one).
+    logits = (hidden[:, 1:].flatten(0, 1) @ lm_head.T.to(hidden.dtype)).unflatten(0, (len(top_ks), -1))  # [S, B-1, vocab]
+    out: list[tuple[torch.Tensor, torch.Tensor]] = [None] * len(top_ks)  # type: ignore[list-item]
+    for k in sorted(set(top_ks)):
+        members = [s for s, ks in enumerate(top_ks) if ks == k]
+        chosen = logits if len(members) == len(top_ks) else logits[members]  # [S_k, B-1, vocab]
+        ids, logprobs = top_k_log_softmax(chosen.flatten(0, 1), k)  # [S_k * (B-1), K]
+        for s, ids_s, logprobs_s in zip(members, ids.unflatten(0, chosen.shape[:2]), logprobs.unflatten(0, chosen.shape[:2])):
+            out[s] = (ids_s, logprobs_s)
+    return out
 
 
 class BlockGraphs:

@@ -234,6 +234,36 @@ class DFlashDraft(nn.Module):
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, noise.dtype)
         return self._blocks(noise, cos, sin, context, None)
 
+    @torch.inference_mode()
+    def forward_batch(
+        self,
+        noise: torch.Tensor,  # [S, B, hidden]: target embeddings of each sequence's [anchor, MASK × (B-1)]
+        positions: torch.Tensor,  # [S, B] absolute positions anchor_position + 0..B-1 of each sequence
+        contexts: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]]],  # per sequence, per layer (k, v) [H_kv, n_s, D]
+    ) -> torch.Tensor:
+        """:meth:`forward` of S sequences' blocks in one pass (continuous batching of Propose steps).
+        Returns the normalised block hidden states [S, B, hidden].
+
+        Terms: S sequences; B the block size; ``n_s`` the length of sequence s's visible context
+        (all of its cached positions, or its window), which differs between sequences; L the
+        longest ``n_s``. Every layer's context keys and values are stacked into [S, H_kv, L, D],
+        sequence s's in columns ``0 .. n_s - 1`` and zeros after them, and the block's own keys
+        follow at columns ``L .. L + B - 1``. The mask [S, B, L + B] shows every row of block s
+        columns ``< n_s`` and the block's: exactly the keys :meth:`forward` shows it, so each
+        sequence's rows equal :meth:`forward` over its own context, up to rounding (the matmuls
+        run at other shapes).
+        """
+        c = self.config
+        s, b = positions.shape
+        context, lengths = _pad_contexts(contexts)  # per layer (k, v) [S, H_kv, L, D]; [S] n_s
+        width = context[0][0].shape[2]  # L
+        cols = torch.arange(width + b, device=noise.device)  # [L + B]
+        visible = (cols < lengths[:, None]) | (cols >= width)  # [S, L + B]: own context, own block
+        mask = visible[:, None, :].expand(s, b, width + b)  # [S, B, L + B]: non-causal, every row sees the same keys
+        cos, sin = rope_cos_sin(positions.flatten(), c.head_dim, c.rope_theta, noise.dtype)
+        cos, sin = (t.unflatten(0, positions.shape).unsqueeze(1) for t in (cos, sin))  # [S, 1, B, D]: shared by heads
+        return self._blocks(noise, cos, sin, context, mask)
+
     def forward_blocks(
         self,
         noise: torch.Tensor,  # [N, Q, hidden]: target embeddings of several blocks per sequence, concatenated
@@ -252,3 +282,20 @@ class DFlashDraft(nn.Module):
         cos, sin = rope_cos_sin(positions.flatten(), c.head_dim, c.rope_theta, noise.dtype)
         cos, sin = (t.unflatten(0, positions.shape).unsqueeze(1) for t in (cos, sin))  # [N, 1, Q, D]: shared by heads
         return self._blocks(noise, cos, sin, self._context_kv(features, ctx_positions), mask)
+
+
+def _pad_contexts(
+    contexts: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]]],  # per sequence, per layer (k, v) [H_kv, n_s, D]
+) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+    """Per layer (k, v) [S, H_kv, L, D] with sequence s in columns ``0 .. n_s - 1`` and zeros after
+    (a masked key's probability is 0, and 0 * NaN would be NaN), and the lengths ``n_s`` [S]."""
+    lengths = [layers[0][0].shape[1] for layers in contexts]
+    first = contexts[0][0][0]  # [H_kv, n_0, D]
+    shape = (len(contexts), first.shape[0], max(lengths), first.shape[2])
+    padded = []
+    for i in range(len(contexts[0])):
+        k, v = first.new_zeros(shape), first.new_zeros(shape)
+        for s, layers in enumerate(contexts):
+            k[s, :, : lengths[s]], v[s, :, : lengths[s]] = layers[i]
+        padded.append((k, v))
+    return padded, torch.tensor(lengths, device=first.device)
