@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from native import qkv_rope, rms_norm, silu_mul, tree_attention, use_triton
+from native import paged_attention, qkv_rope, rms_norm, silu_mul, tree_attention, use_triton
 from splitspec.models.paged import PassAttention
 
 # cuDNN's attention builds a plan for every new shape: ~1.3 ms of host time per call measured on
@@ -282,17 +282,23 @@ class QKVProjection(nn.Module):
     ) -> torch.Tensor:
         """Attention of a pass over several sequences, each row over its own sequence's keys: the
         rows are laid out padded ``[B, T]`` and each sequence's keys gathered ``[B, H_kv, S, D]``
-        from its blocks. Returns ``[N, hidden]``."""
+        from its blocks (the native kernel reads them through the block tables instead: no
+        gathered copy). Returns ``[N, hidden]``."""
         h, _, d = q.shape
         b, t = at.row_index.shape
         padded = torch.cat([q.transpose(0, 1), q.new_zeros(1, h, d)])[at.row_index]  # [B, T, H, D]; index N is the zero row
-        slots = at.key_slots.flatten()
-        k = k_pool.index_select(1, slots).unflatten(1, at.key_slots.shape).transpose(0, 1)  # [B, H_kv, S, D]
-        v = v_pool.index_select(1, slots).unflatten(1, at.key_slots.shape).transpose(0, 1)
-        if b == 1:  # one sequence: the unbatched forms (the native tree kernel where it runs)
-            out = self.attention(padded[0].transpose(0, 1), k[0], v[0], at.visible[0])  # [T, H * D]
+        rows = padded.transpose(1, 2)  # [B, H, T, D]
+        if h * t <= TREE_ATTENTION_ROWS and use_triton(q, "paged_attention") and paged_attention.supported(rows, k_pool, v_pool, at.visible):
+            # Decode and verify shapes: keys read through the block tables, no gathered copy.
+            out = paged_attention.paged_tree_attention(rows, k_pool, v_pool, at.tables, at.starts, at.visible, at.block_size).flatten(0, 1)
         else:
-            out = self.attention(padded.transpose(1, 2), k, v, at.visible).flatten(0, 1)  # [B * T, H * D]
+            slots = at.key_slots.flatten()
+            k = k_pool.index_select(1, slots).unflatten(1, at.key_slots.shape).transpose(0, 1)  # [B, H_kv, S, D]
+            v = v_pool.index_select(1, slots).unflatten(1, at.key_slots.shape).transpose(0, 1)
+            if b == 1:  # one sequence: the unbatched forms (the native tree kernel where it runs)
+                out = self.attention(padded[0].transpose(0, 1), k[0], v[0], at.visible[0])  # [T, H * D]
+            else:
+                out = self.attention(rows, k, v, at.visible).flatten(0, 1)  # [B * T, H * D]
         out = out[at.out_index]  # [N, H * D]
         if gate is not None:
             out = out * torch.sigmoid(gate)

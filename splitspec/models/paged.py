@@ -318,7 +318,9 @@ class PassInputs:
         inside = (offset >= 0) & (offset < t)
         in_tree = self.trees.gather(2, offset.clamp(0, t - 1)[:, None, :].expand(b, t, s))  # [B, T, S]
         visible = (offset < 0)[:, None, :] | (inside[:, None, :] & in_tree)
-        return PassAttention(self.write_slots, self.row_index, self.out_index, key_slots, visible)
+        return PassAttention(
+            self.write_slots, self.row_index, self.out_index, key_slots, visible, self.tables, self.starts, self.block_size
+        )
 
 
 @dataclass
@@ -330,3 +332,6 @@ class PassAttention:
     out_index: torch.Tensor  # [N] padded place s * T + j of each ragged row
     key_slots: torch.Tensor  # [B, S] pool slot of each sequence's key positions
     visible: torch.Tensor  # [B, T, S] bool
+    tables: torch.Tensor  # [B, S / block_size] int64 block tables (the native kernel reads keys through them)
+    starts: torch.Tensor  # [B] int64 committed positions of each sequence
+    block_size: int

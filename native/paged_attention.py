@@ -1,0 +1,245 @@
+"""Masked grouped-query attention of a batched pass read straight from the paged KV pool.
+
+Terms as in ``splitspec.models.paged``: ``B`` sequences, each with ``T`` (padded) query rows and
+key columns ``0 .. S`` whose K/V live in the pool's *slots* through the sequence's block table
+(column ``c`` of sequence ``b`` is slot ``tables[b, c // block_size] * block_size + c %
+block_size``). Columns ``< starts[b]`` are the committed prefix, ``starts[b] .. starts[b] + T``
+the block's own rows; nothing past ``starts[b] + T`` is read.
+
+The torch path (``QKVProjection.attend_paged``) first gathers every sequence's keys into
+``[B, H_kv, S, D]``: a full extra read and write of the KV per layer. Here the gather happens in
+the loads. The design is ``native/tree_attention.py``'s flash-decoding split, with the sequence
+as one more grid axis: programs over (sequence x K/V head, key split, row block) each run an
+online softmax over their key tiles (the ``group`` query heads of one K/V head are ``group * T``
+rows of one program), then a small kernel combines the splits and writes ``[B, T, H * D]``. A
+program's loop stops at its sequence's last key tile, so the short sequences of a batch with
+long ones cost little, and splits past it store nothing (the combine skips them).
+
+Reference: the plain-torch branch of ``QKVProjection.attend_paged`` in ``splitspec/models/layers.py``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+
+from native import sm_count
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the reference path serves
+    triton = None
+
+BLOCK_S = 64  # keys per loop step (32 for head_dim 256, as tree_attention)
+WAVES = 1  # programs per multiprocessor the key splits aim for (tree_attention's measured choice)
+# Triton 3.6's CPU interpreter multiplies bfloat16 tiles wrongly in tl.dot: there the kernel
+# computes in float32 (the GPU keeps the 16-bit tensor-core path).
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+if triton is not None:
+    NEG = tl.constexpr(-1.0e30)  # finite "minus infinity" for the running maximum: exp2(NEG - NEG) stays 1
+
+    @triton.jit
+    def _key_tile(
+        tile, q, m, l, acc, k_base, v_base, table_row, vis_seq, token, rows_ok, d, keys,
+        stride_ks, stride_vs, stride_mt, scale_log2,
+        PAGE: tl.constexpr, BLOCK_S: tl.constexpr, IEEE: tl.constexpr,
+    ):
+        """One step of the online softmax: key tile ``tile`` of a sequence, read through its block
+        table ``table_row``; columns at or past ``keys`` are masked off (not loaded)."""
+        cols = tile * BLOCK_S + tl.arange(0, BLOCK_S)  # [BLOCK_S] key columns
+        cols_ok = cols < keys
+        block = tl.load(table_row + cols // PAGE, mask=cols_ok, other=0)
+        slot = block * PAGE + cols % PAGE  # [BLOCK_S] int64 pool slots
+        k_t = tl.load(k_base + slot[None, :] * stride_ks + d[:, None], mask=cols_ok[None, :], other=0.0)  # [D, BLOCK_S]
+        if IEEE:
+            s = tl.dot(q, k_t.to(tl.float32), input_precision="ieee")
+        else:
+            s = tl.dot(q, k_t)
+        seen = tl.load(vis_seq + token[:, None] * stride_mt + cols[None, :], mask=rows_ok[:, None] & cols_ok[None, :], other=0)
+        s = tl.where(seen != 0, s * scale_log2, float("-inf"))  # [BLOCK_R, BLOCK_S], log2 units
+        m_new = tl.maximum(m, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m - m_new)
+        l = l * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + slot[:, None] * stride_vs + d[None, :], mask=cols_ok[:, None], other=0.0)  # [BLOCK_S, D]
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        return m_new, l, acc
+
+    @triton.jit
+    def _paged_partial_kernel(
+        q_ptr, k_ptr, v_ptr, table_ptr, start_ptr, vis_ptr, acc_ptr, stat_ptr, out_ptr,
+        T, S, stride_qb, stride_qh, stride_qt, stride_kh, stride_ks, stride_vh, stride_vs,
+        stride_tb, stride_mb, stride_mt, scale_log2, total_rows,
+        KV_HEADS: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+        BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr,
+        DIRECT: tl.constexpr, IEEE: tl.constexpr, DYNAMIC_LOOP: tl.constexpr,
+    ):
+        seq = tl.program_id(0) // KV_HEADS
+        kv_head = tl.program_id(0) % KV_HEADS
+        split = tl.program_id(1)
+        rows = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R] within this (sequence, K/V head)
+        rows_ok = rows < GROUP * T
+        token = rows % T
+        head = kv_head * GROUP + rows // T  # query head
+        d = tl.arange(0, D)
+        seq64 = seq.to(tl.int64)
+        q = tl.load(
+            q_ptr + seq64 * stride_qb + head[:, None] * stride_qh + token[:, None] * stride_qt + d[None, :],
+            mask=rows_ok[:, None], other=0.0,
+        )  # [BLOCK_R, D]
+        if IEEE:
+            q = q.to(tl.float32)
+        # Keys this sequence has: its committed prefix and its block's T rows (within the pass's S).
+        keys = tl.minimum(tl.load(start_ptr + seq) + T, S)
+        tiles = tl.cdiv(keys, BLOCK_S)
+        first = split * BLOCKS_PER_SPLIT
+        last = tl.minimum(first + BLOCKS_PER_SPLIT, tiles)
+        k_base = k_ptr + kv_head.to(tl.int64) * stride_kh
+        v_base = v_ptr + kv_head.to(tl.int64) * stride_vh
+        m = tl.full([BLOCK_R], NEG, tl.float32)
+        l = tl.zeros([BLOCK_R], tl.float32)
+        acc = tl.zeros([BLOCK_R, D], tl.float32)
+        if DYNAMIC_LOOP:
+            for tile in range(first, last):  # no iteration at all for a split past the sequence's keys
+                m, l, acc = _key_tile(
+                    tile, q, m, l, acc, k_base, v_base, table_ptr + seq64 * stride_tb, vis_ptr + seq64 * stride_mb,
+                    token, rows_ok, d, keys, stride_ks, stride_vs, stride_mt, scale_log2, PAGE, BLOCK_S, IEEE,
+                )
+        else:
+            # Triton 3.6's interpreter (with numpy 2) takes no tensor loop bounds: the same tiles,
+            # a fixed count, those past the sequence's keys skipped by a branch.
+            for i in range(BLOCKS_PER_SPLIT):
+                if first + i < last:
+                    m, l, acc = _key_tile(
+                        first + i, q, m, l, acc, k_base, v_base, table_ptr + seq64 * stride_tb, vis_ptr + seq64 * stride_mb,
+                        token, rows_ok, d, keys, stride_ks, stride_vs, stride_mt, scale_log2, PAGE, BLOCK_S, IEEE,
+                    )
+        # Global row (sequence, query head, token) = (seq * H + head) * T + token.
+        head_row = (seq * KV_HEADS * GROUP + head) * T + token
+        if DIRECT:
+            l = tl.where(l > 0, l, 1.0)  # a row that saw nothing (a pad row) stays finite: zeros
+            dst = out_ptr + (seq64 * T + token[:, None]) * (KV_HEADS * GROUP * D) + head[:, None] * D + d[None, :]
+            tl.store(dst, (acc / l[:, None]).to(out_ptr.dtype.element_ty), mask=rows_ok[:, None])
+        else:
+            used = rows_ok & (first < tiles)  # splits past the sequence's keys store nothing
+            tl.store(acc_ptr + (split * total_rows + head_row.to(tl.int64))[:, None] * D + d[None, :], acc, mask=used[:, None])
+            tl.store(stat_ptr + split * total_rows + head_row, m, mask=used)
+            tl.store(stat_ptr + (tl.num_programs(1) + split) * total_rows + head_row, l, mask=used)
+
+    @triton.jit
+    def _paged_combine_kernel(
+        acc_ptr, stat_ptr, start_ptr, out_ptr, T, S, heads, total_rows, splits,
+        D: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr,
+    ):
+        head_row = tl.program_id(0)  # (seq * H + head) * T + token
+        token = head_row % T
+        head = (head_row // T) % heads
+        seq = head_row // (T * heads)
+        keys = tl.minimum(tl.load(start_ptr + seq) + T, S)
+        used = tl.cdiv(tl.cdiv(keys, BLOCK_S), BLOCKS_PER_SPLIT)  # splits that wrote anything
+        s = tl.arange(0, SPLITS)
+        ok = s < used
+        m = tl.load(stat_ptr + s * total_rows + head_row, mask=ok, other=NEG)
+        l = tl.load(stat_ptr + (splits + s) * total_rows + head_row, mask=ok, other=0.0)
+        w = tl.exp2(m - tl.max(m, 0))  # [SPLITS]
+        d = tl.arange(0, D)
+        acc = tl.load(acc_ptr + (s.to(tl.int64) * total_rows + head_row)[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
+        total = tl.sum(l * w, 0)
+        total = tl.where(total > 0, total, 1.0)  # a row that saw nothing stays finite
+        out = tl.sum(acc * w[:, None], 0) / total
+        dst = out_ptr + (seq.to(tl.int64) * T + token) * (heads * D) + head * D + d
+        tl.store(dst, out.to(out_ptr.dtype.element_ty))
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How a launch divides the work: tile sizes, row blocks and key splits."""
+
+    block_s: int  # keys per loop step
+    block_r: int  # query rows per program
+    row_blocks: int
+    per_split: int  # key tiles per split
+    splits: int
+
+
+def plan(sequences: int, heads: int, kv_heads: int, block_rows: int, head_dim: int, keys: int, device: torch.device) -> Plan:
+    """The launch shape for ``sequences`` x ``block_rows`` rows of ``heads`` heads over ``keys`` columns."""
+    group = heads // kv_heads
+    # Tiles for head_dim 128 (Qwen3); halved for 256 (Qwen3.5's full attention), whose 64-key
+    # tiles would overflow an H200's shared memory. tl.dot wants 16 rows at least.
+    wide = head_dim > 128
+    block_s = BLOCK_S // 2 if wide else BLOCK_S
+    block_r = max(16, min(32 if wide else 64, triton.next_power_of_2(group * block_rows)))
+    row_blocks = triton.cdiv(group * block_rows, block_r)
+    blocks = triton.cdiv(keys, block_s)
+    # About WAVES waves of programs over the device; B * H_kv programs fill it alone at large B.
+    wanted = max(1, min(blocks, (WAVES * sm_count(device)) // (sequences * kv_heads * row_blocks)))
+    per_split = triton.cdiv(blocks, wanted)
+    return Plan(block_s, block_r, row_blocks, per_split, triton.cdiv(blocks, per_split))
+
+
+def supported(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, visible: torch.Tensor) -> bool:
+    """Shapes the kernel takes: q [B, H, T, D] with H a multiple of the pool's H_kv, a
+    power-of-two head_dim, unit-stride rows, a bool visibility [B, T, S]."""
+    d = q.shape[-1]
+    return (
+        triton is not None and q.dim() == 4 and k_pool.dim() == 3 and v_pool.dim() == 3 and visible.dim() == 3
+        and q.dtype in (torch.bfloat16, torch.float16, torch.float32) and k_pool.dtype == q.dtype == v_pool.dtype
+        and k_pool.shape == v_pool.shape and k_pool.shape[-1] == d and q.shape[1] % k_pool.shape[0] == 0
+        and d >= 16 and d & (d - 1) == 0
+        and q.stride(-1) == 1 and k_pool.stride(-1) == 1 and v_pool.stride(-1) == 1
+        and visible.dtype == torch.bool and visible.stride(-1) == 1
+        and visible.shape[:2] == (q.shape[0], q.shape[2])
+    )
+
+
+def paged_tree_attention(
+    q: torch.Tensor,  # [B, H, T, D] each sequence's block rows, padded to T (views are fine)
+    k_pool: torch.Tensor,  # [H_kv, slots, D] one layer of the pool
+    v_pool: torch.Tensor,
+    tables: torch.Tensor,  # [B, S // block_size] int64 block tables (pad block past each sequence's blocks)
+    starts: torch.Tensor,  # [B] int64 committed positions of each sequence
+    visible: torch.Tensor,  # [B, T, S] bool, True = visible (PassAttention.visible)
+    block_size: int,
+) -> torch.Tensor:
+    """Each row's attention over its own sequence's paged keys -> [B, T, H * D] in q's dtype
+    (head h's output at columns h * D ..; query head h reads K/V head h // (H / H_kv)). Only key
+    columns below ``starts[b] + T`` are read: entries of ``visible`` past them never matter."""
+    b, h, t, d = q.shape
+    kv_heads = k_pool.shape[0]
+    span = visible.shape[-1]
+    group = h // kv_heads
+    tables, starts = tables.to(torch.int64), starts.to(torch.int64)
+    if tables.stride(-1) != 1:
+        tables = tables.contiguous()
+    starts = starts.contiguous()
+    p = plan(b, h, kv_heads, t, d, span, q.device)
+    total_rows = b * h * t
+    out = q.new_empty(b, t, h * d)
+    acc = stat = out  # unused when DIRECT
+    if p.splits > 1:
+        acc = torch.empty(p.splits, total_rows, d, device=q.device, dtype=torch.float32)
+        stat = torch.empty(2, p.splits, total_rows, device=q.device, dtype=torch.float32)
+    wide = d > 128
+    _paged_partial_kernel[(b * kv_heads, p.splits, p.row_blocks)](
+        q, k_pool, v_pool, tables, starts, visible, acc, stat, out,
+        t, span, q.stride(0), q.stride(1), q.stride(2), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
+        tables.stride(0), visible.stride(0), visible.stride(1), math.log2(math.e) / math.sqrt(d), total_rows,
+        KV_HEADS=kv_heads, GROUP=group, D=d, PAGE=block_size, BLOCK_R=p.block_r, BLOCK_S=p.block_s,
+        BLOCKS_PER_SPLIT=p.per_split, DIRECT=p.splits == 1, IEEE=q.dtype == torch.float32 or INTERPRETED, DYNAMIC_LOOP=not INTERPRETED,
+        num_warps=4, num_stages=2 if wide else 3,
+    )
+    if p.splits > 1:
+        _paged_combine_kernel[(total_rows,)](
+            acc, stat, starts, out, t, span, h, total_rows, p.splits,
+            D=d, SPLITS=triton.next_power_of_2(p.splits), BLOCK_S=p.block_s, BLOCKS_PER_SPLIT=p.per_split, num_warps=4,
+        )
+    return out
