@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from services.draft.engine import ProposeStep
 from services.metrics import WorkerMetrics
-from services.worker.hosting import EngineHost
+from services.worker.hosting import EngineHost, StepBatcher
 from splitspec.errors import InvalidArgument
 from splitspec.transport.rpc import sequence_stream
 from splitspec.transport.tensors import TensorFormatError, tensor_from_pb, tensor_to_pb
@@ -22,6 +23,9 @@ class DraftServicer(draft_pb2_grpc.DraftWorkerServicer):
         self.host = EngineHost("draft")
         self.step_server = None  # the worker's StepSocketServer (splitspec/stepwire.py), set by main
         self.metrics = metrics
+        # Propose steps of every sequence that is ready run as one block pass (DraftEngine.propose_batch).
+        self.proposer = StepBatcher(self.host, lambda engine, steps: engine.propose_batch(steps), key=lambda step: step.sequence_id)
+        self.proposer.on_pass = lambda results, waits: metrics.batched("propose", results, waits)
 
     async def Info(self, request, context):
         e = self.host.require()
@@ -46,18 +50,17 @@ class DraftServicer(draft_pb2_grpc.DraftWorkerServicer):
                 features = tensor_from_pb(request.features)
             except TensorFormatError as exc:
                 raise InvalidArgument(f"features: {exc}") from exc
-        tokens = list(request.tokens)
-        proposal = await self.host.step(
-            lambda engine: engine.propose(
-                request.sequence_id, request.anchor_token, request.anchor_position, features, request.top_k, request.window,
-                tokens, request.context,
-            )
+        step = ProposeStep(
+            request.sequence_id, request.anchor_token, request.anchor_position, features, request.top_k, request.window,
+            list(request.tokens), request.context,
         )
+        proposal = await self.proposer.submit(step)
         self.metrics.forward("propose", proposal.forward_ns)
         return draft_pb2.ProposeResponse(
             top_ids=tensor_to_pb(proposal.top_ids),
             top_logprobs=tensor_to_pb(proposal.top_logprobs),
             forward_ns=proposal.forward_ns,
+            pass_sequences=proposal.pass_sequences,
         )
 
     async def ProposeStream(self, requests, context):

@@ -14,8 +14,9 @@ walks and the compaction stay per sequence. A decode step (no tree) is a tree of
 batches alike. Each step is checked on its own: a bad one fails alone.
 
 **Paged KV.** Sequences own KV blocks (and, for recurrent families, one state slot), taken as
-they grow and given back when their state is dropped (release, expiry, failure: whenever nothing
-references it any more). When a step needs a block and none is free, the newest-admitted sequence
+they grow and given back when their state is dropped (release, expiry, failure). Only the engine
+thread takes blocks; a release from another thread gives them back at once when the engine is
+idle, else when its current call ends, so a pass never shares a block between two sequences. When a step needs a block and none is free, the newest-admitted sequence
 is *preempted*: its state is dropped and its next step answers NOT_FOUND, which the gateway
 answers by prefilling the sequence's tokens again (seeded sampling keys on positions, so the
 output is unchanged). A prefill that cannot get its blocks now raises :class:`KVBlocksBusy` (the
@@ -27,6 +28,7 @@ Not thread-safe: the service calls it from one worker thread, which serialises d
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 import weakref
 from collections.abc import Sequence
@@ -80,6 +82,7 @@ class Holding:
 
     blocks: list[int]
     slot: int | None = None
+    returned: bool = False
 
 
 @dataclass(eq=False)
@@ -159,8 +162,12 @@ class TargetEngine:
         blocks = -(-self.limits.max_kv_tokens // self.limits.block_size) + 1  # + the pad block
         self.state = model.new_pool(blocks, self.limits.block_size, self.limits.max_sequences, self.device, self.dtype)
         self.runner = PassRunner(model, self.state, fixed_shapes, capture)
-        self.sequences = SequenceTable()  # of SequenceState
+        self.sequences = SequenceTable(on_drop=lambda state: self._give_back(state.holding))  # of SequenceState
         self._admissions = itertools.count(1)
+        # Held by the engine thread for a whole call (reentrant: a preemption gives back inside one).
+        self._busy = threading.RLock()
+        self._deferred: list[Holding] = []  # given back while the engine was busy
+        self._deferred_lock = threading.Lock()
 
     @property
     def kv(self):
@@ -210,11 +217,36 @@ class TargetEngine:
         return state
 
     def _give_back(self, holding: Holding) -> None:
+        """Return a holding's blocks and slot (once, from any thread): now if the engine is idle or
+        this is its own thread, else at the end of its current call, since the call may still write
+        into them and must not hand them to another sequence meanwhile."""
+        if self._busy.acquire(blocking=False):
+            try:
+                self._return(holding)
+            finally:
+                self._busy.release()
+        else:
+            with self._deferred_lock:
+                self._deferred.append(holding)
+
+    def _return(self, holding: Holding) -> None:
+        if holding.returned:
+            return
+        holding.returned = True
         self.kv.release(holding.blocks)
-        holding.blocks = []
         if holding.slot is not None:
             self.state.slots.release(holding.slot)
-            holding.slot = None
+
+    def _exclusive(self, call):
+        """``call()`` as the engine's one call at a time; what was given back meanwhile returns after."""
+        with self._busy:
+            try:
+                return call()
+            finally:
+                with self._deferred_lock:
+                    deferred, self._deferred = self._deferred, []
+                for holding in deferred:
+                    self._return(holding)
 
     def _grow(self, state: SequenceState, positions: int) -> list[SequenceState]:
         """Blocks for ``positions`` positions of ``state``, preempting the newest-admitted sequences
@@ -276,27 +308,35 @@ class TargetEngine:
         # Opened until the sequence is live: a Release arriving meanwhile (or before) makes this
         # prefill end with ABORTED instead of leaving a sequence nobody will release.
         self.sequences.open(sequence_id)
+        state = None
+
+        def create() -> PrefillResult:
+            nonlocal state
+            state = self._new_state(n, capacity)
+            return self._prefill(state, tokens, sampling, taps, feature_rows, feature_dtype, top_logprobs)
+
         try:
-            state, result = self._prefill(tokens, sampling, taps, capacity, feature_rows, feature_dtype, top_logprobs)
+            result = self._exclusive(create)
+            self.sequences.finish(sequence_id, state)
         except BaseException:
             self.sequences.abandon(sequence_id)
+            if state is not None:
+                self._give_back(state.holding)
             raise
-        self.sequences.finish(sequence_id, state)
         return result
 
     def _prefill(
         self,
+        state: SequenceState,
         tokens: Sequence[int],
         sampling: SamplingParams,
         taps: tuple[int, ...],
-        capacity: int,
         feature_rows: int,
         feature_dtype: torch.dtype | None,
         top_logprobs: int | None = None,
-    ) -> tuple[SequenceState, PrefillResult]:
+    ) -> PrefillResult:
         n = len(tokens)
         t0 = time.perf_counter_ns()
-        state = self._new_state(n, capacity)
         rows = n if feature_rows <= 0 else min(feature_rows, n)
         feature_chunks, logits = [], None
         chunk = min(self.limits.prefill_chunk, PREFILL_CHUNK) if self.runner.fixed_shapes else self.limits.prefill_chunk
@@ -318,7 +358,7 @@ class TargetEngine:
             logprob = token_logprobs(logits[-1:], [next_token], sampling, top_logprobs)[0]
         state.length, state.pending_token, state.sampling = n, next_token, sampling
         state.taps, state.feature_dtype, state.top_logprobs = taps, feature_dtype, top_logprobs
-        return state, PrefillResult(next_token, features, time.perf_counter_ns() - t0, logprob)
+        return PrefillResult(next_token, features, time.perf_counter_ns() - t0, logprob)
 
     # -- verify ---------------------------------------------------------------------------------
 
@@ -332,6 +372,9 @@ class TargetEngine:
     def verify_batch(self, steps: Sequence[VerifyStep]) -> list[VerifyResult | ServiceError]:
         """Verify the steps of several sequences in one forward pass. Each step's result, or the
         error that step alone failed with, in the order given."""
+        return self._exclusive(lambda: self._verify_batch(steps))
+
+    def _verify_batch(self, steps: Sequence[VerifyStep]) -> list[VerifyResult | ServiceError]:
         results: list[VerifyResult | ServiceError | None] = [None] * len(steps)
         work: list[_Work] = []
         seen: set[str] = set()
@@ -465,6 +508,9 @@ class TargetEngine:
         """One sequence's pass over ``[root, nodes]`` without acceptance (tests and tools): logits
         [n+1, vocab], features [n+1, taps * hidden], positions [n+1]. The rows' K/V and candidate
         states are written as a verify's are; a verify afterwards rewrites them."""
+        return self._exclusive(lambda: self._tree_forward(state, tokens, parents))
+
+    def _tree_forward(self, state: SequenceState, tokens: np.ndarray, parents: np.ndarray):
         item = _work(0, state, VerifyStep("", tokens, parents))
         self._grow(state, state.length + len(item.row_tokens))
         layout = pass_layout(

@@ -28,7 +28,7 @@ class EngineHost:
     """Runs an engine's methods on a single thread, so device work is serialised while the event
     loop stays free for health checks, Info and Release. Until ``attach`` every call answers UNAVAILABLE.
 
-    Steps (``step``) of a worker that serves one sequence may run on the event loop thread instead:
+    Steps (``StepBatcher.submit``) of a worker that serves one sequence may run on the event loop thread instead:
     that sequence's steps are sequential anyway, and the two thread hand-offs cost about 0.2 ms a
     step on an H200 host. That is worth it only for short steps, and a step on the loop holds
     every other RPC of the worker (its health checks included) for as long as it runs: a 1.5B
@@ -99,18 +99,10 @@ class EngineHost:
         return timed
 
     def inline_now(self, engine: Any) -> bool:
-        """Whether a step now runs on the event loop's thread (see the class)."""
+        """Whether a step now runs on the event loop's thread (see the class; ``StepBatcher.submit``)."""
         return (
             self.inline_steps and self._pending == 0 and len(engine.sequences) <= 1 and self.last_step_s < self.inline_max_s
         )
-
-    async def step(self, work: Callable[[Any], T]) -> T:
-        """``work(engine)`` for one sequence step: on the event loop's thread when the engine thread
-        is idle, at most one sequence is live and steps are short, else like ``call``."""
-        engine = self.require()
-        if self.inline_now(engine):
-            return self._timed(work)(engine)
-        return await self.call(self._timed(work))
 
     async def open(self, sequence_id: str, work: Callable[[Any], T]) -> T:
         """``work(engine)`` on the engine thread for a call that creates sequence ``sequence_id``
@@ -276,7 +268,10 @@ class SequenceTable:
 
     MAX_RELEASED = 16384  # ids whose last release is remembered, for each kind of memory (oldest forgotten)
 
-    def __init__(self) -> None:
+    def __init__(self, on_drop: Callable[[Any], None] = lambda item: None) -> None:
+        """``on_drop(item)`` is called (on the calling thread, outside the table's lock) for every
+        live item released or expired, so its owner can free what the item holds at once."""
+        self.on_drop = on_drop
         self._items: dict[str, Any] = {}
         self._last_used: dict[str, float] = {}
         self._numbers: dict[str, int] = {}  # context number of each numbered live item
@@ -356,12 +351,14 @@ class SequenceTable:
             released = max(context, self._numbers.pop(sequence_id, 0))
             if released > self._released.get(sequence_id, 0):
                 self._remember(self._released, sequence_id, released)
-            found = self._items.pop(sequence_id, None) is not None
+            item = self._items.pop(sequence_id, None)
             if sequence_id in self._opening:
                 self._opening[sequence_id] = True
-            elif not found and not context:
+            elif item is None and not context:
                 self._remember(self._released_unopened, sequence_id, None)
-            return found
+        if item is not None:
+            self.on_drop(item)
+        return item is not None
 
     def _remember(self, memory: OrderedDict, sequence_id: str, value: Any) -> None:
         memory[sequence_id] = value
@@ -382,9 +379,12 @@ class SequenceTable:
         now = time.monotonic()
         with self._lock:
             stale = [sid for sid, t in self._last_used.items() if now - t > max_idle_s]
+            dropped = [self._items.pop(sid) for sid in stale]
             for sid in stale:
-                del self._items[sid], self._last_used[sid]
+                del self._last_used[sid]
                 self._numbers.pop(sid, None)
+        for item in dropped:
+            self.on_drop(item)
         return stale
 
 

@@ -23,9 +23,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from services.draft.engine import Proposal
+from services.draft.engine import Proposal, ProposeStep
 from services.worker.hosting import SequenceTable
-from splitspec.errors import InvalidArgument
+from splitspec.errors import InvalidArgument, ServiceError
 
 
 class OracleTable:
@@ -73,12 +73,34 @@ class OracleDrafter:
     def context_bytes(self) -> int:
         return sum(8 * len(h) for h in self.sequences.values())  # what the histories hold, roughly
 
+    def propose_batch(self, steps: list[ProposeStep]) -> list[Proposal | ServiceError]:
+        """The steps of a pass, each on its own (no forward pass to share); ``--delay`` once per pass."""
+        t0 = time.perf_counter_ns()
+        time.sleep(self.delay_s)
+        results: list[Proposal | ServiceError] = []
+        for step in steps:
+            try:
+                results.append(self._propose(step))
+            except ServiceError as exc:
+                results.append(exc)
+        elapsed = time.perf_counter_ns() - t0
+        for result in results:
+            if isinstance(result, Proposal):
+                result.forward_ns, result.pass_sequences = elapsed, len(steps)
+        return results
+
     def propose(
         self, sequence_id: str, anchor_token: int, anchor_position: int, features, top_k: int, window: int = 0, tokens=(),
         context: int = 0,
     ) -> Proposal:
-        t0 = time.perf_counter_ns()
-        time.sleep(self.delay_s)
+        result = self.propose_batch([ProposeStep(sequence_id, anchor_token, anchor_position, features, top_k, window, tokens, context)])[0]
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    def _propose(self, step: ProposeStep) -> Proposal:
+        sequence_id, anchor_token, anchor_position, top_k = step.sequence_id, step.anchor_token, step.anchor_position, step.top_k
+        context, tokens = step.context, step.tokens
         if not 1 <= top_k <= min(self.max_top_k, self.vocab_size - 1):
             raise InvalidArgument(f"top_k: {top_k} is outside [1, {min(self.max_top_k, self.vocab_size - 1)}]")
         history = self.sequences.claim(sequence_id, context, list)
@@ -103,4 +125,4 @@ class OracleDrafter:
             ranked += [int(t) for t in others if t not in ranked][: top_k - len(ranked)]
             ids[d] = ranked[:top_k]
         logprobs = np.tile(-np.arange(top_k, dtype=np.float32) - 0.1, (depth, 1))
-        return Proposal(torch.from_numpy(ids), torch.from_numpy(logprobs), time.perf_counter_ns() - t0)
+        return Proposal(torch.from_numpy(ids), torch.from_numpy(logprobs), 0)

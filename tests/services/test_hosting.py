@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from services.worker.hosting import EngineHost, SequenceTable
+from services.worker.hosting import EngineHost, SequenceTable, StepBatcher
 from splitspec.errors import Aborted, FailedPrecondition
 
 
@@ -36,11 +36,17 @@ class ThreadRecordingEngine:
         return sequence_id
 
 
+def verifier(host: EngineHost) -> StepBatcher:
+    """Steps ``(sequence_id, seconds)`` run by ``ThreadRecordingEngine.verify``, a pass at a time."""
+    return StepBatcher(host, lambda engine, items: [engine.verify(sid, seconds) for sid, seconds in items], key=lambda item: item[0])
+
+
 async def step_threads(live: int, steps: int = 2, seconds: float = 0.0) -> list[str]:
     host = EngineHost("target")
     host.attach(ThreadRecordingEngine(live), None)
+    batcher = verifier(host)
     try:
-        return [await host.step(lambda engine: engine.verify("s0", seconds)) for _ in range(steps)]
+        return [await batcher.submit(("s0", seconds)) for _ in range(steps)]
     finally:
         host.executor.shutdown()
 
@@ -67,8 +73,9 @@ def test_the_loop_answers_while_a_long_step_runs():
     async def scenario():
         host = EngineHost("target")
         host.attach(ThreadRecordingEngine(1), None)
-        await host.step(lambda engine: engine.verify("s0", 0.3))  # measured: long
-        step = asyncio.ensure_future(host.step(lambda engine: engine.verify("s0", 0.5)))
+        batcher = verifier(host)
+        await batcher.submit(("s0", 0.3))  # measured: long
+        step = asyncio.ensure_future(batcher.submit(("s0", 0.5)))
         await asyncio.sleep(0.05)
         t0 = time.perf_counter()
         await asyncio.sleep(0)  # what a health check's answer needs: a turn of the loop
@@ -94,16 +101,103 @@ def test_a_step_never_overtakes_work_on_the_engine_thread():
     async def scenario():
         host = EngineHost("target")
         host.attach(ThreadRecordingEngine(1), None)
-        await host.step(lambda engine: engine.verify("s0"))  # measured: short, so it could run inline
+        batcher = verifier(host)
+        await batcher.submit(("s0", 0.0))  # measured: short, so it could run inline
         prefill = asyncio.ensure_future(host.call(lambda engine: engine.prefill(0.2)))
         await asyncio.sleep(0.01)
-        ran_on = await host.step(lambda engine: engine.verify("s0"))
+        ran_on = await batcher.submit(("s0", 0.0))
         done_first = prefill.done()
         host.executor.shutdown()
         return ran_on, done_first
 
     ran_on, prefill_done_first = asyncio.run(scenario())
     assert ran_on.startswith("target-engine") and prefill_done_first
+
+
+class PassRecordingEngine:
+    """Records the steps of every pass; a step ``(sid, "fail")`` fails alone."""
+
+    def __init__(self, live: int, seconds: float = 0.05) -> None:
+        self.sequences = SequenceTable()
+        for i in range(live):
+            self.sequences.add(f"s{i}", object())
+        self.passes: list[list[str]] = []
+        self.seconds = seconds
+
+    def run(self, items: list) -> list:
+        self.passes.append([sid for sid, _ in items])
+        time.sleep(self.seconds)
+        return [ValueError(f"bad step of {sid}") if what == "fail" else f"{sid}:{what}" for sid, what in items]
+
+
+def batched(live: int, scenario, seconds: float = 0.05, max_gather_s: float = 0.002):
+    async def run():
+        host = EngineHost("target")
+        engine = PassRecordingEngine(live, seconds)
+        host.attach(engine, None)
+        batcher = StepBatcher(host, lambda e, items: e.run(items), key=lambda item: item[0], max_gather_s=max_gather_s)
+        try:
+            return await scenario(batcher), engine.passes
+        finally:
+            host.executor.shutdown()
+
+    return asyncio.run(run())
+
+
+def test_steps_arriving_during_a_pass_run_together_in_the_next():
+    async def scenario(batcher):
+        first = asyncio.ensure_future(batcher.submit(("s0", "a")))
+        await asyncio.sleep(0.01)  # s0's pass runs; the others arrive meanwhile
+        rest = [asyncio.ensure_future(batcher.submit((f"s{i}", "b"))) for i in (1, 2, 3)]
+        return await asyncio.gather(first, *rest)
+
+    results, passes = batched(4, scenario)
+    assert results == ["s0:a", "s1:b", "s2:b", "s3:b"]
+    assert passes == [["s0"], ["s1", "s2", "s3"]]
+
+
+def test_a_pass_waits_briefly_for_the_sequences_of_the_last_pass():
+    """Sequences of the last pass come back one by one: the next pass starts once all are back, not
+    with the first to return."""
+
+    async def scenario(batcher):
+        await asyncio.gather(*(batcher.submit((f"s{i}", "a")) for i in range(3)))  # one pass of three
+        late = []
+        for i in range(3):  # back 1 ms apart, inside the gather window (a tenth of a 200 ms pass)
+            late.append(asyncio.ensure_future(batcher.submit((f"s{i}", "b"))))
+            await asyncio.sleep(0.001)
+        return await asyncio.gather(*late)
+
+    results, passes = batched(3, scenario, seconds=0.2, max_gather_s=0.05)
+    assert results == ["s0:b", "s1:b", "s2:b"]
+    assert passes[-1] == ["s0", "s1", "s2"]
+
+
+def test_a_failing_step_fails_alone_and_one_sequence_has_one_step_a_pass():
+    async def scenario(batcher):
+        first = asyncio.ensure_future(batcher.submit(("s0", "a")))
+        await asyncio.sleep(0.01)
+        steps = [asyncio.ensure_future(batcher.submit(item)) for item in (("s1", "fail"), ("s2", "b"), ("s2", "c"))]
+        outcomes = await asyncio.gather(first, *steps, return_exceptions=True)
+        return [str(o) for o in outcomes]
+
+    results, passes = batched(3, scenario)
+    assert results == ["s0:a", "bad step of s1", "s2:b", "s2:c"]
+    assert passes == [["s0"], ["s1", "s2"], ["s2"]]
+
+
+def test_a_caller_gone_before_its_pass_leaves_it():
+    async def scenario(batcher):
+        first = asyncio.ensure_future(batcher.submit(("s0", "a")))
+        await asyncio.sleep(0.01)
+        gone = asyncio.ensure_future(batcher.submit(("s1", "b")))
+        stays = asyncio.ensure_future(batcher.submit(("s2", "b")))
+        await asyncio.sleep(0)
+        gone.cancel()
+        return await asyncio.gather(first, stays)
+
+    results, passes = batched(3, scenario)
+    assert results == ["s0:a", "s2:b"] and passes == [["s0"], ["s2"]]
 
 
 def test_numbered_contexts_released_or_replaced_are_refused():
