@@ -80,6 +80,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "level, after a warm-up at that level, and a table of aggregate tok/s per level",
     )
     p.add_argument(
+        "--gateways", type=int, default=0,
+        help="gateway processes per draft in the end-to-end runs, the clients spread over them (0 = one per 16 clients "
+        "of the top --concurrency level): one gateway's event loop handles a few thousand sequence steps a second",
+    )
+    p.add_argument(
         "--wire", default="socket",
         help="gateway wire(s) of the end-to-end runs, comma-separated: socket (the workers' step sockets), stream, unary, "
         "or several (rows of each, taking turns)",
@@ -222,9 +227,11 @@ def run(args: argparse.Namespace) -> int:
                     args.device, args.dtype, args.budget, args.prompts, args.prompt_len, args.max_tokens, levels, log_dir, wires,
                 )
             else:
+                result["gateways_per_draft"] = args.gateways or -(-max(levels) // 16)
                 rows = run_system(
                     args.shape, args.device, draft_device, args.dtype, [float(c) for c in args.corruptions.split(",")],
                     args.budget, args.prompts, args.prompt_len, args.max_tokens, levels, Path(work), log_dir, wires, busy_poll_us,
+                    result["gateways_per_draft"],
                 )
         result["system"] = [
             {**asdict(r), "tokens_per_s": r.tokens_per_s, "acceptance_length": r.acceptance_length, "ms_per_step": r.ms_per_step}

@@ -230,6 +230,8 @@ def markdown(result: dict) -> str:
         spin = result.get("busy_poll_us")
         if spin is not None:
             lines += ["", f"Services' busy polling: {f'{spin} µs' if spin else 'off'}."]
+        if result.get("gateways_per_draft", 1) > 1:
+            lines += [f"Gateway processes per draft: {result['gateways_per_draft']}, clients spread over them."]
         lines.append("")
     if "baseline_tokens_per_s" in result:
         base = result["baseline_tokens_per_s"]

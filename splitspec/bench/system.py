@@ -150,10 +150,13 @@ def generate(address: str, request: gateway_pb2.GenerateRequest) -> tuple[list[i
 
 
 def run_batch(
-    address: str, requests: list[gateway_pb2.GenerateRequest], concurrency: int, label: str, budget: int, wire: str = "socket",
-    drafter: str = "", corruption: float | None = None,
+    addresses: str | Sequence[str], requests: list[gateway_pb2.GenerateRequest], concurrency: int, label: str, budget: int,
+    wire: str = "socket", drafter: str = "", corruption: float | None = None,
 ) -> tuple[SystemRow, list[list[int]]]:
-    """All ``requests``, ``concurrency`` at a time; one row of aggregate figures."""
+    """All ``requests``, ``concurrency`` at a time, request ``i`` to gateway ``i mod len(addresses)``
+    (gateways scale out: one Python event loop streams a few thousand steps a second); one row of
+    aggregate figures."""
+    addresses = [addresses] if isinstance(addresses, str) else list(addresses)
     outputs: list[list[int]] = [[] for _ in requests]
     usages: list[gateway_pb2.Usage | None] = [None] * len(requests)
     decode = [0.0] * len(requests)
@@ -168,7 +171,7 @@ def run_batch(
                     return
                 i = queue.pop(0)
             try:
-                outputs[i], usages[i], decode[i] = generate(address, requests[i])
+                outputs[i], usages[i], decode[i] = generate(addresses[i % len(addresses)], requests[i])
             except grpc.RpcError as exc:
                 errors.append(exc)
 
@@ -265,7 +268,7 @@ def requests_for(ids: list[list[int]], spec: gateway_pb2.Speculation, max_tokens
 
 
 def measure(
-    address: str, level: Level, spec: gateway_pb2.Speculation, max_tokens: int, label: str, wire: str,
+    address: str | Sequence[str], level: Level, spec: gateway_pb2.Speculation, max_tokens: int, label: str, wire: str,
     drafter: str = "", corruption: float | None = None,
 ) -> tuple[SystemRow, list[list[int]]]:
     """One row at one level: the warm-up (N at once), then the timed requests, N at a time."""
@@ -289,10 +292,12 @@ def run_system(
     log_dir: Path,
     wires: tuple[str, ...] = ("socket",),
     busy_poll_us: int = 0,
+    gateways_per_draft: int = 1,
 ) -> list[SystemRow]:
     """At each concurrency level: the AR row, then one row per draft, for each gateway ``--wire`` in
     ``wires``. The workers are shared and the wires take turns row by row, so both see the same
-    machine state. The AR rows of the first wire record the oracle's table for that level."""
+    machine state. The AR rows of the first wire record the oracle's table for that level. Each draft
+    (and wire) gets ``gateways_per_draft`` gateway processes, the clients spread over them."""
     from splitspec.bench.random_weights import random_target_config
 
     target_model = f"random:{shape}"
@@ -318,9 +323,13 @@ def run_system(
             label: c.start(f"draft{i}", args[0], "--target-model", target_model, *args[1:]) for i, (label, args) in enumerate(drafts.items())
         }
         gateways = {
-            (wire, label): c.start(
-                f"gateway{i}-{wire}", "gateway", "--target", target, "--draft", draft, "--tokenizer", str(tokenizer), "--wire", wire
-            )
+            (wire, label): [
+                c.start(
+                    f"gateway{i}.{g}-{wire}", "gateway", "--target", target, "--draft", draft, "--tokenizer", str(tokenizer),
+                    "--wire", wire,
+                )
+                for g in range(gateways_per_draft)
+            ]
             for wire in wires
             for i, (label, draft) in enumerate(draft_addresses.items())
         }

@@ -1,0 +1,90 @@
+"""The adaptive tree budget against fixed budgets, through the three services at several concurrencies.
+
+Random weights of ``--shape`` on a GPU; the draft is the benchmark-only OracleDrafter (the target's
+recorded output corrupted at ``--corruption`` per depth), so the acceptance is realistic while the
+budget's cost is the target's real verify pass. For each concurrency N and each budget (fixed, and
+``auto``: the gateway's BudgetPolicy) N clients generate at once; the figure is the aggregate
+tok/s. The adaptive budget's goal: at least 95% of the best fixed budget at each N, and above
+every single fixed budget over all N together (the sum of the aggregates).
+
+Usage: python scripts/adaptive_budget.py [--shape qwen3-8b] [--levels 1,8,32] [--budgets 4,8,16,22,32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+from splitspec.bench.random_weights import random_target_config
+from splitspec.bench.system import Cluster, measure, plan_levels, random_prompts, synthetic_tokenizer
+from splitspec.transport import busypoll
+from splitspec.v1 import gateway_pb2
+
+Spec = gateway_pb2.Speculation
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", default="qwen3-8b")
+    p.add_argument("--device", default="cuda:0")
+    p.add_argument("--levels", default="1,8,32")
+    p.add_argument("--budgets", default="4,8,16,22,32")
+    p.add_argument("--corruption", type=float, default=0.15)
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--prompts", type=int, default=32)
+    p.add_argument("--gateways", type=int, default=2)
+    p.add_argument("--log-dir", default="")
+    args = p.parse_args()
+    levels = [int(x) for x in args.levels.split(",")]
+    budgets = [int(x) for x in args.budgets.split(",")]
+    model = f"random:{args.shape}"
+    config = random_target_config(model)
+    plan = plan_levels(random_prompts(config.vocab_size, args.prompt_len), levels, args.prompts)
+    kv_tokens = (max(levels) + 1) * (args.prompt_len + args.max_tokens + 2 * 64 + 64)
+    results: dict[str, dict[int, float]] = {}
+    with tempfile.TemporaryDirectory() as work:
+        work_dir = Path(work)
+        log_dir = Path(args.log_dir or work)
+        log_dir.mkdir(parents=True, exist_ok=True)
+        tokenizer = synthetic_tokenizer(config.vocab_size, work_dir / "tokenizer.json")
+        table = work_dir / "oracle.jsonl"
+        table.write_text("")
+        spin = busypoll.spin_us_for("auto", args.device.startswith("cuda"), busypoll.usable_cpus())
+        with Cluster(log_dir, spin) as c:
+            target = c.start("target", "random-target", "--model", model, "--device", args.device, "--max-kv-tokens", str(kv_tokens))
+            draft = c.start("oracle", "oracle-draft", "--table", str(table), "--corruption", str(args.corruption), "--target-model", model)
+            gateways = [
+                c.start(f"gateway{g}", "gateway", "--target", target, "--draft", draft, "--tokenizer", str(tokenizer), "--budget", "auto")
+                for g in range(args.gateways)
+            ]
+            for level in plan:
+                _, outputs = measure(gateways, level, Spec(mode=Spec.OFF), args.max_tokens, "off (AR)", "socket", "off")
+                with table.open("a") as f:  # the oracle re-reads its table when the file changes
+                    f.writelines(json.dumps({"tokens": p + out}) + "\n" for p, out in zip(level.timed, outputs))
+                for budget in [*budgets, 0]:  # 0: the request names none, the gateway's adaptive budget decides
+                    name = f"b{budget}" if budget else "auto"
+                    spec = Spec(mode=Spec.DDTREE, budget=budget, chain_seed=False)
+                    row, _ = measure(gateways, level, spec, args.max_tokens, name, "socket", "oracle", args.corruption)
+                    results.setdefault(name, {})[level.concurrency] = row.tokens_per_s
+                    print(f"concurrency {level.concurrency} budget {name}: {row.tokens_per_s:.0f} tok/s, AL {row.acceptance_length:.2f}, "
+                          f"{row.ms_per_step:.2f} ms/step (oracle drafter, benchmark-only)", flush=True)
+    fixed = [f"b{b}" for b in budgets]
+    print(f"\n{args.shape} (random weights), OracleDrafter corruption {args.corruption} (benchmark-only), {args.gateways} gateways")
+    print("| budget | " + " | ".join(f"c{n} tok/s" for n in levels) + " | sum |")
+    print("|---|" + "---|" * (len(levels) + 1))
+    for name, by_level in results.items():
+        print(f"| {name} | " + " | ".join(f"{by_level[n]:.0f}" for n in levels) + f" | {sum(by_level.values()):.0f} |")
+    for n in levels:
+        best = max(fixed, key=lambda name: results[name][n])
+        print(f"concurrency {n}: auto {results['auto'][n]:.0f} tok/s = {results['auto'][n] / results[best][n]:.3f} of the best fixed ({best})")
+    total = {name: sum(by_level.values()) for name, by_level in results.items()}
+    best_total = max(fixed, key=total.get)
+    print(f"over all levels: auto {total['auto']:.0f} against the best single fixed budget {best_total} {total[best_total]:.0f} "
+          f"({total['auto'] / total[best_total]:.3f})")
+
+
+if __name__ == "__main__":
+    main()
