@@ -71,7 +71,23 @@ def timed(engine: TargetEngine, steps: list[VerifyStep], iters: int) -> float:
     return float(np.median(times))
 
 
-def bench(shape: str, batches: list[int], prompt: int, budget: int, iters: int, device: str) -> None:
+def profile_passes(engine: TargetEngine, steps: list[VerifyStep], label: str) -> None:
+    """Where a pass's time goes: host time of verify_batch's parts, and the top device kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(5):
+            engine.verify_batch(steps)
+        if engine.device.type == "cuda":
+            torch.cuda.synchronize()
+    print(f"profile of 5 passes, {len(steps)} sequences, {label}:", flush=True)
+    key = "self_cuda_time_total" if engine.device.type == "cuda" else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by=key, row_limit=14), flush=True)
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=10), flush=True)
+
+
+def bench(shape: str, batches: list[int], prompt: int, budget: int, iters: int, device: str, profile: int = 0) -> None:
     model, config = random_target(f"random:{shape}", device, torch.bfloat16 if device == "cuda" else torch.float32)
     top = max(batches)
     engine = TargetEngine(
@@ -95,6 +111,9 @@ def bench(shape: str, batches: list[int], prompt: int, budget: int, iters: int, 
         rate = 1e3 * b / decode
         base = base or rate
         print(f"| {b} | {decode:.2f} | {rate:.0f} | {rate / base:.2f} | {tree:.2f} | {tree / decode:.2f} |", flush=True)
+        if b == profile:
+            profile_passes(engine, [VerifyStep(sid, [], [], True) for sid in ids], "decode")
+            profile_passes(engine, trees, f"tree b{budget}")
         if b == top:
             curve = []
             for nodes in (1, 4, 8, 16, 22, 32):
@@ -119,9 +138,10 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--skip-check", action="store_true")
     p.add_argument("--device", default="cuda", help="cuda, or cpu for a dry run of the script")
+    p.add_argument("--profile", type=int, default=0, help="profile the passes of this batch size")
     args = p.parse_args()
     ok = args.skip_check or check(args.check_shape, args.device)
-    bench(args.shape, [int(b) for b in args.batches.split(",")], args.prompt, args.budget, args.iters, args.device)
+    bench(args.shape, [int(b) for b in args.batches.split(",")], args.prompt, args.budget, args.iters, args.device, args.profile)
     raise SystemExit(0 if ok else 1)
 
 

@@ -74,9 +74,10 @@ class OracleDrafter:
         return sum(8 * len(h) for h in self.sequences.values())  # what the histories hold, roughly
 
     def propose_batch(self, steps: list[ProposeStep]) -> list[Proposal | ServiceError]:
-        """The steps of a pass, each on its own (no forward pass to share); ``--delay`` once per pass."""
+        """The steps of a pass, each on its own (no forward pass to share); ``--delay`` per step, as a
+        drafter whose pass grows with its batch (a deadline test's blockers make a late pass)."""
         t0 = time.perf_counter_ns()
-        time.sleep(self.delay_s)
+        time.sleep(self.delay_s * len(steps))
         results: list[Proposal | ServiceError] = []
         for step in steps:
             try:
