@@ -6,8 +6,9 @@ A proposal appends the new features (positions ``ctx_end .. anchor_position - 1`
 non-causal pass over ``[anchor, MASK × (B-1)]`` at positions ``anchor_position + 0..B-1``, applies
 the target's LM head to rows 1..B-1, and returns per-depth top-K ids and log-probs.
 
-Propose steps of several sequences (``ProposeStep``) run together in one batched pass
-(``propose_batch``): S blocks, each attending to its own context, padded to the longest.
+Propose steps of several sequences (``ProposeStep``) run together (``propose_batch``): those in
+context slots (``BlockGraphs``) as one CUDA graph replay over a padded batch size, the others
+in one eager batched pass (S blocks, each attending to its own context, padded to the longest).
 
 Not thread-safe: the service calls it from one worker thread.
 """
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.draft.graphs import BlockGraphs, top_k_proposal, top_k_proposals
+from services.draft.graphs import BatchItem, BlockGraphs, top_k_proposal, top_k_proposals
 from services.worker.hosting import SequenceTable
 from splitspec.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from splitspec.models.dflash import DFlashConfig, DFlashDraft
@@ -165,7 +166,7 @@ class DraftEngine:
         return result
 
     def propose_batch(self, steps: list[ProposeStep]) -> list[Proposal | BaseException]:
-        """The proposals of several sequences' steps, computed in one block pass; per step its
+        """The proposals of several sequences' steps, computed together; per step its
         ``Proposal`` or the error that refused or failed it.
 
         Each step is admitted on its own, with the checks of :meth:`propose`: a refused step gets
@@ -174,12 +175,16 @@ class DraftEngine:
         earlier step of the batch has (admitted or not) is refused (FailedPrecondition): a
         sequence's steps depend on each other, so two in one pass are the caller's mistake.
 
-        One admitted step runs the single-sequence pass (the CUDA graphs when enabled). Several
-        share one eager pass: their new rows' keys and values in one ``context_kv``, appended to
-        each context, then one block pass (``DFlashDraft.forward_batch``); an error there goes to
-        each of them. On an H200 (bf16, 8B-sized draft, contexts ~1000) that pass took 9-17 ms for
-        2-8 sequences against 1.2 ms per graphed single pass, and beat the graphed passes run one
-        after another from about 16 sequences on (32: 23 ms against 39 ms).
+        The admitted steps run in up to two passes, each computing its steps' proposals together
+        (an error there goes to each of them): those whose contexts are in ``BlockGraphs`` slots
+        and fit one more block there, and the others. One step alone runs the single-sequence pass
+        (the CUDA graph of its slot, when it has one). Several in slots run one batched graph
+        (``BlockGraphs.run_batch``: the batch size padded to a power of two, their new rows of up
+        to a block appended inside it). Several others share one eager pass: their new rows' keys
+        and values in one ``context_kv``, appended to each context, then one block pass
+        (``DFlashDraft.forward_batch``). On an H200 (bf16, 8B-sized draft, contexts ~900) the
+        batched graph takes 1.6 ms for 2 sequences, 2.3 ms for 8 and 5.9 ms for 32, the eager pass
+        8.2, 9.9 and 18.7 ms, one graphed single pass 1.2 ms (services/draft/graphs.py).
         """
         results: list[Proposal | BaseException | None] = [None] * len(steps)
         admitted: list[tuple[int, ProposeStep, DraftSequence]] = []
@@ -191,15 +196,20 @@ class DraftEngine:
                 admitted.append((i, step, self._admit(step, earlier)))
             except Exception as exc:  # a refusal (a ServiceError) or a bad argument's own error: that step's alone
                 results[i] = exc
-        if len(admitted) == 1:
-            i, step, seq = admitted[0]
-            try:
-                results[i] = self._propose_one(step, seq)
-            except Exception as exc:  # the step's result: propose raises it
-                results[i] = exc
-        elif admitted:
-            for (i, _, _), result in zip(admitted, self._propose_many([(step, seq) for _, step, seq in admitted])):
-                results[i] = result
+        # A slot holds one context: at most ``graphs.sequences`` steps are slotted.
+        fits = [bool(self.graphs and self.graphs.fits(seq.cache, step.rows)) for _, step, seq in admitted]
+        slotted = [a for a, ok in zip(admitted, fits) if ok]
+        others = [a for a, ok in zip(admitted, fits) if not ok]
+        for group, graphed in ((slotted, True), (others, False)):
+            if len(group) == 1:
+                i, step, seq = group[0]
+                try:
+                    results[i] = self._propose_one(step, seq)
+                except Exception as exc:  # the step's result: propose raises it
+                    results[i] = exc
+            elif group:
+                for (i, _, _), result in zip(group, self._propose_many([(step, seq) for _, step, seq in group], graphed)):
+                    results[i] = result
         return results  # type: ignore[return-value]
 
     def _admit(self, step: ProposeStep, earlier: bool) -> DraftSequence:
@@ -303,22 +313,52 @@ class DraftEngine:
         [(ids, logprobs)] = _to_host([out])
         return Proposal(ids, logprobs, time.perf_counter_ns() - t0)
 
-    def _propose_many(self, admitted: list[tuple[ProposeStep, DraftSequence]]) -> list[Proposal | BaseException]:
-        """Several sequences' pass: their new rows' keys and values in one ``context_kv``, appended
-        to each context, then one eager batched block pass. An error fails every step of it."""
+    def _propose_many(self, admitted: list[tuple[ProposeStep, DraftSequence]], graphed: bool = False) -> list[Proposal | BaseException]:
+        """Several sequences' pass: with ``graphed`` (every context fits its slot) one batched graph
+        (:meth:`_graphed_pass`), else (or when its capture fails) their new rows' keys and values
+        in one ``context_kv``, appended to each context, then one eager batched block pass. An
+        error fails every step of it."""
         t0 = time.perf_counter_ns()
         steps = [step for step, _ in admitted]
         try:
-            for (step, seq), kv in zip(admitted, self._context_kv(admitted)):
-                self._extend(step, seq, kv)
-            anchors = torch.tensor([s.anchor_token for s in steps], dtype=torch.int64).to(self.device)  # [S]
-            anchor_positions = torch.tensor([s.anchor_position for s in steps], dtype=torch.int64).to(self.device)  # [S]
-            contexts = [seq.cache.layers(step.window) for step, seq in admitted]
-            outs = _to_host(top_k_proposals(self.model, self.embed, self.lm_head, anchors, anchor_positions, contexts, [s.top_k for s in steps]))
+            outs = self._graphed_pass(admitted) if graphed else None
+            if outs is None:
+                # Contexts the graphed pass brought up to their anchors already need no append.
+                pending = [(step, seq) for step, seq in admitted if seq.ctx_end != step.anchor_position]
+                for (step, seq), kv in zip(pending, self._context_kv(pending)):
+                    self._extend(step, seq, kv)
+                anchors = torch.tensor([s.anchor_token for s in steps], dtype=torch.int64).to(self.device)  # [S]
+                anchor_positions = torch.tensor([s.anchor_position for s in steps], dtype=torch.int64).to(self.device)  # [S]
+                contexts = [seq.cache.layers(step.window) for step, seq in admitted]
+                outs = _to_host(top_k_proposals(self.model, self.embed, self.lm_head, anchors, anchor_positions, contexts, [s.top_k for s in steps]))
         except Exception as exc:  # every step of the pass fails with it
             return [exc] * len(admitted)
         forward_ns = time.perf_counter_ns() - t0
         return [Proposal(ids, logprobs, forward_ns, len(admitted)) for ids, logprobs in outs]
+
+    def _graphed_pass(self, admitted: list[tuple[ProposeStep, DraftSequence]]) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """Host (ids, log-probs) of the sequences' blocks by one ``BlockGraphs.run_batch``: new rows
+        beyond a block appended eagerly first (one ``context_kv``), the others inside the pass.
+        None when the capture failed: then the larger appends are done, the others are not."""
+        b = self.block_size
+        big = [(step, seq) for step, seq in admitted if step.rows > b]
+        for (step, seq), kv in zip(big, self._context_kv(big)):
+            self._extend(step, seq, kv)
+        items = []
+        for step, seq in admitted:
+            m = step.rows if step.rows <= b else 0  # appended in the pass
+            first = max(0, seq.cache.size + m - step.window) if step.window else 0
+            items.append(BatchItem(seq.cache, step.anchor_token, step.anchor_position, first, step.top_k, step.features if m else None, seq.ctx_end))
+        ran = self.graphs.run_batch(items)
+        if ran is None:
+            return None
+        outs, where = ran
+        host = _to_host(outs)
+        for step, seq in admitted:
+            if 0 < step.rows <= b:
+                seq.cache.size += step.rows
+                self._extend(step, seq, None)
+        return [(host[k][0][n], host[k][1][n]) for k, n in where]
 
 
 def _to_host(outs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:

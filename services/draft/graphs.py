@@ -3,21 +3,57 @@
 Eagerly, a 5-layer draft of an 8B target spends most of a proposal launching ~200 small kernels.
 A graph needs fixed shapes and addresses, so:
 
-- a sequence's context K/V (a ``ContextCache``) lives in one of ``sequences`` preallocated slots
-  of ``context`` positions and is never regrown while it fits (sequences beyond the slots grow
-  their own and run eagerly: the preallocation costs memory);
-- a pass attends over the first ``span`` slots (a power of two covering the filled ones) with a
-  mask of the visible slots (``[first, end)``: a draft window hides the older ones);
+- a sequence's context K/V (a ``ContextCache``) lives in one of ``sequences`` slots of
+  ``context`` positions and is never regrown while it fits (sequences beyond the slots grow
+  their own and run eagerly). The slots are regions of one pool per layer, K and V each
+  ``[H_kv, sequences * context + B, D]`` (slot ``i`` is positions ``i * context ..``; the last
+  ``B`` positions are a scratch region for pad rows), allocated on the first ``take``;
+- a pass attends over the first ``span`` positions of a slot (a power of two covering the filled
+  ones) with a mask of the visible ones (``[first, end)``: a draft window hides the older ones);
 - the anchor token and positions are read from a static buffer inside the graph;
-- the block's own keys and values are written to the ``B`` slots after the context (rewritten by
-  the next append), so attention reads one cache instead of a concatenation;
+- the block's own keys and values are written to the ``B`` positions after the context
+  (rewritten by the next append), so attention reads one cache instead of a concatenation;
 - the context append (``fc`` of the new tap features and every layer's K/V of them) runs inside
-  the same graph for up to ``B`` new rows, padded to ``B``: the pad rows land in slots the block
-  overwrites. Larger appends (a prompt) run eagerly before a block-only pass.
+  the same graph for up to ``B`` new rows. Larger appends (a prompt) run eagerly before a
+  block-only pass.
 
-One graph per (slot, span, top_k, append) is captured on first use and replayed by every later
-sequence in that slot. Without ``capture`` (a CPU) the same fixed-shape pass runs eagerly, which
-is how CI tests it.
+One sequence (``run``): one graph per (slot, span, top_k, append), over views of its slot, so
+it reads its keys in place exactly as when slots were separate tensors. Graphs belong to the
+slot, not to the sequence, so the next sequence in that slot replays them.
+
+Several sequences (``run_batch``): one graph per (S, span, top-K values, append) with S padded to
+a power of two, serving *any* S slots: the slot of each sequence is an input. Every sequence's
+block rows, appended rows (packed, at most ``B`` each, pad rows written to the scratch region)
+and key positions are addressed through pool indices computed from that input
+(``DFlashDraft.forward_pooled``); a pad sequence's block lives in the scratch region and sees
+only its own keys. Attention reads each sequence's keys in place through the native paged kernel
+(``native/paged_attention.py``: a slot is one page, the block table ``[slot]``, and the kernel
+stops at each sequence's own end, so a short context next to a long one costs little), or, where
+it does not run, gathers ``[S, H_kv, span, D]`` (torch). A span is the batch's longest; the
+top-K runs once per distinct top_k over all rows (a row's top-K does not depend on the others).
+
+Measured (scripts/gpu_draft_batch.py, H200, 8B-shaped bf16 draft, contexts ~900, 4 new host
+feature rows per sequence a step, top-8; ms per ``propose_batch`` with staging and copies back):
+
+    S                              1      2      4      8      16     32
+    batched graph, paged kernel    1.21   1.61   1.72   2.31   3.06   5.90
+    batched graph, torch gather    -      1.71   2.10   2.76   4.40   8.45
+    eager batched pass             -      8.23   9.59   9.87   12.6   18.7
+    S x the single graphed pass    1.21   2.42   4.84   9.67   19.3   38.7
+
+so the kernel is the batched path's attention (the gather where it does not run: a CPU, float64,
+``SPLITSPEC_NATIVE_OFF=paged_attention``), and the single pass over pool views stays as fast as
+over separate slot tensors (1.21 against 1.20 ms). Batched against alone, 6 sequences over 11
+steps: every top-8 id equal; log-probs within 1.5e-3 in float32 and within one bfloat16 step of
+the logits (1.0 at random weights' logits of ~200) in bfloat16.
+
+Why slots in one pool rather than the target's block-paged pool: a draft context is short and
+bounded by the draft window (or ``context``), appended by at most a block a step and compacted
+in place, so fixed regions need no block tables, no allocator and no copy on compaction, and the
+single-sequence graphs keep their slice views (not slower); yet the pool layout is the paged
+one with a page of ``context`` positions, so the batched pass reuses the paged attention kernel.
+
+Without ``capture`` (a CPU) the same fixed-shape passes run eagerly, which is how CI tests them.
 """
 
 from __future__ import annotations
@@ -34,7 +70,7 @@ import torch
 from native import top_k as native_top_k
 from native import use_triton
 from services.worker.cuda_graphs import StagedInputs, attention_span, capture
-from splitspec.models.dflash import DFlashDraft
+from splitspec.models.dflash import DFlashDraft, PooledAttention
 
 logger = logging.getLogger(__name__)
 
@@ -137,12 +173,61 @@ def top_k_proposals(
     return out
 
 
+@dataclass
+class BatchItem:
+    """One sequence of a batched pass: the arguments of :meth:`BlockGraphs.run`."""
+
+    cache: object  # its ContextCache, in a slot
+    anchor_token: int
+    anchor_position: int
+    first: int  # first visible context position (a draft window)
+    top_k: int
+    features: torch.Tensor | None = None  # [m, taps * hidden], m <= B: appended in the pass
+    feature_position: int = 0  # the absolute position of features[0]
+
+
+@dataclass
+class BatchInputs:
+    """The static inputs of every batched pass of S (padded) sequences, shared by their graphs
+    (passes replay one at a time): ``head`` [S, BATCH_HEAD] int64, then the appended rows' pool
+    slots and positions [2, S * B] int64, then their features [S * B, taps * hidden], packed:
+    the real rows first."""
+
+    staged: StagedInputs
+    sequences: int
+    rows: int  # S * B
+    width: int
+    feature_dtype: torch.dtype
+
+    @property
+    def head(self) -> torch.Tensor:
+        return self.staged.on_device[: 8 * BATCH_HEAD * self.sequences].view(torch.int64).view(self.sequences, BATCH_HEAD)
+
+    @property
+    def _rows_at(self) -> int:
+        return 8 * BATCH_HEAD * self.sequences
+
+    @property
+    def row_index(self) -> torch.Tensor:
+        """[2, S * B]: pool slot and position of each appended row."""
+        return self.staged.on_device[self._rows_at : self._rows_at + 16 * self.rows].view(torch.int64).view(2, self.rows)
+
+    @property
+    def features(self) -> torch.Tensor:
+        return self.staged.on_device[self._rows_at + 16 * self.rows :].view(self.feature_dtype).view(self.rows, self.width)
+
+
+# head per sequence: anchor token, anchor position, first visible position, end of the context
+# (the block's first position), slot (the scratch region's number for a pad sequence).
+BATCH_HEAD = 5
+
+
 class BlockGraphs:
     """``sequences`` context slots of ``context`` positions each, and the graphs captured over them.
 
-    A new sequence takes a free slot (its ``ContextCache`` stores into the slot's tensors) and
-    gives it back when it is garbage. Graphs belong to the slot, not to the sequence, so the next
-    sequence in that slot replays them: after warm-up no request pays for a capture.
+    A new sequence takes a free slot (its ``ContextCache`` stores into the slot's region of the
+    pool) and gives it back when it is garbage. Graphs belong to the slot (one sequence) or to
+    the batch size (several), not to a sequence: after warm-up no request pays for a capture.
     """
 
     def __init__(
@@ -154,32 +239,52 @@ class BlockGraphs:
         self.failed = False  # a capture failed: every sequence runs the eager pass
         self._lock = threading.Lock()  # slots come back on whichever thread drops the last reference
         self._free = list(range(sequences - 1, -1, -1))
-        self._slots: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}  # allocated on first use
+        self.pool: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer (k, v) [H_kv, sequences * context + B, D]
         self._passes: dict[tuple[int, int, int, bool], BlockPass] = {}  # (slot, span, top_k, append)
-        self._pool = torch.cuda.graph_pool_handle() if capture else None
+        # (S, span, top-K values, append) -> (graph, outputs per top-K value)
+        self._batch_passes: dict[tuple[int, int, tuple[int, ...], bool], tuple[torch.cuda.CUDAGraph, list]] = {}
+        self._batch_inputs: dict[int, BatchInputs] = {}  # S -> inputs
+        self.batch_shapes: set[tuple[int, int, tuple[int, ...], bool]] = set()  # batched shapes run so far
+        self._graph_pool = torch.cuda.graph_pool_handle() if capture else None
         b = model.config.block_size
         self._rows = torch.arange(b, device=self.device)
         self._cols = torch.arange(context, device=self.device)
 
+    @property
+    def scratch(self) -> int:
+        """The scratch region's number: its positions follow the last slot's."""
+        return self.sequences
+
     def take(self, owner: object) -> tuple[int, list[torch.Tensor], list[torch.Tensor]] | None:
         """A free slot for ``owner`` (returned when ``owner`` is garbage): its number and per-layer
-        K and V storage [H_kv, context, D]; None when all are taken (the sequence grows its own)."""
+        K and V storage [H_kv, context, D] (views of the pool); None when all are taken (the
+        sequence grows its own)."""
         with self._lock:
             if not self._free:
                 return None
             slot = self._free.pop()
-        if slot not in self._slots:
+        if not self.pool:
             c = self.model.config
-            shape = (c.num_kv_heads, self.context, c.head_dim)
+            shape = (c.num_kv_heads, self.sequences * self.context + c.block_size, c.head_dim)
             dtype = self.model.fc.weight.dtype
-            # Zeros: a masked slot is multiplied by 0 in attention, and 0 * NaN would be NaN.
-            self._slots[slot] = tuple([torch.zeros(shape, device=self.device, dtype=dtype) for _ in range(c.num_layers)] for _ in "kv")
+            # Zeros: a masked position is multiplied by 0 in attention, and 0 * NaN would be NaN.
+            self.pool = [tuple(torch.zeros(shape, device=self.device, dtype=dtype) for _ in "kv") for _ in range(c.num_layers)]
         weakref.finalize(owner, self._give_back, slot)
-        return slot, *self._slots[slot]
+        region = slice(slot * self.context, (slot + 1) * self.context)
+        return slot, [k[:, region] for k, _ in self.pool], [v[:, region] for _, v in self.pool]
 
     def _give_back(self, slot: int) -> None:
         with self._lock:
             self._free.append(slot)
+
+    def fits(self, cache, rows: int) -> bool:
+        """Whether ``cache`` (a ``ContextCache``) can take ``rows`` new rows and a block in its
+        slot: then :meth:`run` and :meth:`run_batch` serve it (unless a capture fails)."""
+        b = self.model.config.block_size
+        return (
+            not self.failed and cache.slot is not None and bool(cache.k) and cache.k[0].shape[1] == self.context
+            and cache.size + rows + b <= self.context
+        )
 
     def run(
         self, cache, anchor_token: int, anchor_position: int, first: int, top_k: int,
@@ -192,7 +297,7 @@ class BlockGraphs:
         b = self.model.config.block_size
         m = 0 if features is None else features.shape[0]
         end = cache.size + m
-        if self.failed or cache.slot is None or cache.k[0].shape[1] != self.context or end + b > self.context or m > b:
+        if m > b or not self.fits(cache, m):
             return None
         span = min(attention_span(end + b), self.context)
         key = (cache.slot, span, top_k, features is not None)
@@ -206,24 +311,33 @@ class BlockGraphs:
         if not self.capture:  # the same fixed-shape pass, run eagerly (CPU; how CI tests it)
             return compute()
         if fresh:
-            # Graphs live as long as the worker and replay one at a time: they share one memory pool.
-            t0 = time.perf_counter()
-            try:
-                p.graph, (p.top_ids, p.top_logprobs) = capture(compute, self.device, self._pool)
-            except RuntimeError as exc:  # contained: the worker keeps serving on the eager pass
-                logger.error("CUDA graph capture of the draft's block pass failed; serving eagerly from now on: %s", exc)
-                self.failed = True
+            outs = self._capture(compute, f"slot {cache.slot}: span {span}, top-{top_k}, {'appending' if features is not None else 'block only'}")
+            if outs is None:
                 return None
+            p.graph, (p.top_ids, p.top_logprobs) = outs
             self._passes[key] = p
-            logger.info(
-                "captured the block graph of slot %d: span %d, top-%d, %s, in %.0f ms (%d graphs)",
-                cache.slot, span, top_k, "appending" if features is not None else "block only",
-                1e3 * (time.perf_counter() - t0), len(self._passes),
-            )
         else:
             p.graph.replay()
         return p.top_ids, p.top_logprobs
 
+    def _capture(self, compute, what: str):
+        """(graph, outputs) of ``compute`` captured, or None (logged; every later pass runs
+        eagerly) when capture fails."""
+        # Graphs live as long as the worker and replay one at a time: they share one memory pool.
+        t0 = time.perf_counter()
+        try:
+            graph, outputs = capture(compute, self.device, self._graph_pool)
+        except RuntimeError as exc:  # contained: the worker keeps serving on the eager pass
+            logger.error("CUDA graph capture of the draft's block pass failed; serving eagerly from now on: %s", exc)
+            self.failed = True
+            return None
+        logger.info(
+            "captured the block graph of %s in %.0f ms (%d graphs)",
+            what, 1e3 * (time.perf_counter() - t0), len(self._passes) + len(self._batch_passes) + 1,
+        )
+        return graph, outputs
+
+    @torch.inference_mode()  # the slots are views of the pool: autograd may not track writes to them
     def _compute(self, cache, head: torch.Tensor, features: torch.Tensor | None, span: int, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.model.config
         rows = self._rows  # [B]
@@ -236,3 +350,104 @@ class BlockGraphs:
         mask = visible[None, :].expand(c.block_size, -1)
         hidden = self.model.forward_cached(self.embed[block].to(self.model.fc.weight.dtype), head[1] + rows, caches, head[3] + rows, mask)
         return top_k_of(hidden, self.lm_head, top_k)
+
+    def run_batch(self, items: list[BatchItem]) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[tuple[int, int]]] | None:
+        """The blocks of several sequences in slots, in one pass: each appends its ``features``
+        (at most B rows) first. Returns the outputs per distinct top_k (top-K ids [S', B-1, K]
+        int32 and log-probs [S', B-1, K] float32 over the padded S' sequences, in the graphs'
+        pool: read them before the next pass) and, per item, (output, row) of its proposal; None
+        when capture failed (nothing was appended: the caller runs the pass eagerly).
+
+        Every item must :meth:`fits` its rows, and there are at most ``sequences`` of them."""
+        c = self.model.config
+        b = c.block_size
+        if self.failed:
+            return None
+        assert 1 <= len(items) <= self.sequences and all(it.cache.slot is not None for it in items)
+        s = max(2, 1 << (len(items) - 1).bit_length())
+        ends = [it.cache.size + (0 if it.features is None else len(it.features)) for it in items]
+        assert all(e + b <= self.context and (it.features is None or len(it.features) <= b) for it, e in zip(items, ends))
+        span = min(attention_span(max(ends) + b), self.context)
+        ks = tuple(sorted({it.top_k for it in items}))
+        append = any(it.features is not None for it in items)
+        key = (s, span, ks, append)
+        self.batch_shapes.add(key)
+        inputs = self._batch_inputs.get(s)
+        if inputs is None:
+            dtype = self.model.fc.weight.dtype
+            rows, width = s * b, self.model.fc.in_features
+            staged = StagedInputs.allocate(8 * BATCH_HEAD * s + 16 * rows + rows * width * dtype.itemsize, self.device)
+            inputs = self._batch_inputs[s] = BatchInputs(staged, s, rows, width, dtype)
+        self._write_batch(inputs, items, ends, append)
+        compute = lambda: self._compute_batch(inputs, span, ks, append)  # noqa: E731
+        where = [(ks.index(it.top_k), n) for n, it in enumerate(items)]
+        if not self.capture:
+            return compute(), where
+        entry = self._batch_passes.get(key)
+        if entry is None:
+            entry = self._capture(compute, f"{s} sequences: span {span}, top-{ks}, {'appending' if append else 'block only'}")
+            if entry is None:
+                return None
+            self._batch_passes[key] = entry
+        else:
+            entry[0].replay()
+        return entry[1], where
+
+    def _write_batch(self, inputs: BatchInputs, items: list[BatchItem], ends: list[int], append: bool) -> None:
+        """Fill the batch's inputs, in one copy to the device (host features; features already on
+        the device are copied there directly). Pad sequences: the scratch region, nothing visible
+        but their own block."""
+        s, rows = inputs.sequences, inputs.rows
+        raw = inputs.staged.writable()
+        head = raw[: 8 * BATCH_HEAD * s].view(np.int64).reshape(s, BATCH_HEAD)
+        head[:] = (0, 0, 0, 0, self.scratch)
+        head[: len(items)] = [(it.anchor_token, it.anchor_position, it.first, end, it.cache.slot) for it, end in zip(items, ends)]
+        size = 8 * BATCH_HEAD * s
+        if append:
+            index = raw[size : size + 16 * rows].view(np.int64).reshape(2, rows)
+            index[0], index[1] = self.scratch * self.context, 0  # pad rows: the scratch region
+            at, chunks = 0, []
+            for it in items:
+                if it.features is None:
+                    continue
+                m = len(it.features)
+                start = it.cache.slot * self.context + it.cache.size
+                index[0, at : at + m] = np.arange(start, start + m)
+                index[1, at : at + m] = np.arange(it.feature_position, it.feature_position + m)
+                chunks.append(it.features)
+                at += m
+            size += 16 * rows
+            features = torch.cat([f.to(device=chunks[0].device, dtype=inputs.feature_dtype) for f in chunks])
+            if features.device == inputs.staged.on_device.device:
+                inputs.features[:at].copy_(features)
+            else:  # numpy's copy: one thread
+                packed = features.contiguous().view(torch.uint8).numpy().reshape(-1)
+                raw[size : size + packed.size] = packed
+                size += packed.size
+        inputs.staged.upload(size)
+
+    @torch.inference_mode()
+    def _compute_batch(self, inputs: BatchInputs, span: int, ks: tuple[int, ...], append: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        c = self.model.config
+        b, s = c.block_size, inputs.sequences
+        head, rows = inputs.head, self._rows
+        if append:
+            index = inputs.row_index
+            self.model.append_cached(inputs.features, index[1], self.pool, index[0])
+        slots, ends = head[:, 4], head[:, 3]
+        block = torch.where(rows == 0, head[:, :1], c.mask_token_id)  # [S, B]: anchor, MASK × (B-1)
+        positions = head[:, 1:2] + rows  # [S, B]
+        cols = self._cols[:span]
+        visible = (cols >= head[:, 2:3]) & (cols < ends[:, None] + b)  # [S, span]: the window, then the block
+        at = PooledAttention(
+            slots, ends, (slots[:, None] * self.context + ends[:, None] + rows).flatten(), visible[:, None, :].expand(s, b, span), self.context
+        )
+        dtype = self.model.fc.weight.dtype
+        hidden = self.model.forward_pooled(self.embed[block.flatten()].to(dtype), positions.flatten(), self.pool, at)  # [S * B, hidden]
+        # One [S * (B-1), hidden] matmul (see top_k_proposals).
+        logits = hidden.view(s, b, -1)[:, 1:].flatten(0, 1) @ self.lm_head.T.to(hidden.dtype)  # [S * (B-1), vocab]
+        out = []
+        for k in ks:
+            ids, logprobs = top_k_log_softmax(logits, k)
+            out.append((ids.view(s, b - 1, k), logprobs.view(s, b - 1, k)))
+        return out

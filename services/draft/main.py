@@ -26,8 +26,9 @@ def add_arguments(p: argparse.ArgumentParser, model: bool = True) -> None:
     p.add_argument(
         "--graph-sequences", type=int, default=-1,
         help="context slots of --graph-context positions, preallocated on first use: a sequence in a slot "
-        "proposes by one CUDA graph replay, and the slot's graphs serve every later sequence in it (on a CPU "
-        "the same fixed shapes run eagerly); sequences beyond the slots run eagerly; -1 = 8 on CUDA, 0 on CPU",
+        "proposes by one CUDA graph replay, and sequences in slots that step together by one batched replay "
+        "(their number padded to a power of two); graphs serve every later sequence (on a CPU the same fixed "
+        "shapes run eagerly); sequences beyond the slots run eagerly; -1 = 32 on CUDA (about 84 MB a slot for an 8B target's draft at 4096 positions), 0 on CPU",
     )
     p.add_argument("--graph-context", type=int, default=4096, help="context positions of each slot (--graph-sequences)")
     p.add_argument("--no-cuda-graphs", action="store_true", help="run the fixed shapes without capturing graphs (debugging)")
@@ -66,7 +67,7 @@ def draft_engine(args: argparse.Namespace, model, embed, head, device):
     from services.draft.graphs import BlockGraphs
 
     graphs = None
-    sequences = args.graph_sequences if args.graph_sequences >= 0 else (8 if device.type == "cuda" else 0)
+    sequences = args.graph_sequences if args.graph_sequences >= 0 else (32 if device.type == "cuda" else 0)
     if sequences:
         capture = device.type == "cuda" and not args.no_cuda_graphs
         graphs = BlockGraphs(model, embed, head, args.graph_context, sequences, capture)

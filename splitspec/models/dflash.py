@@ -11,13 +11,15 @@ draft borrows the target's embedding and LM head.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
-from splitspec.models.layers import QKVProjection, RMSNorm, SwiGLU, rope_cos_sin
+from native import paged_attention, qkv_rope, use_triton
+from splitspec.models.layers import TREE_ATTENTION_ROWS, QKVProjection, RMSNorm, SwiGLU, rope_cos_sin
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -151,6 +153,23 @@ class DFlashLayer(nn.Module):
         x, h = self.post_attention_layernorm.forward_add(self.self_attn.project_attend_cached(x, cos, sin, k_cache, v_cache, slots, mask), h)
         return next_norm.forward_add(self.mlp(x), h)
 
+    def forward_pooled(
+        self,
+        x: torch.Tensor,  # [S * B, hidden] this layer's normed input: S blocks of B rows
+        h: torch.Tensor,  # [S * B, hidden] the block rows it was normed from
+        cos: torch.Tensor,  # [S * B, D]
+        sin: torch.Tensor,
+        k_pool: torch.Tensor,  # [H_kv, pool slots, D] every pooled context's keys of this layer
+        v_pool: torch.Tensor,
+        at: PooledAttention,
+        next_norm: RMSNorm,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`forward_cached` of S blocks, each over its own context in the pool."""
+        attn = self.self_attn
+        q = _project_write(attn, x, cos, sin, k_pool, v_pool, at.write_slots)  # [H, S * B, D]
+        x, h = self.post_attention_layernorm.forward_add(_attend_pooled(attn, q, k_pool, v_pool, at), h)
+        return next_norm.forward_add(self.mlp(x), h)
+
 
 class DFlashDraft(nn.Module):
     def __init__(self, config: DFlashConfig) -> None:
@@ -201,6 +220,25 @@ class DFlashDraft(nn.Module):
         norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
         for layer, (k, v), next_norm in zip(self.layers, caches, norms, strict=True):
             x, h = layer.forward_cached(x, h, cos, sin, k, v, slots, mask, next_norm)
+        return x
+
+    @torch.inference_mode()
+    def forward_pooled(
+        self,
+        noise: torch.Tensor,  # [S * B, hidden]: S blocks of B rows
+        positions: torch.Tensor,  # [S * B] absolute
+        pools: Sequence[tuple[torch.Tensor, torch.Tensor]],  # per layer (k, v) [H_kv, pool slots, D]
+        at: PooledAttention,
+    ) -> torch.Tensor:
+        """:meth:`forward_cached` of S sequences' blocks in one pass, each sequence's context a
+        region of a shared pool (``PooledAttention``): fixed shapes and addresses for any choice of
+        regions, so one CUDA graph serves every batch of S. Returns [S * B, hidden]."""
+        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, noise.dtype)
+        h = noise
+        x = self.layers[0].input_layernorm(h)
+        norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
+        for layer, (k, v), next_norm in zip(self.layers, pools, norms, strict=True):
+            x, h = layer.forward_pooled(x, h, cos, sin, k, v, at, next_norm)
         return x
 
     def _blocks(
@@ -282,6 +320,71 @@ class DFlashDraft(nn.Module):
         cos, sin = rope_cos_sin(positions.flatten(), c.head_dim, c.rope_theta, noise.dtype)
         cos, sin = (t.unflatten(0, positions.shape).unsqueeze(1) for t in (cos, sin))  # [N, 1, Q, D]: shared by heads
         return self._blocks(noise, cos, sin, self._context_kv(features, ctx_positions), mask)
+
+
+@dataclass
+class PooledAttention:
+    """Where S blocks of B rows read and write in a pool of contexts: per layer one K and one V
+    tensor [H_kv, pool slots, D], sequence s's context in the ``region`` slots starting at
+    ``regions[s] * region`` (its key column c is pool slot ``regions[s] * region + c``).
+
+    ``ends[s]``: the block's own first column (its keys go to columns ``ends[s] ..
+    ends[s] + B``; ``write_slots`` are those pool slots); ``visible`` [S, B, span] bool over
+    columns ``0 .. span``. Columns a sequence does not see may hold anything finite. A region
+    may be shorter than ``span`` only if its sequence's columns past ``ends[s] + B`` are beyond
+    the pool's last slot (a pad sequence's scratch region): those are clamped to it."""
+
+    regions: torch.Tensor  # [S] int64
+    ends: torch.Tensor  # [S] int64
+    write_slots: torch.Tensor  # [S * B] int64
+    visible: torch.Tensor  # [S, B, span] bool
+    region: int  # slots per region
+    _gather: torch.Tensor | None = field(default=None, repr=False)
+
+    def gather_rows(self, pool: torch.Tensor) -> torch.Tensor:
+        """[S, H_kv, span] rows of ``pool.view(-1, D)`` holding each sequence's key columns (the
+        same for every layer: computed once a pass)."""
+        if self._gather is None:
+            heads, slots = pool.shape[0], pool.shape[1]
+            cols = torch.arange(self.visible.shape[-1], device=pool.device)
+            per_sequence = (self.regions[:, None] * self.region + cols).clamp_(max=slots - 1)  # [S, span]
+            head_rows = torch.arange(heads, device=pool.device) * slots  # [H_kv]
+            self._gather = head_rows[None, :, None] + per_sequence[:, None, :]
+        return self._gather
+
+
+def _project_write(
+    attn: QKVProjection, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
+) -> torch.Tensor:
+    """Queries [H, T, D] of the rows ``x`` [T, hidden], their keys and values written to the pool
+    ``slots`` [T]: the projection half of ``QKVProjection.project_attend_cached`` (one
+    ``qkv_rope`` launch where the kernels run)."""
+    if attn._fused_native(x):
+        return qkv_rope.qkv_rope(F.linear(x, *attn._qkv), cos, sin, *attn._norm_args(), k_pool, v_pool, slots, attn.num_heads)
+    q, k, v = attn.query_key_value(x, cos, sin)
+    k_pool.index_copy_(1, slots, k)
+    v_pool.index_copy_(1, slots, v)
+    return q
+
+
+def _attend_pooled(attn: QKVProjection, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, at: PooledAttention) -> torch.Tensor:
+    """Attention of S blocks ``q`` [H, S * B, D], each over its own region of the pool, then
+    ``o_proj`` -> [S * B, hidden]. The native paged kernel reads the keys in place (a region is
+    one page of ``region`` slots: block table ``[regions[s]]``, prefix ``ends[s]``), and only up
+    to each sequence's own ``ends[s] + B``; the torch path gathers ``[S, H_kv, span, D]`` first
+    (``QKVProjection.attend_paged``'s plain path)."""
+    heads, rows, d = q.shape
+    s, b, span = at.visible.shape
+    blocks = q.unflatten(1, (s, b)).transpose(0, 1)  # [S, H, B, D]
+    if heads * b <= TREE_ATTENTION_ROWS and use_triton(q, "paged_attention") and paged_attention.supported(blocks, k_pool, v_pool, at.visible):
+        out = paged_attention.paged_tree_attention(blocks, k_pool, v_pool, at.regions[:, None], at.ends, at.visible, at.region)
+    else:
+        gather = at.gather_rows(k_pool).flatten()
+        k = k_pool.view(-1, d).index_select(0, gather).view(s, -1, span, d)  # [S, H_kv, span, D]
+        v = v_pool.view(-1, d).index_select(0, gather).view(s, -1, span, d)
+        out = attn.attention(blocks, k, v, at.visible)  # [S, B, H * D]
+    return attn.o_proj(out.flatten(0, 1))
 
 
 def _pad_contexts(

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from services.draft.engine import DraftEngine, Proposal, ProposeStep
+from native import paged_attention
 from services.draft.graphs import BlockGraphs
 from splitspec.errors import Aborted, FailedPrecondition, InvalidArgument, ResourceExhausted
 from splitspec.models.loader import load_dflash_draft, load_target_head
@@ -100,11 +101,16 @@ def test_batch_matches_each_sequence_alone(drafts, dtype, fixed_shapes, native, 
         steps = [script.step(sid) for sid in members]
         results = batch_engine.propose_batch(steps)
         assert all(isinstance(r, Proposal) for r in results), results
-        for step, result in zip(steps, results):
+        # With fixed shapes "a" and "b" hold the two slots: they run one batched pass, "c" and "d" another.
+        slotted = [batch_engine.sequences.get(step.sequence_id).cache.slot is not None for step in steps]
+        for step, result, in_slot in zip(steps, results, slotted):
             assert_same(result, propose_alone(alone_engine, step), dtype)
             assert result.top_ids.shape == (cfg.block_size - 1, step.top_k)
-            assert result.pass_sequences == len(steps)
-        assert len({r.forward_ns for r in results}) == 1 and results[0].forward_ns > 0  # one pass, timed once
+            assert result.pass_sequences == slotted.count(in_slot)
+        for group in (True, False):  # one pass per group, timed once
+            times = {r.forward_ns for r, in_slot in zip(results, slotted) if in_slot == group}
+            assert len(times) <= 1 and all(t > 0 for t in times)
+        assert set(slotted) == ({True, False} if fixed_shapes and len(steps) > 1 else {False})
         # The sequences' proposals differ: a pass that mixed up their contexts could not match.
         best = [r.top_logprobs[:, 0] for r in results]  # [B-1] each
         assert all((x - y).abs().max() > 1e-3 for i, x in enumerate(best) for y in best[:i])
@@ -215,3 +221,87 @@ def test_propose_raises_its_steps_error(draft):
     assert "s" not in engine.sequences
     proposal = engine.propose("s", 1, 4, torch.zeros(4, cfg.num_taps * cfg.hidden_size), top_k=2)
     assert proposal.pass_sequences == 1 and proposal.top_ids.shape == (cfg.block_size - 1, 2)
+
+
+# The batched fixed-shape pass (BlockGraphs.run_batch): per round, each member's new rows (its
+# prompt first). Five of six sequences hold slots; "f" never does. Rounds pad 5 sequences to 8
+# and 3 to 4, mix in-pass appends (up to a block), larger ones appended eagerly first and steps
+# with no new rows, cross span 256 ("c" passes 240 positions), run a block-only pass, drop to the
+# single graphed path ("c" alone), and "c" finally fills its slot (no room for a block) and joins
+# "f" in the eager pass.
+BATCHED = {  # sid: (window, top_k)
+    "a": (0, 5), "b": (8, 3), "c": (0, 5), "d": (16, 8), "e": (0, 5), "f": (0, 5),
+}
+BATCHED_ROUNDS = [
+    dict(a=5, b=23, c=200, d=12, e=40, f=30),
+    dict(a=1, b=2, c=16, d=3, e=7, f=1),
+    dict(a=4, c=30, e=0),
+    dict(b=20, d=9),
+    dict(a=0, c=0, e=0),
+    dict(c=1),
+    dict(a=16, b=1, c=260, d=20, e=3, f=2),
+]
+# (padded sequences, span, top-K values, appending) of each batched pass above.
+BATCHED_SHAPES = {
+    (8, 256, (3, 5, 8), True),  # rounds 1 and 2
+    (4, 512, (5,), True),
+    (2, 256, (3, 8), True),
+    (4, 512, (5,), False),
+    (4, 256, (3, 5, 8), True),  # round 7: "c" is out
+}
+# Through the kernels (Triton's interpreter: slow): 3 sequences padded to 4, span 512, an in-pass
+# append and eager ones.
+KERNEL_ROUNDS = [dict(a=5, b=23, c=250)]
+
+
+@pytest.mark.parametrize(
+    ("dtype", "native"),
+    [(torch.float64, "0"), (torch.float32, "1")],  # the kernels (paged attention, qkv_rope) on the batch's shapes
+    ids=["float64", "float32-kernels"],
+)
+def test_batched_fixed_shapes_match_each_sequence_alone(drafts, dtype, native, monkeypatch):
+    """The batched graph path's fixed shapes, run eagerly (CPU): every sequence gets what
+    ``propose`` gives it in an engine of its own (the single-sequence fixed-shape pass), through
+    padded batch sizes, padded appends, several spans and top-K values, and a sequence leaving
+    its slot; the pad sequences' writes touch no slot."""
+    monkeypatch.setenv("SPLITSPEC_NATIVE_CPU", native)
+    paged = []  # a spy on the paged attention kernel: the real one runs
+    kernel = paged_attention.paged_tree_attention
+    monkeypatch.setattr(paged_attention, "paged_tree_attention", lambda *a: paged.append(a[0].shape) or kernel(*a))
+    model, cfg, embed, head = drafts[dtype]
+    context = 512
+    graphs = BlockGraphs(model, embed, head, context=context, sequences=5, capture=False)
+    batch_engine = DraftEngine(model, embed, head, graphs=graphs)
+    alone_engine = DraftEngine(model, embed, head, graphs=BlockGraphs(model, embed, head, context=context, sequences=6, capture=False))
+    g = torch.Generator().manual_seed(11)
+    width = cfg.num_taps * cfg.hidden_size
+    features = {sid: torch.randn(520, width, generator=g, dtype=torch.float64).to(dtype) for sid in BATCHED}
+    ends = dict.fromkeys(BATCHED, 0)
+    rounds = KERNEL_ROUNDS if native == "1" else BATCHED_ROUNDS
+    for number, members in enumerate(rounds):
+        steps = []
+        for sid, rows in members.items():
+            start, ends[sid] = ends[sid], ends[sid] + rows
+            window, top_k = BATCHED[sid]
+            steps.append(ProposeStep(sid, 3 * number + ord(sid), ends[sid], features[sid][start : ends[sid]], top_k, window))
+        # Which pass each step runs in: new sequences take the free slots ("f" finds none).
+        live = batch_engine.sequences
+        in_slot = {s.sequence_id: graphs.fits(live.get(s.sequence_id).cache, s.rows) if s.sequence_id in live else s.sequence_id != "f"
+                   for s in steps}
+        results = batch_engine.propose_batch(steps)
+        for step, result in zip(steps, results):
+            assert isinstance(result, Proposal), result
+            assert_same(result, propose_alone(alone_engine, step), dtype)
+            assert result.pass_sequences == sum(in_slot[s.sequence_id] == in_slot[step.sequence_id] for s in steps)
+        best = [r.top_logprobs[:, 0] for r in results]  # the proposals differ: no mixed-up contexts
+        assert all((x - y).abs().max() > 1e-3 for i, x in enumerate(best) for y in best[:i])
+    assert graphs.batch_shapes == (BATCHED_SHAPES if native == "0" else {(4, 512, (3, 5), True)})
+    # With the kernels every layer of the batched pass read the pool through them: [S, H, B, D] queries.
+    assert paged == ([(4, cfg.num_heads, cfg.block_size, cfg.head_dim)] * cfg.num_layers if native == "1" else [])
+    for sid, seq in batch_engine.sequences.items():  # slotted contexts never regrew
+        assert (seq.cache.k[0].shape[1] == context) == (sid != "f")
+    if native == "0":
+        assert not graphs.fits(batch_engine.sequences.get("c").cache, 0)  # no room for a block: eager from round 7
+    # The scratch region took the pad sequences' keys; it is the pool's last block of positions.
+    assert graphs.pool[0][0].shape[1] == 5 * context + cfg.block_size
+    assert graphs.pool[0][0][:, -cfg.block_size :].abs().sum() > 0
