@@ -15,7 +15,7 @@ Acceptance length (AL) is :mod:`splitspec.spec.acceptance_length`'s: tokens comm
 steps over verify steps, from each request's usage; the prefill's token is not counted.
 
 **Concurrency sweep.** Every row is measured at each level N of ``--concurrency``: N clients
-generate at once through the gateway, each its own prompt, after a warm-up of N requests at once
+generate at once through the gateway, each its own prompt, after a warm-up of 2N requests, N at a time
 (it captures the graphs of N sequences and fills caches). A level times N × ceil(prompts / N)
 requests, which the N clients take from one queue, so N are in flight until the queue runs dry.
 Each level draws prompts no other level uses, and the oracle reads the AR rows' output of its own
@@ -218,7 +218,7 @@ def requests_per_level(prompts: int, concurrency: int) -> int:
 
 @dataclass
 class Level:
-    """One concurrency level's prompts: N warm-up requests (sent at once), then the timed ones."""
+    """One concurrency level's prompts: 2N warm-up requests (N at a time), then the timed ones."""
 
     concurrency: int
     warm: list[list[int]]
@@ -230,10 +230,13 @@ def plan_levels(pool: Iterator[list[int]], levels: Sequence[int], prompts: int) 
     or a recorded oracle continuation of another level would change what is timed)."""
     plan = []
     for n in levels:
-        drawn = list(itertools.islice(pool, n + requests_per_level(prompts, n)))
-        if len(drawn) < n + requests_per_level(prompts, n):
+        # Two rounds of warm-up: the second's sequences start and end out of step, as the timed ones
+        # do, so the passes of every batch size a level sees are captured before the timing.
+        warm = 2 * n
+        drawn = list(itertools.islice(pool, warm + requests_per_level(prompts, n)))
+        if len(drawn) < warm + requests_per_level(prompts, n):
             raise ValueError(f"--concurrency {n}: the prompts ran out; lower --prompts, --prompt-len or --concurrency")
-        plan.append(Level(n, drawn[:n], drawn[n:]))
+        plan.append(Level(n, drawn[:warm], drawn[warm:]))
     return plan
 
 
@@ -325,7 +328,7 @@ def run_system(
         gateways = {
             (wire, label): [
                 c.start(
-                    f"gateway{i}.{g}-{wire}", "gateway", "--target", target, "--draft", draft, "--tokenizer", str(tokenizer),
+                    f"gateway{i}{f'.{g}' if g else ''}-{wire}", "gateway", "--target", target, "--draft", draft, "--tokenizer", str(tokenizer),
                     "--wire", wire,
                 )
                 for g in range(gateways_per_draft)

@@ -29,6 +29,8 @@ graph and replayed with new inputs written into the same buffers.
 
 from __future__ import annotations
 
+import functools
+import math
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -217,13 +219,16 @@ _FIELDS = (
 )
 
 
+@functools.cache
 def _places(rows: int, sequences: int, block_rows: int, table_width: int) -> tuple[dict[str, tuple], int]:
-    """Each field's (dtype, shape, byte offset) in the buffer of a pass of this shape, and its size."""
+    """Each field's (dtype, shape, byte offset, byte size) in the buffer of a pass of this shape, and
+    the buffer's size (cached: a fixed-shape pass asks every step)."""
     places, offset = {}, 0
     for name, dtype, shape_of in _FIELDS:
         shape = shape_of(rows, sequences, block_rows, table_width)
-        places[name] = (dtype, shape, offset)
-        offset += int(np.prod(shape)) * np.dtype(dtype).itemsize
+        size = math.prod(shape) * np.dtype(dtype).itemsize
+        places[name] = (dtype, shape, offset, size)
+        offset += size
     return places, offset
 
 
@@ -258,8 +263,7 @@ class PassInputs:
         """The inputs of a pass of this shape as views of ``buffer`` (uint8, at least :meth:`nbytes`)."""
         places, _ = _places(rows, sequences, block_rows, keys // block_size)
         views = {}
-        for name, (dtype, shape, offset) in places.items():
-            size = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        for name, (dtype, shape, offset, size) in places.items():
             views[name] = buffer[offset : offset + size].view(torch.from_numpy(np.zeros(0, dtype)).dtype).view(shape)
         return cls(buffer, **views, block_size=block_size)
 
@@ -274,9 +278,7 @@ class PassInputs:
         ``host`` (uint8, laid out as ``buffer``); the caller copies them to the device."""
         n_pad, b_pad, t_pad, s_pad = self.shape
         places, _ = _places(n_pad, b_pad, t_pad, s_pad // self.block_size)
-        f = {}
-        for name, (dtype, shape, offset) in places.items():
-            f[name] = host[offset : offset + int(np.prod(shape)) * np.dtype(dtype).itemsize].view(dtype).reshape(shape)
+        f = {name: host[offset : offset + size].view(dtype).reshape(shape) for name, (dtype, shape, offset, size) in places.items()}
         n, b = layout.num_rows, layout.num_sequences
         f["tokens"][:n], f["tokens"][n:] = layout.tokens, 0
         f["positions"][:n], f["positions"][n:] = layout.positions, 0

@@ -50,12 +50,12 @@ def test_the_cli_refuses_a_bad_level_in_one_line_before_starting_anything(tmp_pa
 def test_each_level_gets_its_own_prompts_and_the_same_number_per_client():
     assert [requests_per_level(4, n) for n in (1, 3, 4, 16)] == [4, 6, 4, 16]
     plan = plan_levels(random_prompts(100, 5), [1, 3], prompts=2)
-    assert [(p.concurrency, len(p.warm), len(p.timed)) for p in plan] == [(1, 1, 2), (3, 3, 3)]
+    assert [(p.concurrency, len(p.warm), len(p.timed)) for p in plan] == [(1, 2, 2), (3, 6, 3)]  # two warm-up rounds
     drawn = [tuple(ids) for p in plan for ids in p.warm + p.timed]
-    assert len(set(drawn)) == len(drawn) == 9 and all(len(ids) == 5 for ids in drawn)
-    # A single level draws what the benchmark drew before the sweep: warm-up first, then the timed prompts.
+    assert len(set(drawn)) == len(drawn) == 13 and all(len(ids) == 5 for ids in drawn)
+    # Warm-up first, then the timed prompts, in the pool's order.
     rng_order = plan_levels(random_prompts(100, 5), [1], prompts=2)[0]
-    assert rng_order.warm + rng_order.timed == [ids for ids, _ in zip(random_prompts(100, 5), range(3))]
+    assert rng_order.warm + rng_order.timed == [ids for ids, _ in zip(random_prompts(100, 5), range(4))]
 
 
 def _row(label: str, n: int, tok_s: float, ms: float, al: float, drafter: str, corruption: float | None = None) -> dict:
