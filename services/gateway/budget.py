@@ -6,7 +6,7 @@ exponential moving average (EMA), so they follow the load as it changes:
 
 - the verify cost curve ``t(rows)``: per row bucket, the mean rows and seconds of the target's
   passes, fed by every ``VerifyResponse`` (``pass_rows``, ``forward_ns``);
-- ``t_other``: a speculating step's time minus its verify pass;
+- ``t_other``: a speculating step's time minus its verify pass and its wait for that pass;
 - the concurrency ``n``: sequences per pass (``pass_sequences``). The target counts every sequence
   of the pass, so other gateways' sequences are in it too;
 - the calibration ``c(d)``: per depth, the observed and the predicted acceptance.
@@ -103,7 +103,7 @@ class BudgetPolicy:
 
     def observe_round(self, seconds: float, verify_forward_s: float) -> None:
         """A speculating step took ``seconds`` from its proposal to its verify response, of which its
-        verify pass took ``verify_forward_s``; the rest is ``t_other``."""
+        verify pass (and its wait in the target for it) took ``verify_forward_s``; the rest is ``t_other``."""
         self._other.add(max(0.0, seconds - verify_forward_s))
 
     def observe_acceptance(self, tree: DraftTree, accepted_depth: int) -> None:

@@ -56,6 +56,7 @@ class Verified:
     # The target's batched pass this step ran in: rows and sequences over all its sequences (0: not reported).
     pass_rows: int = 0
     pass_sequences: int = 0
+    queue_ns: int = 0  # how long the step waited in the target for its pass
 
 
 class StepStream:
@@ -202,7 +203,7 @@ class TargetClient(WorkerClient):
         features = r.features if r.HasField("features") else None
         return Verified(
             list(r.committed_tokens), r.next_token, r.committed_length, features, r.forward_ns, list(r.logprobs) or None,
-            r.pass_rows, r.pass_sequences,
+            r.pass_rows, r.pass_sequences, r.queue_ns,
         )
 
 

@@ -134,6 +134,7 @@ class VerifyResult:
     logprobs: list[TokenLogprob] | None = None
     pass_rows: int = 0  # rows of every sequence in the pass
     pass_sequences: int = 0
+    queue_ns: int = 0  # how long the step waited for its pass to start (set by the worker's batcher)
 
 
 @dataclass

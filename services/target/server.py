@@ -122,6 +122,7 @@ class TargetServicer(target_pb2_grpc.TargetWorkerServicer):
             logprobs=[token_logprob_pb(lp) for lp in result.logprobs] if result.logprobs is not None else None,
             pass_rows=result.pass_rows,
             pass_sequences=result.pass_sequences,
+            queue_ns=result.queue_ns,
         )
 
     async def VerifyStream(self, requests, context):

@@ -237,9 +237,11 @@ class StepBatcher:
         error = done.exception() if not done.cancelled() else asyncio.CancelledError()
         results = done.result() if error is None else [error] * len(batch)
         self.on_pass(results, waits)
-        for (_, future, _), result in zip(batch, results):
+        for (_, future, _), result, wait in zip(batch, results, waits):
             if future.done():
                 continue  # its caller went away; the pass ran anyway, keeping the engine consistent
+            if hasattr(result, "queue_ns"):
+                result.queue_ns = int(wait * 1e9)
             if isinstance(result, BaseException):
                 future.set_exception(result)
             else:

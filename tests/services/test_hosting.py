@@ -186,6 +186,33 @@ def test_a_failing_step_fails_alone_and_one_sequence_has_one_step_a_pass():
     assert passes == [["s0"], ["s1", "s2"], ["s2"]]
 
 
+def test_each_result_learns_how_long_its_step_waited_for_its_pass():
+    """A result with a ``queue_ns`` field (a target's VerifyResult) gets its step's wait: the gateway's
+    adaptive budget tells waiting behind other passes from its own costs."""
+
+    class Result:
+        queue_ns = -1
+
+    async def scenario(batcher):
+        first = asyncio.ensure_future(batcher.submit(("s0", "a")))
+        await asyncio.sleep(0.01)  # s1 arrives while s0's 50 ms pass runs, and waits for it
+        second = asyncio.ensure_future(batcher.submit(("s1", "b")))
+        return await asyncio.gather(first, second)
+
+    async def run():
+        host = EngineHost("target")
+        engine = PassRecordingEngine(2)
+        host.attach(engine, None)
+        batcher = StepBatcher(host, lambda e, items: [Result() for _ in e.run(items)], key=lambda item: item[0])
+        try:
+            return await scenario(batcher)
+        finally:
+            host.executor.shutdown()
+
+    first, second = asyncio.run(run())
+    assert 0 <= first.queue_ns < 0.02e9 and 0.02e9 < second.queue_ns < 0.2e9
+
+
 def test_a_caller_gone_before_its_pass_leaves_it():
     async def scenario(batcher):
         first = asyncio.ensure_future(batcher.submit(("s0", "a")))
