@@ -21,11 +21,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", default="", help="GGUF file, tokenizer.json, model directory or hf://... (default: the path the target reports)")
     p.add_argument("--mode", choices=["ddtree", "chain", "off"], default="ddtree", help="default speculation mode")
     p.add_argument(
-        "--budget", type=parse_budget, default=AUTO,
-        help="default DDTree nodes per step, root excluded: auto (chosen per step for the most tokens per second at the "
-        "load the target reports: large trees while few sequences share its passes, small ones under load; at most "
-        f"--max-budget, {DEFAULT_BUDGET} until it has measured a few passes) or a fixed N. A request's own "
-        f"speculation.budget wins. Chain mode's default length is N, or {DEFAULT_BUDGET} under auto",
+        "--budget", type=parse_budget, default=DEFAULT_BUDGET,
+        help=f"default DDTree nodes per step, root excluded (default {DEFAULT_BUDGET}): a fixed N, or auto (chosen per step "
+        "for the most tokens per second at the load the target reports: large trees while few sequences share its "
+        f"passes, small ones under load; at most --max-budget, {DEFAULT_BUDGET} until it has measured a few passes; "
+        "experimental: on an H200 it fell short of the best fixed budget under load, see BENCHMARKS.md). A request's "
+        f"own speculation.budget wins. Chain mode's default length is N, or {DEFAULT_BUDGET} under auto",
     )
     p.add_argument(
         "--max-budget", type=int, default=DEFAULT_MAX_BUDGET,

@@ -125,5 +125,18 @@ class OracleDrafter:
             others = (int(true[d]) + 1 + np.arange(top_k + 2)) % self.vocab_size  # enough to fill the ranks
             ranked += [int(t) for t in others if t not in ranked][: top_k - len(ranked)]
             ids[d] = ranked[:top_k]
-        logprobs = np.tile(-np.arange(top_k, dtype=np.float32) - 0.1, (depth, 1))
+        logprobs = np.tile(self._rank_logprobs(top_k), (depth, 1))  # [depth, K]
         return Proposal(torch.from_numpy(ids), torch.from_numpy(logprobs), 0)
+
+    def _rank_logprobs(self, top_k: int) -> np.ndarray:
+        """``[K]`` float32: the probability that the true token sits at each rank, as the corruption
+        draws it (rank 0 with 1 - p; rank 1 with p / 2, a corrupted row that kept it; the rest share
+        the p / 2 of rows that lost it), the same at every depth and whatever the row: a tree built
+        from them, and an adaptive budget reading them, see what a calibrated draft would show."""
+        p = self.corruption
+        probs = np.full(top_k, p / 2 / max(1, top_k - 2))
+        probs[0] = 1 - p
+        if top_k > 1:
+            probs[1] = p / 2
+        # A draft ranks by its own probabilities: never more likely further down (p > 2/3 would be).
+        return np.log(np.maximum(np.minimum.accumulate(probs), 1e-6)).astype(np.float32)

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import splitspec
-from services.gateway.budget import AUTO, parse_budget
+from services.gateway.budget import DEFAULT_BUDGET, parse_budget
 from services.gateway.workers import WIRES
 
 logger = logging.getLogger(__name__)
@@ -71,8 +71,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help="compute dtype of both workers")
     p.add_argument("--mode", choices=["ddtree", "chain", "off"], default="ddtree", help="default speculation mode")
     p.add_argument(
-        "--budget", type=parse_budget, default=AUTO,
-        help="default tree nodes per step: auto (chosen per step from the load; see splitspec gateway --help) or a fixed N",
+        "--budget", type=parse_budget, default=DEFAULT_BUDGET,
+        help=f"default tree nodes per step: a fixed N (default {DEFAULT_BUDGET}) or auto (chosen per step from the load; "
+        "experimental, see splitspec gateway --help)",
     )
     p.add_argument(
         "--wire", choices=WIRES, default="auto",
