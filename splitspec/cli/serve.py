@@ -402,9 +402,12 @@ def run(args: argparse.Namespace, log_args: list[str]) -> int:
     threads = ["--threads", str(max(1, (os.cpu_count() or 2) // 2))] if both_cpu else []
     gateway_port, target_port, draft_port = (args.metrics_port + i if args.metrics_port else 0 for i in range(3))
     use_draft = bool(draft_model) and draft_model != "none"
+    # The target sizes its KV cache from the GPU memory free once its model is loaded (85% of it
+    # alone); sharing the GPU with the draft, which may load later, it takes half.
+    kv_share = ["--kv-memory-fraction", "0.5"] if use_draft and draft_device == args.device else []
     children = [Child("target", [
         *base, "target", *log_args, "--model", target_model, "--listen", target_addr, "--device", args.device, "--dtype", args.dtype, *threads,
-        "--metrics-port", str(target_port),
+        "--metrics-port", str(target_port), *kv_share,
     ], target_addr)]
     if use_draft:
         children.append(Child("draft", [
