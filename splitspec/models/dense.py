@@ -94,25 +94,10 @@ class DenseDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = SwiGLU(c.hidden_size, c.intermediate_size)
 
-    def forward(
-        self,
-        x: torch.Tensor,  # [T, hidden] this layer's normed input
-        h: torch.Tensor,  # [T, hidden] the residual stream it was normed from
-        cos: torch.Tensor,  # [T, D]
-        sin: torch.Tensor,
-        k_cache: torch.Tensor,  # [H_kv, capacity, D] of this layer
-        v_cache: torch.Tensor,
-        start: int | torch.Tensor,  # see QKVProjection.attend_cached
-        mask: torch.Tensor,  # [T, S] bool
-        next_norm: RMSNorm,  # the next layer's input norm, or the final norm
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns ``(next_norm(h'), h')`` for the residual stream ``h'`` after this layer: each
-        residual add is fused with the norm that follows it."""
-        return self.finish(self.self_attn.project_attend_cached(x, cos, sin, k_cache, v_cache, start, mask), h, next_norm)
-
     def finish(self, attended: torch.Tensor, h: torch.Tensor, next_norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer after its attention output ``attended`` [T, hidden]: residual, norm, MLP,
-        residual, ``next_norm``; returns ``(next_norm(h'), h')``."""
+        """The layer after its attention output ``attended`` [T, hidden] (of the normed input, from
+        the residual stream ``h``): residual, norm, MLP, residual, ``next_norm``; returns
+        ``(next_norm(h'), h')``. Each residual add is fused with the norm that follows it."""
         x, h = self.post_attention_layernorm.forward_add(attended, h)
         return next_norm.forward_add(self.mlp(x), h)
 
@@ -196,19 +181,10 @@ class DenseForCausalLM(nn.Module):
         decoder layer ``i`` (the residual stream after its MLP), the ``hidden_states[i + 1]`` of
         Hugging Face's numbering, concatenated in ``taps`` order.
         """
-        h = self.embed_tokens(tokens)
-        cos, sin = self._rope(positions, h.dtype)
-        x = self.layers[0].input_layernorm(h)
-        tapped: dict[int, torch.Tensor] = {}
-        for i, layer in enumerate(self.layers):
-            next_norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
-            x, h = layer(x, h, cos, sin, cache.k[i], cache.v[i], start, mask, next_norm)
-            if i in taps:
-                tapped[i] = h
-        features = torch.cat([tapped[i] for i in taps], dim=-1) if taps else None
-        if logit_rows is not None:
-            x = x[logit_rows]
-        return self.lm_head(x).float(), features
+        def attend(i: int, attn: QKVProjection, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+            return attn.project_attend_cached(x, cos, sin, cache.k[i], cache.v[i], start, mask)
+
+        return self._decode(tokens, positions, attend, taps, logit_rows)
 
     @torch.inference_mode()
     def forward_paged(
@@ -221,15 +197,26 @@ class DenseForCausalLM(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """:meth:`forward` over the rows of several sequences at once, each row attending to its own
         sequence's paged keys: logits [R, vocab] (float32) and tap features [N, len(taps) * hidden]."""
-        h = self.embed_tokens(inputs.tokens)
-        cos, sin = self._rope(inputs.positions, h.dtype)
         at = inputs.attention()
-        pool = state.kv
+
+        def attend(i: int, attn: QKVProjection, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+            return attn.project_attend_paged(x, cos, sin, state.kv.k[i], state.kv.v[i], at)
+
+        return self._decode(inputs.tokens, inputs.positions, attend, taps, logit_rows)
+
+    def _decode(
+        self, tokens: torch.Tensor, positions: torch.Tensor, attend, taps: Sequence[int], logit_rows: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The decoder over rows ``tokens`` [T] at ``positions`` [T], layer ``i``'s attention output
+        being ``attend(i, self_attn, x, cos, sin)`` (which writes the rows' K/V wherever its cache
+        keeps them): logits [R, vocab] (float32) and tap features [T, len(taps) * hidden]."""
+        h = self.embed_tokens(tokens)
+        cos, sin = self._rope(positions, h.dtype)
         x = self.layers[0].input_layernorm(h)
         tapped: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
             next_norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
-            x, h = layer.finish(layer.self_attn.project_attend_paged(x, cos, sin, pool.k[i], pool.v[i], at), h, next_norm)
+            x, h = layer.finish(attend(i, layer.self_attn, x, cos, sin), h, next_norm)
             if i in taps:
                 tapped[i] = h
         features = torch.cat([tapped[i] for i in taps], dim=-1) if taps else None

@@ -358,36 +358,28 @@ class Qwen35ForCausalLM(nn.Module):
         either way. Tap ``i`` is the output of decoder layer ``i``, as for Qwen3.
         """
         c = self.config
-        h = self.embed_tokens(tokens)
-        cos, sin = rope_cos_sin(positions, c.rotary_dim, c.rope_theta, h.dtype)
         rows = parents if parents is not None else chain_parents(tokens.shape[0], tokens.device)
         ancestors = ancestor_table(rows, c.conv_kernel)  # [T, K]
         pending = PendingBlock(ancestors) if parents is not None else None
-        tapped: dict[int, torch.Tensor] = {}
-        for i, layer in enumerate(self.layers):
-            x = layer.input_layernorm(h)
+
+        def mix(i: int, layer: Qwen35DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
             slot = self.slots[i]
             if layer.full_attention:
                 attn = layer.self_attn
                 q, gate = attn.query_and_gate(x, cos, sin)
-                h = h + attn.attend_cached(x, q, cos, sin, cache.k[slot], cache.v[slot], start, mask, gate)
+                return attn.attend_cached(x, q, cos, sin, cache.k[slot], cache.v[slot], start, mask, gate)
+            out, inputs, states = layer.linear_attn(x, cache.conv[slot], cache.recurrent[slot], ancestors, parents)
+            if pending is None:
+                cache.conv[slot] = torch.cat([cache.conv[slot], inputs])[-(c.conv_kernel - 1) :]
+                cache.recurrent[slot] = states[-1]
             else:
-                out, inputs, states = layer.linear_attn(x, cache.conv[slot], cache.recurrent[slot], ancestors, parents)
-                h = h + out
-                if pending is None:
-                    cache.conv[slot] = torch.cat([cache.conv[slot], inputs])[-(c.conv_kernel - 1) :]
-                    cache.recurrent[slot] = states[-1]
-                else:
-                    pending.inputs.append(inputs)
-                    pending.states.append(states)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-            if i in taps:
-                tapped[i] = h
+                pending.inputs.append(inputs)
+                pending.states.append(states)
+            return out
+
+        result = self._decode(tokens, positions, mix, taps, logit_rows)
         cache.pending = pending
-        features = torch.cat([tapped[i] for i in taps], dim=-1) if taps else None
-        if logit_rows is not None:
-            h = h[logit_rows]
-        return self.lm_head(self.norm(h)).float(), features
+        return result
 
     @torch.inference_mode()
     def forward_paged(
@@ -404,37 +396,50 @@ class Qwen35ForCausalLM(nn.Module):
         alone and keeps every row's candidate state in ``state.slots.pending``; a prompt chunk
         advances its sequence's slot. Returns logits [R, vocab] (float32) and tap features [N, taps * hidden]."""
         c, slots = self.config, state.slots
-        h = self.embed_tokens(inputs.tokens)
-        cos, sin = rope_cos_sin(inputs.positions, c.rotary_dim, c.rope_theta, h.dtype)
         at = inputs.attention()
         seq_slots = inputs.state_slots  # [B]
         ancestors = ancestor_table(inputs.parents, c.conv_kernel)  # [N, K]
         pending = None if chain else PendingBlock(ancestors)
-        tapped: dict[int, torch.Tensor] = {}
-        for i, layer in enumerate(self.layers):
-            x = layer.input_layernorm(h)
+
+        def mix(i: int, layer: Qwen35DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
             slot = self.slots[i]
             if layer.full_attention:
                 attn = layer.self_attn
                 q, gate = attn.query_and_gate(x, cos, sin)
                 k, v = attn.key_value(x, cos, sin)
-                h = h + attn.write_and_attend_paged(q, k, v, state.kv.k[slot], state.kv.v[slot], at, gate)
-            elif chain:
-                history, recurrent = slots.conv[slot, seq_slots[0]], slots.recurrent[slot, seq_slots[0]]  # one sequence
+                return attn.write_and_attend_paged(q, k, v, state.kv.k[slot], state.kv.v[slot], at, gate)
+            if chain:  # one sequence's prompt chunk: its slot advances to the last row
+                history, recurrent = slots.conv[slot, seq_slots[0]], slots.recurrent[slot, seq_slots[0]]
                 out, conv_inputs, states = layer.linear_attn(x, history, recurrent, ancestors, None)
-                h = h + out
                 slots.conv[slot, seq_slots[0]] = torch.cat([history, conv_inputs])[-(c.conv_kernel - 1) :]
                 slots.recurrent[slot, seq_slots[0]] = states[-1]
-            else:
-                history, recurrent = slots.conv[slot][seq_slots], slots.recurrent[slot][seq_slots]  # [B, K-1, C], [B, Hv, Dk, Dv]
-                out, conv_inputs, states = layer.linear_attn(x, history, recurrent, ancestors, inputs.parents, inputs.offsets)
-                h = h + out
-                pending.inputs.append(conv_inputs)
-                pending.states.append(states)
+                return out
+            history, recurrent = slots.conv[slot][seq_slots], slots.recurrent[slot][seq_slots]  # [B, K-1, C], [B, Hv, Dk, Dv]
+            out, conv_inputs, states = layer.linear_attn(x, history, recurrent, ancestors, inputs.parents, inputs.offsets)
+            pending.inputs.append(conv_inputs)
+            pending.states.append(states)
+            return out
+
+        result = self._decode(inputs.tokens, inputs.positions, mix, taps, logit_rows)
+        slots.pending = pending
+        return result
+
+    def _decode(
+        self, tokens: torch.Tensor, positions: torch.Tensor, mix, taps: Sequence[int], logit_rows: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The decoder over rows ``tokens`` [T] at ``positions`` [T], layer ``i``'s mixer output
+        (gated attention or Gated DeltaNet) being ``mix(i, layer, x, cos, sin)``, which keeps the
+        rows' K/V and states wherever its cache does: logits [R, vocab] (float32) and tap features
+        [T, len(taps) * hidden]."""
+        c = self.config
+        h = self.embed_tokens(tokens)
+        cos, sin = rope_cos_sin(positions, c.rotary_dim, c.rope_theta, h.dtype)
+        tapped: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            h = h + mix(i, layer, layer.input_layernorm(h), cos, sin)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
             if i in taps:
                 tapped[i] = h
-        slots.pending = pending
         features = torch.cat([tapped[i] for i in taps], dim=-1) if taps else None
         if logit_rows is not None:
             h = h[logit_rows]
