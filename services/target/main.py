@@ -138,6 +138,10 @@ async def run(args: argparse.Namespace, build=load_model) -> None:
             engine.capacity_tokens, limits.block_size, engine.kv.nbytes / 1e9,
             ("replayed as CUDA graphs" if engine.runner.capture else "at fixed shapes, eagerly") if fixed else "eager at exact shapes",
         )
+        if engine.runner.capture:
+            t1 = time.perf_counter()
+            made = engine.runner.warm_up(min(limits.max_sequences, 32))
+            logger.info("captured %d passes of up to %d sequences in %.1f s", made, min(limits.max_sequences, 32), time.perf_counter() - t1)
         servicer.host.attach(engine, TargetDescription(geometry, eos, tokenizer_path))
         metrics.describe(device=str(device), backend=backend_name(device), dtype=geometry.dtype)
         metrics.loaded(time.perf_counter() - t0)

@@ -117,3 +117,23 @@ def test_blocks_come_back_when_a_sequence_ends(model):
     assert fixed.kv.free_blocks == free - 3
     assert fixed.sequences.pop("a")
     assert fixed.kv.free_blocks == free
+
+
+def test_warm_up_makes_the_batch_shapes_and_touches_no_sequence(model):
+    eager, fixed = engines(model)
+    if not fixed.runner.fixed_shapes:  # the hybrid runs exact shapes: nothing to make
+        assert fixed.runner.warm_up(4) == 0
+        return
+    prompt = list(range(3, 40))
+    for engine in (eager, fixed):
+        engine.prefill("s", prompt, GREEDY, taps=(1,), reserve_tokens=300)
+    held = fixed.sequence_cache(fixed.sequences.get("s"))
+    made = fixed.runner.warm_up(4, spans=(256,))
+    # Batches of 1, 2 and 4 sequences, of one row (decode) and of 24 rows (a budget-22 tree).
+    assert made == 6 and {(key[1], key[2]) for key in fixed.runner._passes if not key[-1]} >= {(b, t) for b in (1, 2, 4) for t in (1, 24)}
+    after = fixed.sequence_cache(fixed.sequences.get("s"))
+    assert torch.equal(held.k, after.k) and torch.equal(held.v, after.v)  # only the pad block was written
+    for _ in range(3):
+        e, f = eager.verify("s", [], [], True), fixed.verify("s", [], [], True)
+        assert (e.committed_tokens, e.next_token) == (f.committed_tokens, f.next_token)
+        assert torch.allclose(e.features, f.features, atol=1e-9)
