@@ -140,8 +140,11 @@ async def run(args: argparse.Namespace, build=load_model) -> None:
         )
         if engine.runner.capture:
             t1 = time.perf_counter()
-            made = engine.runner.warm_up(min(limits.max_sequences, 32))
-            logger.info("captured %d passes of up to %d sequences in %.1f s", made, min(limits.max_sequences, 32), time.perf_counter() - t1)
+            try:
+                made = engine.runner.warm_up(min(limits.max_sequences, 32))
+                logger.info("captured %d passes of up to %d sequences in %.1f s", made, min(limits.max_sequences, 32), time.perf_counter() - t1)
+            except Exception:  # a pass not made now is made on first use: serve anyway
+                logger.exception("capturing the batch passes at start failed; they will be captured on first use")
         servicer.host.attach(engine, TargetDescription(geometry, eos, tokenizer_path))
         metrics.describe(device=str(device), backend=backend_name(device), dtype=geometry.dtype)
         metrics.loaded(time.perf_counter() - t0)
