@@ -148,9 +148,9 @@ class StepBatcher:
     Sequences that were in the last pass are likely to send their next step soon (an AR step comes
     straight back). Starting the next pass with only the first of them would split one batch into
     a pass of one and a pass of the rest, so a pass starts once every sequence of the last pass is
-    back, or after a short *gather window* (``gather_s``: a tenth of the last pass, at most
-    ``max_gather_s``), whichever comes first. A lone sequence never waits: with one live sequence
-    its steps run at once (on the event loop's thread when short, see ``EngineHost.step``).
+    back, or after a short *gather window* (a tenth of the last pass, at most ``max_gather_s``),
+    whichever comes first. A lone sequence never waits: with one live sequence its steps run at
+    once (on the event loop's thread when short, see ``EngineHost.inline_now``).
     """
 
     def __init__(
