@@ -11,8 +11,8 @@ the points of a step below with the system-wide monotonic clock, and writes
 
 Records (times in ns): ``rpc NAME t0 t1`` a gateway step call; ``tree t0 t1`` a DDTree build;
 ``push t0 t1`` detokenising; ``step t0 t1`` a worker answering one step request; ``host WHAT
-t0 t1`` the servicer's call into its engine (thread hand-offs included); ``engine WHAT t0 t1``
-the engine method itself.
+t0 t1`` the servicer's call into its engine (thread hand-offs and the wait for its batched pass
+included); ``engine WHAT t0 t1`` the engine's batched method itself (one record a pass).
 """
 
 import atexit
@@ -59,22 +59,22 @@ if os.environ.get("SPLITSPEC_TRACE_DIR"):
     _attach = hosting.EngineHost.attach
 
     def _attach_timed(self, engine, description):
-        for method in ("verify", "propose"):
+        for method in ("verify_batch", "propose_batch"):  # one record a pass, shared by its steps
             if hasattr(engine, method):
                 setattr(engine, method, _timed(("engine", self.what), getattr(engine, method)))
         _attach(self, engine, description)
 
     hosting.EngineHost.attach = _attach_timed
-    _host_step = hosting.EngineHost.step
+    _host_step = hosting.StepBatcher.submit
 
-    async def _host_step_timed(self, work):
+    async def _host_step_timed(self, item):
         t0 = _now()
         try:
-            return await _host_step(self, work)
+            return await _host_step(self, item)
         finally:
-            _records.append(("host", self.what, t0, _now()))
+            _records.append(("host", self.host.what, t0, _now()))
 
-    hosting.EngineHost.step = _host_step_timed
+    hosting.StepBatcher.submit = _host_step_timed
     _sequence_stream = rpc.sequence_stream
 
     async def _sequence_stream_timed(requests, context, step):  # the servicers import it after this runs
