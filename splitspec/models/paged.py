@@ -185,9 +185,9 @@ def pass_layout(
     depths = []
     for s, block in enumerate(parents):
         block = np.asarray(block, dtype=np.int64)
-        depth = np.zeros(len(block), dtype=np.int64)
-        for j, parent in enumerate(block):
-            depth[j] = 0 if parent < 0 else depth[parent] + 1
+        depth: list[int] = []  # a list, not numpy: one pass over a batch's trees walks every row
+        for parent in block.tolist():
+            depth.append(0 if parent < 0 else depth[parent] + 1)
         depths.append(depth)
         rows.append(np.where(block >= 0, block + offsets[s], -(s + 1)))
     flat_tokens = np.concatenate([np.asarray(t, dtype=np.int64) for t in tokens])
