@@ -78,7 +78,7 @@ class Script:
         steps = []
         for i, sid in enumerate(self.ids):
             m = rows[i] if isinstance(rows, list) else rows
-            start, self.ends[sid] = self.ends[sid], self.ends[sid] + m
+            self.ends[sid] += m
             anchor = int(torch.randint(0, self.vocab, (1,), generator=self.g))
             steps.append(ProposeStep(sid, anchor, self.ends[sid], self._features(m), top_k))
         return steps

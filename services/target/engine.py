@@ -448,7 +448,6 @@ class TargetEngine:
             else:
                 target_tokens = draw_tokens(logits[first:last], positions[first:last], state.sampling).cpu().numpy()
             accepted, next_token = accept_path(item.tokens, item.parents, target_tokens)
-            start = state.length
             self.commit(state, accepted, first)
             committed = [state.pending_token] + [int(item.tokens[a - 1]) for a in accepted[1:]]
             logprobs = None

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.draft.engine import DraftEngine, Proposal, ProposeStep
 from native import paged_attention
+from services.draft.engine import DraftEngine, Proposal, ProposeStep
 from services.draft.graphs import BlockGraphs
 from splitspec.errors import Aborted, FailedPrecondition, InvalidArgument, ResourceExhausted
 from splitspec.models.loader import load_dflash_draft, load_target_head
