@@ -34,6 +34,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from native.chunked_delta_rule import chunk_prefill
 from splitspec.models.delta_rule import (
     ancestor_table,
     chain_parents,
@@ -281,7 +282,7 @@ class GatedDeltaNet(nn.Module):
         beta = torch.sigmoid(self.in_proj_b(x).to(math))  # [T, Hv]
         g = self.ssm_a.to(math) * F.softplus(self.in_proj_a(x).to(math) + self.dt_bias.to(math))  # [T, Hv]
         if parents is None and t > 1:
-            out, final = gated_delta_chunked(q, k, v, g, beta, state)
+            out, final = chunk_prefill(q, k, v, g, beta, state, fallback=gated_delta_chunked)
             states = final[None].to(state.dtype)
         else:
             tree = parents if parents is not None else chain_parents(1, x.device)
