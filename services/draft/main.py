@@ -31,6 +31,13 @@ def add_arguments(p: argparse.ArgumentParser, model: bool = True) -> None:
         "shapes run eagerly); sequences beyond the slots run eagerly; -1 = 32 on CUDA (about 84 MB a slot for an 8B target's draft at 4096 positions), 0 on CPU",
     )
     p.add_argument("--graph-context", type=int, default=4096, help="context positions of each slot (--graph-sequences)")
+    p.add_argument(
+        "--memory-cap-gb", type=float, default=0.0,
+        help="device memory this worker may use, GiB (0 = no cap). On CUDA torch's allocator is held to it from before "
+        "the weights load; on a CPU it is the budget of the memory plan only. The plan (weights with the target's "
+        "embedding and LM head, context slots, workspace; logged at start) must fit the cap less 1/24 of it (at most "
+        "1 GiB): a configuration that does not is refused, naming what to lower",
+    )
     p.add_argument("--no-cuda-graphs", action="store_true", help="run the fixed shapes without capturing graphs (debugging)")
     p.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0 = torch's default)")
     p.add_argument("--sequence-ttl", type=float, default=600.0, help="release contexts idle this many seconds")
@@ -80,8 +87,10 @@ async def run(args: argparse.Namespace, build=load_engine) -> None:
     benchmark passes its own: splitspec/bench/workers.py)."""
     import torch
 
+    from services.draft.engine import DraftEngine
     from services.draft.server import SERVICE, DraftServicer
     from services.metrics import WorkerMetrics, model_name
+    from services.worker import memory_plan
     from services.worker.hosting import model_geometry, serve_worker
     from splitspec.models.devices import backend_name, resolve_device
     from splitspec.v1 import draft_pb2, draft_pb2_grpc
@@ -89,6 +98,7 @@ async def run(args: argparse.Namespace, build=load_engine) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     busypoll.configure(args.busy_poll, resolve_device(args.device).type == "cuda", "draft")
+    cap = memory_plan.cap_bytes(args.memory_cap_gb)
     metrics = WorkerMetrics("draft", model_name(args.target_model))
     metrics.serve(args.metrics_port, args.listen)
     servicer = DraftServicer(metrics)
@@ -99,7 +109,21 @@ async def run(args: argparse.Namespace, build=load_engine) -> None:
 
     def load() -> None:
         t0 = time.perf_counter()
-        engine, target_config, dtype, device = build(args)
+        memory_plan.apply_cap(resolve_device(args.device), cap)
+        try:
+            engine, target_config, dtype, device = build(args)
+        except torch.OutOfMemoryError as exc:
+            if cap is None:
+                raise
+            raise memory_plan.out_of_memory("draft", cap, exc) from exc
+        if isinstance(engine, DraftEngine):  # not the benchmark's OracleDrafter, which holds no model
+            graphs = engine.graphs
+            plan = memory_plan.draft_plan(
+                engine.model, engine.embed, engine.lm_head, graphs.sequences if graphs else 0,
+                graphs.context if graphs else args.graph_context, engine.max_sequences, cap,
+            )
+            logger.info("%s", plan.describe())
+            plan.check()  # before the context slots' pool, which the first sequence allocates
         geometry = model_geometry(target_config, dtype, device, str(args.target_model))
         servicer.host.attach(engine, (geometry, str(args.model)))
         metrics.describe(device=device, backend=backend_name(torch.device(device)), dtype=dtype, draft=model_name(args.model))

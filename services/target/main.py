@@ -5,12 +5,15 @@ from __future__ import annotations
 import argparse
 import logging
 import time
+from dataclasses import replace
 
 from splitspec.transport import busypoll, rpc
 from splitspec.transport.security import ServerSecurity, add_server_arguments
 from splitspec.transport.stepwire import Opener, add_step_socket_argument, step_server_from_args
 
 logger = logging.getLogger(__name__)
+
+WARM_UP_SEQUENCES = 32  # the largest batch whose passes are captured at start (on CUDA)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -42,6 +45,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "sequence is preempted and prefilled again later, and prefills wait for blocks",
     )
     p.add_argument("--kv-memory-fraction", type=float, default=0.85, help="share of the GPU memory free after loading that --max-kv-tokens auto takes")
+    p.add_argument(
+        "--memory-cap-gb", type=float, default=0.0,
+        help="device memory this worker may use, GiB (0 = no cap). On CUDA torch's allocator is held to it from before "
+        "the weights load; on a CPU it is the budget of the memory plan only. The plan (weights, KV cache, state slots, "
+        "tree buffers, workspace; logged at start) must fit the cap less 1/24 of it (at most 1 GiB): a configuration "
+        "that does not is refused, naming what to lower; --max-kv-tokens auto takes only the room the cap leaves",
+    )
     p.add_argument("--kv-block-size", type=int, default=16, help="positions per KV cache block")
     p.add_argument("--max-tree-nodes", type=int, default=256, help="largest tree a Verify accepts")
     p.add_argument(
@@ -60,9 +70,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_server_arguments(p)
 
 
-def kv_tokens(args: argparse.Namespace, model, config, device, dtype) -> int:
-    """Positions of the paged KV cache (``--max-kv-tokens``, or its auto size)."""
+def kv_tokens(args: argparse.Namespace, model, config, device, dtype, plan_at=None) -> int:
+    """Positions of the paged KV cache (``--max-kv-tokens``, or its auto size). With a memory cap,
+    ``plan_at(positions)`` is the worker's memory plan at that size, and the auto size is the most
+    whose plan fits the cap as well (``services.worker.memory_plan.most_kv_tokens``)."""
     import torch
+
+    from services.worker.memory_plan import most_kv_tokens
 
     most = args.max_sequences * config.max_context
     if args.max_kv_tokens > 0:
@@ -73,7 +87,8 @@ def kv_tokens(args: argparse.Namespace, model, config, device, dtype) -> int:
         budget = int(free * args.kv_memory_fraction)
     else:
         budget = 1 << 30
-    return max(args.kv_block_size, min(most, budget // per_position))
+    tokens = max(args.kv_block_size, min(most, budget // per_position))
+    return tokens if plan_at is None else most_kv_tokens(plan_at, tokens, args.kv_block_size)
 
 
 def load_model(args: argparse.Namespace, device, dtype, state_dtype):
@@ -95,6 +110,7 @@ async def run(args: argparse.Namespace, build=load_model) -> None:
     from services.metrics import WorkerMetrics, model_name
     from services.target.engine import TargetEngine, TargetLimits
     from services.target.server import SERVICE, TargetDescription, TargetServicer
+    from services.worker import memory_plan
     from services.worker.hosting import model_geometry, serve_worker
     from splitspec.models.devices import DTYPES, backend_name, resolve_device, resolve_dtype
     from splitspec.models.qwen35 import Qwen35Config, tree_node_bytes
@@ -108,6 +124,7 @@ async def run(args: argparse.Namespace, build=load_model) -> None:
     if args.state_dtype not in ("auto", "float32", "bfloat16", "float16"):
         raise ValueError(f"--state-dtype {args.state_dtype}: choose auto, float32, bfloat16 or float16")
     state_dtype = None if args.state_dtype == "auto" else DTYPES[args.state_dtype]
+    cap = memory_plan.cap_bytes(args.memory_cap_gb)
     metrics = WorkerMetrics("target", model_name(args.model))
     metrics.serve(args.metrics_port, args.listen)
     servicer = TargetServicer(metrics)
@@ -118,7 +135,13 @@ async def run(args: argparse.Namespace, build=load_model) -> None:
 
     def load() -> None:
         t0 = time.perf_counter()
-        model, config, eos, tokenizer_path = build(args, device, dtype, state_dtype)
+        memory_plan.apply_cap(device, cap)
+        try:
+            model, config, eos, tokenizer_path = build(args, device, dtype, state_dtype)
+        except torch.OutOfMemoryError as exc:
+            if cap is None:
+                raise
+            raise memory_plan.out_of_memory("target", cap, exc) from exc
         if isinstance(config, Qwen35Config):
             node = tree_node_bytes(config, dtype, model.recurrent_dtype(dtype))
             logger.info(
@@ -126,13 +149,21 @@ async def run(args: argparse.Namespace, build=load_model) -> None:
                 "(recurrent state %.3g MB, conv inputs %.3g MB, K/V %.3g MB)",
                 config.num_linear_layers, config.num_full_layers, node.total / 1e6, node.recurrent / 1e6, node.conv / 1e6, node.kv / 1e6,
             )
-        limits = TargetLimits(
-            max_sequences=args.max_sequences, max_kv_tokens=kv_tokens(args, model, config, device, dtype),
-            max_tree_nodes=args.max_tree_nodes, block_size=args.kv_block_size,
-        )
-        geometry = model_geometry(config, str(dtype).removeprefix("torch."), str(device), str(args.model))
         fixed = args.fixed_shapes == "on" or (args.fixed_shapes == "auto" and device.type == "cuda")
-        engine = TargetEngine(model, limits, fixed_shapes=fixed, capture=fixed and device.type == "cuda" and not args.no_cuda_graphs)
+        capture = fixed and device.type == "cuda" and not args.no_cuda_graphs
+        warm_up = min(args.max_sequences, WARM_UP_SEQUENCES) if capture else 0
+        limits = TargetLimits(max_sequences=args.max_sequences, max_tree_nodes=args.max_tree_nodes, block_size=args.kv_block_size)
+
+        def plan_at(positions: int) -> memory_plan.MemoryPlan:
+            return memory_plan.target_plan(model, config, dtype, replace(limits, max_kv_tokens=positions), warm_up, cap)
+
+        limits.max_kv_tokens = kv_tokens(args, model, config, device, dtype, plan_at if cap is not None else None)
+        # Checked before the pools exist: a refusal allocates nothing more than the weights.
+        plan = plan_at(limits.max_kv_tokens)
+        logger.info("%s", plan.describe())
+        plan.check()
+        geometry = model_geometry(config, str(dtype).removeprefix("torch."), str(device), str(args.model))
+        engine = TargetEngine(model, limits, fixed_shapes=fixed, capture=capture)
         logger.info(
             "paged KV cache: %d positions in blocks of %d (%.2f GB); passes %s",
             engine.capacity_tokens, limits.block_size, engine.kv.nbytes / 1e9,
@@ -141,10 +172,15 @@ async def run(args: argparse.Namespace, build=load_model) -> None:
         if engine.runner.capture:
             t1 = time.perf_counter()
             try:
-                made = engine.runner.warm_up(min(limits.max_sequences, 32))
-                logger.info("captured %d passes of up to %d sequences in %.1f s", made, min(limits.max_sequences, 32), time.perf_counter() - t1)
+                made = engine.runner.warm_up(warm_up)
+                logger.info("captured %d passes of up to %d sequences in %.1f s", made, warm_up, time.perf_counter() - t1)
             except Exception:  # a pass not made now is made on first use: serve anyway
                 logger.exception("capturing the batch passes at start failed; they will be captured on first use")
+        if device.type == "cuda":  # the measure of the plan's estimates (its workspace above all)
+            logger.info(
+                "memory after start-up: torch holds %.2f GiB (reserved) against a plan of %.2f GiB",
+                torch.cuda.memory_reserved(device) / memory_plan.GiB, plan.total / memory_plan.GiB,
+            )
         servicer.host.attach(engine, TargetDescription(geometry, eos, tokenizer_path))
         metrics.describe(device=str(device), backend=backend_name(device), dtype=geometry.dtype)
         metrics.loaded(time.perf_counter() - t0)

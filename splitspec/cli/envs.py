@@ -1,6 +1,10 @@
 """Environment variables: every command-line flag ``--some-flag`` of a service can be set as
 ``SPLITSPEC_<SERVICE>_SOME_FLAG`` (flags win over the environment). For example
-``SPLITSPEC_TARGET_MODEL=/models/qwen3-8b.gguf`` or ``SPLITSPEC_GATEWAY_BUDGET=32``.
+``SPLITSPEC_TARGET_MODEL=/models/qwen3-8b.gguf``, ``SPLITSPEC_GATEWAY_BUDGET=32``, or a memory cap
+(``--memory-cap-gb``) as ``SPLITSPEC_TARGET_MEMORY_CAP_GB=22``, ``SPLITSPEC_DRAFT_MEMORY_CAP_GB=8``
+or ``SPLITSPEC_SERVE_MEMORY_CAP_GB=24``. ``splitspec serve`` passes its workers their flags on the
+command line, so under serve its own variables rule and a worker's variables fill only the flags
+serve does not pass.
 """
 
 from __future__ import annotations

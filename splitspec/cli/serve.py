@@ -53,6 +53,11 @@ MAX_BACKOFF_S = 30.0
 PROGRESS_S = 10.0  # while a restarted process is not serving yet, a line this often
 WORKER_STOP_S = 20.0  # after SIGTERM, how long a worker may take before it is killed (its own grace is 10 s)
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+# A draft sharing its target's device gets this share of --memory-cap-gb unless --draft-memory-gb
+# says otherwise: the Qwen3-8B pair's draft plans 8.3 GiB at its defaults (4.3 of weights with its
+# own bf16 copy of the target's embedding and LM head, 2.5 of 32 context slots of 4096 positions,
+# 1.5 of workspace), about a third of a 24 GiB card.
+DRAFT_MEMORY_SHARE = 1 / 3
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -91,9 +96,34 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="on SIGTERM/SIGINT: seconds the gateway lets requests in flight finish before the workers are stopped",
     )
     p.add_argument(
+        "--memory-cap-gb", type=float, default=0.0,
+        help="device memory the workers may use, GiB (0 = no cap; see splitspec target --help): a worker on a device of "
+        "its own is capped at all of it; when the draft shares the target's device they split it, the draft taking "
+        "--draft-memory-gb and the target the rest",
+    )
+    p.add_argument(
+        "--draft-memory-gb", type=float, default=0.0,
+        help="with --memory-cap-gb and both workers on one device: the draft's share, GiB (0 = a third of the cap)",
+    )
+    p.add_argument(
         "--max-restarts", type=int, default=5,
         help="restarts of one crashed process within a minute; at the next crash serve stops everything and exits 1",
     )
+
+
+def memory_caps(cap_gb: float, draft_gb: float, shared: bool) -> tuple[list[str], list[str]]:
+    """The ``--memory-cap-gb`` flags of the target and the draft under ``serve --memory-cap-gb cap_gb``:
+    none without a cap; the whole cap each when they do not ``share`` a device; else the draft
+    ``draft_gb`` (0: ``DRAFT_MEMORY_SHARE`` of the cap) and the target the rest, since the caps of two
+    processes on one device add up."""
+    if cap_gb <= 0:
+        return [], []
+    if not shared:
+        return ["--memory-cap-gb", f"{cap_gb:.6g}"], ["--memory-cap-gb", f"{cap_gb:.6g}"]
+    draft = draft_gb or cap_gb * DRAFT_MEMORY_SHARE
+    if not 0 < draft < cap_gb:
+        raise ValueError(f"--draft-memory-gb {draft:g}: the draft's share of --memory-cap-gb {cap_gb:g} must be above 0 and below the cap")
+    return ["--memory-cap-gb", f"{cap_gb - draft:.6g}"], ["--memory-cap-gb", f"{draft:.6g}"]
 
 
 def wait_ready(address: str, procs: list[subprocess.Popen], timeout: float) -> None:
@@ -402,17 +432,20 @@ def run(args: argparse.Namespace, log_args: list[str]) -> int:
     threads = ["--threads", str(max(1, (os.cpu_count() or 2) // 2))] if both_cpu else []
     gateway_port, target_port, draft_port = (args.metrics_port + i if args.metrics_port else 0 for i in range(3))
     use_draft = bool(draft_model) and draft_model != "none"
+    shared = use_draft and draft_device == args.device
+    target_cap, draft_cap = memory_caps(args.memory_cap_gb, args.draft_memory_gb, shared)
     # The target sizes its KV cache from the GPU memory free once its model is loaded (85% of it
-    # alone); sharing the GPU with the draft, which may load later, it takes half.
-    kv_share = ["--kv-memory-fraction", "0.5"] if use_draft and draft_device == args.device else []
+    # alone); sharing the GPU with the draft, which may load later, it takes half, unless memory
+    # caps split the device between them already.
+    kv_share = ["--kv-memory-fraction", "0.5"] if shared and not target_cap else []
     children = [Child("target", [
         *base, "target", *log_args, "--model", target_model, "--listen", target_addr, "--device", args.device, "--dtype", args.dtype, *threads,
-        "--metrics-port", str(target_port), *kv_share,
+        "--metrics-port", str(target_port), *kv_share, *target_cap,
     ], target_addr)]
     if use_draft:
         children.append(Child("draft", [
             *base, "draft", *log_args, "--model", draft_model, "--target-model", target_model, "--listen", draft_addr,
-            "--device", draft_device, "--dtype", args.dtype, *threads, "--metrics-port", str(draft_port),
+            "--device", draft_device, "--dtype", args.dtype, *threads, "--metrics-port", str(draft_port), *draft_cap,
         ], draft_addr))
     children.append(Child("gateway", [
         *base, "gateway", *log_args, "--listen", args.listen, "--target", target_addr,
