@@ -6,7 +6,9 @@ float32 with the same operations, in the same order, as ``gguf``'s numpy referen
 is bit-for-bit the same (tests/models/test_dequant.py checks every type).
 
 Block layouts (llama.cpp's ``ggml-common.h``): a block of 32 values (Q4_0 ... Q8_0) or 256 values
-(K-quants) starts with f16 scale(s); 4-bit values pack two per byte, the low nibbles first.
+(K-quants, IQ4_XS) starts with f16 scale(s); 4-bit values pack two per byte, the low nibbles first.
+IQ4_XS's 4-bit values are not levels of a uniform grid but indices into ``IQ4_NL_VALUES``, sixteen
+int8 levels spaced more finely near zero, where most weights lie.
 """
 
 from __future__ import annotations
@@ -16,6 +18,20 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 
 QK_K = 256
+# The levels an IQ4_NL / IQ4_XS index selects (llama.cpp's ``kvalues_iq4nl``): a fixed format constant.
+IQ4_NL_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+# The same as two int64 words of eight bytes each (byte i of word h: level 8 h + i, two's complement).
+_IQ4_NL_WORDS = tuple(
+    int.from_bytes(bytes(v & 255 for v in IQ4_NL_VALUES[8 * h : 8 * h + 8]), "little", signed=True) for h in range(2)
+)
+
+
+def iq4_nl_levels(device: torch.device) -> torch.Tensor:
+    """``IQ4_NL_VALUES`` as float32 [16] on ``device``, unpacked there from two scalar fills: a
+    host list would be copied over, which a CUDA graph capture refuses."""
+    words = torch.cat([torch.full((8,), w, dtype=torch.int64, device=device) for w in _IQ4_NL_WORDS])
+    shifts = 8 * (torch.arange(16, dtype=torch.int64, device=device) % 8)
+    return ((words >> shifts) & 255).to(torch.uint8).view(torch.int8).float()
 
 
 def _f16(blocks: torch.Tensor, start: int) -> torch.Tensor:
@@ -96,7 +112,24 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
     return (d * q).reshape(n, QK_K)
 
 
-_BLOCK_KERNELS = {Q.Q8_0: _q8_0, Q.Q4_0: _q4_0, Q.Q4_1: _q4_1, Q.Q5_0: _q5_0, Q.Q5_1: _q5_1, Q.Q4_K: _q4_k, Q.Q5_K: _q5_k, Q.Q6_K: _q6_k}
+def _iq4_xs(b: torch.Tensor) -> torch.Tensor:
+    """f16 d, 2 bytes of high scale bits (bits 2s, 2s + 1 of the little-endian uint16 for sub-block
+    s), 4 bytes of low scale nibbles (byte s // 2, the low nibble for even s), then 8 runs of 16
+    bytes: run s holds values 0-15 of sub-block s in its low nibbles and 16-31 in its high ones;
+    value = d * (6-bit scale - 32) * IQ4_NL_VALUES[q]."""
+    n = len(b)
+    low = _nibbles(b[:, 4:8]).transpose(1, 2).reshape(n, 8)  # [n, 2, 4] -> [n, 8]: byte s // 2, nibble s % 2
+    high = (b[:, 2:4].unsqueeze(-1) >> _shifts([0, 2, 4, 6], b.device).view(1, 1, 4)) & 3  # [n, 2, 4] -> s = 4 byte + k
+    scales = (low | (high.reshape(n, 8) << 4)).float() - 32.0  # exact: small integers
+    dl = (_f16(b, 0) * scales).reshape(n, 8, 1)
+    q = _nibbles(b[:, 8:].reshape(n, 8, 16)).reshape(n, 8, 32)
+    return (dl * iq4_nl_levels(b.device)[q.long()]).reshape(n, QK_K)
+
+
+_BLOCK_KERNELS = {
+    Q.Q8_0: _q8_0, Q.Q4_0: _q4_0, Q.Q4_1: _q4_1, Q.Q5_0: _q5_0, Q.Q5_1: _q5_1,
+    Q.Q4_K: _q4_k, Q.Q5_K: _q5_k, Q.Q6_K: _q6_k, Q.IQ4_XS: _iq4_xs,
+}
 TYPES = frozenset({Q.F32, Q.F16, Q.BF16, *_BLOCK_KERNELS})  # == gguf_file.SUPPORTED_TYPES
 
 

@@ -1,4 +1,4 @@
-"""``y = x @ W^T`` straight from GGUF-quantized blocks (Q8_0, Q4_K, Q6_K), as Triton kernels.
+"""``y = x @ W^T`` straight from GGUF-quantized blocks (Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS), as Triton kernels.
 
 A batch-1 decode step reads every weight once and does little arithmetic per byte, so it is bound
 by memory bandwidth: keeping the weights quantized in GPU memory and expanding them in registers
@@ -20,11 +20,14 @@ and multiplied on tensor cores. When the tiles are too few to fill the GPU, K is
 result never depends on scheduling.
 
 Terms: a *block* is GGUF's unit of quantization (32 values for Q8_0, a 256-value *super-block*
-for the K-quants); a *sub-block* shares one scale inside a super-block (32 values for Q4_K, 16
-for Q6_K). Products accumulate in float32. The ``tl.dot`` kernel rounds the weight to x's dtype
-before the multiply, as a dequantized model in that dtype holds it; the GEMV kernel multiplies
-the float32 weight (closer to the exact product; both stay within x's dtype rounding of the
-reference). The output has x's dtype.
+for the K-quants and IQ4_XS); a *sub-block* shares one scale inside a super-block (32 values for
+Q4_K, Q5_K and IQ4_XS, 16 for Q6_K). IQ4_XS's 4-bit values are *indices* into sixteen non-linear
+int8 levels (``gguf_dequant.IQ4_NL_VALUES``), which the kernels read from a 16-entry float32
+table in device memory (``_levels``; ``_iq4_xs_step`` says why a table). Products accumulate in
+float32. The ``tl.dot`` kernel rounds the weight to x's dtype before the multiply, as a
+dequantized model in that dtype holds it; the GEMV kernel multiplies the float32 weight (closer
+to the exact product; both stay within x's dtype rounding of the reference). The output has x's
+dtype.
 
 ``gguf_matmul_reference`` is the plain-torch definition the kernels are tested against, and
 ``QuantLinear`` is the ``nn.Linear`` stand-in the loader builds (``load_target(keep_quantized=True)``).
@@ -41,7 +44,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from native import sm_count, use_triton
-from native.gguf_dequant import dequantize
+from native.gguf_dequant import dequantize, iq4_nl_levels
 
 try:
     import triton
@@ -49,8 +52,8 @@ try:
 except ImportError:  # CPU installs without triton run the reference only
     triton = None
 
-KERNEL_TYPES = frozenset({Q.Q8_0, Q.Q4_K, Q.Q6_K})
-_TYPE_IDS = {Q.Q8_0: 0, Q.Q4_K: 1, Q.Q6_K: 2}  # the kernels' QTYPE constant
+KERNEL_TYPES = frozenset({Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS})
+_TYPE_IDS = {Q.Q8_0: 0, Q.Q4_K: 1, Q.Q6_K: 2, Q.Q5_K: 3, Q.IQ4_XS: 4}  # the kernels' QTYPE constant
 
 
 def row_bytes(qtype: Q, in_features: int) -> int:
@@ -137,6 +140,49 @@ if triton is not None:
         return tl.reshape(d[:, :, None] * _exact_f32(q, 0.0) - dmin[:, :, None], (BLOCK_N, CHUNK))
 
     @triton.jit
+    def _q5_k_chunk(w_ptr, rows, row_nbytes, k0, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
+        """Values k0 .. k0 + CHUNK (inside one super-block) -> f32 [BLOCK_N, CHUNK]. A super-block
+        is Q4_K's f16 d, f16 dmin and 12 scale bytes, then 32 bytes of fifth bits (bit s of byte l:
+        value l of sub-block s), then Q4_K's 128 bytes of low nibbles;
+        value = d * scale[s] * q - dmin * min[s], q = low | fifth bit << 4 in 0 .. 31."""
+        G: tl.constexpr = CHUNK // 32
+        s = (k0 % 256) // 32 + tl.arange(0, G)  # [G] sub-blocks of this chunk
+        lane = tl.arange(0, 32)[None, :]
+        base = rows * row_nbytes + (k0 // 256) * 176  # [BLOCK_N]
+        scale, minimum = _q4_k_scale_min(w_ptr, base[:, None], s)
+        d = _f16(w_ptr, base)[:, None] * scale.to(tl.float32)  # [BLOCK_N, G]
+        dmin = _f16(w_ptr, base + 2)[:, None] * minimum.to(tl.float32)
+        low_at = 48 + 32 * (s // 2)[:, None] + lane  # [G, 32]
+        low = (tl.load(w_ptr + base[:, None, None] + low_at[None]).to(tl.int32) >> (4 * (s % 2))[None, :, None]) & 15
+        high = (tl.load(w_ptr + base[:, None, None] + 16 + lane[None]).to(tl.int32) >> s[None, :, None]) & 1  # [BLOCK_N, G, 32]
+        q = _exact_f32(low | (high << 4), 0.0)
+        return tl.reshape(d[:, :, None] * q - dmin[:, :, None], (BLOCK_N, CHUNK))
+
+    @triton.jit
+    def _iq4_xs_scale(w_ptr, block_byte, s):
+        """Sub-block ``s`` [G] of the IQ4_XS super-blocks at ``block_byte`` [BLOCK_N, G] -> its stored
+        6-bit scale (the value plus 32) as int32 [BLOCK_N, G]: low nibble s % 2 of byte 4 + s // 2,
+        high two bits 2 (s % 4) of byte 2 + s // 4 (the little-endian uint16 at byte 2)."""
+        low = (tl.load(w_ptr + block_byte + 4 + (s // 2)[None, :]).to(tl.int32) >> (4 * (s % 2))[None, :]) & 15
+        high = (tl.load(w_ptr + block_byte + 2 + (s // 4)[None, :]).to(tl.int32) >> (2 * (s % 4))[None, :]) & 3
+        return low | (high << 4)
+
+    @triton.jit
+    def _iq4_xs_chunk(w_ptr, levels_ptr, rows, row_nbytes, k0, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
+        """Values k0 .. k0 + CHUNK (inside one super-block) -> f32 [BLOCK_N, CHUNK]. A super-block is
+        f16 d, 6 bytes of eight 6-bit scales (``_iq4_xs_scale``), then sixteen bytes per sub-block s
+        at 8 + 16 s, whose byte i holds the indices of values i (low nibble) and 16 + i (high);
+        value = d * (scale - 32) * levels[index]."""
+        G: tl.constexpr = CHUNK // 32
+        s = (k0 % 256) // 32 + tl.arange(0, G)  # [G] sub-blocks of this chunk
+        lane = tl.arange(0, 32)
+        base = rows * row_nbytes + (k0 // 256) * 136  # [BLOCK_N]
+        dl = _f16(w_ptr, base)[:, None] * _exact_f32(_iq4_xs_scale(w_ptr, base[:, None], s), 32.0)  # [BLOCK_N, G]
+        at = (8 + 16 * s)[:, None] + (lane % 16)[None, :]  # [G, 32]
+        index = (tl.load(w_ptr + base[:, None, None] + at[None]).to(tl.int32) >> (4 * (lane // 16))[None, None, :]) & 15
+        return tl.reshape(dl[:, :, None] * tl.load(levels_ptr + index), (BLOCK_N, CHUNK))
+
+    @triton.jit
     def _q6_k_chunk(w_ptr, rows, row_nbytes, k0, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
         """Values k0 .. k0 + CHUNK (inside one super-block) -> f32 [BLOCK_N, CHUNK]. A super-block
         is 128 bytes of low 4 bits, 64 of high 2 bits, sixteen int8 scales, f16 d. Value
@@ -162,7 +208,7 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["M"])
     def _gguf_matmul_kernel(
-        x_ptr, w_ptr, y_ptr,
+        x_ptr, w_ptr, y_ptr, levels_ptr,
         M, N, K, stride_xm, stride_ys, stride_ym, row_nbytes,
         QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
         CHUNKS_PER_SPLIT: tl.constexpr, FP32_DOT: tl.constexpr,
@@ -182,8 +228,12 @@ if triton is not None:
                 w = _q8_0_chunk(w_ptr, rows, row_nbytes, k0, BLOCK_N, CHUNK)
             elif QTYPE == 1:
                 w = _q4_k_chunk(w_ptr, rows, row_nbytes, k0, BLOCK_N, CHUNK)
-            else:
+            elif QTYPE == 2:
                 w = _q6_k_chunk(w_ptr, rows, row_nbytes, k0, BLOCK_N, CHUNK)
+            elif QTYPE == 3:
+                w = _q5_k_chunk(w_ptr, rows, row_nbytes, k0, BLOCK_N, CHUNK)
+            else:
+                w = _iq4_xs_chunk(w_ptr, levels_ptr, rows, row_nbytes, k0, BLOCK_N, CHUNK)
             x = tl.load(x_ptr + m[:, None] * stride_xm + (k0 + tl.arange(0, CHUNK))[None, :], mask=m_ok[:, None], other=0.0)
             w = w.to(x.dtype)  # the weight as a dequantized model in x's dtype holds it
             if FP32_DOT:
@@ -232,6 +282,50 @@ if triton is not None:
         return w_lo, w_hi, k0 + 64 * g[:, None] + lane[None, :]
 
     @triton.jit
+    def _q5_k_step(w_ptr, rows, row_nbytes, k0, CHUNK: tl.constexpr):
+        """Q5_K (layout in ``_q5_k_chunk``): ``_q4_k_step``'s groups (32 low-nibble bytes at 48 + 32 j,
+        16-byte aligned: 176 = 11 * 16) plus the block's 32 fifth-bit bytes, whose bits 2 j and 2 j + 1
+        complete the low and high nibble of byte l -> (w_lo, w_hi) [BLOCK_N, G, 32] and the x offsets
+        of w_lo [G, 32] (w_hi's are 32 on)."""
+        G: tl.constexpr = CHUNK // 64
+        g = tl.arange(0, G)
+        j = g % 4
+        lane = tl.arange(0, 32)
+        block = rows[:, None] * row_nbytes + (k0 // 256 + g // 4)[None, :] * 176  # [BLOCK_N, G]
+        at = tl.multiple_of(block + 48 + 32 * j[None, :], (16, 16))
+        q = tl.load(w_ptr + at[:, :, None] + lane[None, None, :]).to(tl.int32)  # [BLOCK_N, G, 32]
+        qh_at = tl.multiple_of(block + 16, (16, 16))  # read again for each of a block's 4 groups: L1 hits, no more DRAM bytes
+        qh = tl.load(w_ptr + qh_at[:, :, None] + lane[None, None, :]).to(tl.int32) >> (2 * j)[None, :, None]
+        scale_lo, min_lo = _q4_k_scale_min(w_ptr, block, 2 * j)
+        scale_hi, min_hi = _q4_k_scale_min(w_ptr, block, 2 * j + 1)
+        d, dmin = _f16(w_ptr, block), _f16(w_ptr, block + 2)  # [BLOCK_N, G]
+        q_lo = (q & 15) | ((qh << 4) & 16)  # bit 2 j of qh lands on 4
+        q_hi = (q >> 4) | ((qh << 3) & 16)  # bit 2 j + 1 lands on 4
+        w_lo = tl.fma(_exact_f32(q_lo, 0.0), (d * scale_lo.to(tl.float32))[:, :, None], -(dmin * min_lo.to(tl.float32))[:, :, None])
+        w_hi = tl.fma(_exact_f32(q_hi, 0.0), (d * scale_hi.to(tl.float32))[:, :, None], -(dmin * min_hi.to(tl.float32))[:, :, None])
+        return w_lo, w_hi, k0 + 64 * g[:, None] + lane[None, :]
+
+    @triton.jit
+    def _iq4_xs_step(w_ptr, levels_ptr, rows, row_nbytes, k0, CHUNK: tl.constexpr):
+        """IQ4_XS (layout in ``_iq4_xs_chunk``): U = CHUNK / 32 runs, one per sub-block s = u % 8, of
+        16 index bytes at 8 + 16 s (8-byte aligned only: 136 = 17 * 8); byte i holds the indices of
+        values 32 u + i (low nibble) and 32 u + 16 + i (high) -> (w_lo, w_hi) [BLOCK_N, U, 16] and
+        the x offsets of w_lo [U, 16] (w_hi's are 16 on). The levels come from ``levels_ptr``: a
+        gather from one 64-byte line that stays in L1 costs one load per value, where a select over
+        sixteen constants would cost ~15 ALU operations, and the ALU is this kernel's other bound."""
+        U: tl.constexpr = CHUNK // 32
+        u = tl.arange(0, U)
+        s = u % 8
+        lane = tl.arange(0, 16)
+        block = rows[:, None] * row_nbytes + (k0 // 256 + u // 8)[None, :] * 136  # [BLOCK_N, U]
+        at = tl.multiple_of(block + 8 + 16 * s[None, :], (8, 8))
+        index = tl.load(w_ptr + at[:, :, None] + lane[None, None, :]).to(tl.int32)  # [BLOCK_N, U, 16]
+        dl = _f16(w_ptr, block) * _exact_f32(_iq4_xs_scale(w_ptr, block, s), 32.0)  # [BLOCK_N, U]
+        w_lo = tl.load(levels_ptr + (index & 15)) * dl[:, :, None]
+        w_hi = tl.load(levels_ptr + (index >> 4)) * dl[:, :, None]
+        return w_lo, w_hi, k0 + 32 * u[:, None] + lane[None, :]
+
+    @triton.jit
     def _q6_k_step(w_ptr, rows, row_nbytes, k0, CHUNK: tl.constexpr):
         """Q6_K (layout in ``_q6_k_chunk``): U = CHUNK / 32 runs u = 8 sb + v of 16 low-bit bytes
         16 v + i, v = 4 h + 2 p + t; the low nibble is value 128 h + 32 p + 16 t + i (r = p,
@@ -258,7 +352,7 @@ if triton is not None:
 
     @triton.jit
     def _gguf_gemv_kernel(
-        x_ptr, w_ptr, y_ptr,
+        x_ptr, w_ptr, y_ptr, levels_ptr,
         N, stride_xm, stride_ys, stride_ym, row_nbytes,
         QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, CHUNKS_PER_SPLIT: tl.constexpr,
     ):
@@ -269,9 +363,9 @@ if triton is not None:
         x_row = x_ptr + m * stride_xm
         if QTYPE == 0:
             acc = tl.zeros((BLOCK_N, CHUNK // 32, 32), dtype=tl.float32)
-        elif QTYPE == 1:
+        elif QTYPE == 1 or QTYPE == 3:  # Q4_K, Q5_K: 32-byte groups of two sub-blocks
             acc = tl.zeros((BLOCK_N, CHUNK // 64, 32), dtype=tl.float32)
-        else:
+        else:  # Q6_K, IQ4_XS: 16-byte runs
             acc = tl.zeros((BLOCK_N, CHUNK // 32, 16), dtype=tl.float32)
         for i in range(CHUNKS_PER_SPLIT):
             k0 = (split * CHUNKS_PER_SPLIT + i) * CHUNK
@@ -282,10 +376,18 @@ if triton is not None:
                 w_lo, w_hi, x_at = _q4_k_step(w_ptr, rows, row_nbytes, k0, CHUNK)
                 acc = tl.fma(w_lo, tl.load(x_row + x_at).to(tl.float32)[None], acc)
                 acc = tl.fma(w_hi, tl.load(x_row + x_at + 32).to(tl.float32)[None], acc)
-            else:
+            elif QTYPE == 2:
                 w_lo, w_hi, x_at = _q6_k_step(w_ptr, rows, row_nbytes, k0, CHUNK)
                 acc = tl.fma(w_lo, tl.load(x_row + x_at).to(tl.float32)[None], acc)
                 acc = tl.fma(w_hi, tl.load(x_row + x_at + 64).to(tl.float32)[None], acc)
+            elif QTYPE == 3:
+                w_lo, w_hi, x_at = _q5_k_step(w_ptr, rows, row_nbytes, k0, CHUNK)
+                acc = tl.fma(w_lo, tl.load(x_row + x_at).to(tl.float32)[None], acc)
+                acc = tl.fma(w_hi, tl.load(x_row + x_at + 32).to(tl.float32)[None], acc)
+            else:
+                w_lo, w_hi, x_at = _iq4_xs_step(w_ptr, levels_ptr, rows, row_nbytes, k0, CHUNK)
+                acc = tl.fma(w_lo, tl.load(x_row + x_at).to(tl.float32)[None], acc)
+                acc = tl.fma(w_hi, tl.load(x_row + x_at + 16).to(tl.float32)[None], acc)
         y = tl.sum(tl.sum(acc, axis=2), axis=1)  # [BLOCK_N]
         tl.store(y_ptr + split * stride_ys + m * stride_ym + cols, y.to(y_ptr.dtype.element_ty), mask=cols < N)
 
@@ -310,7 +412,9 @@ def default_tiling(m: int, qtype: Q | None = None) -> Tiling:
     Chosen by ``scripts/gpu_gguf_matmul.py`` on an H200 (BENCHMARKS.md): the fastest candidate
     over one Qwen3-8B step's linears per type and row count, within ~10% of it for every m >= 2."""
     if m == 1:
-        if qtype == Q.Q6_K:
+        # Q5_K and IQ4_XS are not timed yet: they take the tiling of the type whose step has their
+        # shape (Q5_K: Q4_K's 32-byte groups; IQ4_XS: Q6_K's 16-byte runs).
+        if qtype in (Q.Q6_K, Q.IQ4_XS):
             return Tiling(block_n=8, chunk=1024, num_warps=4, gemv=True)
         return Tiling(block_n=4, chunk=1024, num_warps=2, gemv=True)
     return Tiling(block_n=64, chunk=128, num_warps=4)
@@ -318,6 +422,18 @@ def default_tiling(m: int, qtype: Q | None = None) -> Tiling:
 
 def _next_power_of_2(n: int) -> int:
     return 1 << (n - 1).bit_length()
+
+
+_LEVELS: dict[torch.device, torch.Tensor] = {}
+
+
+def _levels(device: torch.device) -> torch.Tensor:
+    """IQ4_XS's sixteen levels as float32 on ``device``: float32, not int8, so a lookup needs no
+    integer-to-float conversion. Made by the first IQ4_XS call on a device, which must then come
+    before any CUDA graph capture, as the kernel's first compilation must anyway."""
+    if device not in _LEVELS:
+        _LEVELS[device] = iq4_nl_levels(device)
+    return _LEVELS[device]
 
 
 def gguf_matmul(
@@ -350,7 +466,7 @@ def gguf_matmul(
         block_m = min(128, max(16, _next_power_of_2(M)))  # tl.dot wants 16 rows at least
         smallest_chunk = 32
     block_n, chunk = tiling.block_n, max(tiling.chunk, smallest_chunk)
-    while K % chunk:  # Q8_0 rows are multiples of 32 only; K-quant rows always fit 256
+    while K % chunk:  # Q8_0 rows are multiples of 32 only; K-quant and IQ4_XS rows always fit 256
         chunk //= 2
     tiles = triton.cdiv(N, block_n) * triton.cdiv(M, block_m)
     chunks = K // chunk
@@ -360,10 +476,11 @@ def gguf_matmul(
     grid = (triton.cdiv(N, block_n), split_k, triton.cdiv(M, block_m))
     common = dict(QTYPE=_TYPE_IDS[qtype], BLOCK_N=block_n, CHUNK=chunk, CHUNKS_PER_SPLIT=chunks // split_k, num_warps=tiling.num_warps)
     strides = (x2.stride(0), y.stride(0) if split_k > 1 else 0, y.stride(-2), raw.stride(0))
+    levels = _levels(x.device) if qtype == Q.IQ4_XS else raw  # the other types never read this pointer
     if tiling.gemv:
-        _gguf_gemv_kernel[grid](x2, raw, y, N, *strides, **common)
+        _gguf_gemv_kernel[grid](x2, raw, y, levels, N, *strides, **common)
     else:
-        _gguf_matmul_kernel[grid](x2, raw, y, M, N, K, *strides, BLOCK_M=block_m, FP32_DOT=x.dtype == torch.float32, **common)
+        _gguf_matmul_kernel[grid](x2, raw, y, levels, M, N, K, *strides, BLOCK_M=block_m, FP32_DOT=x.dtype == torch.float32, **common)
     if split_k > 1:
         y = y.sum(0).to(x.dtype)  # fixed order, unlike atomics: the same input gives the same bits
     return y.reshape(*lead, N)

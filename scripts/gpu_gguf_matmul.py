@@ -1,7 +1,8 @@
 """Check the GGUF-block matmul kernels (native.gguf_matmul) on a GPU and sweep their tilings.
 
-Usage (on a CUDA machine): python3 scripts/gpu_gguf_matmul.py [--dtype bfloat16] [--reps 25] [--quick]
-For Qwen3-8B's linear shapes, each weight type and M in {1, 4, 16, 23, 33, 65}, every candidate
+Usage (on a CUDA machine): python3 scripts/gpu_gguf_matmul.py [--dtype bfloat16] [--reps 25] [--quick] [--types Q5_K,IQ4_XS]
+For Qwen3-8B's linear shapes, each weight type (``--types``, default every kernel type: Q8_0, Q4_K,
+Q5_K, Q6_K, IQ4_XS) and M in {1, 4, 16, 23, 33, 65}, every candidate
 tiling of CANDIDATES (the GEMV kernel for small M, ``tl.dot`` tiles for larger M; ``default_tiling``
 always among them) is checked against the torch reference (dequantize, then F.linear in x's dtype)
 and timed: the median of ``--reps`` calls (CUDA events), each after a 256 MiB write that evicts the
@@ -11,8 +12,8 @@ write of a 1 GiB tensor) and the speed-up over F.linear on the dequantized bf16 
 weight type and M, the candidate with the least time over one Qwen3-8B decode step (36 layers of
 q/k/v/o/gate/up/down plus the LM head), which is what ``default_tiling`` should pick; a PASS/FAIL
 line (every candidate within tolerance, the default's split-K bit-identical on a rerun); the rows
-as JSON in $OUT/gguf_matmul.json when OUT is set. About 2-3 minutes on an H100/H200, most of it
-compiling the ~60 kernel variants; ``--quick`` times M = 1 and 16 only.
+as JSON in $OUT/gguf_matmul.json when OUT is set. About 1 minute per type on an H100/H200, most
+of it compiling the ~20 kernel variants of each; ``--quick`` times M = 1 and 16 only.
 """
 
 from __future__ import annotations
@@ -61,7 +62,8 @@ TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}  # 
 
 def random_blocks(qtype: Q, n: int, k: int, device: torch.device) -> torch.Tensor:
     """Valid packed rows [n, row_bytes]: 64 quantized random rows, tiled and shuffled (quantizing
-    a 150k-row matrix on the CPU would take minutes)."""
+    a 150k-row matrix on the CPU would take minutes). Q8_0 by gguf's quantizer, the others by the
+    test-only one (tests.kquants)."""
     values = np.random.default_rng(int(qtype)).standard_normal((64, k)).astype(np.float32) * 0.05
     tile = quantize(values, qtype) if qtype == Q.Q8_0 else quantize_k(values, qtype)
     raw = torch.from_numpy(tile).to(device).repeat((n + 63) // 64, 1)[:n].contiguous()
@@ -107,7 +109,12 @@ def main() -> int:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--reps", type=int, default=25)
     p.add_argument("--quick", action="store_true", help="M = 1 and 16 only")
+    p.add_argument("--types", default=",".join(t.name for t in sorted(KERNEL_TYPES, key=int)),
+                   help="comma-separated weight types to check and time (default: every kernel type)")
     args = p.parse_args()
+    qtypes = [Q[name] for name in args.types.split(",")]
+    if not set(qtypes) <= KERNEL_TYPES:
+        p.error(f"--types: kernels exist for {', '.join(t.name for t in sorted(KERNEL_TYPES, key=int))} only")
     started = time.time()
     device = torch.device("cuda")
     dtype = getattr(torch, args.dtype)
@@ -118,7 +125,7 @@ def main() -> int:
     print(f"{'type':5s} {'shape':8s} {'K':>6s} {'N':>7s} {'M':>3s} {'default us':>10s} {'best us':>8s} {'GB/s':>6s} {'%roof':>5s} "
           f"{'bf16 us':>8s} {'x bf16':>6s} {'x bf16 (best)':>13s}  best tiling")
     rows, ok, failures = [], True, []
-    for qtype in sorted(KERNEL_TYPES, key=int):
+    for qtype in qtypes:
         for label, (k, n, _) in SHAPES.items():
             raw = random_blocks(qtype, n, k, device)
             w16 = dequantize(raw, qtype, (n, k)).to(torch.bfloat16)
@@ -149,12 +156,12 @@ def main() -> int:
                 print(f"{qtype.name:5s} {label:8s} {k:6d} {n:7d} {m:3d} {default_us:10.1f} {best['us']:8.1f} {gbs:6.0f} "
                       f"{row['percent_of_copy_bw']:5.1f} {dense_us:8.1f} {dense_us / default_us:5.2f}x {dense_us / best['us']:12.2f}x  "
                       f"{Tiling(**best['tiling'])}", flush=True)
-            del raw, w16
+            raw = w16 = None  # free this shape's tensors before the next one's
             torch.cuda.empty_cache()
     print("\nPer weight type and M: time of one Qwen3-8B decode step's linears (36 layers + LM head), "
           "default vs the best single candidate, and bf16 F.linear")
     summary = []
-    for qtype in sorted(KERNEL_TYPES, key=int):
+    for qtype in qtypes:
         for m in ms:
             mine = [r for r in rows if r["type"] == qtype.name and r["M"] == m]
             weight = {r["shape"]: SHAPES[r["shape"]][2] for r in mine}

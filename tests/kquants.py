@@ -1,6 +1,6 @@
-"""A small numpy quantizer for llama.cpp's K-quants (Q4_K, Q5_K, Q6_K), for test fixtures only.
+"""A small numpy quantizer for llama.cpp's K-quants (Q4_K, Q5_K, Q6_K) and IQ4_XS, for test fixtures only.
 
-``gguf`` can dequantize K-quants but not write them. This writes the block layouts llama.cpp
+``gguf`` can dequantize these types but not write them. This writes the block layouts llama.cpp
 defines (super-blocks of 256 values) with a plain min/max choice of scales, not llama.cpp's
 iterative search: the files are valid and the error is small, which is all a fixture needs.
 
@@ -9,12 +9,17 @@ Q4_K / Q5_K block: f16 d, f16 dmin, 12 bytes of eight 6-bit scales and eight 6-b
 byte l is value l of sub-block s). A value is ``d * scale[s] * q - dmin * min[s]``.
 Q6_K block: 128 bytes of low 4 bits, 64 bytes of high 2 bits, sixteen int8 scales, f16 d; a value
 is ``d * scale[j] * (q - 32)`` over sub-blocks of 16.
+IQ4_XS block: f16 d, a little-endian uint16 of high scale bits (bits 2s, 2s + 1 for sub-block s), 4
+bytes of low scale nibbles (byte s // 2, low nibble for even s), then 16 bytes per sub-block of 32
+(values i and 16 + i in the low and high nibble of byte i); a value is ``d * (scale - 32) *
+IQ4_NL_VALUES[q]``, a 6-bit scale and an index into sixteen non-linear int8 levels.
 """
 
 from __future__ import annotations
 
 import numpy as np
 from gguf import GGMLQuantizationType
+from gguf.quants import IQ4_NL
 
 QK_K = 256
 
@@ -84,10 +89,33 @@ def quantize_q6_k(x: np.ndarray) -> np.ndarray:
     return np.concatenate([ql.reshape(n, 128), qh.reshape(n, 64), sc.view(np.uint8), _f16_bytes(d)], axis=1)
 
 
+IQ4_NL_VALUES = np.array(IQ4_NL.kvalues, np.float32)  # the sixteen levels (llama.cpp's kvalues_iq4nl)
+
+
+def quantize_iq4_xs(x: np.ndarray) -> np.ndarray:
+    blocks = x.reshape(-1, 8, 32).astype(np.float32)
+    n = blocks.shape[0]
+    # Each sub-block's ideal scale maps its largest-magnitude value onto the -127 level (the sign
+    # of the scale picks which end), so the table's wider negative side takes the largest value.
+    peak = np.take_along_axis(blocks, np.abs(blocks).argmax(-1)[..., None], -1)[..., 0]  # [n, 8]
+    ideal = -peak / 127
+    d = (np.abs(ideal).max(-1) / 32).astype(np.float16).astype(np.float32)  # [n]: |scale - 32| <= 32
+    sc = np.clip(np.rint(_safe_divide(ideal, d[:, None])), -32, 31).astype(np.int32)  # [n, 8]
+    eff = (d[:, None] * sc)[..., None]  # [n, 8, 1]
+    ratio = np.divide(blocks, eff, out=np.zeros_like(blocks), where=eff != 0)
+    q = np.abs(ratio[..., None] - IQ4_NL_VALUES).argmin(-1).astype(np.uint8)  # [n, 8, 32]: the nearest level
+    stored = (sc + 32).astype(np.uint16)  # 0 .. 63
+    scales_h = np.bitwise_or.reduce((stored >> 4) << (2 * np.arange(8, dtype=np.uint16)), axis=1).astype("<u2")  # [n]
+    scales_l = (stored[:, 0::2] & 15) | ((stored[:, 1::2] & 15) << 4)  # [n, 4]
+    qs = (q[:, :, :16] | (q[:, :, 16:] << 4)).reshape(n, 128)
+    return np.concatenate([_f16_bytes(d), scales_h.view(np.uint8).reshape(n, 2), scales_l.astype(np.uint8), qs], axis=1)
+
+
 QUANTIZERS = {
     GGMLQuantizationType.Q4_K: quantize_q4_k,
     GGMLQuantizationType.Q5_K: quantize_q5_k,
     GGMLQuantizationType.Q6_K: quantize_q6_k,
+    GGMLQuantizationType.IQ4_XS: quantize_iq4_xs,
 }
 
 
@@ -95,5 +123,5 @@ def quantize_k(array: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
     """[rows, cols] float -> [rows, cols / 256 * block bytes] uint8, as ``gguf.quants.quantize`` shapes it."""
     rows, cols = array.shape
     if cols % QK_K:
-        raise ValueError(f"K-quants need rows of a multiple of {QK_K} values, got {cols}")
+        raise ValueError(f"{qtype.name} needs rows of a multiple of {QK_K} values, got {cols}")
     return QUANTIZERS[qtype](array).reshape(rows, -1)

@@ -11,6 +11,7 @@ from tests.kquants import quantize_k
 
 # Relative RMS error bounds: about one quantization step over the value range, per bit width.
 BOUNDS = {Q.Q4_K: 0.12, Q.Q5_K: 0.06, Q.Q6_K: 0.03}
+ROUND_TRIP_BOUNDS = {**BOUNDS, Q.IQ4_XS: 0.12}  # IQ4_XS's simple scale choice is not idempotent, so no requantizing check
 
 
 def _weights() -> np.ndarray:
@@ -23,14 +24,14 @@ def _weights() -> np.ndarray:
     return x
 
 
-@pytest.mark.parametrize("qtype", list(BOUNDS), ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", list(ROUND_TRIP_BOUNDS), ids=lambda q: q.name)
 def test_round_trip_error_is_small(qtype):
     x = _weights()
     y = dequantize(quantize_k(x, qtype), qtype)
     assert y.shape == x.shape
     for row in range(len(x)):
         scale = max(np.abs(x[row]).max(), 1e-12)
-        assert np.sqrt(np.mean((y[row] - x[row]) ** 2)) / scale < BOUNDS[qtype], row
+        assert np.sqrt(np.mean((y[row] - x[row]) ** 2)) / scale < ROUND_TRIP_BOUNDS[qtype], row
     assert np.array_equal(y[0], x[0])
     assert np.allclose(y[2, :256], 3.0, rtol=2e-3)
 

@@ -137,13 +137,17 @@ def _randomize(module: torch.nn.Module, generator: torch.Generator) -> None:
 
 # Std of a block's values per unit of its f16 scale ``d``, with the other fields uniformly random:
 # Q4_K: d * scale * q - dmin * min, 6-bit scale and min, 4-bit q, dmin = 7.5 d (zero mean);
-# Q6_K: d * int8 scale * (6-bit q - 32). Their moments; the [0.5, 1.5) spread of d adds 4%.
-_STD_PER_D = {Q.Q4_K: 258.0, Q.Q6_K: 1366.0}
-_SCALE_FIELDS = {Q.Q4_K: ((0, 1.0), (2, 7.5)), Q.Q6_K: ((208, 1.0),)}  # byte offset of each f16, times d
+# Q5_K: the same with a 5-bit q, dmin = 15.5 d; Q6_K: d * int8 scale * (6-bit q - 32);
+# IQ4_XS: d * (6-bit scale - 32) * one of its sixteen int8 levels (mean 0.2% of the std).
+# Their moments; the [0.5, 1.5) spread of d adds 4%.
+_STD_PER_D = {Q.Q4_K: 258.0, Q.Q5_K: 527.0, Q.Q6_K: 1366.0, Q.IQ4_XS: 1246.0}
+_SCALE_FIELDS = {  # byte offset of each f16, times d
+    Q.Q4_K: ((0, 1.0), (2, 7.5)), Q.Q5_K: ((0, 1.0), (2, 15.5)), Q.Q6_K: ((208, 1.0),), Q.IQ4_XS: ((0, 1.0),),
+}
 
 
 def random_blocks(qtype: Q, rows: int, in_features: int, std: float, generator: torch.Generator) -> torch.Tensor:
-    """uint8 [rows, row bytes]: GGUF blocks of ``qtype`` (Q4_K or Q6_K) on ``generator``'s device
+    """uint8 [rows, row bytes]: GGUF blocks of ``qtype`` (Q4_K, Q5_K, Q6_K or IQ4_XS) on ``generator``'s device
     with random quant bits and sub-block scales, and f16 super-block scales ``d`` drawn in
     [0.5, 1.5) x the value that makes the values' std about ``std`` (finite, never NaN or inf)."""
     device = generator.device

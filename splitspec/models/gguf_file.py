@@ -31,6 +31,7 @@ SUPPORTED_TYPES = {
     GGMLQuantizationType.Q4_K,
     GGMLQuantizationType.Q5_K,
     GGMLQuantizationType.Q6_K,
+    GGMLQuantizationType.IQ4_XS,
 }
 
 _MISSING = object()

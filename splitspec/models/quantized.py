@@ -3,7 +3,7 @@
 ``swap_quant_linears`` replaces ``nn.Linear`` modules (of a model on the meta device) with
 ``native.gguf_matmul.QuantLinear``; it works for every family, since the models call their
 linears as modules. ``q4_k_m_types`` is llama.cpp's Q4_K_M recipe (``llama_tensor_get_type`` in
-``src/llama-quant.cpp``) for the linears that have a kernel type, with one stated simplification.
+``src/llama-quant.cpp``) for the linear layers.
 """
 
 from __future__ import annotations
@@ -34,29 +34,36 @@ def use_more_bits(layer: int, layers: int) -> bool:
     return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
 
 
+# GGUF's attn_v and attn_qkv (a fused q/k/v, here Gated DeltaNet's): llama.cpp's "attn_v-like" tensors.
+ATTN_V_LIKE = ("self_attn.v_proj", "linear_attn.in_proj_qkv")
+
+
 def q4_k_m_types(model: nn.Module) -> dict[str, Q]:
     """Module name -> block type of every linear layer of a decoder ``model`` (``layers``, ``lm_head``)
-    under Q4_K_M: the LM head Q6_K; attention ``v_proj`` Q6_K where ``use_more_bits`` of its index
-    among the attention layers, ``mlp.down_proj`` Q6_K where ``use_more_bits`` of its layer; every
-    other linear Q4_K (the token embedding too, which the loaders dequantize: it is no linear here).
+    under Q4_K_M, as llama.cpp's ``llama_tensor_get_type`` picks it: the LM head Q6_K; the
+    ``ATTN_V_LIKE`` linears (one per layer in these families) Q6_K where ``use_more_bits`` of their
+    index among all of them, ``mlp.down_proj`` Q6_K where ``use_more_bits`` of its layer; every
+    other linear Q4_K (the token embedding too, which is no linear here). No Q4_K_M linear of these
+    families is Q5_K: llama.cpp's Q5_K cases are 8-expert MoE models, 70B Llamas and Falcon.
 
-    Simplification: llama.cpp gives a fused ``attn_qkv`` (Gated DeltaNet's ``in_proj_qkv``) Q5_K,
-    for which there is no kernel; it gets Q6_K here (210 bytes per 256 values instead of 176, about
-    2% more weight bytes for Qwen3.5-27B), so the benchmark errs on the slow side.
+    llama.cpp before its early-2026 refactor of type selection (PR #19770, which made ``attn_qkv``
+    attn_v-like and so left its own Q5_K branch unreachable) gave every ``attn_qkv`` Q5_K and
+    indexed only the ``attn_v`` tensors, over a count that included ``attn_qkv``: Qwen3.5 files
+    quantized before March 2026 may hold that mix instead (0.05% fewer weight bytes for Qwen3.5-27B).
     """
     layers = list(model.layers)
-    attention = [i for i, layer in enumerate(layers) if hasattr(layer, "self_attn")]
+    v_like = [f"layers.{i}.{name}" for i, layer in enumerate(layers) for name, _ in layer.named_modules() if name in ATTN_V_LIKE]
     types = {"lm_head": Q.Q6_K}
     for i, layer in enumerate(layers):
         for name, module in layer.named_modules():
             if not isinstance(module, nn.Linear):
                 continue
             full = f"layers.{i}.{name}"
-            if name == "self_attn.v_proj":
-                more = use_more_bits(attention.index(i), len(attention))
+            if full in v_like:  # llama.cpp counts them in file order: by layer
+                more = use_more_bits(v_like.index(full), len(v_like))
             elif name == "mlp.down_proj":
                 more = use_more_bits(i, len(layers))
             else:
-                more = name == "linear_attn.in_proj_qkv"
+                more = False
             types[full] = Q.Q6_K if more else Q.Q4_K
     return types

@@ -28,9 +28,10 @@ from splitspec.models.qwen35 import Qwen35Config, Qwen35ForCausalLM
 # llama.cpp's use_more_bits layers, worked out by hand: first and last eighth, every third between.
 MORE_BITS_OF_4 = [2, 3]  # no first eighth (4 // 8 = 0); layer 3 is the last eighth (7 * 4 // 8 = 3), 2 is (2 - 0) % 3 == 2
 MORE_BITS_OF_36 = [0, 1, 2, 3, 6, 9, 12, 15, 18, 21, 24, 27, 30, 31, 32, 33, 34, 35]
+MORE_BITS_OF_64 = [*range(8), *range(10, 56, 3), *range(56, 64)]  # 64 // 8 = 8, 7 * 64 // 8 = 56
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K])
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS], ids=lambda q: q.name)
 @pytest.mark.parametrize("std", [0.02, 1e-4, 1.0])
 def test_random_blocks_decode_to_finite_values_of_the_intended_spread(qtype, std):
     raw = random_blocks(qtype, 64, 1024, std, torch.Generator().manual_seed(0))
@@ -40,7 +41,7 @@ def test_random_blocks_decode_to_finite_values_of_the_intended_spread(qtype, std
     assert 0.8 * std < values.std().item() < 1.25 * std
     assert abs(values.mean().item()) < 0.1 * std
     # Every f16 scale field is finite and positive; the quant bits vary.
-    scales = {Q.Q4_K: (0, 2), Q.Q6_K: (208,)}[qtype]
+    scales = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,), Q.IQ4_XS: (0,)}[qtype]
     blocks = raw.view(-1, GGML_QUANT_SIZES[qtype][1])
     for offset in scales:
         d = blocks[:, offset : offset + 2].contiguous().view(torch.float16).float()
@@ -74,11 +75,14 @@ def test_q4km_recipe_on_the_real_geometries():
     assert sorted(int(n.split(".")[1]) for n, q in types.items() if q == Q.Q6_K and n.endswith("down_proj")) == MORE_BITS_OF_36
     assert sum(q == Q.Q6_K for q in types.values()) == 37  # 18 attn_v + 18 ffn_down + output
     types = q4_k_m_types(hybrid)
-    # attn_v counts over the 16 attention layers (3, 7, ..., 63): indices 0, 1, 4, 7, 10, 13, 14, 15 of them.
-    v = sorted(int(n.split(".")[1]) for n, q in types.items() if q == Q.Q6_K and n.endswith("v_proj"))
-    assert v == [4 * i + 3 for i in (0, 1, 4, 7, 10, 13, 14, 15)]
-    assert all(types[f"layers.{i}.linear_attn.in_proj_qkv"] == Q.Q6_K for i in range(64) if i % 4 != 3)
+    # attn_v (attention layers 3, 7, ..., 63) and attn_qkv (the DeltaNet layers) count as one
+    # series, one per layer: Q6_K on the use_more_bits layers of 64, whichever kind the layer is.
+    v_like = sorted(int(n.split(".")[1]) for n, q in types.items() if q == Q.Q6_K and n.endswith(("v_proj", "in_proj_qkv")))
+    assert v_like == MORE_BITS_OF_64
+    assert types["layers.3.self_attn.v_proj"] == Q.Q6_K and types["layers.11.self_attn.v_proj"] == Q.Q4_K
+    assert types["layers.10.linear_attn.in_proj_qkv"] == Q.Q6_K and types["layers.9.linear_attn.in_proj_qkv"] == Q.Q4_K
     assert types["layers.0.linear_attn.out_proj"] == Q.Q4_K and types["layers.3.self_attn.q_proj"] == Q.Q4_K
+    assert set(types.values()) == {Q.Q4_K, Q.Q6_K}
 
 
 def load_target_meta(name: str) -> nn.Module:

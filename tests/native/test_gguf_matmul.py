@@ -24,19 +24,26 @@ from gguf import GGMLQuantizationType as Q
 
 pytest.importorskip("triton", reason="triton is not installed (pip install triton==3.6.0; the CPU interpreter runs these)")
 
-# (qtype, N, K, M, dtype): M = 1 takes the GEMV kernel, larger M ``tl.dot``; small N splits K.
+TYPES = ("Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS")  # every KERNEL_TYPES member
+# (qtype, N, K, M, dtype): M = 1 takes the GEMV kernel, larger M ``tl.dot`` in tiles of 16 rows
+# (M = 2, 5), 32 (17) or 64 (33), most of them masked; small N splits K; N = 37 is a multiple of
+# no block_n, so the last program of every kernel masks a partial tile.
 CASES = [
     (qtype, n, k, m, dtype)
-    for qtype in ("Q8_0", "Q4_K", "Q6_K")
-    for n, k in ((16, 512), (40, 768))
-    for m in (1, 3, 17)
+    for qtype in TYPES
+    for n, k, ms in ((16, 512, (1, 2, 5, 17, 33)), (37, 768, (1, 5, 17)))
+    for m in ms
     for dtype in ("float32", "float16", *(("bfloat16",) if m == 1 else ()))
 ] + [("Q8_0", 640, 224, 1, "float32")]  # rows not a multiple of 256, and too many tiles to split K
+# Blocks of random bytes (finite f16 scales): every bit of every packed field, where a quantizer
+# writes only some patterns (IQ4_XS's quantizer, for one, puts its largest value on one level).
+RANDOM_BYTES = [(qtype, 24, 512, m, "float32") for qtype in TYPES for m in (1, 5)]
+F16_FIELDS = {"Q8_0": [0], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "IQ4_XS": [0]}  # byte offsets in a block
 # (qtype, N, K, M, Tiling fields): every kernel with N not a multiple of block_n, K not a multiple
 # of the asked chunk (it halves), odd M, and split-K; each runs twice and must give the same bits.
 TILED = [
     (qtype, 40, 768, m, tiling)
-    for qtype in ("Q8_0", "Q4_K", "Q6_K")
+    for qtype in TYPES
     for m, tiling in (
         (1, {"block_n": 16, "chunk": 512, "num_warps": 4, "split_k": 3, "gemv": True}),
         (3, {"block_n": 32, "chunk": 1024, "num_warps": 2, "gemv": True}),
@@ -45,7 +52,8 @@ TILED = [
 ] + [("Q8_0", 24, 96, 2, {"block_n": 16, "chunk": 64, "num_warps": 4, "split_k": 3, "gemv": True})]  # K = 3 blocks of 32
 # Relative to the largest output: float32 accumulation order only; half types round their output.
 TOLERANCE = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1.6e-2}
-MODELS = [("llama", "q4_k_m"), ("qwen2", "q8_0"), ("qwen3", "q6_k")]  # permuted q/k rows; biases; Q6_K everywhere
+QUANT_LINEAR_CASES = [(1, "bfloat16"), (5, "float16")]  # (M, x dtype): a decode step, a small tree pass (bfloat16 M = 1 only: see above)
+MODELS = [("llama", "q4_k_m"), ("qwen2", "q8_0"), ("qwen3", "q6_k"), ("qwen3", "q5_k")]  # permuted q/k rows; biases; one type everywhere
 
 
 def _quantize(w: np.ndarray, qtype: Q) -> np.ndarray:
@@ -56,11 +64,31 @@ def _quantize(w: np.ndarray, qtype: Q) -> np.ndarray:
     return quantize(w, qtype) if qtype == Q.Q8_0 else quantize_k(w, qtype)
 
 
+def _random_bytes(rng: np.random.Generator, qtype: Q, n: int, k: int) -> np.ndarray:
+    """uint8 [n, row bytes]: random blocks whose f16 scales are finite (random bytes could be NaN)."""
+    from gguf import GGML_QUANT_SIZES
+
+    block_values, block_bytes = GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, (n * k // block_values, block_bytes), dtype=np.uint8)
+    for offset in F16_FIELDS[qtype.name]:
+        blocks[:, offset : offset + 2] = (rng.standard_normal(len(blocks)) * 0.01).astype("<f2").view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(n, -1)
+
+
+def _relative_error(ours: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((ours.float() - expected.float()).abs().max() / expected.float().abs().max()).item()
+
+
 def _kernel_checks() -> dict[str, float]:
     from native.gguf_matmul import Tiling, gguf_matmul, gguf_matmul_reference
 
     rng = np.random.default_rng(0)
     results = {}
+    for name, n, k, m, dtype in RANDOM_BYTES:
+        qtype = Q[name]
+        raw = torch.from_numpy(_random_bytes(rng, qtype, n, k))
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+        results[repr(("random bytes", name, n, k, m, dtype))] = _relative_error(gguf_matmul(x, raw, qtype, n), gguf_matmul_reference(x, raw, qtype, n))
     for name, n, k, m, dtype in dict.fromkeys(CASES + [(name, n, k, m, "float32") for name, n, k, m, _ in TILED]):
         qtype = Q[name]
         raw = torch.from_numpy(_quantize((rng.standard_normal((n, k)) * 0.05).astype(np.float32), qtype))
@@ -69,13 +97,33 @@ def _kernel_checks() -> dict[str, float]:
         if (name, n, k, m, dtype) in CASES:
             ours = gguf_matmul(x, raw, qtype, n)
             assert ours.dtype == x.dtype and ours.shape == (m, n)
-            results[repr((name, n, k, m, dtype))] = ((ours.float() - expected).abs().max() / expected.abs().max()).item()
+            results[repr((name, n, k, m, dtype))] = _relative_error(ours, expected)
         for case in TILED:
             if case[:4] == (name, n, k, m) and dtype == "float32":
                 tiling = Tiling(**case[4])
                 first, again = gguf_matmul(x, raw, qtype, n, tiling), gguf_matmul(x, raw, qtype, n, tiling)
-                error = ((first - expected).abs().max() / expected.abs().max()).item()
-                results[repr(case)] = {"error": error, "same_bits": torch.equal(first, again)}
+                results[repr(case)] = {"error": _relative_error(first, expected), "same_bits": torch.equal(first, again)}
+    return results
+
+
+def _quant_linear_checks() -> dict[str, dict]:
+    """Each type's QuantLinear (with a bias) filled with packed rows, for x [1, M, 512] of each
+    ``QUANT_LINEAR_CASES``, against the reference plus the bias."""
+    from native.gguf_matmul import QuantLinear, gguf_matmul_reference
+
+    rng = np.random.default_rng(1)
+    results = {}
+    for name in TYPES:
+        qtype = Q[name]
+        layer = QuantLinear(qtype, 512, 24, bias=True)
+        layer.raw.copy_(torch.from_numpy(_quantize((rng.standard_normal((24, 512)) * 0.05).astype(np.float32), qtype)))
+        torch.nn.init.normal_(layer.bias, std=0.1)
+        for m, dtype in QUANT_LINEAR_CASES:
+            x = torch.randn(1, m, 512, generator=torch.Generator().manual_seed(m)).to(getattr(torch, dtype))  # [batch, M, K]
+            with torch.inference_mode():
+                ours = layer(x)
+            expected = gguf_matmul_reference(x, layer.raw, qtype, 24) + layer.bias.to(x.dtype)
+            results[f"{name}-{m}-{dtype}"] = {"shape": list(ours.shape), "dtype": str(ours.dtype), "error": _relative_error(ours, expected)}
     return results
 
 
@@ -114,6 +162,11 @@ def test_kernel_matches_the_reference(interpreted, case):
     assert interpreted["kernels"][repr(case)] < TOLERANCE[case[-1]]
 
 
+@pytest.mark.parametrize("case", RANDOM_BYTES, ids=lambda c: "-".join(map(str, c)))
+def test_kernel_matches_the_reference_on_random_bytes(interpreted, case):
+    assert interpreted["kernels"][repr(("random bytes", *case))] < TOLERANCE["float32"]
+
+
 @pytest.mark.parametrize("case", TILED, ids=lambda c: "-".join(map(str, c[:4])) + "-" + "-".join(f"{k}{v}" for k, v in c[4].items()))
 def test_every_tiling_matches_the_reference_and_repeats_its_bits(interpreted, case):
     result = interpreted["kernels"][repr(case)]
@@ -121,11 +174,25 @@ def test_every_tiling_matches_the_reference_and_repeats_its_bits(interpreted, ca
     assert result["same_bits"]
 
 
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("m, dtype", QUANT_LINEAR_CASES)
+def test_quant_linear_runs_the_kernel_for_every_type(interpreted, qtype, m, dtype):
+    result = interpreted["quant_linears"][f"{qtype}-{m}-{dtype}"]
+    assert result["shape"] == [1, m, 24] and result["dtype"] == f"torch.{dtype}"
+    assert result["error"] < TOLERANCE[dtype]
+
+
+def test_every_kernel_type_is_tested():
+    from native.gguf_matmul import KERNEL_TYPES
+
+    assert sorted(TYPES) == sorted(t.name for t in KERNEL_TYPES)
+
+
 @pytest.mark.parametrize("arch, quant", MODELS)
 def test_keep_quantized_model_matches_the_dequantized_load(interpreted, arch, quant):
     result = interpreted["models"][f"{arch}-{quant}"]
     # q4_k_m mixes Q4_K and Q6_K; the kernels, not the fallback, must have run in every layer kind.
-    assert result["quant_linear_types"] == {"q4_k_m": ["Q4_K", "Q6_K"], "q8_0": ["Q8_0"], "q6_k": ["Q6_K"]}[quant]
+    assert result["quant_linear_types"] == {"q4_k_m": ["Q4_K", "Q6_K"], "q8_0": ["Q8_0"], "q6_k": ["Q6_K"], "q5_k": ["Q5_K"]}[quant]
     assert result["error"] < 1e-5
 
 
@@ -149,4 +216,4 @@ def test_keep_quantized_without_triton_runs_the_reference_bit_for_bit(tmp_path):
 
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).parents[2]))  # the checkout: tests.kquants, tests.dense_fixtures
-    print(json.dumps({"kernels": _kernel_checks(), "models": _model_checks(Path(sys.argv[1]))}))
+    print(json.dumps({"kernels": _kernel_checks(), "quant_linears": _quant_linear_checks(), "models": _model_checks(Path(sys.argv[1]))}))
