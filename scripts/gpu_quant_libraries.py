@@ -1,18 +1,19 @@
 """Quantized matmul on a GPU: our kernels against cuBLAS bf16 and the libraries that could do it.
 
+(The int8-activation ``mmvq`` kernel this script first timed was removed after this comparison;
+it is in commit 3cdb1ba. BENCHMARKS.md holds the numbers.)
+
 For each layer shape of Qwen3-8B and Qwen3.5-27B and each row count M, the time of one
 ``x [M, K] @ W^T`` (inside a CUDA graph of 20 calls, so launches cost what they cost in the model)
 and the bandwidth it reaches on the weight's packed bytes, for:
 
 - ``bf16``: ``F.linear`` on a bfloat16 copy (cuBLAS): what dequantizing at load gives;
 - ``gguf_matmul``: the float-expanding Triton kernels of ``native.gguf_matmul``;
-- ``mmvq``: ``native.gguf_mmvq`` (int8 activations, dp4a), over a tiling sweep (the best shown);
 - ``int4pack``: PyTorch's own int4 weight-only kernel (``torch._weight_int4pack_mm``, tinygemm),
   Q4_K converted to its group-32 bfloat16 scale and zero (not exact: bf16 scales);
 - ``gemlite``: the gemlite package's A16W4 Triton kernels, group 32, fp16 scales and zeros.
 
-It also checks ``mmvq`` (with PTX dp4a) against its exact reference on the device. Run from the
-repository root: ``python scripts/gpu_mmvq.py [--quick]``; gemlite from ``.whl/bench`` if present.
+Run from the repository root: ``python scripts/gpu_quant_libraries.py``; gemlite from ``.whl/bench`` if present.
 Weights are random GGUF blocks (benchmark only).
 """
 
@@ -33,7 +34,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from native.gguf_dequant import dequantize  # noqa: E402
 from native.gguf_matmul import gguf_matmul, gguf_matmul_reference  # noqa: E402
-from native.gguf_mmvq import MmvqTiling, gguf_mmvq, quantize_rows_reference  # noqa: E402
 
 SHAPES = {  # name: (N, K)
     "8b.qkv": (6144, 4096), "8b.o": (4096, 4096), "8b.gate_up": (24576, 4096), "8b.down": (4096, 12288),
@@ -41,7 +41,6 @@ SHAPES = {  # name: (N, K)
     "27b.attn_qkv": (10240, 5120), "27b.gate_up": (34816, 5120), "27b.down": (5120, 17408), "27b.lm_head": (248320, 5120),
 }
 ROWS = (1, 2, 4, 8, 16, 23, 32)
-TILINGS = [MmvqTiling(b, w, s) for b in (1, 2, 4, 8, 16) for w in (1, 2, 4) for s in (0, 1)]
 
 
 def random_blocks(qtype: Q, n: int, k: int, device) -> torch.Tensor:
@@ -141,7 +140,6 @@ def gemlite_linear(raw: torch.Tensor, n: int, k: int):
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true", help="fewer tilings and shapes")
     ap.add_argument("--shapes", default="", help="comma-separated shape names (default all)")
     ap.add_argument("--rows", default=",".join(map(str, ROWS)), help="row counts M")
     ap.add_argument("--types", default="Q4_K,Q6_K")
@@ -151,7 +149,6 @@ def main() -> None:
     bw = copy_bandwidth(device)
     print(f"device {torch.cuda.get_device_name()}  torch {torch.__version__}  copy bandwidth {bw / 1e12:.2f} TB/s")
     shapes = [s for s in SHAPES if not args.shapes or s in args.shapes.split(",")]
-    tilings = TILINGS if not args.quick else [MmvqTiling(b, w, 0, u) for b in (4, 8, 16) for w in (1, 2, 4) for u in (1, 2, 4)]
     rows = tuple(int(r) for r in args.rows.split(","))
     results = []
     for qtype in [Q[t] for t in args.types.split(",")]:
@@ -170,33 +167,11 @@ def main() -> None:
             for m in rows:
                 x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
                 row = {"type": qtype.name, "shape": name, "N": n, "K": k, "M": m, "bytes": nbytes}
-                # correctness of mmvq on the device (PTX dp4a) against its exact definition
-                xq, xd, _ = quantize_rows_reference(x)
-                xdq = (xq.float().view(m, -1, 32) * xd[..., None]).view(m, k)
                 ref = gguf_matmul_reference(x.float(), raw, qtype, n)
-                if qtype == Q.Q6_K:
-                    exact = gguf_matmul_reference(xdq, raw, qtype, n)
-                else:
-                    blocks = raw.view(n, -1, 144)
-                    a, b = blocks.clone(), blocks.clone()
-                    a[..., 2:4] = 0
-                    b[..., 0:2] = 0
-                    exact = gguf_matmul_reference(xdq, a.view(n, -1), qtype, n) + gguf_matmul_reference(x.float(), b.view(n, -1), qtype, n)
-                y = gguf_mmvq(x, raw, qtype, n).float()
-                row["mmvq_err_exact"] = ((y - exact).abs().max() / exact.abs().max()).item()
-                row["mmvq_err_ref"] = ((y - ref).abs().max() / ref.abs().max()).item()
+                yg = gguf_matmul(x, raw, qtype, n).float()
+                row["gguf_matmul_err_ref"] = ((yg - ref).abs().max() / ref.abs().max()).item()
                 row["bf16_us"] = timed(lambda: F.linear(x, w16))
                 row["gguf_matmul_us"] = timed(lambda: gguf_matmul(x, raw, qtype, n))
-                best = (float("inf"), None)
-                for t in tilings:
-                    try:
-                        us = timed(lambda: gguf_mmvq(x, raw, qtype, n, t))
-                    except Exception as exc:  # noqa: BLE001
-                        print(f"  {t}: {type(exc).__name__}: {str(exc)[:200]}", file=sys.stderr)
-                        continue
-                    row.setdefault("sweep", {})[f"{t.block_n}/{t.num_warps}/{t.split_k}/{t.unroll}"] = round(us, 2)
-                    best = min(best, (us, t), key=lambda p: p[0])
-                row["mmvq_us"], row["mmvq_tiling"] = best[0], best[1] and f"{best[1].block_n}/{best[1].num_warps}/{best[1].split_k}/{best[1].unroll}"
                 for lib, fn in packers.items():
                     try:
                         yl = fn(x).float()
@@ -204,23 +179,21 @@ def main() -> None:
                         row[f"{lib}_us"] = timed(lambda: fn(x))
                     except Exception as exc:  # noqa: BLE001
                         print(f"{lib} M={m} {name}: {type(exc).__name__}: {str(exc)[:200]}")
-                row["mmvq_bw_share"] = nbytes / (row["mmvq_us"] * 1e-6) / bw
                 results.append(row)
                 libs = "  ".join(f"{lib} {row.get(lib + '_us', float('nan')):7.1f}" for lib in packers)
                 print(
                     f"{qtype.name} {name:13s} M={m:2d}  bf16 {row['bf16_us']:7.1f}  gguf_matmul {row['gguf_matmul_us']:7.1f}  "
-                    f"mmvq {row['mmvq_us']:7.1f} ({row['mmvq_tiling']}, {100 * row['mmvq_bw_share']:.0f}% of copy bw)  {libs}  "
-                    f"err exact {row['mmvq_err_exact']:.1e} ref {row['mmvq_err_ref']:.1e}",
+                    f"{libs}  err vs reference: gguf_matmul {row['gguf_matmul_err_ref']:.1e}",
                     flush=True,
                 )
-            del w16, raw
+            w16 = raw = packers = None  # free before the next shape
             torch.cuda.empty_cache()
     out = Path(sys.argv[0]).resolve().parent.parent / "out"
     import os
 
     dest = Path(os.environ.get("OUT", out))
     dest.mkdir(parents=True, exist_ok=True)
-    (dest / "gpu_mmvq.json").write_text(json.dumps({"copy_bw": bw, "rows": results}, indent=1))
+    (dest / "gpu_quant_libraries.json").write_text(json.dumps({"copy_bw": bw, "rows": results}, indent=1))
 
 
 if __name__ == "__main__":
