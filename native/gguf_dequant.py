@@ -40,7 +40,12 @@ def _f16(blocks: torch.Tensor, start: int) -> torch.Tensor:
 
 
 def _shifts(values: list[int], device: torch.device, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
-    return torch.tensor(values, dtype=dtype, device=device)
+    """``values``, an arithmetic run (0, 4 or 0, 2, 4, 6 ...), made on ``device`` by ``arange``: a
+    host list would be copied over, which a CUDA graph capture refuses (a kept-quantized embedding
+    dequantizes its rows inside the captured passes)."""
+    step = values[1] - values[0] if len(values) > 1 else 1
+    assert list(values) == list(range(values[0], values[-1] + 1, step)), values
+    return torch.arange(values[0], values[-1] + 1, step, dtype=dtype, device=device)
 
 
 def _nibbles(qs: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,7 @@ from services.draft.graphs import BatchItem, BlockGraphs, top_k_proposal, top_k_
 from services.worker.hosting import SequenceTable
 from splitspec.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from splitspec.models.dflash import DFlashConfig, DFlashDraft
+from splitspec.models.quantized import QuantEmbedding
 
 
 class ContextCache:
@@ -113,8 +114,8 @@ class DraftEngine:
     def __init__(
         self,
         model: DFlashDraft,
-        embed: torch.Tensor,  # [vocab, hidden] the target's token embedding
-        lm_head: torch.Tensor,  # [vocab, hidden] the target's output projection
+        embed: torch.Tensor | QuantEmbedding,  # [vocab, hidden] the target's token embedding (in its GGUF blocks: keep-quantized)
+        lm_head: torch.Tensor | torch.nn.Module,  # [vocab, hidden] the target's output projection, or a QuantLinear
         max_sequences: int = 256,
         max_top_k: int = 64,
         graphs: BlockGraphs | None = None,
@@ -122,9 +123,10 @@ class DraftEngine:
         self.model, self.config = model, model.config
         self.embed, self.lm_head = embed, lm_head
         self.graphs = graphs  # the CUDA-graph block pass, when enabled
-        self.vocab_size = embed.shape[0]
+        self.vocab_size = embed.num_embeddings if isinstance(embed, QuantEmbedding) else embed.shape[0]
         self.max_sequences, self.max_top_k = max_sequences, max_top_k
-        self.device, self.dtype = embed.device, next(model.parameters()).dtype
+        param = next(model.parameters())  # the draft and the target's embedding share the device
+        self.device, self.dtype = param.device, param.dtype
         self.sequences = SequenceTable()  # of DraftSequence
 
     @property

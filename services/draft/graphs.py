@@ -71,6 +71,7 @@ from native import top_k as native_top_k
 from native import use_triton
 from services.worker.cuda_graphs import StagedInputs, attention_span, capture
 from splitspec.models.dflash import DFlashDraft, PooledAttention
+from splitspec.models.quantized import embedding_rows, head_logits
 
 logger = logging.getLogger(__name__)
 
@@ -134,7 +135,7 @@ def top_k_log_softmax(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, t
 def top_k_of(hidden: torch.Tensor, lm_head: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Block hidden states [B, hidden] -> per-depth top-K ids [B-1, K] int32 and log-probs [B-1, K]
     float32 (row 0 is the anchor's)."""
-    return top_k_log_softmax(hidden[1:] @ lm_head.T.to(hidden.dtype), top_k)  # logits [B-1, vocab]
+    return top_k_log_softmax(head_logits(hidden[1:], lm_head), top_k)  # logits [B-1, vocab]
 
 
 def top_k_proposal(
@@ -142,7 +143,7 @@ def top_k_proposal(
     context: list[tuple[torch.Tensor, torch.Tensor]], top_k: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One eager block pass over ``context`` (per layer (k, v) [H_kv, S, D])."""
-    return top_k_of(model(embed[block].to(model.fc.weight.dtype), positions, context), lm_head, top_k)
+    return top_k_of(model(embedding_rows(embed, block).to(model.norm.weight.dtype), positions, context), lm_head, top_k)
 
 
 def top_k_proposals(
@@ -159,10 +160,10 @@ def top_k_proposals(
     c = model.config
     rows = torch.arange(c.block_size, device=anchors.device)  # [B]
     blocks = torch.where(rows == 0, anchors[:, None], c.mask_token_id)  # [S, B]: anchor, MASK × (B-1)
-    hidden = model.forward_batch(embed[blocks].to(model.fc.weight.dtype), anchor_positions[:, None] + rows, contexts)  # [S, B, hidden]
+    hidden = model.forward_batch(embedding_rows(embed, blocks).to(model.norm.weight.dtype), anchor_positions[:, None] + rows, contexts)  # [S, B, hidden]
     # One [S * (B-1), hidden] matmul: a 3-D operand would run as a batched matmul over the
     # broadcast LM head (H200, S=32, vocab 152k: 9 ms against well under one).
-    logits = (hidden[:, 1:].flatten(0, 1) @ lm_head.T.to(hidden.dtype)).unflatten(0, (len(top_ks), -1))  # [S, B-1, vocab]
+    logits = head_logits(hidden[:, 1:].flatten(0, 1), lm_head).unflatten(0, (len(top_ks), -1))  # [S, B-1, vocab]
     out: list[tuple[torch.Tensor, torch.Tensor]] = [None] * len(top_ks)  # type: ignore[list-item]
     for k in sorted(set(top_ks)):
         members = [s for s, ks in enumerate(top_ks) if ks == k]
@@ -235,7 +236,7 @@ class BlockGraphs:
     ) -> None:
         self.model, self.embed, self.lm_head = model, embed, lm_head
         self.context, self.sequences, self.capture = context, sequences, capture
-        self.device = embed.device
+        self.device = model.norm.weight.device
         self.failed = False  # a capture failed: every sequence runs the eager pass
         self._lock = threading.Lock()  # slots come back on whichever thread drops the last reference
         self._free = list(range(sequences - 1, -1, -1))
@@ -266,7 +267,7 @@ class BlockGraphs:
         if not self.pool:
             c = self.model.config
             shape = (c.num_kv_heads, self.sequences * self.context + c.block_size, c.head_dim)
-            dtype = self.model.fc.weight.dtype
+            dtype = self.model.norm.weight.dtype
             # Zeros: a masked position is multiplied by 0 in attention, and 0 * NaN would be NaN.
             self.pool = [tuple(torch.zeros(shape, device=self.device, dtype=dtype) for _ in "kv") for _ in range(c.num_layers)]
         weakref.finalize(owner, self._give_back, slot)
@@ -304,7 +305,7 @@ class BlockGraphs:
         p = self._passes.get(key)
         fresh = p is None
         if fresh:
-            dtype = None if features is None else self.model.fc.weight.dtype
+            dtype = None if features is None else self.model.norm.weight.dtype
             p = BlockPass.allocate(self.device, b, self.model.fc.in_features, dtype)
         p.write((anchor_token, anchor_position, first, end, cache.size, feature_position), features)
         compute = lambda: self._compute(cache, p.head, p.features, span, top_k)  # noqa: E731
@@ -348,7 +349,7 @@ class BlockGraphs:
         cols = self._cols[:span]
         visible = (cols >= head[2]) & (cols < head[3] + c.block_size)  # [span]: the window, then the block
         mask = visible[None, :].expand(c.block_size, -1)
-        hidden = self.model.forward_cached(self.embed[block].to(self.model.fc.weight.dtype), head[1] + rows, caches, head[3] + rows, mask)
+        hidden = self.model.forward_cached(embedding_rows(self.embed, block).to(self.model.norm.weight.dtype), head[1] + rows, caches, head[3] + rows, mask)
         return top_k_of(hidden, self.lm_head, top_k)
 
     def run_batch(self, items: list[BatchItem]) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[tuple[int, int]]] | None:
@@ -374,7 +375,7 @@ class BlockGraphs:
         self.batch_shapes.add(key)
         inputs = self._batch_inputs.get(s)
         if inputs is None:
-            dtype = self.model.fc.weight.dtype
+            dtype = self.model.norm.weight.dtype
             rows, width = s * b, self.model.fc.in_features
             staged = StagedInputs.allocate(8 * BATCH_HEAD * s + 16 * rows + rows * width * dtype.itemsize, self.device)
             inputs = self._batch_inputs[s] = BatchInputs(staged, s, rows, width, dtype)
@@ -442,10 +443,10 @@ class BlockGraphs:
         at = PooledAttention(
             slots, ends, (slots[:, None] * self.context + ends[:, None] + rows).flatten(), visible[:, None, :].expand(s, b, span), self.context
         )
-        dtype = self.model.fc.weight.dtype
-        hidden = self.model.forward_pooled(self.embed[block.flatten()].to(dtype), positions.flatten(), self.pool, at)  # [S * B, hidden]
+        dtype = self.model.norm.weight.dtype
+        hidden = self.model.forward_pooled(embedding_rows(self.embed, block.flatten()).to(dtype), positions.flatten(), self.pool, at)  # [S * B, hidden]
         # One [S * (B-1), hidden] matmul (see top_k_proposals).
-        logits = hidden.view(s, b, -1)[:, 1:].flatten(0, 1) @ self.lm_head.T.to(hidden.dtype)  # [S * (B-1), vocab]
+        logits = head_logits(hidden.view(s, b, -1)[:, 1:].flatten(0, 1), self.lm_head)  # [S * (B-1), vocab]
         out = []
         for k in ks:
             ids, logprobs = top_k_log_softmax(logits, k)

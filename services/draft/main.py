@@ -22,6 +22,12 @@ def add_arguments(p: argparse.ArgumentParser, model: bool = True) -> None:
     p.add_argument("--listen", default="127.0.0.1:50053", help="address to serve on (host:port or unix:PATH)")
     p.add_argument("--device", default="cpu", help="cpu, cuda:N or auto (cuda:0 when torch sees a GPU, else cpu)")
     p.add_argument("--dtype", default="auto", help="auto (bfloat16 on GPU, float32 on CPU), float32, float16, bfloat16")
+    p.add_argument(
+        "--keep-quantized", action="store_true",
+        help="a GGUF target's token embedding and LM head, and a GGUF draft's linear weights, stay in their GGUF blocks "
+        "(types with a matmul kernel for the linears and head, any block type for the embedding, whose lookup "
+        "dequantizes only the rows it reads) instead of being dequantized to --dtype; other weights dequantize as usual",
+    )
     p.add_argument("--max-sequences", type=int, default=256, help="live draft contexts at most")
     p.add_argument(
         "--graph-sequences", type=int, default=-1,
@@ -52,18 +58,21 @@ def load_engine(args: argparse.Namespace):
     """The engine of the draft named by the flags; returns (engine, target config, dtype name, device name)."""
     from splitspec.models.devices import resolve_device, resolve_dtype
     from splitspec.models.loader import check_draft_fits, load_dflash_draft, load_target_head, read_target_config
+    from splitspec.models.quantized import head_summary, kept_summary
 
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     t0 = time.perf_counter()
     target_config = read_target_config(args.target_model)
-    model, config = load_dflash_draft(args.model, device, dtype, num_target_layers=target_config.num_layers)
+    model, config = load_dflash_draft(args.model, device, dtype, num_target_layers=target_config.num_layers, keep_quantized=args.keep_quantized)
     check_draft_fits(config, target_config, str(args.model), str(args.target_model))
-    embed, head, target_config = load_target_head(args.target_model, device, dtype)
+    embed, head, target_config = load_target_head(args.target_model, device, dtype, keep_quantized=args.keep_quantized)
     logger.info(
         "loaded draft %s: %d layers, block %d, taps %s, on %s in %.1f s",
         args.model, config.num_layers, config.block_size, list(config.target_layer_ids), device, time.perf_counter() - t0,
     )
+    if args.keep_quantized:
+        logger.info("keep-quantized draft: %s; the target's %s", kept_summary(model), head_summary(embed, head))
     return draft_engine(args, model, embed, head, device), target_config, str(dtype).removeprefix("torch."), str(device)
 
 

@@ -32,9 +32,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--keep-quantized", action="store_true",
-        help="GGUF dense targets (llama, qwen2, qwen3): keep Q8_0/Q4_K/Q6_K linear weights in their GGUF blocks and "
-        "multiply with Triton kernels that read the blocks (on the CPU each call dequantizes: slow, for tests); other "
-        "weights and the embeddings dequantize as usual",
+        help="GGUF targets (llama, qwen2, qwen3 and the hybrid qwen35): keep linear weights of the types with a matmul kernel "
+        "(native.gguf_matmul.KERNEL_TYPES: Q8_0, Q4_K, Q6_K, ...) in their GGUF blocks and multiply with Triton kernels that "
+        "read the blocks (on the CPU each call dequantizes: slow, for tests), and a quantized token embedding too (a lookup "
+        "dequantizes only the rows it reads); other weights dequantize as usual",
     )
     p.add_argument("--max-sequences", type=int, default=64, help="live sequences at most")
     p.add_argument(

@@ -74,6 +74,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--draft-device", default="", help="draft device: auto, cpu or cuda:N (default: the same as --device)")
     p.add_argument("--dtype", default="auto", help="compute dtype of both workers")
+    p.add_argument(
+        "--keep-quantized", action="store_true",
+        help="both workers keep a GGUF model's quantized weights in their blocks (see splitspec target --help and splitspec draft --help)",
+    )
     p.add_argument("--mode", choices=["ddtree", "chain", "off"], default="ddtree", help="default speculation mode")
     p.add_argument(
         "--budget", type=parse_budget, default=DEFAULT_BUDGET,
@@ -438,14 +442,15 @@ def run(args: argparse.Namespace, log_args: list[str]) -> int:
     # alone); sharing the GPU with the draft, which may load later, it takes half, unless memory
     # caps split the device between them already.
     kv_share = ["--kv-memory-fraction", "0.5"] if shared and not target_cap else []
+    keep = ["--keep-quantized"] if args.keep_quantized else []
     children = [Child("target", [
         *base, "target", *log_args, "--model", target_model, "--listen", target_addr, "--device", args.device, "--dtype", args.dtype, *threads,
-        "--metrics-port", str(target_port), *kv_share, *target_cap,
+        "--metrics-port", str(target_port), *kv_share, *keep, *target_cap,
     ], target_addr)]
     if use_draft:
         children.append(Child("draft", [
             *base, "draft", *log_args, "--model", draft_model, "--target-model", target_model, "--listen", draft_addr,
-            "--device", draft_device, "--dtype", args.dtype, *threads, "--metrics-port", str(draft_port), *draft_cap,
+            "--device", draft_device, "--dtype", args.dtype, *threads, "--metrics-port", str(draft_port), *keep, *draft_cap,
         ], draft_addr))
     children.append(Child("gateway", [
         *base, "gateway", *log_args, "--listen", args.listen, "--target", target_addr,

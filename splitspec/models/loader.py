@@ -10,6 +10,10 @@ The hybrid Qwen3.5 family (GGUF ``qwen35`` or a ``qwen3_5`` directory) loads thr
 ``models.qwen35_loader``; ``read_target_config``, ``load_target`` and ``load_target_head`` pick
 the family. Every path may also be a Hub reference (``hf://...``, see ``splitspec.models.hub``). A file
 that does not fit raises ``ModelFileError`` naming the file and the offending key or tensor.
+
+``keep_quantized`` (GGUF files of either family, and GGUF drafts) keeps the weights of
+kernel-typed linears and a quantized token embedding in the file's blocks (``models.quantized``):
+for the target, for the draft's borrowed embedding and LM head, and for a GGUF draft's linears.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from gguf import GGMLQuantizationType as Q
 from torch import nn
 
 from native.gguf_dequant import dequantize
-from native.gguf_matmul import KERNEL_TYPES
+from native.gguf_matmul import KERNEL_TYPES, QuantLinear
 from splitspec.models import qwen35_loader
 from splitspec.models.dense import DenseConfig, DenseForCausalLM
 from splitspec.models.dflash import DFlashConfig, DFlashDraft, default_target_layer_ids
@@ -34,7 +38,14 @@ from splitspec.models.gguf_file import GGUFFile, ModelFileError
 from splitspec.models.hf_dir import HFDirectory
 from splitspec.models.hub import resolve_model
 from splitspec.models.layers import llama3_freq_factors
-from splitspec.models.quantized import swap_quant_linears
+from splitspec.models.quantized import (
+    QuantEmbedding,
+    keeps_embedding,
+    kept_summary,
+    quant_linear,
+    swap_quant_linears,
+    swap_quant_modules,
+)
 from splitspec.models.qwen35 import QWEN35_ARCHS, Qwen35Config, Qwen35ForCausalLM
 from splitspec.models.weights import load_gguf_raw, load_gguf_tensor, progress
 
@@ -283,12 +294,24 @@ def load_target(
     keep_quantized: bool = False,
 ) -> tuple[DenseForCausalLM | Qwen35ForCausalLM, DenseConfig | Qwen35Config]:
     """``state_dtype``: storage of recurrent states (hybrid family only; see ``Qwen35ForCausalLM``).
-    ``keep_quantized``: the dense family's linear layers whose GGUF weights are Q8_0, Q4_K or Q6_K
-    stay in their blocks (``native.gguf_matmul.QuantLinear``); the rest dequantize as usual."""
+    ``keep_quantized`` (GGUF files of either family): linear layers whose weights have a matmul
+    kernel type (``native.gguf_matmul.KERNEL_TYPES``) stay in their blocks (``QuantLinear``), and
+    so does a quantized token embedding (``QuantEmbedding``; see ``quantized.keeps_embedding``);
+    the rest dequantize as usual."""
     hybrid = _hybrid(path)
     if hybrid:
         module, local = hybrid
-        return module.load_qwen35(local, device, dtype, state_dtype)
+        model, config = module.load_qwen35(local, device, dtype, state_dtype, keep_quantized=keep_quantized)
+    else:
+        model, config = _load_dense(path, device, dtype, keep_quantized)
+    if keep_quantized:
+        logger.info("keep-quantized target: %s", kept_summary(model))
+    return model, config
+
+
+def _load_dense(
+    path: str | os.PathLike, device: torch.device | str, dtype: torch.dtype, keep_quantized: bool
+) -> tuple[DenseForCausalLM, DenseConfig]:
     source = _open_target(path, device)
     config = source.config
     with torch.device("meta"):
@@ -300,39 +323,43 @@ def load_target(
     unexpected = sorted(set(source.tensor_names()) - set(names.values()))
     if unexpected:
         raise ModelFileError(f"{source.where}: unexpected tensor {unexpected[0]!r} for a {config.architecture} model")
-    quantized = _quantized_linears(model, source, names) if keep_quantized else {}
+    quantized = _quantized_modules(model, source, names, dtype) if keep_quantized else {}
     state = {}
     for dst, src in progress(list(names.items()), f"loading {source.where.name}"):
         if dst in quantized:
             state[quantized[dst]] = source.load_raw(src, expected[dst])[0]
         else:
             state[dst] = source.load(src, expected[dst]).to(device=device, dtype=dtype)
-    if config.tie_word_embeddings:
-        state["lm_head.weight"] = state["embed_tokens.weight"]
+    if config.tie_word_embeddings:  # one tensor for both: the blocks, where kept quantized
+        part = "raw" if isinstance(model.lm_head, QuantLinear) else "weight"
+        state[f"lm_head.{part}"] = state[f"embed_tokens.{part}"]
     model.load_state_dict(state, assign=True, strict=True)
-    model.fuse_projections()
+    model.fuse_projections()  # QuantLinear layers stay unfused (see layers.fuse_linears)
     return model.eval(), config
 
 
-def _quantized_linears(model: DenseForCausalLM, source: _Source, names: dict[str, str]) -> dict[str, str]:
-    """Swap every ``nn.Linear`` of ``model`` (on the meta device) whose GGUF weight has a kernel
-    type for a ``QuantLinear``; returns weight name -> the name of its packed bytes."""
+def _quantized_modules(model: DenseForCausalLM, source: _Source, names: dict[str, str], dtype: torch.dtype) -> dict[str, str]:
+    """Keep-quantized's swap (``quantized.swap_quant_modules``) of ``model`` (on the meta device)
+    for a GGUF source; returns weight name -> the name of its packed bytes."""
     if not isinstance(source, _GGUFSource):
         return {}
-    types = {}
-    for module_name, module in model.named_modules():
-        weight = f"{module_name}.weight"
-        if isinstance(module, nn.Linear) and weight in names:
-            qtype = source.file.raw(names[weight])[1]
-            if qtype in KERNEL_TYPES:
-                types[module_name] = qtype
-    return swap_quant_linears(model, types)
+    types = {weight: source.file.raw(src)[1] for weight, src in names.items()}
+    return swap_quant_modules(model, types, dtype, source.config.tie_word_embeddings)
 
 
 def load_target_head(
-    path: str | os.PathLike, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
-) -> tuple[torch.Tensor, torch.Tensor, DenseConfig | Qwen35Config]:
-    """The target's token embedding [vocab, hidden] and LM head [vocab, hidden], for the draft."""
+    path: str | os.PathLike, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+    keep_quantized: bool = False,
+) -> tuple[torch.Tensor | QuantEmbedding, torch.Tensor | QuantLinear, DenseConfig | Qwen35Config]:
+    """The target's token embedding [vocab, hidden] and LM head [vocab, hidden], for the draft.
+
+    ``keep_quantized`` (a GGUF target of either family): the embedding comes as a ``QuantEmbedding``
+    where ``quantized.keeps_embedding`` says so and the head as a ``QuantLinear`` where its type has
+    a kernel (a tied head shares the embedding's blocks); each other one as a tensor, as without it."""
+    local = resolve_model(path)
+    if keep_quantized and not local.is_dir():
+        config = read_target_config(local)
+        return (*_kept_head(GGUFFile(local), config, device, dtype), config)
     hybrid = _hybrid(path)
     if hybrid:
         module, local = hybrid
@@ -353,6 +380,22 @@ def load_target_head(
     return embed, head, config
 
 
+def _kept_head(
+    f: GGUFFile, config: DenseConfig | Qwen35Config, device: torch.device | str, dtype: torch.dtype
+) -> tuple[torch.Tensor | QuantEmbedding, torch.Tensor | QuantLinear]:
+    """``load_target_head(keep_quantized=True)``'s embedding and head: both families store them
+    as ``token_embd`` and ``output`` with rows in the model's order."""
+    hidden, tied = config.hidden_size, config.tie_word_embeddings
+    shape = (config.vocab_size, hidden)
+    raw, qtype = load_gguf_raw(f, "token_embd.weight", shape, device)
+    kept = keeps_embedding(qtype, tied)
+    embed = QuantEmbedding.of(raw, qtype, hidden, dtype) if kept else dequantize(raw, qtype, shape).to(dtype)
+    if tied:
+        return embed, quant_linear(raw, qtype, hidden) if kept else embed
+    raw, qtype = load_gguf_raw(f, "output.weight", shape, device)
+    return embed, quant_linear(raw, qtype, hidden) if qtype in KERNEL_TYPES else dequantize(raw, qtype, shape).to(dtype)
+
+
 # ------------------------------------------------------------------------------------------- drafts
 
 def load_dflash_draft(
@@ -360,9 +403,12 @@ def load_dflash_draft(
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
     num_target_layers: int | None = None,
+    keep_quantized: bool = False,
 ) -> tuple[DFlashDraft, DFlashConfig]:
     """A DFlash draft from a z-lab directory (``config.json`` + ``model.safetensors``) or a GGUF
-    file. ``num_target_layers`` picks the default taps when the file does not list them."""
+    file. ``num_target_layers`` picks the default taps when the file does not list them.
+    ``keep_quantized``: a GGUF draft's linears whose weights have a kernel type stay in their
+    blocks (``QuantLinear``), as the target's do."""
     local = resolve_model(path)
     if local.is_dir():
         d = HFDirectory(local)
@@ -373,6 +419,7 @@ def load_dflash_draft(
         names = {name: name for name in _draft_param_names(config)}
         read = d.tensor
         where, available = d.path, d.tensor_names()
+        types = {}  # safetensors: no blocks to keep
     else:
         f = GGUFFile(local)
         config = dflash_config_from_gguf(f, num_target_layers)
@@ -381,16 +428,30 @@ def load_dflash_draft(
         def read(name, shape):
             return load_gguf_tensor(f, name, shape, device)
 
+        def read_raw(name, shape):
+            return load_gguf_raw(f, name, shape, device)[0]
+
         where, available = f.path, f.tensor_names()
+        types = {name: f.raw(src)[1] for name, src in names.items()} if keep_quantized else {}
     with torch.device("meta"):
         model = DFlashDraft(config)
     expected = {name: tuple(p.shape) for name, p in model.named_parameters()}
     unexpected = sorted(set(available) - set(names.values()))
     if unexpected:
         raise ModelFileError(f"{where}: unexpected tensor {unexpected[0]!r} for a DFlash draft")
-    state = {name: read(src, expected[name]).to(device=device, dtype=dtype) for name, src in names.items()}
+    kernel_typed = {
+        m: types[f"{m}.weight"] for m, module in model.named_modules()
+        if isinstance(module, nn.Linear) and types.get(f"{m}.weight") in KERNEL_TYPES
+    }
+    kept = swap_quant_linears(model, kernel_typed)  # weight name -> the state name of its blocks
+    state = {}
+    for name, src in names.items():
+        if name in kept:
+            state[kept[name]] = read_raw(src, expected[name])
+        else:
+            state[name] = read(src, expected[name]).to(device=device, dtype=dtype)
     model.load_state_dict(state, assign=True, strict=True)
-    model.fuse_projections()
+    model.fuse_projections()  # QuantLinear layers stay unfused (see layers.fuse_linears)
     return model.eval(), config
 
 

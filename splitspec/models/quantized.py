@@ -4,14 +4,18 @@
 ``native.gguf_matmul.QuantLinear``; it works for every family, since the models call their
 linears as modules. ``q4_k_m_types`` is llama.cpp's Q4_K_M recipe (``llama_tensor_get_type`` in
 ``src/llama-quant.cpp``) for the linear layers.
+``QuantEmbedding`` keeps a token embedding in its blocks too, and ``swap_quant_modules`` is the
+whole keep-quantized swap of a decoder the loaders make (linears, embedding, tied head).
 """
 
 from __future__ import annotations
 
+import torch
 from gguf import GGMLQuantizationType as Q
 from torch import nn
 
-from native.gguf_matmul import QuantLinear
+from native.gguf_dequant import dequantize
+from native.gguf_matmul import KERNEL_TYPES, QuantLinear, row_bytes
 
 
 def swap_quant_linears(model: nn.Module, types: dict[str, Q]) -> dict[str, str]:
@@ -67,3 +71,125 @@ def q4_k_m_types(model: nn.Module) -> dict[str, Q]:
                 more = False
             types[full] = Q.Q6_K if more else Q.Q4_K
     return types
+
+
+# ------------------------------------------------------------------------- embeddings and heads
+
+# Types a bf16 copy is no larger than: an embedding in one of these is dequantized as before.
+FLOAT_TYPES = frozenset({Q.F32, Q.F16, Q.BF16})
+
+
+class QuantEmbedding(nn.Module):
+    """A token embedding [num_embeddings, embedding_dim] whose rows stay in GGUF blocks.
+
+    ``raw`` (buffer, uint8 [num_embeddings, row_bytes]): row ``t`` is token ``t``'s blocks exactly
+    as the file stores them (a row is whole blocks, since GGUF blocks run along the hidden size). A
+    lookup gathers the asked rows and dequantizes those alone (``native.gguf_dequant``) into
+    ``dtype``, the compute dtype: the values indexing the dequantized table would give, bit for bit,
+    without the table (2.5 GB in bf16 for a 248K-token vocabulary at hidden 5120).
+    """
+
+    def __init__(self, qtype: Q, num_embeddings: int, embedding_dim: int, dtype: torch.dtype,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.qtype, self.num_embeddings, self.embedding_dim, self.dtype = qtype, num_embeddings, embedding_dim, dtype
+        raw = torch.empty(num_embeddings, row_bytes(qtype, embedding_dim), dtype=torch.uint8, device=device)
+        self.register_buffer("raw", raw)
+
+    @classmethod
+    def of(cls, raw: torch.Tensor, qtype: Q, embedding_dim: int, dtype: torch.dtype) -> QuantEmbedding:
+        """The embedding holding ``raw`` (uint8 [vocab, row_bytes], not copied)."""
+        module = cls(qtype, raw.shape[0], embedding_dim, dtype, device="meta")
+        module.raw = raw
+        return module
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [...] (int64) -> [..., embedding_dim] in ``dtype``."""
+        rows = self.raw.index_select(0, ids.reshape(-1))  # [N, row_bytes]
+        values = dequantize(rows, self.qtype, (rows.shape[0], self.embedding_dim))  # [N, dim] float32
+        return values.to(self.dtype).reshape(*ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.qtype.name}, {self.num_embeddings}, {self.embedding_dim}, dtype={self.dtype}"
+
+
+def quant_linear(raw: torch.Tensor, qtype: Q, in_features: int) -> QuantLinear:
+    """A bias-free ``QuantLinear`` holding ``raw`` (uint8 [out_features, row_bytes], not copied)."""
+    linear = QuantLinear(qtype, in_features, raw.shape[0], device="meta")
+    linear.raw = raw
+    return linear
+
+
+def keeps_embedding(qtype: Q, tied: bool) -> bool:
+    """Whether a token embedding stored as ``qtype`` stays in its blocks under keep-quantized: a
+    block type (a float type is no smaller than its dequantized copy), and, when the LM head is the
+    same tensor (``tied``), one with a matmul kernel, so that both read one copy of the blocks
+    (otherwise both share one dequantized tensor, as without keep-quantized)."""
+    return qtype not in FLOAT_TYPES and (not tied or qtype in KERNEL_TYPES)
+
+
+def swap_quant_modules(model: nn.Module, types: dict[str, Q], dtype: torch.dtype, tied: bool) -> dict[str, str]:
+    """Keep-quantized for a decoder ``model`` (``embed_tokens``, ``lm_head``) on the meta device:
+    ``types`` is module weight name -> the GGUF type of the tensor it loads from (a tied
+    ``lm_head.weight`` is absent). Every ``nn.Linear`` whose type has a kernel becomes a
+    ``QuantLinear`` (``swap_quant_linears``) and the embedding a ``QuantEmbedding`` where
+    ``keeps_embedding``; a tied head follows the embedding. Returns weight name -> the state name
+    of its packed bytes (``NAME.raw``); a tied head's bytes are the embedding's, which the caller
+    shares (``lm_head.raw``)."""
+    linears = {}
+    for name, module in model.named_modules():
+        qtype = types.get(f"{name}.weight")
+        if isinstance(module, nn.Linear) and qtype in KERNEL_TYPES:
+            linears[name] = qtype
+    embed_type = types["embed_tokens.weight"]
+    keep_embed = keeps_embedding(embed_type, tied)
+    if tied and keep_embed:
+        linears["lm_head"] = embed_type
+    swapped = swap_quant_linears(model, linears)
+    if keep_embed:
+        embed = model.embed_tokens
+        model.embed_tokens = QuantEmbedding(embed_type, embed.num_embeddings, embed.embedding_dim, dtype, device="meta")
+        swapped["embed_tokens.weight"] = "embed_tokens.raw"
+    if tied:
+        swapped.pop("lm_head.weight", None)  # its bytes are the embedding's, not a tensor of the file
+    return swapped
+
+
+def embedding_rows(embed: torch.Tensor | QuantEmbedding, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ``ids`` of a token embedding held as a tensor [vocab, hidden] or a ``QuantEmbedding``
+    (the draft worker takes either: keep-quantized or not)."""
+    return embed(ids) if isinstance(embed, QuantEmbedding) else embed[ids]
+
+
+def head_logits(hidden: torch.Tensor, head: torch.Tensor | nn.Module) -> torch.Tensor:
+    """hidden [..., hidden] -> logits [..., vocab] in hidden's dtype, for an LM head held as a
+    tensor [vocab, hidden] or a module (a ``QuantLinear``)."""
+    return head(hidden) if isinstance(head, nn.Module) else hidden @ head.T.to(hidden.dtype)
+
+
+def kept_summary(model: nn.Module) -> str:
+    """What a keep-quantized load holds in GGUF blocks, for the log: e.g. ``24 linears in blocks
+    (Q4_K 16, Q6_K 8), 1 dequantized; embedding in blocks (Q4_K)``."""
+    kept: dict[str, int] = {}
+    plain = 0
+    for module in model.modules():
+        if isinstance(module, QuantLinear):
+            kept[module.qtype.name] = kept.get(module.qtype.name, 0) + 1
+        elif isinstance(module, nn.Linear):
+            plain += 1
+    types = ", ".join(f"{name} {count}" for name, count in sorted(kept.items()))
+    text = f"{sum(kept.values())} linears in blocks ({types or 'none'}), {plain} dequantized"
+    embed = getattr(model, "embed_tokens", None)
+    if embed is not None:
+        text += f"; embedding in blocks ({embed.qtype.name})" if isinstance(embed, QuantEmbedding) else "; embedding dequantized"
+    return text
+
+
+def head_summary(embed: torch.Tensor | nn.Module, head: torch.Tensor | nn.Module) -> str:
+    """The draft's borrowed embedding and LM head, for the log: e.g. ``embedding in blocks (Q4_K),
+    LM head in blocks (Q6_K)``."""
+    parts = []
+    for what, module in (("embedding", embed), ("LM head", head)):
+        kept = isinstance(module, (QuantEmbedding, QuantLinear))
+        parts.append(f"{what} in blocks ({module.qtype.name})" if kept else f"{what} dequantized")
+    return ", ".join(parts)

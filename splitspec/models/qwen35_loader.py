@@ -4,6 +4,13 @@ From GGUF (architecture ``qwen35``: the converter's transforms are undone here â
 tiled back to HF's grouped order; the stored ``1 + w`` norms and ``ssm_a = -exp(A_log)`` are
 already what the modules hold) or from a Hugging Face directory (``Qwen3_5ForCausalLM``, or the
 text model of ``Qwen3_5ForConditionalGeneration``).
+
+Keep-quantized (GGUF only): the linears whose weights have a matmul kernel and the token embedding
+keep the file's blocks (``models.quantized.swap_quant_modules``). Untiling the value heads of such
+a weight: where they run along its output features (rows: ``attn_qkv``, ``attn_gate``,
+``ssm_beta``, ``ssm_alpha``) whole rows of blocks move, exactly as rows of values would; where
+they run along its input features (``ssm_out``'s columns), which blocks span, the weight stays in
+the file's order and its input is put in that order instead (``PermutedInputs``).
 """
 
 from __future__ import annotations
@@ -14,11 +21,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch import nn
 
+from native.gguf_matmul import QuantLinear
 from splitspec.models.gguf_file import GGUFFile, ModelFileError
 from splitspec.models.hf_dir import HFDirectory
+from splitspec.models.quantized import swap_quant_modules
 from splitspec.models.qwen35 import QWEN35_ARCHS, Qwen35Config, Qwen35ForCausalLM
-from splitspec.models.weights import progress
+from splitspec.models.weights import load_gguf_raw, progress
 
 QWEN35_HF_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
 
@@ -72,17 +82,43 @@ def tiled_v_head_order(num_key_heads: int, num_value_heads: int) -> np.ndarray:
     return np.arange(num_value_heads).reshape(num_key_heads, num_value_heads // num_key_heads).T.reshape(-1)
 
 
+def v_head_index(size: int, name: str, order: np.ndarray, config: Qwen35Config) -> np.ndarray:
+    """``[size]``: the gather along the value-head axis (``QWEN35_TILED_V_HEADS``) of the DeltaNet
+    tensor ``name`` that makes head ``i`` out of head ``order[i]``; the q and k channels before the
+    value heads of ``attn_qkv`` and the conv stay where they are."""
+    _, per_dim, after_qk = QWEN35_TILED_V_HEADS[name]
+    width = config.linear_value_head_dim if per_dim else 1
+    offset = 2 * config.key_dim if after_qk else 0
+    index = np.arange(size)
+    index[offset:] = offset + (order[:, None] * width + np.arange(width)).reshape(-1)
+    return index
+
+
 def permute_v_heads(array: np.ndarray, name: str, order: np.ndarray, config: Qwen35Config) -> np.ndarray:
     """Reorder the value heads of the DeltaNet tensor ``name`` (GGUF naming): head ``i`` of the
     result is head ``order[i]`` of ``array``. Tensors without value heads come back unchanged."""
     if name not in QWEN35_TILED_V_HEADS:
         return array
-    axis, per_dim, after_qk = QWEN35_TILED_V_HEADS[name]
-    width = config.linear_value_head_dim if per_dim else 1
-    offset = 2 * config.key_dim if after_qk else 0
-    index = np.arange(array.shape[axis])
-    index[offset:] = offset + (order[:, None] * width + np.arange(width)).reshape(-1)
-    return np.take(array, index, axis=axis)
+    axis = QWEN35_TILED_V_HEADS[name][0]
+    return np.take(array, v_head_index(array.shape[axis], name, order, config), axis=axis)
+
+
+class PermutedInputs(nn.Module):
+    """``linear(x[..., index])``: a linear layer whose weight holds its input features in another
+    order than the activations it is given; stored feature ``j`` is activation feature
+    ``index[j]`` (``index``: int64 buffer [in_features], not part of the state dict).
+
+    For a quantized weight whose columns would need permuting: blocks run along the input
+    features, so its rows of bytes cannot be re-ordered that way, while one gather of the
+    [T, in_features] activations per call costs little next to the matmul."""
+
+    def __init__(self, linear: nn.Module, index: torch.Tensor) -> None:
+        super().__init__()
+        self.linear = linear
+        self.register_buffer("index", index, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x.index_select(-1, self.index))
 
 
 def is_qwen35(path: Path) -> bool:
@@ -133,18 +169,49 @@ def qwen35_config_from_gguf(f: GGUFFile) -> Qwen35Config:
         raise ModelFileError(f"{f.path}: {exc}") from exc
 
 
-def _load_qwen35_state(model: Qwen35ForCausalLM, read, source: str, device, dtype) -> Qwen35ForCausalLM:
-    """Fill ``model`` (on the meta device) from ``read(param_name, shape) -> float32 array/tensor``."""
-    state = {}
+def _load_qwen35_state(
+    model: Qwen35ForCausalLM, read, source: str, device, dtype, packed: dict[str, torch.Tensor] | None = None
+) -> Qwen35ForCausalLM:
+    """Fill ``model`` (on the meta device) from ``read(param_name, shape) -> float32 array/tensor``
+    and ``packed``, the raw blocks of the modules kept quantized (state name -> uint8 tensor)."""
+    state = dict(packed or {})
     for name, param in progress(list(model.named_parameters()), f"loading {source}"):
         if name == "lm_head.weight" and model.config.tie_word_embeddings:
             continue
         value = torch.as_tensor(read(name, tuple(param.shape)))
         state[name] = value.to(device=device, dtype=dtype)
-    if model.config.tie_word_embeddings:
-        state["lm_head.weight"] = state["embed_tokens.weight"]
+    if model.config.tie_word_embeddings:  # one tensor for both: the blocks, where kept quantized
+        part = "raw" if isinstance(model.lm_head, QuantLinear) else "weight"
+        state[f"lm_head.{part}"] = state[f"embed_tokens.{part}"]
     model.load_state_dict(state, assign=True, strict=True)
     return model.eval()
+
+
+def _keep_blocks(model: Qwen35ForCausalLM, f: GGUFFile, names: dict[str, str], device, dtype) -> dict[str, torch.Tensor]:
+    """Swap the modules of ``model`` (on the meta device) that keep-quantized keeps in blocks and
+    read their blocks, value heads untiled (module docstring): state name -> uint8 [rows, row bytes]."""
+    c = model.config
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    tied = c.tie_word_embeddings
+    types = {name: f.raw(gguf)[1] for name, gguf in names.items() if name in shapes and not (tied and name == "lm_head.weight")}
+    swapped = swap_quant_modules(model, types, dtype, tied)
+    tile = tiled_v_head_order(c.linear_num_key_heads, c.linear_num_value_heads)
+    untile = np.argsort(tile)
+    packed = {}
+    for weight, raw_name in progress(list(swapped.items()), f"loading {f.path.name} (blocks)"):
+        gguf_name = names[weight]
+        raw, _ = load_gguf_raw(f, gguf_name, shapes[weight], device)  # [out, row bytes]
+        short = gguf_name.split(".", 2)[-1]
+        axis = QWEN35_TILED_V_HEADS[short][0] if short in QWEN35_TILED_V_HEADS else None
+        if axis == 0:  # value heads along the output features: whole rows of blocks move
+            raw = raw[torch.as_tensor(v_head_index(raw.shape[0], short, untile, c), device=raw.device)]
+        elif axis == 1:  # along the input features: the weight keeps the file's order, its input takes it
+            module = weight.removesuffix(".weight")
+            index = v_head_index(shapes[weight][1], short, tile, c)
+            model.set_submodule(module, PermutedInputs(model.get_submodule(module), torch.as_tensor(index, device=device)))
+            raw_name = f"{module}.linear.raw"
+        packed[raw_name] = raw
+    return packed
 
 
 def qwen35_gguf_names(config: Qwen35Config) -> dict[str, str]:
@@ -158,8 +225,11 @@ def qwen35_gguf_names(config: Qwen35Config) -> dict[str, str]:
 
 
 def load_qwen35(
-    path: str | os.PathLike, device: torch.device | str, dtype: torch.dtype, state_dtype: torch.dtype | None
+    path: str | os.PathLike, device: torch.device | str, dtype: torch.dtype, state_dtype: torch.dtype | None,
+    keep_quantized: bool = False,
 ) -> tuple[Qwen35ForCausalLM, Qwen35Config]:
+    """``keep_quantized``: a GGUF's kernel-typed linears and quantized embedding stay in their
+    blocks (module docstring); a Hugging Face directory has no blocks to keep."""
     path = Path(path)
     if path.is_dir():
         return load_qwen35_hf(path, device, dtype, state_dtype)
@@ -176,7 +246,8 @@ def load_qwen35(
 
     with torch.device("meta"):
         model = Qwen35ForCausalLM(config, state_dtype)
-    return _load_qwen35_state(model, read, path.name, device, dtype), config
+    packed = _keep_blocks(model, f, names, device, dtype) if keep_quantized else {}
+    return _load_qwen35_state(model, read, path.name, device, dtype, packed), config
 
 
 # --- qwen35 from a Hugging Face directory (Qwen3_5ForCausalLM, or the text model of Qwen3_5ForConditionalGeneration)

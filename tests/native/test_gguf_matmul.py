@@ -201,6 +201,7 @@ def test_keep_quantized_without_triton_runs_the_reference_bit_for_bit(tmp_path):
     weights, so the same logits to the bit."""
     from native.gguf_matmul import QuantLinear
     from splitspec.models.loader import load_target
+    from splitspec.models.quantized import QuantEmbedding
     from tests.dense_fixtures import hf_model, write_gguf
 
     assert os.environ.get("SPLITSPEC_NATIVE_CPU") != "1"
@@ -208,7 +209,7 @@ def test_keep_quantized_without_triton_runs_the_reference_bit_for_bit(tmp_path):
     dense, _ = load_target(path)
     packed, _ = load_target(path, keep_quantized=True)
     assert isinstance(packed.layers[0].self_attn.q_proj, QuantLinear) and isinstance(packed.lm_head, QuantLinear)
-    assert isinstance(packed.embed_tokens, torch.nn.Embedding)
+    assert isinstance(packed.embed_tokens, QuantEmbedding)  # Q4_K: kept too, its rows dequantized as looked up
     tokens = torch.tensor([[5, 9, 200, 31]])
     with torch.inference_mode():
         assert torch.equal(packed.forward_sequences(tokens)[0], dense.forward_sequences(tokens)[0])
