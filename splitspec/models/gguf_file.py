@@ -9,8 +9,11 @@ from any of its parts: metadata comes from the first part, tensors from all of t
 
 from __future__ import annotations
 
+import logging
 import os
 import re
+from collections import Counter
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -35,11 +38,35 @@ SUPPORTED_TYPES = {
 }
 
 _MISSING = object()
+# Tensor families a file may carry beside its text model, which no loader here reads: a vision tower
+# and its projector (GGUF "v." and "mm."; Hugging Face "visual." / "model.visual."), and
+# multi-token-prediction heads (GGUF "blk.N.nextn."; Hugging Face "mtp."). The group is the match.
+_NOT_TEXT_MODEL = re.compile(r"^(?:model\.)?(v\.|mm\.|visual\.|mtp\.)|^blk\.\d+\.(nextn\.)")
+
+logger = logging.getLogger(__name__)
 _SPLIT_NAME = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 
 
 class ModelFileError(ValueError):
     """A model file that cannot be used; the message names the file and the offending key."""
+
+
+def skip_other_tensors(where: str | os.PathLike, available: Iterable[str], read: Iterable[str], model: str) -> list[str]:
+    """The tensors of ``available`` outside ``read`` that belong to a vision tower or a
+    multi-token-prediction head, logged once by family as skipped (the text model loads without
+    them); returns them. Any other unread tensor is an error naming it: a file this loader does
+    not understand must not load half-read."""
+    others = sorted(set(available) - set(read))
+    unknown = [name for name in others if not _NOT_TEXT_MODEL.match(name)]
+    if unknown:
+        raise ModelFileError(f"{where}: unexpected tensor {unknown[0]!r} for a {model} model")
+    if others:
+        families = Counter(next(g for g in _NOT_TEXT_MODEL.match(name).groups() if g) for name in others)
+        logger.info(
+            "%s: loading the text model; skipping %d tensors it does not use (%s)", where, len(others),
+            ", ".join(f"{count} {family}*" for family, count in sorted(families.items())),
+        )
+    return others
 
 
 def split_parts(path: str | os.PathLike) -> list[Path]:

@@ -34,7 +34,7 @@ from native.gguf_matmul import KERNEL_TYPES, QuantLinear
 from splitspec.models import qwen35_loader
 from splitspec.models.dense import DenseConfig, DenseForCausalLM
 from splitspec.models.dflash import DFlashConfig, DFlashDraft, default_target_layer_ids
-from splitspec.models.gguf_file import GGUFFile, ModelFileError
+from splitspec.models.gguf_file import GGUFFile, ModelFileError, skip_other_tensors
 from splitspec.models.hf_dir import HFDirectory
 from splitspec.models.hub import resolve_model
 from splitspec.models.layers import llama3_freq_factors
@@ -320,9 +320,7 @@ def _load_dense(
     if config.tie_word_embeddings:
         del expected["lm_head.weight"]
     names = source.names(expected)
-    unexpected = sorted(set(source.tensor_names()) - set(names.values()))
-    if unexpected:
-        raise ModelFileError(f"{source.where}: unexpected tensor {unexpected[0]!r} for a {config.architecture} model")
+    skip_other_tensors(source.where, source.tensor_names(), names.values(), config.architecture)
     quantized = _quantized_modules(model, source, names, dtype) if keep_quantized else {}
     state = {}
     for dst, src in progress(list(names.items()), f"loading {source.where.name}"):

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from native.gguf_matmul import QuantLinear
-from splitspec.models.gguf_file import GGUFFile, ModelFileError
+from splitspec.models.gguf_file import GGUFFile, ModelFileError, skip_other_tensors
 from splitspec.models.hf_dir import HFDirectory
 from splitspec.models.quantized import swap_quant_modules
 from splitspec.models.qwen35 import QWEN35_ARCHS, Qwen35Config, Qwen35ForCausalLM
@@ -236,6 +236,8 @@ def load_qwen35(
     f = GGUFFile(path)
     config = qwen35_config_from_gguf(f)
     names = qwen35_gguf_names(config)
+    read_names = [n for n in names.values() if not (n == "output.weight" and config.tie_word_embeddings)]
+    skip_other_tensors(f.path, f.tensor_names(), read_names, "qwen35")
     untile = np.argsort(tiled_v_head_order(config.linear_num_key_heads, config.linear_num_value_heads))
 
     def read(name: str, shape: tuple[int, ...]) -> np.ndarray:
@@ -338,6 +340,9 @@ def load_qwen35_hf(
     config = qwen35_config_from_hf(directory)
     weights = HFDirectory(directory)
     prefix = _text_prefix(weights)
+    with torch.device("meta"):
+        wanted = [qwen35_hf_name(name, prefix) for name, _ in Qwen35ForCausalLM(config).named_parameters()]
+    skip_other_tensors(directory, weights.tensor_names(), wanted, "qwen35")
 
     def read(name: str, shape: tuple[int, ...]) -> torch.Tensor:
         tensor = qwen35_from_hf(name, weights.tensor(qwen35_hf_name(name, prefix)).float())
