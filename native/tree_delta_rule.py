@@ -15,10 +15,16 @@ path is launch-bound: a few small ops per depth level per layer. Here each is on
   first); the sequences of a batch run side by side, not one after another. A row whose parent is
   the previous row continues in registers; any other row reloads its parent's stored state (or its
   sequence's state before the block), prefetched with its inputs while the previous row computes.
-  Every row's state is stored, since the deepest accepted row's becomes the sequence's state on
-  commit. A one-sequence call walks rows ``0 .. T - 1`` without reading any offsets.
+  Every row's state is stored by default (a per-sequence cache's commit adopts the deepest accepted
+  row's). A one-sequence call walks rows ``0 .. T - 1`` without reading any offsets.
   The state is rounded to the storage dtype after every row, as the torch path does by reading its
-  parent's *stored* state, so both give the same stored bits up to float32 rounding.
+  parent's *stored* state, so both give the same stored bits up to float32 rounding. Two options
+  serve a fixed-shape (CUDA graph) pass: the sequences' states read in place from a table through
+  their slot indices (no per-layer gather of ``[S, H, Dk, Dv]``), and a ``keep`` mask of the rows
+  to store: where the block alone reads the states, only the rows a later row reloads.
+- :func:`path_gated_delta`: one program per (layer and value head, ``Dv`` tile, sequence) advances
+  a committed state along the sequence's accepted path, in place (the commit by recomputation of
+  :mod:`splitspec.models.delta_rule`).
 
 Import this module only where Triton can run (CUDA, or ``TRITON_INTERPRET=1`` set before the
 import); :mod:`splitspec.models.delta_rule` decides when and imports it lazily.
@@ -32,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["tree_conv_silu", "tree_gated_delta"]
+__all__ = ["path_gated_delta", "tree_conv_silu", "tree_gated_delta"]
 
 
 def _on_device_of(x: torch.Tensor):
@@ -126,9 +132,11 @@ def _tree_delta_kernel(
     v,  # [T, H, DV]
     g,  # [T, H] log-decay
     beta,  # [T, H]
-    initial,  # [S, H, DK, DV] the states before the block, storage dtype
+    initial,  # [S, H, DK, DV] the states before the block, storage dtype (with INDEXED: a table of them)
+    state_index,  # [S] int64 row of initial each sequence starts from (read only when INDEXED)
     parents,  # [T] int64, -(s + 1) = sequence s's state
     offsets,  # [S + 1] int64 row offsets of the sequences (read only when RAGGED)
+    keep,  # [T] int8 rows whose state is stored (read only unless KEEP_ALL)
     out,  # [T, H, DV] float32
     states,  # [T, H, DK, DV] storage dtype
     q_row,  # elements between rows of q, k and v (heads and dims are packed within a row)
@@ -141,6 +149,8 @@ def _tree_delta_kernel(
     BK: tl.constexpr,
     BV: tl.constexpr,
     RAGGED: tl.constexpr,  # several sequences: this program walks rows offsets[s] .. offsets[s + 1] - 1
+    INDEXED: tl.constexpr,  # sequence s starts from initial[state_index[s]]
+    KEEP_ALL: tl.constexpr,  # store every row's state (else only where keep is set)
 ):
     head = tl.program_id(0)
     cols = tl.program_id(1) * BV + tl.arange(0, BV)  # [BV] value dims of this tile
@@ -153,7 +163,11 @@ def _tree_delta_kernel(
     if RAGGED:
         t = tl.load(offsets + sequence).to(tl.int32)
         end = tl.load(offsets + sequence + 1).to(tl.int32)
-        before = initial + sequence.to(tl.int64) * state_size  # this sequence's state before the block
+        if INDEXED:
+            row_of_state = tl.load(state_index + sequence).to(tl.int64)
+        else:
+            row_of_state = sequence.to(tl.int64)
+        before = initial + row_of_state * state_size  # this sequence's state before the block
         # A sequence of no rows (t = end, maybe T) runs no row: its first row's loads below need
         # only stay in range, and so go unmasked, as on the one-sequence path.
         first = tl.minimum(t, T - 1)
@@ -193,7 +207,11 @@ def _tree_delta_kernel(
         s = s + kt[:, None] * ((vt - predicted) * bt)[None, :]
         tl.store(out + th * DV + cols, tl.sum(s * qt[:, None], axis=0), mask=col_ok)
         stored = _rounded(s, states.dtype.element_ty)
-        tl.store(states + t.to(tl.int64) * state_size + tile, stored, mask=tile_ok)
+        if KEEP_ALL:
+            tl.store(states + t.to(tl.int64) * state_size + tile, stored, mask=tile_ok)
+        else:
+            kept = tl.load(keep + t) != 0
+            tl.store(states + t.to(tl.int64) * state_size + tile, stored, mask=tile_ok & kept)
         # Children read the stored (rounded) state, as in the torch path.
         s = tl.where(reload, from_before.to(tl.float32) + from_row.to(tl.float32), stored.to(tl.float32))
         qt, kt, vt = qn.to(tl.float32), kn.to(tl.float32), vn.to(tl.float32)
@@ -219,35 +237,51 @@ def tree_gated_delta(
     v: torch.Tensor,  # [T, H, Dv]
     g: torch.Tensor,  # [T, H] log-decay
     beta: torch.Tensor,  # [T, H]
-    state: torch.Tensor,  # [S, H, Dk, Dv] (or [H, Dk, Dv] for S = 1) the states before the block
+    state: torch.Tensor,  # [S, H, Dk, Dv] (or [H, Dk, Dv] for S = 1) the states before the block; a table with state_index
     parents: torch.Tensor,  # [T], parents[t] < t, -(s + 1) = sequence s's state
     store_dtype: torch.dtype,
     offsets: torch.Tensor | None = None,  # [S + 1] row offsets of the sequences
     block_v: int | None = None,
     num_warps: int | None = None,
+    *,
+    state_index: torch.Tensor | None = None,  # [S] int64: sequence s starts from state[state_index[s]]
+    keep: torch.Tensor | None = None,  # [T] bool: store only these rows' states
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`splitspec.models.delta_rule.gated_delta_tree` as one launch: outputs ``[T, H, Dv]``
     (float32) and the state after every row ``[T, H, Dk, Dv]`` (``store_dtype``).
 
     With ``S > 1`` sequences each walks its own rows; ``offsets`` (which the caller that built the
     batch knows, once for all layers) save deriving them from ``parents`` in a few small launches.
-    A sequence may have no rows. ``block_v`` and ``num_warps`` (the ``[Dk, block_v]`` state tile
-    of a program and its warps) default to what was fastest on an H200 at the Qwen3.5-27B
-    geometry with trees of 23 rows: 16 and 4 for one sequence; for 8 to 32 sequences 32, with 4
-    warps for float32 states (S = 32: 875 us against 958 for 16 and 4) and 2 for bfloat16 ones
-    (674 us against 1056)."""
+    A sequence may have no rows; a row of no sequence (past ``offsets[S]``: padding) is not
+    computed, its output is 0. ``state_index``: ``state`` is a table of states (a layer's state
+    slots) read in place, and the sequences are ``state_index``'s. ``keep``: rows outside it
+    have undefined states (the caller reads none of them). ``block_v`` and ``num_warps`` (the
+    ``[Dk, block_v]`` state tile of a program and its warps) default to what was fastest on an
+    H200 at the Qwen3.5-27B geometry with trees of 23 rows: 16 and 4 for one sequence; for 8 to 32
+    sequences 32, with 4 warps for float32 states (S = 32: 875 us against 958 for 16 and 4) and 2
+    for bfloat16 ones (674 us against 1056).
+
+    Nothing here reads a tensor's values on the host: a pass calling it can be captured."""
     num_rows, heads, dk = k.shape
     dv = v.shape[-1]
-    num_seqs = state.shape[0] if state.dim() == 4 else 1
+    if state_index is not None:
+        num_seqs = state_index.shape[0]
+        expected_state = (state.shape[0], heads, dk, dv)
+    else:
+        num_seqs = state.shape[0] if state.dim() == 4 else 1
+        expected_state = (num_seqs, heads, dk, dv) if state.dim() == 4 else (heads, dk, dv)
     expected = {"q": (num_rows, heads, dk), "v": (num_rows, heads, dv), "g": (num_rows, heads), "beta": (num_rows, heads),
-                "state": (num_seqs, heads, dk, dv) if state.dim() == 4 else (heads, dk, dv), "parents": (num_rows,), "offsets": (num_seqs + 1,)}
+                "state": expected_state, "parents": (num_rows,), "offsets": (num_seqs + 1,), "keep": (num_rows,)}
     given = {"q": q, "v": v, "g": g, "beta": beta, "state": state, "parents": parents}
     if offsets is not None:
         given["offsets"] = offsets
+    if keep is not None:
+        given["keep"] = keep
     for name, tensor in given.items():
         if tuple(tensor.shape) != expected[name]:
             raise ValueError(f"tree_gated_delta: {name} has shape {tuple(tensor.shape)}, expected {expected[name]}")
-    out = torch.empty(num_rows, heads, dv, dtype=torch.float32, device=v.device)
+    # Zeros where padding may leave rows to no sequence: their output feeds the rest of the pass.
+    out = (torch.zeros if offsets is not None else torch.empty)(num_rows, heads, dv, dtype=torch.float32, device=v.device)
     states = torch.empty(num_rows, heads, dk, dv, dtype=store_dtype, device=v.device)
     if num_rows == 0:
         return out, states
@@ -256,7 +290,7 @@ def tree_gated_delta(
     q, k, v = (x if x.stride(-1) == 1 and x.stride(-2) == x.shape[-1] else x.contiguous() for x in (q, k, v))
     g, beta, parents = (x.contiguous() for x in (g, beta, parents.long()))
     initial = state.to(store_dtype).contiguous()
-    if offsets is None and num_seqs > 1:
+    if offsets is None and (num_seqs > 1 or state_index is not None):
         offsets = _sequence_offsets(parents, num_seqs)
     ragged = offsets is not None
     if num_seqs == 1:
@@ -264,10 +298,115 @@ def tree_gated_delta(
     else:
         block_v, num_warps = block_v or 32, num_warps or (4 if initial.element_size() >= 4 else 2)
     block_v = min(block_v, triton.next_power_of_2(dv))
+    unread = parents  # a pointer for the arguments a variant does not read
     with _on_device_of(v):
         _tree_delta_kernel[(heads, triton.cdiv(dv, block_v), num_seqs)](
-            q, k, v, g, beta, initial, parents, offsets.long().contiguous() if ragged else parents,  # parents: unread
+            q, k, v, g, beta, initial,
+            unread if state_index is None else state_index.long().contiguous(),
+            parents,
+            offsets.long().contiguous() if ragged else unread,
+            unread if keep is None else keep.to(torch.int8).contiguous(),
             out, states, q.stride(0), k.stride(0), v.stride(0), num_rows, heads,
-            DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV=block_v, RAGGED=ragged, num_warps=num_warps,
+            DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV=block_v, RAGGED=ragged,
+            INDEXED=state_index is not None, KEEP_ALL=keep is None, num_warps=num_warps,
         )
     return out, states
+
+
+@triton.jit
+def _path_delta_kernel(
+    states,  # [L, slots, H, DK, DV] storage dtype, advanced in place
+    slots,  # [B] int64
+    paths,  # [B, P] int64 rows of each path, root first
+    lengths,  # [B] int64
+    keys,  # [L, *, HK, DK] (rows strided)
+    values,  # [L, *, H, DV]
+    decays,  # [L, *, H]
+    betas,  # [L, *, H]
+    state_layer,  # elements between layers of states
+    k_layer,  # elements between layers and between rows of keys, values, decays, betas
+    k_row,
+    v_layer,
+    v_row,
+    g_layer,
+    g_row,
+    b_layer,
+    b_row,
+    P,
+    H,
+    GROUP,  # value heads per key head
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+):
+    layer_head = tl.program_id(0)
+    layer = (layer_head // H).to(tl.int64)
+    head = layer_head % H
+    key_head = head // GROUP
+    cols = tl.program_id(1) * BV + tl.arange(0, BV)
+    sequence = tl.program_id(2)
+    keys_at = tl.arange(0, BK)
+    col_ok, key_ok = cols < DV, keys_at < DK
+    tile_ok = key_ok[:, None] & col_ok[None, :]
+    slot = tl.load(slots + sequence)
+    count = tl.load(lengths + sequence).to(tl.int32)
+    state = states + layer * state_layer + (slot * H + head) * DK * DV  # this slot's head, in place
+    tile = keys_at[:, None] * DV + cols[None, :]
+    s = tl.load(state + tile, mask=tile_ok, other=0.0).to(tl.float32)
+    j = 0
+    while j < count:
+        row = tl.load(paths + sequence * P + j)
+        kt = tl.load(keys + layer * k_layer + row * k_row + key_head * DK + keys_at, mask=key_ok, other=0.0).to(tl.float32)
+        vt = tl.load(values + layer * v_layer + row * v_row + head * DV + cols, mask=col_ok, other=0.0).to(tl.float32)
+        gt = tl.load(decays + layer * g_layer + row * g_row + head).to(tl.float32)
+        bt = tl.load(betas + layer * b_layer + row * b_row + head).to(tl.float32)
+        # The tree kernel's row update, and its rounding: a row reads its parent's stored state.
+        s = s * tl.exp(gt)
+        predicted = tl.sum(s * kt[:, None], axis=0)
+        s = s + kt[:, None] * ((vt - predicted) * bt)[None, :]
+        s = _rounded(s, states.dtype.element_ty).to(tl.float32)
+        j += 1
+    tl.store(state + tile, _rounded(s, states.dtype.element_ty), mask=tile_ok)
+
+
+def path_gated_delta(
+    states: torch.Tensor,  # [L, slots, H, Dk, Dv] storage dtype, advanced in place
+    slots: torch.Tensor,  # [B] int64 distinct
+    paths: torch.Tensor,  # [B, P] int64 rows, root first
+    lengths: torch.Tensor,  # [B] int64, 1 .. P
+    keys: torch.Tensor,  # [L, T, Hk, Dk]
+    values: torch.Tensor,  # [L, T, H, Dv]
+    decays: torch.Tensor,  # [L, T, H]
+    betas: torch.Tensor,  # [L, T, H]
+    block_v: int = 32,
+    num_warps: int = 4,
+) -> None:
+    """:func:`splitspec.models.delta_rule.path_gated_delta_reference` as one launch over every
+    layer, head and sequence: each program loads its ``[Dk, block_v]`` tile of a slot's state,
+    walks the path's rows in registers and stores the tile back in place."""
+    layers, _, heads, dk, dv = states.shape
+    num_seqs, width = paths.shape
+    if (
+        not states.is_contiguous() or slots.shape != (num_seqs,) or lengths.shape != (num_seqs,)
+        or keys.shape[0] != layers or keys.shape[-1] != dk or heads % keys.shape[2]
+        or values.shape[0] != layers or values.shape[2:] != (heads, dv)
+        or decays.shape[0] != layers or decays.shape[2:] != (heads,) or betas.shape != decays.shape
+    ):
+        raise ValueError(
+            f"path_gated_delta: states {tuple(states.shape)}, slots {tuple(slots.shape)}, paths {tuple(paths.shape)}, "
+            f"lengths {tuple(lengths.shape)}, keys {tuple(keys.shape)}, values {tuple(values.shape)}, "
+            f"decays {tuple(decays.shape)} and betas {tuple(betas.shape)} disagree"
+        )
+    if num_seqs == 0:
+        return
+    # Rows may be strided (views of a larger buffer); within a row, heads and dims must be packed.
+    keys, values, decays, betas = (x if x.stride(-1) == 1 and (x.dim() < 4 or x.stride(-2) == x.shape[-1]) else x.contiguous() for x in (keys, values, decays, betas))
+    block_v = min(block_v, triton.next_power_of_2(dv))
+    with _on_device_of(states):
+        _path_delta_kernel[(layers * heads, triton.cdiv(dv, block_v), num_seqs)](
+            states, slots.long().contiguous(), paths.long().contiguous(), lengths.long().contiguous(), keys, values, decays, betas,
+            states.stride(0), keys.stride(0), keys.stride(1), values.stride(0), values.stride(1), decays.stride(0), decays.stride(1),
+            betas.stride(0), betas.stride(1), width, heads, heads // keys.shape[2],
+            DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV=block_v, num_warps=num_warps,
+        )

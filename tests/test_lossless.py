@@ -1,7 +1,8 @@
 """Losslessness through the three real services: speculative output == target-only output.
 
-Both target families run: dense Qwen3 (also on the fast path's fixed shapes) and the Qwen3.5 hybrid, whose Gated DeltaNet state follows
-each tree row's parent chain and is committed from the deepest accepted row. The target runs in
+Both target families run, each also on the fast path's fixed shapes (padded passes, CUDA graphs on
+a GPU): dense Qwen3 and the Qwen3.5 hybrid, whose Gated DeltaNet state follows each tree row's
+parent chain and is committed along the accepted path. The target runs in
 float64 so that batching a tree differently from a single token cannot flip a near-tie. Two drafts are used: the real DFlash draft of the tiny pair (random, so it rarely hits)
 and the benchmark/test-only OracleDrafter, which proposes the recorded target-only output
 corrupted at 30% per depth. The oracle drives long acceptances, rejections and branch
@@ -48,12 +49,12 @@ def _cases(vocab: int) -> list[dict]:
     return cases
 
 
-@pytest.fixture(scope="module", params=["qwen3", "qwen3-fast-path", "qwen35"])
+@pytest.fixture(scope="module", params=["qwen3", "qwen3-fast-path", "qwen35", "qwen35-fast-path"])
 def system(request, module_services, tiny_pair, tiny_qwen35_pair, tmp_path_factory):
     from splitspec.models.loader import read_target_config
 
     s, arch = module_services, request.param
-    pair = tiny_qwen35_pair if arch == "qwen35" else tiny_pair
+    pair = tiny_qwen35_pair if arch.startswith("qwen35") else tiny_pair
     model = str(pair.target)
     table = tmp_path_factory.mktemp(f"oracle-{arch}") / "table.jsonl"
     # The fixed-shape passes (padded rows and sequences, bucketed spans; graphs on a GPU).

@@ -39,7 +39,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from services.target.graphs import PREFILL_CHUNK, PassRunner
+from services.target.graphs import PREFILL_CHUNK, ROW_BUCKETS, PassRunner, recurrent_pass_rows
 from services.worker.hosting import SequenceTable
 from splitspec.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, ServiceError
 from splitspec.models.paged import PagedState, PassInputs, pass_layout
@@ -162,7 +162,9 @@ class TargetEngine:
         self.device, self.dtype = param.device, param.dtype
         blocks = -(-self.limits.max_kv_tokens // self.limits.block_size) + 1  # + the pad block
         self.state = model.new_pool(blocks, self.limits.block_size, self.limits.max_sequences, self.device, self.dtype)
-        self.runner = PassRunner(model, self.state, fixed_shapes, capture)
+        # A recurrent family's fixed-shape tree passes are bounded by the rows its slots reserve.
+        max_rows = ROW_BUCKETS[-1] if self.state.slots is None else recurrent_pass_rows(self.limits.max_sequences)
+        self.runner = PassRunner(model, self.state, fixed_shapes, capture, max_rows)
         self.sequences = SequenceTable(on_drop=lambda state: self._give_back(state.holding))  # of SequenceState
         self._admissions = itertools.count(1)
         # Held by the engine thread for a whole call (reentrant: a preemption gives back inside one).
@@ -438,17 +440,20 @@ class TargetEngine:
         logits, features = self.runner.run(layout, taps)
         positions = torch.from_numpy(layout.positions)  # host: only seeded sampling reads them
         greedy = logits.argmax(dim=-1).cpu().numpy()  # [N] every greedy sequence's tokens at once
-        feature_rows: list[torch.Tensor] = []
-        results = []
+        walks = []  # (first row, accepted rows, bonus) of each sequence
         for s, item in enumerate(work):
             first, last = int(layout.offsets[s]), int(layout.offsets[s + 1])
-            state = item.state
-            if state.sampling.greedy:
+            if item.state.sampling.greedy:
                 target_tokens = greedy[first:last]
             else:
-                target_tokens = draw_tokens(logits[first:last], positions[first:last], state.sampling).cpu().numpy()
-            accepted, next_token = accept_path(item.tokens, item.parents, target_tokens)
-            self.commit(state, accepted, first)
+                target_tokens = draw_tokens(logits[first:last], positions[first:last], item.state.sampling).cpu().numpy()
+            walks.append((first, *accept_path(item.tokens, item.parents, target_tokens)))
+        # One commit for the pass: a recurrent family advances every sequence's state in a few launches.
+        self._commit([(item.state, accepted, first) for item, (first, accepted, _) in zip(work, walks)])
+        feature_rows: list[torch.Tensor] = []
+        results = []
+        for item, (first, accepted, next_token) in zip(work, walks):
+            state = item.state
             committed = [state.pending_token] + [int(item.tokens[a - 1]) for a in accepted[1:]]
             logprobs = None
             if state.top_logprobs is not None:
@@ -468,11 +473,17 @@ class TargetEngine:
     def commit(self, state: SequenceState, accepted: Sequence[int], first_row: int = 0) -> None:
         """Keep the accepted rows (``[AL]``, root first) of ``state``'s block in the last pass, whose
         rows start at ragged row ``first_row``: K/V compacted down to ``state.length ..``, and the
-        deepest accepted row's recurrent state adopted."""
-        self.kv.compact(state.holding.blocks, state.length, accepted)
+        recurrent state advanced to the deepest accepted row's."""
+        self._commit([(state, accepted, first_row)])
+
+    def _commit(self, commits: Sequence[tuple[SequenceState, Sequence[int], int]]) -> None:
+        """:meth:`commit` of several sequences of the last pass: ``(state, accepted, first_row)``."""
+        for state, accepted, _ in commits:
+            self.kv.compact(state.holding.blocks, state.length, accepted)
         if self.state.slots is not None:
-            self.state.slots.commit(state.holding.slot, first_row + accepted[-1])
-        state.length += len(accepted)
+            self.state.slots.commit_paths([(state.holding.slot, [first + int(a) for a in accepted]) for state, accepted, first in commits])
+        for state, accepted, _ in commits:
+            state.length += len(accepted)
 
     def sequence_cache(self, state: SequenceState) -> SimpleNamespace:
         """A sequence's state gathered out of the pools (tests and tools): ``k``, ``v`` ``[layers,

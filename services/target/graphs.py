@@ -17,6 +17,13 @@ fixed ``(N, B, T, S)`` it can be captured once and replayed with new inputs:
 One graph per (N, B, T, S, taps, prompt chunk or not) is captured on first use and replayed after;
 graphs share one memory pool. Without ``capture`` (a CPU) the fixed shapes run eagerly (how CI
 tests this path); with ``fixed_shapes`` off every pass runs eagerly at its exact shape.
+
+**Recurrent families** (the hybrid Qwen3.5: ``PagedState.slots``) run the same fixed shapes, since
+their passes read nothing on the host and their padding only reads (``Qwen35ForCausalLM.forward_paged``).
+What a tree pass keeps of its rows until the commit (``slots.pending``) goes to buffers reserved
+once for ``max_rows`` rows (``slots.reserve``), which every captured pass writes; a replay runs no
+Python, so the runner points ``slots.pending`` at the replayed pass's rows itself. Tree passes of
+more rows, which would need more of those buffers, run eagerly at their exact shape.
 """
 
 from __future__ import annotations
@@ -40,6 +47,15 @@ ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 264, 384, 512, 768,
 # of five 4096-wide taps: 21 MB).
 PREFILL_BUCKETS = (64, 128, 256, 512)
 PREFILL_CHUNK = PREFILL_BUCKETS[-1]
+WARM_TREE_ROWS = 24  # a budget-22 tree (23 rows), padded: the tree size warm_up captures
+
+
+def recurrent_pass_rows(max_sequences: int) -> int:
+    """The most rows of a recurrent family's fixed-shape tree pass: a budget-22 tree of every
+    sequence, as :meth:`PassRunner.warm_up` captures (a bucket). The rows its tree passes keep are
+    reserved for that many (at the Qwen3.5-27B geometry ~2 MB a row: ``qwen35.tree_row_bytes``),
+    so it grows with the sequences, as their state slots do (151 MB each in float32)."""
+    return bucket(min(max_sequences * WARM_TREE_ROWS, ROW_BUCKETS[-1]), ROW_BUCKETS)
 
 
 def bucket(value: int, buckets: tuple[int, ...]) -> int | None:
@@ -57,19 +73,21 @@ class _Pass:
     logits: torch.Tensor | None = None  # [N or 1, vocab] float32
     features: torch.Tensor | None = None  # [N, taps * hidden]
     graph: torch.cuda.CUDAGraph | None = None
+    pending: object | None = None  # a recurrent family's rows kept by this pass (views of reserved buffers)
 
 
 class PassRunner:
     """Runs :meth:`forward_paged` of a target over a :class:`PassLayout`."""
 
     def __init__(self, model, state: PagedState, fixed_shapes: bool, capture: bool, max_rows: int = ROW_BUCKETS[-1]) -> None:
+        """``max_rows``: the most rows of a fixed-shape tree (verify or decode) pass; larger ones run
+        eagerly at their exact shape. A recurrent family's state slots reserve their tree rows for it."""
         self.model, self.state = model, state
         self.device = state.kv.k.device
-        # Recurrent families run exact shapes: a pad row would advance a prompt chunk's state, and
-        # their tree passes are not captured yet.
-        fixed_shapes = fixed_shapes and state.slots is None
         self.fixed_shapes, self.capture = fixed_shapes, capture and fixed_shapes
         self.max_rows = max_rows
+        if fixed_shapes and state.slots is not None:
+            state.slots.reserve(max_rows)
         self._passes: dict[tuple, _Pass] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.capture else None
 
@@ -93,7 +111,7 @@ class PassRunner:
         fresh = p is None
         if fresh:
             staged = StagedInputs.allocate(PassInputs.nbytes(*shape, block_size), self.device)
-            p = self._passes[key] = _Pass(staged, PassInputs.on(staged.on_device, *shape, block_size))
+            p = self._passes[key] = _Pass(staged, PassInputs.on(staged.on_device, *shape, block_size, static=True))
         # The chunk's last real row is read inside the pass: one graph serves every chunk length.
         p.inputs.fill(layout, p.staged.writable(), layout.num_rows - 1)
         p.staged.upload()
@@ -101,13 +119,14 @@ class PassRunner:
         n = layout.num_rows
         return (p.logits if prompt_chunk else p.logits[:n]), (None if p.features is None else p.features[:n])
 
-    def warm_up(self, max_sequences: int, tree_rows: tuple[int, ...] = (1, 24), spans: tuple[int, ...] = (256, 1024)) -> int:
+    def warm_up(self, max_sequences: int, tree_rows: tuple[int, ...] = (1, WARM_TREE_ROWS), spans: tuple[int, ...] = (256, 1024)) -> int:
         """Capture the passes of every power-of-two batch of up to ``max_sequences`` sequences, each
         sequence's block ``tree_rows`` rows (a decode step; a budget-22 tree), at key ``spans``, with
         no taps: the Triton kernels of those shapes compile now, not mid-stream, where a first batch
         of a new size would stall every sequence for the compile (py-spy on an H200: 42% of the
         engine thread in captures during a timed run). The pad sequences read and write only the
-        pad block. Returns the passes made (none when passes run at exact shapes)."""
+        pad block (and a recurrent family's pad state slot 0, which tree passes only read). Returns
+        the passes made (none when passes run at exact shapes)."""
         if not self.fixed_shapes:
             return 0
         made = 0
@@ -136,7 +155,7 @@ class PassRunner:
         else:
             rows, block_rows = bucket(layout.num_rows, ROW_BUCKETS), bucket(layout.max_rows, ROW_BUCKETS)
             sequences = 1 << (layout.num_sequences - 1).bit_length()
-        if rows is None or block_rows is None or rows > self.max_rows:
+        if rows is None or block_rows is None or (not prompt_chunk and rows > self.max_rows):
             return None
         keys = attention_span(int(layout.starts.max()) + block_rows)
         keys = -(-keys // self.state.kv.block_size) * self.state.kv.block_size
@@ -147,6 +166,7 @@ class PassRunner:
             last = p.inputs.last_row if prompt_chunk else None
             return self.model.forward_paged(p.inputs, self.state, taps, logit_rows=last, chain=prompt_chunk)
 
+        slots = self.state.slots
         if not self.capture:
             p.logits, p.features = compute()
         elif fresh:
@@ -159,4 +179,9 @@ class PassRunner:
             )
         else:
             p.graph.replay()
+            if slots is not None:  # the replay rewrote this pass's kept rows; no Python said so
+                slots.pending = p.pending
+            return
+        if slots is not None:
+            p.pending = slots.pending
 

@@ -114,7 +114,7 @@ async def run(args: argparse.Namespace, build=load_model) -> None:
     from services.worker import memory_plan
     from services.worker.hosting import model_geometry, serve_worker
     from splitspec.models.devices import DTYPES, backend_name, resolve_device, resolve_dtype
-    from splitspec.models.qwen35 import Qwen35Config, tree_node_bytes
+    from splitspec.models.qwen35 import Qwen35Config, tree_row_bytes
     from splitspec.v1 import target_pb2, target_pb2_grpc
 
     if args.threads:
@@ -144,11 +144,10 @@ async def run(args: argparse.Namespace, build=load_model) -> None:
                 raise
             raise memory_plan.out_of_memory("target", cap, exc) from exc
         if isinstance(config, Qwen35Config):
-            node = tree_node_bytes(config, dtype, model.recurrent_dtype(dtype))
             logger.info(
-                "hybrid target: %d DeltaNet + %d attention layers; a verify pass holds %.3g MB per tree node "
-                "(recurrent state %.3g MB, conv inputs %.3g MB, K/V %.3g MB)",
-                config.num_linear_layers, config.num_full_layers, node.total / 1e6, node.recurrent / 1e6, node.conv / 1e6, node.kv / 1e6,
+                "hybrid target: %d DeltaNet + %d attention layers; a verify pass keeps %.3g MB per tree row until its commit "
+                "(conv and delta-rule inputs: the commit recomputes the accepted path's state)",
+                config.num_linear_layers, config.num_full_layers, tree_row_bytes(config, dtype) / 1e6,
             )
         fixed = args.fixed_shapes == "on" or (args.fixed_shapes == "auto" and device.type == "cuda")
         capture = fixed and device.type == "cuda" and not args.no_cuda_graphs

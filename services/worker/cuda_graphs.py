@@ -6,7 +6,8 @@ static buffers, writes them before a replay and reads the outputs the capture re
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -24,6 +25,19 @@ def attention_span(end: int) -> int:
 
 
 _STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+@contextmanager
+def no_host_sync() -> Iterator[None]:
+    """Inside the block, anything that makes the host wait for a CUDA stream (``.item()``, a copy
+    to the host, ``nonzero``) raises, by torch's sync debug mode: a check that a pass's host side
+    (filling its inputs, a replay) never stalls on the device. Waiting on an event is allowed."""
+    before = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(before)
 
 
 def capture(compute: Callable[[], T], device: torch.device, pool=None) -> tuple[torch.cuda.CUDAGraph, T]:

@@ -18,7 +18,8 @@ Terms:
   - *KV cache*: the target's paged pool, ``--max-kv-tokens`` in whole blocks plus the pad block.
   - *state slots*: a hybrid target's conv window and recurrent state per sequence, for
     ``--max-sequences`` slots plus the pad slot (``Qwen35Slots``).
-  - *tree buffers*: a hybrid target's candidate conv input and recurrent state for every row of
+  - *tree buffers*: a hybrid target's conv input and delta-rule inputs (``qwen35.TreeRows``: its
+    commit recomputes the accepted path's state from them) for every row of
     the largest verify pass (its sequences' largest trees plus roots), twice: the last pass's
     candidates stay referenced (``Qwen35Slots.pending``) while the next pass makes its own.
   - *workspace*: activations of the largest pass and the outputs that captured CUDA graphs keep,
@@ -47,9 +48,9 @@ import torch
 from torch import nn
 
 from services.target.engine import TargetLimits
-from services.target.graphs import ROW_BUCKETS, PassRunner, bucket
+from services.target.graphs import ROW_BUCKETS, PassRunner, bucket, recurrent_pass_rows
 from services.worker.hosting import StepBatcher
-from splitspec.models.qwen35 import Qwen35Config, tree_node_bytes
+from splitspec.models.qwen35 import Qwen35Config, tree_row_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -249,21 +250,25 @@ def target_plan(
         slot = c.num_linear_layers * ((c.conv_kernel - 1) * c.conv_channels * itemsize + state)
         plan.state_slots = (limits.max_sequences + 1) * slot
         plan.basis["state_slots"] = f"({limits.max_sequences} + 1 pad) slots x {size(slot)} ({str(state_dtype).removeprefix('torch.')} states)"
-        node = tree_node_bytes(config, dtype, state_dtype)
-        candidate = node.recurrent + node.conv  # a row's K/V goes to the KV cache
+        candidate = tree_row_bytes(config, dtype)  # a row's K/V goes to the KV cache
         plan.tree_buffers = 2 * tree_rows * candidate
         plan.basis["tree_buffers"] = (
-            f"2 passes x {tree_rows} rows ({pass_sequences} x {limits.max_tree_nodes + 1}) x {size(candidate)} (conv + recurrent)"
+            f"2 passes x {tree_rows} rows ({pass_sequences} x {limits.max_tree_nodes + 1}) x {size(candidate)} (conv + delta-rule inputs)"
         )
+        if warm_up_sequences:  # captured passes write theirs into rows reserved once (PassRunner)
+            reserved = recurrent_pass_rows(limits.max_sequences)
+            plan.tree_buffers += reserved * candidate
+            plan.basis["tree_buffers"] += f", + {reserved} rows reserved for the captured passes"
 
     taps = min(PLAN_TAPS, c.num_layers)
     row = _row_bytes(c.hidden_size, c.intermediate_size, itemsize)
     feature_row = taps * c.hidden_size * itemsize
     verify = tree_rows * (row + _logits_row_bytes(c.vocab_size, itemsize) + feature_row)
+    if hybrid:  # the tree kernel's scratch: every row's state, one layer at a time
+        verify += tree_rows * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * state_dtype.itemsize
     prompt_rows = min(limits.max_kv_tokens, c.max_context)
     prefill = limits.prefill_chunk * row + _logits_row_bytes(c.vocab_size, itemsize) + 2 * prompt_rows * feature_row
-    # Recurrent families run their passes eagerly at exact shapes (PassRunner): no graphs.
-    graph_rows = 0 if hybrid else warm_up_logit_rows(warm_up_sequences)
+    graph_rows = warm_up_logit_rows(warm_up_sequences)
     plan.workspace = max(verify, prefill) + graph_rows * c.vocab_size * 4
     plan.basis["workspace"] = (
         f"estimate: the larger of a verify pass of {tree_rows} rows ({size(verify)}) and a prompt of "

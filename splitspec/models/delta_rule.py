@@ -56,6 +56,28 @@ sequential step compute the same thing for any ``store_dtype``.
 the torch functions here (:func:`conv_silu_reference`, :func:`gated_delta_tree`), which are the
 kernels' references. A block of several sequences gives every row what the one-sequence call on
 its own sequence's rows gives (prefill, :func:`gated_delta_chunked`, stays one sequence per call).
+
+Commit by recomputation
+-----------------------
+path
+    The accepted rows of one sequence's block, root first, each the parent of the next: the
+    rows whose tokens the sequence commits.
+A tree pass need not keep every row's state until acceptance (``Hv * Dk * Dv`` values per row
+and layer: 151 MB per row over the 48 layers of Qwen3.5-27B in float32). It keeps each row's
+delta-rule inputs instead (normalised key, value, log-decay, write strength: with the conv inputs
+both keep, 1.98 MB a row at that geometry in bfloat16, 76x less), and
+:func:`path_gated_delta` advances the sequence's committed state along its path afterwards, row
+by row exactly as the tree did (the state rounded to the storage dtype after every row), while
+:func:`committed_histories` takes the path's last ``K - 1`` conv inputs. The tree's per-row
+states then live for one layer only; the kernel stores just the rows a later row reloads
+(:func:`reloaded_rows`).
+
+Fixed shapes
+------------
+A pass captured as a CUDA graph may not read tensor values on the host. :func:`depth_levels`
+does (it groups rows by depth on the host), so a fixed-shape pass hands :func:`gated_delta_tree`
+every row's depth as a tensor and the number of levels to walk instead; the Triton kernels read
+nothing on the host at all.
 """
 
 from __future__ import annotations
@@ -71,6 +93,7 @@ __all__ = [
     "ancestor_table",
     "batch_parents",
     "chain_parents",
+    "committed_histories",
     "committed_history",
     "conv_silu",
     "conv_silu_reference",
@@ -81,6 +104,9 @@ __all__ = [
     "gated_delta_tree",
     "l2_normalize",
     "native_kernels_for",
+    "path_gated_delta",
+    "path_gated_delta_reference",
+    "reloaded_rows",
 ]
 
 
@@ -179,28 +205,51 @@ def gated_delta_tree(
     state: torch.Tensor,  # [S, H, Dk, Dv] (or [H, Dk, Dv] for S = 1) the states before the block
     parents: torch.Tensor,  # [T], -(s + 1) = sequence s's state
     store_dtype: torch.dtype,
+    state_index: torch.Tensor | None = None,  # [S]: sequence s starts from state[state_index[s]] (state: a table)
+    depths: torch.Tensor | None = None,  # [T] each row's depth below its block's start, -1 = no sequence's row
+    levels: int = 0,  # with depths: the depths to walk, 0 .. levels - 1
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The recurrent form over a tree (or the trees of ``S`` sequences): outputs ``[T, H, Dv]``
     and the state after every row ``[T, H, Dk, Dv]`` (in ``store_dtype``). A chain is the tree
-    with ``chain_parents``."""
+    with ``chain_parents``.
+
+    Rows run level by level, a level being the rows of one depth (they depend only on earlier
+    levels). Without ``depths`` the levels come from ``parents`` on the host (:func:`depth_levels`):
+    each row is computed once. With ``depths`` (a fixed-shape pass, see the module docstring) each
+    of ``levels`` steps computes every row and keeps those of its depth: no host read, fixed
+    shapes, ``levels`` times the arithmetic; a row of depth -1 (padding) is never kept, its output
+    and state stay 0."""
     dt = _math_dtype(v.dtype)
     q, k, v, beta = (x.to(dt) for x in (q, k, v, beta))
     decay = g.to(dt).exp()[..., None, None]  # [T, H, 1, 1]
     initial = state if state.dim() == 4 else state[None]  # [S, H, Dk, Dv]
+    if state_index is not None:
+        initial = initial.index_select(0, state_index)
     num_seqs = initial.shape[0]
     # Slot s holds sequence s's state before the block, slot S + t the state after row t: a row's
     # starting state is one slot, one gather for the whole level.
-    slots = torch.empty((num_seqs + v.shape[0], *initial.shape[1:]), dtype=store_dtype, device=v.device)  # [S+T, H, Dk, Dv]
+    slots = torch.zeros((num_seqs + v.shape[0], *initial.shape[1:]), dtype=store_dtype, device=v.device)  # [S+T, H, Dk, Dv]
     slots[:num_seqs] = initial
     start = torch.where(parents >= 0, parents + num_seqs, -parents - 1)  # [T]
-    out = torch.empty_like(v)  # [T, H, Dv]
-    for rows in depth_levels(parents):
-        s = slots[start[rows]].to(dt) * decay[rows]  # [R, H, Dk, Dv]
-        kr = k[rows][..., None]  # [R, H, Dk, 1]
-        predicted = (s * kr).sum(-2)  # [R, H, Dv]  S^T k
-        s = s + kr * ((v[rows] - predicted) * beta[rows][..., None])[..., None, :]
-        out[rows] = (s * q[rows][..., None]).sum(-2)
-        slots[rows + num_seqs] = s.to(store_dtype)
+    out = torch.zeros_like(v)  # [T, H, Dv]
+    if depths is None:
+        for rows in depth_levels(parents):
+            s = slots[start[rows]].to(dt) * decay[rows]  # [R, H, Dk, Dv]
+            kr = k[rows][..., None]  # [R, H, Dk, 1]
+            predicted = (s * kr).sum(-2)  # [R, H, Dv]  S^T k
+            s = s + kr * ((v[rows] - predicted) * beta[rows][..., None])[..., None, :]
+            out[rows] = (s * q[rows][..., None]).sum(-2)
+            slots[rows + num_seqs] = s.to(store_dtype)
+        return out, slots[num_seqs:]
+    for level in range(levels):
+        # Every row from its parent's slot; only this level's parents are final, so only its rows are kept.
+        s = slots[start].to(dt) * decay  # [T, H, Dk, Dv]
+        kr = k[..., None]
+        predicted = (s * kr).sum(-2)
+        s = s + kr * ((v - predicted) * beta[..., None])[..., None, :]
+        at = depths == level  # [T]
+        out = torch.where(at[:, None, None], (s * q[..., None]).sum(-2), out)
+        slots[num_seqs:] = torch.where(at[:, None, None, None], s.to(store_dtype), slots[num_seqs:])
     return out, slots[num_seqs:]
 
 
@@ -264,12 +313,85 @@ def conv_silu(history: torch.Tensor, inputs: torch.Tensor, ancestors: torch.Tens
 def gated_delta(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     state: torch.Tensor, parents: torch.Tensor, store_dtype: torch.dtype, offsets: torch.Tensor | None = None,
+    *,
+    state_index: torch.Tensor | None = None,
+    keep: torch.Tensor | None = None,
+    depths: torch.Tensor | None = None,
+    levels: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`gated_delta_tree`, by a Triton kernel where :func:`native_kernels_for` says so.
     ``offsets`` [S + 1] (the block's sequences) spare the kernel deriving them from ``parents``;
-    the torch path needs none."""
+    the torch path needs none. ``state_index`` [S]: ``state`` is a table and sequence ``s`` starts
+    from ``state[state_index[s]]`` (the kernel reads it in place). ``keep`` [T] bool
+    (:func:`reloaded_rows`): the kernel stores only these rows' states, the others' are left
+    undefined. ``depths`` and ``levels``: the torch path's fixed-shape walk (:func:`gated_delta_tree`)."""
     if native_kernels_for(v):
         from native.tree_delta_rule import tree_gated_delta
 
-        return tree_gated_delta(q, k, v, g, beta, state, parents, store_dtype, offsets)
-    return gated_delta_tree(q, k, v, g, beta, state, parents, store_dtype)
+        options = {name: x for name, x in (("state_index", state_index), ("keep", keep)) if x is not None}
+        return tree_gated_delta(q, k, v, g, beta, state, parents, store_dtype, offsets, **options)
+    return gated_delta_tree(q, k, v, g, beta, state, parents, store_dtype, state_index, depths, levels)
+
+
+def reloaded_rows(parents: torch.Tensor) -> torch.Tensor:
+    """``[T]`` bool: the rows whose state a later row starts from, other than the row right after
+    them (which continues from it without a reload): all the tree kernel must store when nothing
+    but the block itself reads the states. On the device, fixed shape."""
+    rows = torch.arange(parents.shape[0], device=parents.device)
+    reloads = (parents >= 0) & (parents != rows - 1)  # [T] rows that start from an earlier, stored row
+    count = torch.zeros(parents.shape[0], dtype=torch.int32, device=parents.device)
+    return count.scatter_add_(0, parents.clamp(min=0), reloads.to(torch.int32)) > 0
+
+
+def path_gated_delta_reference(
+    states: torch.Tensor,  # [L, slots, H, Dk, Dv] storage dtype, advanced in place
+    slots: torch.Tensor,  # [B] int64 the slot each path advances (distinct)
+    paths: torch.Tensor,  # [B, P] int64 each path's rows, root first; entries past its length are ignored
+    lengths: torch.Tensor,  # [B] int64 rows of each path, >= 1
+    keys: torch.Tensor,  # [L, T, Hk, Dk] every row's normalised key (before the value-head repeat)
+    values: torch.Tensor,  # [L, T, H, Dv]
+    decays: torch.Tensor,  # [L, T, H] log-decay g
+    betas: torch.Tensor,  # [L, T, H]
+) -> None:
+    """Advance ``B`` sequences' states (every layer's) along their accepted paths: each path row
+    updates the state as :func:`gated_delta_tree` updates a row's (value head ``h`` reads key head
+    ``h // (H / Hk)``), and rounds it to the storage dtype, as the tree's children read it. The
+    state after the last row replaces the slot's: the state the tree pass computed for the
+    sequence's deepest accepted row, without keeping it (module docstring)."""
+    dt = _math_dtype(values.dtype)
+    group = values.shape[2] // keys.shape[2]
+    s = states[:, slots].to(dt)  # [L, B, H, Dk, Dv]
+    for step in range(paths.shape[1]):
+        rows = paths[:, step]  # [B]
+        k = keys[:, rows].to(dt).repeat_interleave(group, 2)[..., None]  # [L, B, H, Dk, 1]
+        v, beta = values[:, rows].to(dt), betas[:, rows].to(dt)  # [L, B, H, Dv], [L, B, H]
+        n = s * decays[:, rows].to(dt).exp()[..., None, None]
+        predicted = (n * k).sum(-2)  # [L, B, H, Dv]
+        n = n + k * ((v - predicted) * beta[..., None])[..., None, :]
+        n = n.to(states.dtype).to(dt)  # the next row reads the stored state
+        s = torch.where((step < lengths)[None, :, None, None, None], n, s)
+    states[:, slots] = s.to(states.dtype)
+
+
+def path_gated_delta(
+    states: torch.Tensor, slots: torch.Tensor, paths: torch.Tensor, lengths: torch.Tensor,
+    keys: torch.Tensor, values: torch.Tensor, decays: torch.Tensor, betas: torch.Tensor,
+) -> None:
+    """:func:`path_gated_delta_reference`, by one Triton launch where :func:`native_kernels_for` says so."""
+    if native_kernels_for(keys):
+        from native.tree_delta_rule import path_gated_delta as kernel
+
+        return kernel(states, slots, paths, lengths, keys, values, decays, betas)
+    return path_gated_delta_reference(states, slots, paths, lengths, keys, values, decays, betas)
+
+
+def committed_histories(history: torch.Tensor, inputs: torch.Tensor, windows: torch.Tensor) -> torch.Tensor:
+    """Conv histories of ``B`` sequences after their paths, every layer at once: ``history``
+    ``[L, B, K-1, C]`` (theirs before the block), ``inputs`` ``[L, T, C]`` (the block's rows),
+    ``windows`` ``[B, K-1]`` int64 (each new history entry, oldest first: a row of the block, or
+    ``-i`` for the ``i``-th latest entry of the old history) -> ``[L, B, K-1, C]``."""
+    layers, num_seqs, before, channels = history.shape
+    from_rows = inputs[:, windows.clamp(min=0)]  # [L, B, K-1, C]
+    index = (windows + before).clamp(0, before - 1)[None, :, :, None].expand(layers, num_seqs, before, channels)
+    from_history = history.gather(2, index).to(inputs.dtype)
+    return torch.where((windows >= 0)[None, :, :, None], from_rows, from_history)

@@ -112,15 +112,25 @@ class KVBlockPool:
 
 class StateSlots(Protocol):
     """Fixed-size per-sequence state of a recurrent family (one slot per live sequence), beside
-    its KV blocks. A tree pass keeps every row's candidate state until :meth:`commit`."""
+    its KV blocks. Slot 0 is the pad slot (padding sequences' state), never given out. A tree pass
+    keeps what each row needs (``pending``) until :meth:`commit`."""
+
+    pending: object | None  # the last tree pass's rows; a pass runner sets it after replaying a captured pass
 
     def allocate(self) -> int | None:
         """A zeroed slot, or None when none is free."""
 
     def release(self, slot: int) -> None: ...
 
-    def commit(self, slot: int, row: int) -> None:
-        """Adopt the candidate state of ragged row ``row`` of the last tree pass into ``slot``."""
+    def reserve(self, rows: int) -> None:
+        """Keep what tree passes of up to ``rows`` rows keep at fixed addresses (captured passes write there)."""
+
+    def commit(self, slot: int, path: Sequence[int]) -> None:
+        """Advance ``slot`` to the state after the accepted ``path`` (ragged rows of the last tree
+        pass, root first): its deepest row's candidate state."""
+
+    def commit_paths(self, paths: Sequence[tuple[int, Sequence[int]]]) -> None:
+        """:meth:`commit` of several ``(slot, path)`` at once (the sequences of one pass)."""
 
     def read(self, slot: int) -> dict[str, torch.Tensor]:
         """The slot's tensors by name (tests and tools)."""
@@ -236,8 +246,10 @@ def _places(rows: int, sequences: int, block_rows: int, table_width: int) -> tup
 class PassInputs:
     """The device side of a pass of fixed shape ``(N, B, T, S)``: what :meth:`PassInputs.attention`
     and the models read. Rows ``N`` and sequences ``B`` may include padding (pad rows of no sequence
-    write to the pad block; pad sequences own only the pad block). Every field is a view of one
-    byte ``buffer``, so a pass's inputs reach the device in one copy."""
+    write to the pad block; pad sequences own only the pad block and the pad state slot 0). Every
+    field is a view of one byte ``buffer``, so a pass's inputs reach the device in one copy.
+    ``static``: the pass's shape is fixed and its buffers are reused (it may be captured as a CUDA
+    graph), so a model must not read these tensors' values on the host or branch on them."""
 
     buffer: torch.Tensor  # [nbytes] uint8
     tokens: torch.Tensor  # [N] int64
@@ -249,23 +261,26 @@ class PassInputs:
     tables: torch.Tensor  # [B, S / block_size] int64, pad block past each sequence's blocks
     last_row: torch.Tensor  # [1] int64 the last real row (a prompt chunk projects only it to logits)
     parents: torch.Tensor  # [N] int64 as PassLayout.parents (-1 for pad rows)
-    offsets: torch.Tensor  # [B + 1] int64 (pad sequences own no rows)
+    offsets: torch.Tensor  # [B + 1] int64 (pad sequences own no rows; pad rows, past offsets[B], no sequence)
     state_slots: torch.Tensor  # [B] int64 (0 for pad sequences)
     trees: torch.Tensor  # [B, T, T] bool
     block_size: int
+    static: bool = False
 
     @staticmethod
     def nbytes(rows: int, sequences: int, block_rows: int, keys: int, block_size: int) -> int:
         return _places(rows, sequences, block_rows, keys // block_size)[1]
 
     @classmethod
-    def on(cls, buffer: torch.Tensor, rows: int, sequences: int, block_rows: int, keys: int, block_size: int) -> PassInputs:
+    def on(
+        cls, buffer: torch.Tensor, rows: int, sequences: int, block_rows: int, keys: int, block_size: int, static: bool = False
+    ) -> PassInputs:
         """The inputs of a pass of this shape as views of ``buffer`` (uint8, at least :meth:`nbytes`)."""
         places, _ = _places(rows, sequences, block_rows, keys // block_size)
         views = {}
         for name, (dtype, shape, offset, size) in places.items():
             views[name] = buffer[offset : offset + size].view(torch.from_numpy(np.zeros(0, dtype)).dtype).view(shape)
-        return cls(buffer, **views, block_size=block_size)
+        return cls(buffer, **views, block_size=block_size, static=static)
 
     @property
     def shape(self) -> tuple[int, int, int, int]:

@@ -21,6 +21,16 @@ Sequence state (:class:`Qwen35Cache`): K/V of the attention layers, and per Delt
 last ``K - 1`` conv inputs and the recurrent state. A chain pass (prefill, ``parents=None``)
 advances it; a tree pass (verify) leaves it alone and keeps every row's candidate state, of which
 :meth:`Qwen35Cache.commit` adopts the deepest accepted row's: one pass per step, with no second pass over the accepted tokens.
+
+The served path (:meth:`Qwen35ForCausalLM.forward_paged` over :class:`Qwen35Slots`) keeps less: a
+tree pass keeps every row's delta-rule *inputs* (:class:`TreeRows`, ~2 MB a row at the 27B
+geometry instead of 151 MB of float32 state), and :meth:`Qwen35Slots.commit` recomputes the
+accepted path's state from the sequence's committed one (``splitspec.models.delta_rule``,
+"Commit by recomputation"). Its passes may run at fixed, padded shapes and be captured as CUDA
+graphs (``services.target.graphs``): they read no tensor value on the host, padding rows and
+sequences read only (a tree pass writes no slot; a padded prompt chunk's padding rows neither
+decay nor write the state), and what a tree pass keeps goes to buffers reserved once
+(:meth:`Qwen35Slots.reserve`), at the addresses a captured pass writes at every replay.
 """
 
 from __future__ import annotations
@@ -30,6 +40,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+import numpy as np
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -38,12 +49,14 @@ from native.chunked_delta_rule import chunk_prefill
 from splitspec.models.delta_rule import (
     ancestor_table,
     chain_parents,
-    committed_history,
+    committed_histories,
     conv_silu,
     conv_windows,
     gated_delta,
     gated_delta_chunked,
     l2_normalize,
+    path_gated_delta,
+    reloaded_rows,
 )
 from splitspec.models.layers import QKVProjection, RMSNorm, SwiGLU, apply_rope, rope_cos_sin
 from splitspec.models.paged import KVBlockPool, PagedState, PassInputs
@@ -186,20 +199,98 @@ class Qwen35Cache:
         self.pending = None
 
 
+@dataclass
+class DeltaInputs:
+    """One block's Gated DeltaNet inputs to the delta rule, per row (:meth:`GatedDeltaNet.project`)."""
+
+    conv_inputs: torch.Tensor  # [T, C] in_proj_qkv's output, the conv's inputs (compute dtype)
+    q: torch.Tensor  # [T, Hk, Dk] L2-normalised and scaled by 1/sqrt(Dk) (math dtype)
+    k: torch.Tensor  # [T, Hk, Dk] L2-normalised (math dtype)
+    v: torch.Tensor  # [T, Hv, Dv] the conv's output (compute dtype)
+    g: torch.Tensor  # [T, Hv] log-decay (math dtype)
+    beta: torch.Tensor  # [T, Hv] write strength (math dtype)
+
+
+@dataclass
+class TreeRows:
+    """What a tree pass over paged sequences keeps of each of its ``T`` rows until
+    :meth:`Qwen35Slots.commit`, per DeltaNet layer: the conv inputs (the committed conv history is
+    the accepted path's last ``K - 1``) and the delta rule's inputs, from which the commit
+    recomputes the accepted path's recurrent state (``delta_rule.path_gated_delta``). Each is kept
+    in the dtype the pass computed it in, so the recomputation reads exactly what the pass read."""
+
+    conv_inputs: torch.Tensor  # [L, T, C] compute dtype
+    keys: torch.Tensor  # [L, T, Hk, Dk] math dtype, normalised
+    values: torch.Tensor  # [L, T, Hv, Dv] compute dtype
+    decays: torch.Tensor  # [L, T, Hv] math dtype
+    betas: torch.Tensor  # [L, T, Hv] math dtype
+
+    @classmethod
+    def empty(cls, config: Qwen35Config, rows: int, device: torch.device, dtype: torch.dtype) -> TreeRows:
+        c, math = config, torch.promote_types(dtype, torch.float32)
+        layers, hv = c.num_linear_layers, c.linear_num_value_heads
+        return cls(
+            torch.empty(layers, rows, c.conv_channels, device=device, dtype=dtype),
+            torch.empty(layers, rows, c.linear_num_key_heads, c.linear_key_head_dim, device=device, dtype=math),
+            torch.empty(layers, rows, hv, c.linear_value_head_dim, device=device, dtype=dtype),
+            torch.empty(layers, rows, hv, device=device, dtype=math),
+            torch.empty(layers, rows, hv, device=device, dtype=math),
+        )
+
+    @property
+    def rows(self) -> int:
+        return self.keys.shape[1]
+
+    def head(self, rows: int) -> TreeRows:
+        """Views of the first ``rows`` rows."""
+        return TreeRows(*(x[:, :rows] for x in (self.conv_inputs, self.keys, self.values, self.decays, self.betas)))
+
+    def record(self, layer: int, d: DeltaInputs) -> None:
+        """Keep DeltaNet layer ``layer``'s rows (copies: the buffers may be a captured pass's)."""
+        self.conv_inputs[layer].copy_(d.conv_inputs)
+        self.keys[layer].copy_(d.k)
+        self.values[layer].copy_(d.v)
+        self.decays[layer].copy_(d.g)
+        self.betas[layer].copy_(d.beta)
+
+
+def tree_row_bytes(config: Qwen35Config, dtype: torch.dtype) -> int:
+    """Bytes :class:`TreeRows` keeps per tree row over all DeltaNet layers, for compute ``dtype``."""
+    c, math = config, torch.promote_types(dtype, torch.float32).itemsize
+    per_layer = (
+        c.conv_channels * dtype.itemsize + c.key_dim * math + c.value_dim * dtype.itemsize + 2 * c.linear_num_value_heads * math
+    )
+    return c.num_linear_layers * per_layer
+
+
 class Qwen35Slots:
     """Every sequence's DeltaNet state in fixed slots (a :class:`splitspec.models.paged.StateSlots`):
     ``conv`` [num_linear, slots, K-1, C] (compute dtype) and ``recurrent`` [num_linear, slots, Hv, Dk,
-    Dv] (state dtype). Slot 0 is the pad slot, never given out. A tree pass leaves the slots alone
-    and keeps every row's candidate (``pending``) until :meth:`commit`."""
+    Dv] (state dtype). Slot 0 is the pad slot, never given out: it stays zero. A tree pass leaves the
+    slots alone and keeps every row's delta-rule inputs (``pending``, :class:`TreeRows`) until
+    :meth:`commit` recomputes the accepted path's state from them."""
 
     def __init__(self, config: Qwen35Config, slots: int, device: torch.device, dtype: torch.dtype, state_dtype: torch.dtype) -> None:
         c = config
+        self.config, self.dtype = config, dtype
         self.conv = torch.zeros(c.num_linear_layers, slots + 1, c.conv_kernel - 1, c.conv_channels, device=device, dtype=dtype)
         shape = (c.num_linear_layers, slots + 1, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim)
         self.recurrent = torch.zeros(shape, device=device, dtype=state_dtype)
-        self.pending: PendingBlock | None = None
+        self._pending: TreeRows | None = None
+        self._committed: set[int] = set()  # slots committed from the pending rows (each once)
+        self._reserved: TreeRows | None = None
         self._free = list(range(slots, 0, -1))
         self._lock = threading.Lock()  # slots come back from whichever thread drops a sequence
+
+    @property
+    def pending(self) -> TreeRows | None:
+        """The last tree pass's rows (None after a prompt chunk). A replayed CUDA graph rewrites
+        them without running Python, so the pass runner sets this after a replay."""
+        return self._pending
+
+    @pending.setter
+    def pending(self, rows: TreeRows | None) -> None:
+        self._pending, self._committed = rows, set()
 
     def allocate(self) -> int | None:
         with self._lock:
@@ -214,12 +305,56 @@ class Qwen35Slots:
         with self._lock:
             self._free.append(slot)
 
-    def commit(self, slot: int, row: int) -> None:
-        if self.pending is None:
+    def reserve(self, rows: int) -> None:
+        """Buffers for the rows of tree passes of up to ``rows`` rows, at addresses that never change:
+        a captured pass writes there at every replay. Reserved once (the addresses are captured);
+        passes of more rows get their own."""
+        if self._reserved is not None:
+            if self._reserved.rows < rows:
+                raise RuntimeError(f"tree rows are reserved once ({self._reserved.rows} rows): captured passes hold their addresses")
+            return
+        self._reserved = TreeRows.empty(self.config, rows, self.conv.device, self.dtype)
+
+    def tree_rows(self, rows: int) -> TreeRows:
+        """Where a tree pass of ``rows`` rows keeps them: the reserved buffers' first rows where they
+        fit (one pass's rows are live at a time: committed before the next pass), else new ones."""
+        if self._reserved is not None and rows <= self._reserved.rows:
+            return self._reserved.head(rows)
+        return TreeRows.empty(self.config, rows, self.conv.device, self.dtype)
+
+    def commit(self, slot: int, path: Sequence[int]) -> None:
+        self.commit_paths([(slot, path)])
+
+    def commit_paths(self, paths: Sequence[tuple[int, Sequence[int]]]) -> None:
+        """Advance each ``(slot, path)``'s state along its accepted path (ragged rows of the last
+        tree pass, root first), all sequences and layers at once: the recurrent state by
+        recomputation, the conv history as the path's last ``K - 1`` conv inputs."""
+        rows = self.pending
+        if rows is None:
             raise RuntimeError("commit without a tree pass to commit")
-        for i, (inputs, states) in enumerate(zip(self.pending.inputs, self.pending.states)):
-            self.conv[i, slot] = committed_history(self.conv[i, slot], inputs, self.pending.ancestors, row)
-            self.recurrent[i, slot] = states[row]
+        if not paths:
+            return
+        slots = [slot for slot, _ in paths]
+        if len(set(slots)) < len(slots) or self._committed.intersection(slots) or 0 in slots:
+            raise RuntimeError(f"slots {slots}: each real slot is committed at most once per tree pass")
+        self._committed.update(slots)
+        before = self.conv.shape[2]  # K - 1
+        width = max(len(path) for _, path in paths)
+        # Per sequence, one int64 row: its path (padded), length, slot and new conv window (each
+        # entry a row of the pass or -i, the i-th latest old history input): one copy to the device.
+        packed = np.zeros((len(paths), width + 2 + before), dtype=np.int64)
+        for b, (slot, path) in enumerate(paths):
+            packed[b, : len(path)] = path
+            packed[b, width : width + 2] = len(path), slot
+            packed[b, width + 2 :] = ([*range(-before, 0)] + list(path))[-before:]
+        packed_t = torch.from_numpy(packed)
+        if self.conv.is_cuda:  # pinned: the copy waits for nothing on the host
+            packed_t = packed_t.pin_memory().to(self.conv.device, non_blocking=True)
+        paths_t, lengths_t, slots_t, windows_t = (
+            packed_t[:, :width], packed_t[:, width], packed_t[:, width + 1], packed_t[:, width + 2 :]
+        )
+        path_gated_delta(self.recurrent, slots_t, paths_t, lengths_t, rows.keys, rows.values, rows.decays, rows.betas)
+        self.conv[:, slots_t] = committed_histories(self.conv[:, slots_t], rows.conv_inputs, windows_t)
 
     def read(self, slot: int) -> dict[str, torch.Tensor]:
         return {"conv": self.conv[:, slot], "recurrent": self.recurrent[:, slot]}
@@ -259,6 +394,36 @@ class GatedDeltaNet(nn.Module):
         self.norm = RMSNorm(c.linear_value_head_dim, c.rms_norm_eps)  # gated by SiLU(z)
         self.out_proj = nn.Linear(c.value_dim, c.hidden_size, bias=False)
 
+    @property
+    def group(self) -> int:
+        """Value heads per key head."""
+        return self.config.linear_num_value_heads // self.config.linear_num_key_heads
+
+    def project(self, x: torch.Tensor, history: torch.Tensor, ancestors: torch.Tensor) -> DeltaInputs:
+        """The delta rule's inputs of rows ``x`` [T, hidden] (normed), the conv reading ``history``
+        [(S,) K-1, C] and the rows' ``ancestors`` [T, K]. q and k keep their key heads."""
+        c, t = self.config, x.shape[0]
+        math = torch.promote_types(x.dtype, torch.float32)
+        inputs = self.in_proj_qkv(x)  # [T, C]
+        mixed = conv_silu(history, inputs, ancestors, self.conv_weight)  # [T, C] compute dtype
+        q, k, v = mixed.split([c.key_dim, c.key_dim, c.value_dim], dim=-1)
+        q = l2_normalize(q.to(math).view(t, -1, c.linear_key_head_dim)) * c.linear_key_head_dim**-0.5
+        k = l2_normalize(k.to(math).view(t, -1, c.linear_key_head_dim))
+        beta = torch.sigmoid(self.in_proj_b(x).to(math))  # [T, Hv]
+        g = self.ssm_a.to(math) * F.softplus(self.in_proj_a(x).to(math) + self.dt_bias.to(math))  # [T, Hv]
+        return DeltaInputs(inputs, q, k, v.view(t, -1, c.linear_value_head_dim), g, beta)
+
+    def heads(self, x: torch.Tensor) -> torch.Tensor:
+        """``[T, Hk, D]`` -> ``[T, Hv, D]``: value head ``h`` reads key head ``h // group``."""
+        return x.repeat_interleave(self.group, 1)
+
+    def output(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The mixer output [T, hidden] of the delta rule's ``out`` [T, Hv, Dv]: gated norm, out_proj."""
+        t = x.shape[0]
+        z = self.in_proj_z(x).view(t, -1, self.config.linear_value_head_dim)
+        y = self.norm(out.to(x.dtype)) * F.silu(z)  # [T, Hv, Dv]
+        return self.out_proj(y.reshape(t, -1))
+
     def forward(
         self,
         x: torch.Tensor,  # [T, hidden] normed input
@@ -270,26 +435,16 @@ class GatedDeltaNet(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Returns the mixer output [T, hidden], the conv inputs [T, C] and the recurrent states:
         after every row [T, Hv, Dk, Dv] for a tree, after the last row [1, Hv, Dk, Dv] for a chain."""
-        c, t = self.config, x.shape[0]
-        math = torch.promote_types(x.dtype, torch.float32)
-        inputs = self.in_proj_qkv(x)  # [T, C]
-        mixed = conv_silu(history, inputs, ancestors, self.conv_weight).to(math)  # [T, C]
-        q, k, v = mixed.split([c.key_dim, c.key_dim, c.value_dim], dim=-1)
-        group = c.linear_num_value_heads // c.linear_num_key_heads
-        q = l2_normalize(q.view(t, -1, c.linear_key_head_dim)).repeat_interleave(group, 1) * c.linear_key_head_dim**-0.5
-        k = l2_normalize(k.view(t, -1, c.linear_key_head_dim)).repeat_interleave(group, 1)
-        v = v.view(t, -1, c.linear_value_head_dim)
-        beta = torch.sigmoid(self.in_proj_b(x).to(math))  # [T, Hv]
-        g = self.ssm_a.to(math) * F.softplus(self.in_proj_a(x).to(math) + self.dt_bias.to(math))  # [T, Hv]
+        t = x.shape[0]
+        d = self.project(x, history, ancestors)
+        q, k = self.heads(d.q), self.heads(d.k)
         if parents is None and t > 1:
-            out, final = chunk_prefill(q, k, v, g, beta, state, fallback=gated_delta_chunked)
+            out, final = chunk_prefill(q, k, d.v, d.g, d.beta, state, fallback=gated_delta_chunked)
             states = final[None].to(state.dtype)
         else:
             tree = parents if parents is not None else chain_parents(1, x.device)
-            out, states = gated_delta(q, k, v, g, beta, state, tree, state.dtype, offsets)
-        z = self.in_proj_z(x).view(t, -1, c.linear_value_head_dim)
-        y = self.norm(out.to(x.dtype)) * F.silu(z)  # [T, Hv, Dv]
-        return self.out_proj(y.reshape(t, -1)), inputs, states
+            out, states = gated_delta(q, k, d.v, d.g, d.beta, state, tree, state.dtype, offsets)
+        return self.output(x, out), d.conv_inputs, states
 
 
 class Qwen35DecoderLayer(nn.Module):
@@ -394,13 +549,23 @@ class Qwen35ForCausalLM(nn.Module):
         """:meth:`forward` over the rows of several sequences at once. Attention layers attend over
         each sequence's paged keys; DeltaNet rows start from their parent row's state or, at a
         block's start, from their sequence's slot. A tree pass (``chain`` false) leaves the slots
-        alone and keeps every row's candidate state in ``state.slots.pending``; a prompt chunk
-        advances its sequence's slot. Returns logits [R, vocab] (float32) and tap features [N, taps * hidden]."""
+        alone and keeps every row's delta-rule inputs in ``state.slots.pending`` (:class:`TreeRows`);
+        a prompt chunk advances its sequence's slot to its last row (``inputs.last_row``). Returns
+        logits [R, vocab] (float32) and tap features [N, taps * hidden].
+
+        Nothing reads a tensor's value on the host: with ``inputs.static`` (a fixed-shape pass,
+        maybe captured) neither does the torch delta rule, which then walks every depth a block of
+        ``T`` rows can have. Padding is harmless: a padding row of a tree pass starts from sequence
+        0's state and history and writes nothing of any sequence (its K/V go to the pad block; the
+        delta rule keeps no state of it; its kept inputs are never on a path); a padding sequence
+        reads the pad slot 0; a prompt chunk's padding rows after its last row neither decay nor
+        write the state (``g = 0``, ``beta = 0``: the recurrence leaves it exactly as it is) and
+        are not in the conv window it keeps."""
         c, slots = self.config, state.slots
         at = inputs.attention()
-        seq_slots = inputs.state_slots  # [B]
         ancestors = ancestor_table(inputs.parents, c.conv_kernel)  # [N, K]
-        pending = None if chain else PendingBlock(ancestors)
+        pending = None if chain else slots.tree_rows(inputs.shape[0])
+        delta = self._chunk_mixer(inputs, slots, ancestors) if chain else self._tree_mixer(inputs, slots, ancestors, pending)
 
         def mix(i: int, layer: Qwen35DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
             slot = self.slots[i]
@@ -409,21 +574,65 @@ class Qwen35ForCausalLM(nn.Module):
                 q, gate = attn.query_and_gate(x, cos, sin)
                 k, v = attn.key_value(x, cos, sin)
                 return attn.write_and_attend_paged(q, k, v, state.kv.k[slot], state.kv.v[slot], at, gate)
-            if chain:  # one sequence's prompt chunk: its slot advances to the last row
-                history, recurrent = slots.conv[slot, seq_slots[0]], slots.recurrent[slot, seq_slots[0]]
-                out, conv_inputs, states = layer.linear_attn(x, history, recurrent, ancestors, None)
-                slots.conv[slot, seq_slots[0]] = torch.cat([history, conv_inputs])[-(c.conv_kernel - 1) :]
-                slots.recurrent[slot, seq_slots[0]] = states[-1]
-                return out
-            history, recurrent = slots.conv[slot][seq_slots], slots.recurrent[slot][seq_slots]  # [B, K-1, C], [B, Hv, Dk, Dv]
-            out, conv_inputs, states = layer.linear_attn(x, history, recurrent, ancestors, inputs.parents, inputs.offsets)
-            pending.inputs.append(conv_inputs)
-            pending.states.append(states)
-            return out
+            return delta(slot, layer.linear_attn, x)
 
         result = self._decode(inputs.tokens, inputs.positions, mix, taps, logit_rows)
         slots.pending = pending
         return result
+
+    def _tree_mixer(self, inputs: PassInputs, slots: Qwen35Slots, ancestors: torch.Tensor, pending: TreeRows):
+        """``delta(layer, net, x)``: DeltaNet layer ``layer``'s output over a tree pass's rows, keeping
+        their inputs in ``pending``. Per pass, once for all layers: the rows whose states the
+        kernel must store, and (fixed shapes, torch path) every row's depth."""
+        n, _, block_rows, _ = inputs.shape
+        seq_slots = inputs.state_slots  # [B]
+        keep = reloaded_rows(inputs.parents)  # [N] the states the kernel stores: the block alone reads them
+        depths = None
+        if inputs.static:  # the torch path's levels as a tensor: depth = position - start; -1 for padding
+            sequence = inputs.out_index // block_rows  # [N]
+            real = torch.arange(n, device=inputs.tokens.device) < inputs.offsets[-1]
+            depths = torch.where(real, inputs.positions - inputs.starts[sequence], -1)
+
+        def delta(layer: int, net: GatedDeltaNet, x: torch.Tensor) -> torch.Tensor:
+            d = net.project(x, slots.conv[layer].index_select(0, seq_slots), ancestors)  # histories [B, K-1, C]
+            out, _ = gated_delta(
+                net.heads(d.q), net.heads(d.k), d.v, d.g, d.beta, slots.recurrent[layer], inputs.parents,
+                slots.recurrent.dtype, inputs.offsets, state_index=seq_slots, keep=keep, depths=depths,
+                levels=block_rows if inputs.static else 0,
+            )
+            pending.record(layer, d)
+            return net.output(x, out)
+
+        return delta
+
+    def _chunk_mixer(self, inputs: PassInputs, slots: Qwen35Slots, ancestors: torch.Tensor):
+        """``delta(layer, net, x)``: DeltaNet layer ``layer``'s output over one sequence's prompt
+        chunk, advancing its slot to the chunk's last row. The slot is indexed by a one-element
+        tensor, not ``state_slots[0]``: a 0-d tensor index is read on the host."""
+        c = self.config
+        n = inputs.shape[0]
+        device = inputs.tokens.device
+        first = inputs.state_slots[:1]  # [1] the sequence's slot
+        live = torch.arange(n, device=device) <= inputs.last_row  # [N] the chunk's rows; padding after them
+        window = inputs.last_row + 1 + torch.arange(c.conv_kernel - 1, device=device)  # [K-1] in cat(history, inputs)
+
+        def delta(layer: int, net: GatedDeltaNet, x: torch.Tensor) -> torch.Tensor:
+            history = slots.conv[layer].index_select(0, first)[0]  # [K-1, C]
+            recurrent = slots.recurrent[layer].index_select(0, first)[0]  # [Hv, Dk, Dv]
+            d = net.project(x, history, ancestors)
+            # Padding rows neither decay (exp(0) = 1) nor write (beta = 0) the state: exactly the identity.
+            g, beta = torch.where(live[:, None], d.g, 0.0), torch.where(live[:, None], d.beta, 0.0)
+            q, k = net.heads(d.q), net.heads(d.k)
+            if n > 1:
+                out, final = chunk_prefill(q, k, d.v, g, beta, recurrent, fallback=gated_delta_chunked)
+            else:
+                out, states = gated_delta(q, k, d.v, g, beta, recurrent, chain_parents(1, device), recurrent.dtype)
+                final = states[0]
+            slots.recurrent[layer].index_copy_(0, first, final[None].to(slots.recurrent.dtype))
+            slots.conv[layer].index_copy_(0, first, torch.cat([history, d.conv_inputs]).index_select(0, window)[None])
+            return net.output(x, out)
+
+        return delta
 
     def _decode(
         self, tokens: torch.Tensor, positions: torch.Tensor, mix, taps: Sequence[int], logit_rows: torch.Tensor | None

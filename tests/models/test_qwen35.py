@@ -14,7 +14,7 @@ from splitspec.fixtures.tiny import TinySpec
 from splitspec.fixtures.tiny_qwen35 import qwen35_hf_weights, qwen35_to_gguf, tiny_qwen35_config, write_qwen35_gguf
 from splitspec.models.gguf_file import GGUFFile, ModelFileError
 from splitspec.models.loader import load_target, load_target_head, read_target_config
-from splitspec.models.qwen35 import Qwen35Config, tree_node_bytes
+from splitspec.models.qwen35 import Qwen35Config, TreeRows, tree_node_bytes, tree_row_bytes
 from splitspec.models.qwen35_loader import tiled_v_head_order
 from splitspec.text.tokenizer import byte_level_vocab
 
@@ -148,6 +148,25 @@ def test_tree_node_bytes_of_the_27b_geometry():
     assert bf16.recurrent == 75_497_472  # spec 3.7: 75.5 MB per verify token in 16 bits
     assert f32.conv == 48 * 10240 * 2 and f32.kv == 16 * 2 * 4 * 256 * 2
     assert bf16.total == 75_497_472 + 983_040 + 65_536
+
+
+def test_tree_rows_kept_for_a_recomputed_commit_of_the_27b_geometry(checkpoint):
+    """A served tree pass keeps each row's conv input and delta-rule inputs (TreeRows), not its
+    state: at the 27B geometry (bfloat16 compute) 1.98 MB a row against 151 MB of float32 state,
+    so a budget-22 tree (23 rows) keeps 45.6 MB instead of 3.47 GB."""
+    big = Qwen35Config(
+        vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_layers=64, num_heads=24, num_kv_heads=4,
+        head_dim=256, rotary_dim=64, linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128,
+        linear_value_head_dim=128,
+    )
+    row = tree_row_bytes(big, torch.bfloat16)
+    assert row == 48 * (10240 * 2 + 16 * 128 * 4 + 48 * 128 * 2 + 2 * 48 * 4) == 1_984_512
+    state = tree_node_bytes(big, torch.bfloat16, torch.float32).recurrent
+    assert 23 * state == 3_472_883_712 and 23 * row == 45_643_776 and state // row == 76
+    # The count is what TreeRows allocates.
+    rows = TreeRows.empty(checkpoint["config"], 5, torch.device("cpu"), torch.float32)
+    allocated = sum(x.nbytes for x in (rows.conv_inputs, rows.keys, rows.values, rows.decays, rows.betas))
+    assert allocated == 5 * tree_row_bytes(checkpoint["config"], torch.float32)
 
 
 def test_bad_hf_config_names_the_key(checkpoint, tmp_path):

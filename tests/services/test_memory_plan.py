@@ -84,7 +84,7 @@ def test_hybrid_plan_is_what_the_pools_and_a_largest_verify_pass_hold(tiny_qwen3
     assert not [r for r in results if isinstance(r, BaseException)]
     pending = slots.pending
     assert pending is not None  # still held after the pass: the next pass's candidates join it
-    held = sum(t.nbytes for t in pending.inputs + pending.states)
+    held = sum(t.nbytes for t in (pending.conv_inputs, pending.keys, pending.values, pending.decays, pending.betas))
     assert plan.tree_buffers == 2 * held
 
 
@@ -253,10 +253,12 @@ def test_the_27b_q4km_pair_at_16k_context_and_budget_22():
     assert abs(plans["float32"].weights - (15.4 * GiB + embed_growth)) < 0.03 * 15.4 * GiB
     # KV: 16 attention layers x K and V x 4 heads x 256 x bf16 = 64 KiB a position, 1025 blocks of 16.
     assert plans["float32"].kv_cache == 1025 * 16 * 16 * 2 * 4 * 256 * 2
-    # A tree row: per DeltaNet layer a [48, 128, 128] state and a 10240-channel conv input.
+    # A tree row: per DeltaNet layer a 10240-channel conv input and the delta rule's inputs (a float32
+    # key of 16 x 128, a bf16 value of 48 x 128, float32 decay and strength per value head), whatever
+    # the states' dtype: the commit recomputes the state. A slot: a [48, 128, 128] state and 3 conv inputs.
     state, conv = 48 * 128 * 128, 2 * 16 * 128 + 48 * 128
     for name, itemsize in (("float32", 4), ("bfloat16", 2)):
-        assert plans[name].tree_buffers == 2 * 23 * 48 * (state * itemsize + conv * 2)
+        assert plans[name].tree_buffers == 2 * 23 * 48 * (conv * 2 + 16 * 128 * 4 + 48 * 128 * 2 + 2 * 48 * 4)
         assert plans[name].state_slots == 2 * 48 * (state * itemsize + 3 * conv * 2)
     d = draft_config
     layer = (d.hidden_size * (d.num_heads + 2 * d.num_kv_heads) * d.head_dim + d.num_heads * d.head_dim * d.hidden_size
