@@ -6,10 +6,23 @@ The roofline is the model's weight bytes over the device's measured copy bandwid
 step reads every weight once and cannot beat it. Weights kept in GGUF blocks (the ``*-q4km``
 shapes) count as their packed bytes. Hybrid (qwen35) targets have no fixed-shape path: their rows
 are labelled "eager".
+
+**Quantized-matmul kernel table** (``time_quant_kernels``, quantized shapes): ``native.gguf_matmul``
+alone, for each GGUF type at the shape's MLP sizes (``ffn_up`` [intermediate x hidden], ``ffn_down``
+[hidden x intermediate]) and each row count M of ``KERNEL_ROWS`` (1 is a decode step, 23 a
+budget-22 tree with its root). Terms: *packed bytes* are the weight's GGUF blocks, all a call must
+read (x and y are a few KB); *bandwidth* is packed bytes over the call's time; its *share* is that
+over the copy bandwidth the roofline uses; *× M=1* is the time over the same type and size's
+one-row time. On CUDA a call's time is the median over replays of one CUDA graph of calls that
+each read another copy of the weight (the copies together span several L2 caches, so no call finds
+its weight cached, as in a real step), divided by the calls; elsewhere the median wall time of one
+call. Where the Triton kernel cannot run (a CPU without the interpreter) the row times the path
+``QuantLinear`` takes instead, dequantize + matmul, and says so (``path`` "reference").
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -17,11 +30,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from gguf import GGMLQuantizationType as Q
 
+from native.gguf_matmul import gguf_matmul, gguf_matmul_reference, triton_enabled
 from services.draft.engine import DraftEngine
 from services.draft.graphs import BlockGraphs
 from services.target.engine import TargetEngine, TargetLimits
-from splitspec.bench.random_weights import random_draft, random_target, random_target_head
+from splitspec.bench.random_weights import quant_types, random_blocks, random_draft, random_shape, random_target, random_target_head
 from splitspec.models.dense import DenseForCausalLM
 from splitspec.spec.sampling import SamplingParams
 from splitspec.spec.tree import build_ddtree
@@ -41,6 +56,7 @@ class ComponentReport:
     draft_ms: dict[str, float] = field(default_factory=dict)  # path -> ms
     prefill_ms: dict[str, float] = field(default_factory=dict)  # path -> ms for the whole prompt
     peak_bytes: int = 0  # device memory high-water mark while the target was timed (CUDA only)
+    kernels: list[dict] = field(default_factory=list)  # quantized shapes: time_quant_kernels' rows
 
     @property
     def roofline_ms(self) -> float:
@@ -115,7 +131,8 @@ def time_target(
     else:
         paths = {"fixed shapes" if graphs else "eager": False}
     for label, capture in paths.items():
-        limits = TargetLimits(max_tree_nodes=max(budgets), max_kv_tokens=2 * context + 64)
+        # Two live sequences at most ("bench" and a prefill's): a hybrid target's state slots are per sequence.
+        limits = TargetLimits(max_sequences=2, max_tree_nodes=max(budgets), max_kv_tokens=2 * context + 64)
         engine = TargetEngine(model, limits, fixed_shapes=label != "eager", capture=capture)
         engine.prefill("bench", prompt, GREEDY, reserve_tokens=context)
 
@@ -145,7 +162,8 @@ def time_draft(
     if device.type == "cuda":
         torch.cuda.set_device(device)  # graph capture and cuBLAS follow the current device
     model, config = random_draft(target_path + "-dflash", device, dtype)
-    embed, head, _ = random_target_head(target_path, device, dtype)
+    # A quantized target's head stays in its Q6_K blocks, as the system part's draft worker holds it.
+    embed, head, _ = random_target_head(target_path, device, dtype, keep_quantized=random_shape(target_path).quantized)
     width = config.num_taps * config.hidden_size
     times = {}
     paths = {"graphs": True, "eager": False} if device.type == "cuda" else {"eager": False}
@@ -167,3 +185,110 @@ def time_draft(
         engine.sequences.pop("bench")
     del model, embed, head
     return times
+
+
+# ------------------------------------------------------------------ quantized-matmul kernel table
+
+KERNEL_ROWS = (1, 2, 4, 8, 16, 23, 32, 64)  # x rows M: a decode step, batches, a budget-22 tree (23), prompt-sized passes
+KERNEL_TABLE_TYPES = (Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.IQ4_XS)  # timed for every quantized shape, in the model or not
+L2_SPANS = 4  # the weight copies of one graph span this many L2 caches (at least 256 MiB)
+MAX_COPIES = 64
+GRAPH_CALLS = 32  # calls per timed graph at least (the copies in turn, again and again): a replay's own cost is shared out
+
+
+def _weight_copies(packed: int, device: torch.device) -> int:
+    """How many copies of a weight of ``packed`` bytes one timing cycles through: enough that none
+    is still in the L2 cache when its turn comes again (one off a GPU: the wall time of one call is
+    taken there, and a CPU's caches are not what its figure is about)."""
+    if device.type != "cuda":
+        return 1
+    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 64 << 20)
+    return max(2, min(MAX_COPIES, math.ceil(max(L2_SPANS * l2, 256 << 20) / packed)))
+
+
+def _per_call_us(calls: list[Callable[[], object]], iters: int, device: torch.device) -> tuple[float, str]:
+    """Median microseconds of one of ``calls`` (each the same work on its own weight copy) and how it
+    was timed. CUDA: one graph of all the calls, replayed ``iters`` times between CUDA events (no host
+    launch cost between them), over ``len(calls)``; if the capture fails, the calls launched in a row
+    between events. Elsewhere: the median wall time of ``calls[0]``."""
+    if device.type != "cuda":
+        return 1e3 * median_ms(calls[0], iters, 1, device), "wall time"
+    for call in calls:  # compiles the kernels and makes IQ4_XS's level table before any capture
+        call()
+    torch.cuda.synchronize(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    try:
+        graph = torch.cuda.CUDAGraph()
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for call in calls:
+                call()
+        torch.cuda.current_stream(device).wait_stream(side)
+        with torch.cuda.graph(graph):
+            for call in calls:
+                call()
+        run, how = graph.replay, "CUDA graph replay"
+    except RuntimeError:
+        torch.cuda.synchronize(device)
+
+        def run() -> None:
+            for call in calls:
+                call()
+
+        how = "CUDA events, eager launches"
+    run()
+    times = []
+    for _ in range(iters):
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(1e3 * start.elapsed_time(end) / len(calls))
+    return statistics.median(times), how
+
+
+def kernel_layers(config) -> dict[str, tuple[int, int]]:
+    """The layer sizes the kernel table times: name -> (out_features N, in_features K)."""
+    return {"ffn_up": (config.intermediate_size, config.hidden_size), "ffn_down": (config.hidden_size, config.intermediate_size)}
+
+
+def time_quant_kernels(
+    path: str, device: torch.device, dtype: torch.dtype, iters: int, copy_bandwidth: float, rows: tuple[int, ...] = KERNEL_ROWS,
+) -> list[dict]:
+    """One row per (GGUF type, layer size, row count M): ``native.gguf_matmul`` on random blocks of
+    the type (``random_blocks``) at the shape's ``kernel_layers``, x of M rows in ``dtype``. Types: those of
+    ``KERNEL_TABLE_TYPES`` and any other the model holds (``in_model`` says which the model holds). Each
+    row: ``us`` (median per call), ``packed_bytes``, ``bandwidth`` (bytes/s), ``copy_share`` (of
+    ``copy_bandwidth``), ``vs_one_row`` (× the M = 1 time), ``path`` ("kernel", or "reference" where
+    the Triton kernel cannot run) and ``timing`` (how it was timed; see the module docstring)."""
+    config = random_shape(path).config
+    present = quant_types(path)
+    types = list(KERNEL_TABLE_TYPES) + [q for q in present if q not in KERNEL_TABLE_TYPES]
+    generator = torch.Generator(device=device).manual_seed(4)
+    out = []
+    for qtype in types:
+        for layer, (n, k) in kernel_layers(config).items():
+            weight = random_blocks(qtype, n, k, 0.02, generator)
+            packed = weight.numel()
+            weights = [weight] + [weight.clone() for _ in range(_weight_copies(packed, device) - 1)]
+            turns = math.ceil(GRAPH_CALLS / len(weights)) if device.type == "cuda" else 1
+            one_row = None
+            for m in rows:
+                x = torch.randn(m, k, device=device, generator=generator).to(dtype)
+                kernel = triton_enabled(x)
+                matmul = gguf_matmul if kernel else gguf_matmul_reference
+                calls = [lambda w=w, x=x, matmul=matmul: matmul(x, w, qtype, n) for w in weights] * turns
+                us, how = _per_call_us(calls, iters, device)
+                one_row = one_row or us
+                bandwidth = packed / (us * 1e-6)
+                out.append({
+                    "qtype": qtype.name, "layer": layer, "out_features": n, "in_features": k, "rows": m,
+                    "in_model": qtype in present, "path": "kernel" if kernel else "reference", "timing": how,
+                    "us": us, "packed_bytes": packed, "bandwidth": bandwidth, "copy_share": bandwidth / copy_bandwidth,
+                    "vs_one_row": us / one_row,
+                })
+            weights = calls = None  # this size's copies go before the next size's come
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return out

@@ -15,6 +15,12 @@ at every level, a table with a row per level (``report.concurrency_table``), and
 each level in aggregate, ``N × AL / t_round``. ``--pair builtin`` runs that part on the built-in
 pair as ``splitspec serve`` serves it (its trained draft: a real AL, no oracle), e.g.
 ``splitspec bench --pair builtin --concurrency 1,8`` on a CPU.
+
+Quantized shapes (``*-q4km``) run every part but the transformers baseline: their system part
+serves the blocks kept quantized (``--keep-quantized`` on both workers), and their components add
+a table of the quantized-matmul kernel per GGUF type and row count
+(``splitspec.bench.components.time_quant_kernels``). ``--memory-cap-gb`` caps the system part's
+two model workers as ``splitspec serve`` does, and the report states each one's cap and plan.
 """
 
 from __future__ import annotations
@@ -47,9 +53,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--shape", default="qwen3-8b",
         help="random-weight shape: qwen3-8b, qwen3-0.6b, qwen3-8b-q4km (linear weights in Q4_K_M-style GGUF blocks), "
-        "qwen35-27b (hybrid Qwen3.5-27B geometry), qwen35-27b-q4km; tiny, tiny-q4km, tiny-qwen35, tiny-qwen35-q4km "
-        "(CPU). The -q4km shapes run the components part only; the system part also runs qwen35 shapes (eager "
-        "target); the baseline part runs the dense unquantized shapes only",
+        "qwen35-27b (hybrid Qwen3.5-27B geometry, with the 27B DFlash draft's shape), qwen35-27b-q4km; tiny, tiny-q4km, "
+        "tiny-qwen35, tiny-qwen35-q4km (CPU). Components and system parts run every shape (a -q4km shape's workers "
+        "with --keep-quantized, and its components add a quantized-matmul kernel table); the baseline part runs the "
+        "dense unquantized shapes only",
     )
     p.add_argument(
         "--pair", choices=PAIRS, default="random",
@@ -94,6 +101,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="the services' --busy-poll in the end-to-end runs: microseconds, off, or auto (the services' default: "
         "on with a GPU --device and 8+ cores, as one value for every service of the run)",
     )
+    p.add_argument(
+        "--memory-cap-gb", type=float, default=0.0,
+        help="system part: device memory the two model workers may use, GiB (0 = no cap), passed as `splitspec serve` "
+        "passes it: each worker all of it on devices of their own, split when they share one (the draft "
+        "--draft-memory-gb, the target the rest); the report gives each worker's cap and memory plan",
+    )
+    p.add_argument(
+        "--draft-memory-gb", type=float, default=0.0,
+        help="with --memory-cap-gb and both workers on one device: the draft's share, GiB (0 = a third of the cap)",
+    )
     p.add_argument("--iters", type=int, default=30, help="timed calls per component figure (median)")
     p.add_argument("--json", default="", help="write all figures to this JSON file")
     p.add_argument("--log-dir", default="", help="keep the end-to-end services' logs in this directory (default: discarded)")
@@ -131,11 +148,6 @@ def check_parts(shape: str, parts: set[str]) -> None:
     from splitspec.models.dense import DenseConfig
 
     s = random_shape(f"random:{shape}")
-    if "system" in parts and s.quantized:
-        raise ValueError(
-            f"--parts system: random:{shape} has a random quantized LM head, so its greedy output is not the same on "
-            "every pass shape and the oracle rows would measure noise; run --parts components"
-        )
     if "baseline" in parts and (s.quantized or not isinstance(s.config, DenseConfig)):
         raise ValueError(f"--parts baseline: the transformers baseline runs the dense unquantized shapes only, not {shape}")
 
@@ -173,6 +185,8 @@ def check_pair(args: argparse.Namespace, parts: set[str]) -> None:
         raise ValueError("--busy-poll: --pair builtin runs `splitspec serve`, whose services keep their own default (auto)")
     if args.draft_device and args.draft_device != args.device:
         raise ValueError("--draft-device: --pair builtin runs `splitspec serve` with one --device for both workers")
+    if args.memory_cap_gb:
+        raise ValueError("--memory-cap-gb: --pair builtin runs `splitspec serve` unchanged; the random pair's system part takes it")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -186,6 +200,16 @@ def run(args: argparse.Namespace) -> int:
     check_pair(args, parts)
     if args.pair == "random":
         check_parts(args.shape, parts)
+    if args.memory_cap_gb < 0 or args.draft_memory_gb < 0:
+        raise ValueError("--memory-cap-gb and --draft-memory-gb cannot be negative (0 = no cap, a third of the cap)")
+    if args.pair == "random" and "system" in parts:  # a bad --draft-memory-gb fails here, before anything slow
+        from splitspec.bench.random_weights import random_shape
+        from splitspec.bench.system import worker_flags
+
+        quantized = random_shape(f"random:{args.shape}").quantized
+        target_flags, draft_flags = worker_flags(
+            quantized, args.memory_cap_gb, args.draft_memory_gb, (args.draft_device or args.device) == args.device,
+        )
 
     import torch
 
@@ -206,14 +230,18 @@ def run(args: argparse.Namespace) -> int:
     }
     path = f"random:{args.shape}"
     if "components" in parts:
-        from splitspec.bench.components import time_draft, time_target
+        from splitspec.bench.components import time_draft, time_quant_kernels, time_target
+        from splitspec.bench.random_weights import random_shape
 
         logger.info("component timings: %s on %s", path, args.device)
         report = time_target(path, device, dtype, budgets, args.prompt_len, args.iters, graphs=True)
         report.draft_ms = time_draft(path, torch.device(draft_device), dtype, args.prompt_len, args.iters)
+        if random_shape(path).quantized:  # the kernels those blocks run on, type by type and row count by row count
+            logger.info("quantized-matmul kernel timings on %s", args.device)
+            report.kernels = time_quant_kernels(path, device, dtype, args.iters, report.copy_bandwidth)
         result["components"] = {**asdict(report), "roofline_ms": report.roofline_ms}
     if "system" in parts:
-        from splitspec.bench.system import run_builtin_system, run_system
+        from splitspec.bench.system import DFLASH_LOG, run_builtin_system, run_system, worker_memory
 
         busy_poll_us = busypoll.spin_us_for(args.busy_poll, device.type == "cuda", busypoll.usable_cpus())
         result["busy_poll_us"] = busy_poll_us
@@ -231,8 +259,14 @@ def run(args: argparse.Namespace) -> int:
                 rows = run_system(
                     args.shape, args.device, draft_device, args.dtype, [float(c) for c in args.corruptions.split(",")],
                     args.budget, args.prompts, args.prompt_len, args.max_tokens, levels, Path(work), log_dir, wires, busy_poll_us,
-                    result["gateways_per_draft"],
+                    result["gateways_per_draft"], target_flags, draft_flags,
                 )
+                # Each model worker's cap and memory plan as it logged them (GiB), and its flags.
+                result["workers"] = {
+                    "keep_quantized": quantized, "memory_cap_gb": args.memory_cap_gb,
+                    "target": {"flags": target_flags, **worker_memory(log_dir / "target.log")},
+                    "draft": {"flags": draft_flags, **worker_memory(log_dir / f"{DFLASH_LOG}.log")},
+                }
         result["system"] = [
             {**asdict(r), "tokens_per_s": r.tokens_per_s, "acceptance_length": r.acceptance_length, "ms_per_step": r.ms_per_step}
             for r in rows

@@ -26,7 +26,7 @@ from native.gguf_dequant import dequantize
 from native.gguf_matmul import QuantLinear, row_bytes
 from splitspec.models.dense import DenseConfig, DenseForCausalLM
 from splitspec.models.dflash import DFlashConfig, DFlashDraft, default_target_layer_ids
-from splitspec.models.quantized import q4_k_m_types, swap_quant_linears
+from splitspec.models.quantized import q4_k_m_types, quant_linear, swap_quant_linears
 from splitspec.models.qwen35 import Qwen35Config, Qwen35ForCausalLM
 
 PREFIX = "random:"
@@ -138,18 +138,22 @@ def _randomize(module: torch.nn.Module, generator: torch.Generator) -> None:
 # Std of a block's values per unit of its f16 scale ``d``, with the other fields uniformly random:
 # Q4_K: d * scale * q - dmin * min, 6-bit scale and min, 4-bit q, dmin = 7.5 d (zero mean);
 # Q5_K: the same with a 5-bit q, dmin = 15.5 d; Q6_K: d * int8 scale * (6-bit q - 32);
-# IQ4_XS: d * (6-bit scale - 32) * one of its sixteen int8 levels (mean 0.2% of the std).
+# IQ4_XS: d * (6-bit scale - 32) * one of its sixteen int8 levels (mean 0.2% of the std);
+# Q8_0: d * int8 q (uniform over -128 .. 127: std 73.9, mean -0.5, 0.7% of the std).
 # Their moments; the [0.5, 1.5) spread of d adds 4%.
-_STD_PER_D = {Q.Q4_K: 258.0, Q.Q5_K: 527.0, Q.Q6_K: 1366.0, Q.IQ4_XS: 1246.0}
+_STD_PER_D = {Q.Q4_K: 258.0, Q.Q5_K: 527.0, Q.Q6_K: 1366.0, Q.IQ4_XS: 1246.0, Q.Q8_0: 73.9}
 _SCALE_FIELDS = {  # byte offset of each f16, times d
     Q.Q4_K: ((0, 1.0), (2, 7.5)), Q.Q5_K: ((0, 1.0), (2, 15.5)), Q.Q6_K: ((208, 1.0),), Q.IQ4_XS: ((0, 1.0),),
+    Q.Q8_0: ((0, 1.0),),
 }
+RANDOM_BLOCK_TYPES = tuple(_STD_PER_D)
 
 
 def random_blocks(qtype: Q, rows: int, in_features: int, std: float, generator: torch.Generator) -> torch.Tensor:
-    """uint8 [rows, row bytes]: GGUF blocks of ``qtype`` (Q4_K, Q5_K, Q6_K or IQ4_XS) on ``generator``'s device
-    with random quant bits and sub-block scales, and f16 super-block scales ``d`` drawn in
-    [0.5, 1.5) x the value that makes the values' std about ``std`` (finite, never NaN or inf)."""
+    """uint8 [rows, row bytes]: GGUF blocks of ``qtype`` (one of ``RANDOM_BLOCK_TYPES``: Q4_K, Q5_K,
+    Q6_K, IQ4_XS, Q8_0) on ``generator``'s device with random quant bits and sub-block scales, and
+    f16 block scales ``d`` drawn in [0.5, 1.5) x the value that makes the values' std about ``std``
+    (finite, never NaN or inf)."""
     device = generator.device
     block_values, block_bytes = GGML_QUANT_SIZES[qtype]
     raw = torch.randint(0, 256, (rows, row_bytes(qtype, in_features)), dtype=torch.uint8, device=device, generator=generator)
@@ -160,15 +164,97 @@ def random_blocks(qtype: Q, rows: int, in_features: int, std: float, generator: 
     return raw
 
 
-def _quantized_head(config, device: torch.device | str) -> torch.Tensor:
-    """The Q6_K LM head of a quantized shape: random rows of the embedding's scale (std 1)."""
-    return random_blocks(Q.Q6_K, config.vocab_size, config.hidden_size, 1.0, _generator(device, 3))
+Q6_K_BYTES = GGML_QUANT_SIZES[Q.Q6_K][1]  # 210: 128 low-nibble bytes, 64 high-bit bytes, 16 int8 scales, f16 d
+
+
+def quantize_q6_k(w: torch.Tensor) -> torch.Tensor:
+    """float [rows, K] (K a multiple of 256) -> uint8 [rows, K / 256 * 210]: valid Q6_K blocks, made
+    on ``w``'s device.
+
+    Terms: a *super-block* is 256 consecutive values of a row with one f16 scale ``d``; a
+    *sub-block* is 16 of them with one int8 scale ``sc``; a value is ``d * sc * (q - 32)`` with a
+    6-bit ``q``. The choice is the plain symmetric one (not llama.cpp's search): a sub-block's step
+    ``amax / 31`` puts its largest magnitude on q - 32 = +-31; ``d`` is the largest step over 127,
+    rounded to f16 first so that the int8 scales are rounded against the ``d`` the file holds.
+    Error per value: at most half a step plus 31 x half of ``d`` (the scale's rounding), under 2% of
+    its super-block's largest magnitude while ``d`` is a normal f16 (that magnitude above about 0.25;
+    below it the format's subnormal ``d`` adds error, as in any Q6_K file). Byte layout as ``native.gguf_dequant._q6_k`` reads it: value
+    128 h + 32 r + l (half h, row r < 4, lane l < 32) keeps its low 4 bits in nibble r // 2 of byte
+    64 h + 32 (r % 2) + l and its high 2 bits at bit 2 r of byte 128 + 32 h + l."""
+    rows, k = w.shape
+    if k % 256:
+        raise ValueError(f"Q6_K rows hold multiples of 256 values, got {k}")
+    x = w.float().reshape(-1, 16, 16)  # [n super-blocks, 16 sub-blocks, 16 values]
+    n = x.shape[0]
+    step = x.abs().amax(-1) / 31  # [n, 16]
+    d = (step.amax(-1) / 127).to(torch.float16)  # [n]
+    d32 = d.float()[:, None]
+    # An all-zero super-block has d = 0: scale 0 and q - 32 = 0 decode it exactly.
+    sc = torch.where(d32 > 0, step / d32.clamp_min(1e-30), 0.0).round().clamp(0, 127)  # [n, 16]
+    eff = (d32 * sc)[..., None]  # [n, 16, 1]: the step the file holds
+    q = torch.where(eff > 0, x / eff.clamp_min(1e-30), 0.0).round().clamp(-32, 31).to(torch.int32) + 32  # 0 .. 63
+    u = q.reshape(n, 2, 4, 32)  # [n, half, row, lane]
+    ql = (u[:, :, 0:2] & 15) | ((u[:, :, 2:4] & 15) << 4)  # [n, 2, 2, 32]: rows 0, 1 low nibbles; rows 2, 3 high
+    qh = ((u >> 4) << (2 * torch.arange(4, device=w.device, dtype=torch.int32)).view(1, 1, 4, 1)).sum(2)  # [n, 2, 32]: disjoint bits
+    out = torch.empty(n, Q6_K_BYTES, dtype=torch.uint8, device=w.device)
+    out[:, :128] = ql.reshape(n, 128).to(torch.uint8)
+    out[:, 128:192] = qh.reshape(n, 64).to(torch.uint8)
+    out[:, 192:208] = sc.to(torch.int8).view(torch.uint8)
+    out[:, 208:210] = d.view(torch.uint8).view(n, 2)
+    return out.view(rows, -1)
+
+
+HEAD_CHUNK_ROWS = 16384  # rows quantized or dequantized at once: bounded float32 scratch (27B's head is 1.3G values)
+
+
+def _q6_k_head(embed: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
+    """The Q6_K LM head of a quantized shape: row ``j`` is ``embed[perm[j]]`` in Q6_K blocks
+    (``random_target_head`` says why), quantized from ``embed`` as the model holds it (its dtype)."""
+    vocab, hidden = embed.shape
+    raw = torch.empty(vocab, row_bytes(Q.Q6_K, hidden), dtype=torch.uint8, device=embed.device)
+    for start in range(0, vocab, HEAD_CHUNK_ROWS):
+        rows = perm[start : start + HEAD_CHUNK_ROWS]
+        raw[start : start + len(rows)] = quantize_q6_k(embed[rows])
+    return raw
+
+
+def _dequantized(module: QuantLinear, dtype: torch.dtype) -> torch.nn.Linear:
+    """An ``nn.Linear`` holding ``module``'s weight dequantized to ``dtype`` (as a load without
+    keep-quantized holds a GGUF weight), row chunk by row chunk."""
+    raw, n, k = module.raw, module.out_features, module.in_features
+    linear = torch.nn.Linear(k, n, bias=module.bias is not None, device="meta")
+    weight = torch.empty(n, k, dtype=dtype, device=raw.device)
+    for start in range(0, n, HEAD_CHUNK_ROWS):
+        rows = raw[start : start + HEAD_CHUNK_ROWS]
+        weight[start : start + len(rows)] = dequantize(rows, module.qtype, (len(rows), k)).to(dtype)
+    linear.weight = torch.nn.Parameter(weight, requires_grad=False)
+    if module.bias is not None:
+        linear.bias = torch.nn.Parameter(module.bias.detach().to(dtype), requires_grad=False)
+    return linear
+
+
+def quant_types(path: str | os.PathLike) -> list[Q]:
+    """The GGUF types a shape's linears hold (Q4_K and Q6_K for the ``*-q4km`` shapes; none for the
+    others), in ``RANDOM_BLOCK_TYPES`` order; worked out on the meta device, so nothing is allocated."""
+    shape = random_shape(path)
+    if not shape.quantized:
+        return []
+    config = shape.config
+    with torch.device("meta"):
+        model = Qwen35ForCausalLM(config) if isinstance(config, Qwen35Config) else DenseForCausalLM(config)
+    present = set(q4_k_m_types(model).values())
+    return [q for q in RANDOM_BLOCK_TYPES if q in present]
 
 
 def random_target(
-    path: str | os.PathLike, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, state_dtype: torch.dtype | None = None
+    path: str | os.PathLike, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+    state_dtype: torch.dtype | None = None, keep_quantized: bool = True,
 ) -> tuple[DenseForCausalLM | Qwen35ForCausalLM, DenseConfig | Qwen35Config]:
-    """``state_dtype``: the hybrid family's recurrent-state storage (see ``Qwen35ForCausalLM``)."""
+    """``state_dtype``: the hybrid family's recurrent-state storage (see ``Qwen35ForCausalLM``).
+    ``keep_quantized`` (``*-q4km`` shapes): the linears stay ``QuantLinear`` modules holding their
+    GGUF blocks, as ``load_target(keep_quantized=True)`` holds a Q4_K_M file; False dequantizes
+    the same blocks to ``dtype``, as a load without it does (the benchmark workers pass their
+    ``--keep-quantized``)."""
     shape = random_shape(path)
     config = shape.config
     with torch.device("meta"):  # no float32 copy of the whole model, ever: 27B would not fit
@@ -177,29 +263,41 @@ def random_target(
         swap_quant_linears(model, q4_k_m_types(model))
     model = model.to(dtype).to_empty(device=device)
     with torch.no_grad():
-        model.embed_tokens.weight.copy_(_embedding(config, device, dtype))
+        embed = model.embed_tokens.weight
+        _embedding(config, device, dtype, out=embed)
         if shape.quantized:
-            model.lm_head.raw.copy_(_quantized_head(config, device))
+            model.lm_head.raw.copy_(_q6_k_head(embed, _permutation(config, device)))
         elif not config.tie_word_embeddings:
-            model.lm_head.weight.copy_(model.embed_tokens.weight[_permutation(config, device)])
+            model.lm_head.weight.copy_(embed[_permutation(config, device)])
     _randomize(model, _generator(device, 1))
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
+    if shape.quantized and not keep_quantized:
+        for name, module in list(model.named_modules()):
+            if isinstance(module, QuantLinear):
+                model.set_submodule(name, _dequantized(module, dtype))
     if isinstance(model, DenseForCausalLM):
         model.fuse_projections()  # QuantLinear layers stay unfused (see layers.fuse_linears)
     return model.eval(), config
 
 
 def random_target_head(
-    path: str | os.PathLike, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
-) -> tuple[torch.Tensor, torch.Tensor, DenseConfig | Qwen35Config]:
-    """Embedding [vocab, hidden] and LM head: head row ``j`` is the embedding of token ``perm[j]``
-    for a fixed random permutation, so the model continues token ``x`` with ``perm^-1(x)``
-    by a margin that no rounding difference between a tree pass and a single-token pass can flip:
-    greedy output is the same on every path, which the oracle rows of the benchmark rely on. (Tied shapes
-    repeat the last token.) A quantized shape's head is its random Q6_K blocks, dequantized as a
-    draft worker dequantizes a real target's head (no such margin). Seeded, so the draft worker
-    draws the same tensors as the target."""
+    path: str | os.PathLike, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+    keep_quantized: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | QuantLinear, DenseConfig | Qwen35Config]:
+    """Embedding [vocab, hidden] and LM head, as the draft worker borrows them from the target.
+
+    Head row ``j`` is the embedding of token ``perm[j]`` for a fixed random permutation, so the
+    model continues token ``x`` with ``perm^-1(x)``: its final hidden state is ``x``'s embedding
+    (normed) plus small writes (``RESIDUAL_WRITE_STD``), whose logit against row ``perm^-1(x)`` is
+    about ``hidden`` and against any other row about ``sqrt(hidden)`` at most a few times over. No
+    rounding difference between a tree pass and a single-token pass (a GEMV kernel against a
+    ``tl.dot`` one, bf16 against float32 accumulation) can flip that: greedy output is the same on
+    every path, which the oracle rows of the benchmark rely on. (Tied shapes repeat the last
+    token.) A quantized shape's head is that matrix in Q6_K blocks (``_q6_k_head``): a
+    ``QuantLinear`` holding them with ``keep_quantized``, else dequantized to ``dtype`` as a draft
+    worker dequantizes a real target's head. Seeded, so the draft worker draws the same tensors as
+    the target (on the same kind of device, in the same dtype)."""
     shape = random_shape(path)
     config = shape.config
     embed = _embedding(config, device, dtype)
@@ -207,15 +305,20 @@ def random_target_head(
         return embed, embed, config
     if not shape.quantized:
         return embed, embed[_permutation(config, device)], config
-    raw, head = _quantized_head(config, device), torch.empty_like(embed)
-    for start in range(0, config.vocab_size, 16384):  # bounded float32 scratch: 27B's head is 1.3G values
-        rows = raw[start : start + 16384]
-        head[start : start + len(rows)] = dequantize(rows, Q.Q6_K, (len(rows), config.hidden_size)).to(dtype)
-    return embed, head, config
+    kept = quant_linear(_q6_k_head(embed, _permutation(config, device)), Q.Q6_K, config.hidden_size)
+    return embed, kept if keep_quantized else _dequantized(kept, dtype).weight.detach(), config
 
 
-def _embedding(config, device: torch.device | str, dtype: torch.dtype) -> torch.Tensor:
-    return torch.randn((config.vocab_size, config.hidden_size), device=device, generator=_generator(device, 0)).to(dtype)
+def _embedding(config, device: torch.device | str, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The token embedding [vocab, hidden] in ``dtype``: standard normal values drawn by row chunks
+    (no float32 copy of the whole table: 5 GB at 27B, which a capped worker could not hold), into
+    ``out`` when given."""
+    out = torch.empty((config.vocab_size, config.hidden_size), device=device, dtype=dtype) if out is None else out
+    generator = _generator(device, 0)
+    for start in range(0, config.vocab_size, HEAD_CHUNK_ROWS):
+        rows = min(HEAD_CHUNK_ROWS, config.vocab_size - start)
+        out[start : start + rows] = torch.randn((rows, config.hidden_size), device=device, generator=generator).to(dtype)
+    return out
 
 
 def _permutation(config, device: torch.device | str) -> torch.Tensor:

@@ -6,6 +6,10 @@ tokens over the wall time of the row; its *ms per step* is one sequence's decode
 excluded) averaged over every step of every sequence, so concurrent steps overlap; for the DFlash
 row that is *t_round*, the full round of a real-shaped draft at that concurrency. *× at B* divides
 a row's aggregate tok/s by the same kind's at the sweep's lowest level B (usually 1).
+
+The quantized-matmul kernel table (``kernel_table``; ``components.time_quant_kernels`` defines its
+terms) has a row per GGUF type and layer size and a column per row count M; the workers' line
+(``workers_line``) gives each model worker's ``--memory-cap-gb`` and memory plan as it logged them.
 """
 
 from __future__ import annotations
@@ -170,6 +174,58 @@ def sweep_markdown(rows: list[dict]) -> list[str]:
     return lines
 
 
+def kernel_table(kernels: list[dict]) -> list[str]:
+    """Markdown: one row per (type, layer size), one column per row count M; each cell the median µs
+    per call, the share of the copy bandwidth its packed bytes moved at, and × the M = 1 time."""
+    ms = sorted({k["rows"] for k in kernels})
+    groups: dict[tuple[str, str], dict[int, dict]] = {}
+    for k in kernels:
+        groups.setdefault((k["qtype"], k["layer"]), {})[k["rows"]] = k
+    paths = sorted({k["path"] for k in kernels})
+    timings = sorted({k["timing"] for k in kernels})
+    lines = [
+        f"Quantized-matmul kernel (`native.gguf_matmul`, path: {', '.join(paths)}; {', '.join(timings)}): per GGUF type "
+        "and layer size [N × K], each cell the median µs per call, its packed bytes' bandwidth as a share of the copy "
+        "bandwidth, and × the M=1 time. `*`: a type the model holds.",
+        "",
+        "| type | layer [N × K] | packed MB | " + " | ".join(f"M={m}" for m in ms) + " |",
+        "|---|---|---|" + "---|" * len(ms),
+    ]
+    for (qtype, layer), by_m in groups.items():
+        first = next(iter(by_m.values()))
+        cells = [
+            f"{by_m[m]['us']:.1f} µs, {100 * by_m[m]['copy_share']:.0f}%, {by_m[m]['vs_one_row']:.2f}×" if m in by_m else "-" for m in ms
+        ]
+        name = qtype + ("*" if first["in_model"] else "")
+        lines.append(
+            f"| {name} | {layer} [{first['out_features']} × {first['in_features']}] | {first['packed_bytes'] / 1e6:.2f} | "
+            + " | ".join(cells) + " |"
+        )
+    return lines
+
+
+def _gib(figure: float | None) -> str:
+    return "-" if figure is None else f"{figure:.2f} GiB"
+
+
+def workers_line(workers: dict) -> str:
+    """One line: whether the blocks stayed quantized, the run's ``--memory-cap-gb``, and each model
+    worker's cap, plan total, verdict and (CUDA target) what torch held after start-up."""
+    parts = []
+    for name in ("target", "draft"):
+        w = workers.get(name, {})
+        text = f"{name}: plan {_gib(w.get('plan'))}"
+        if "cap" in w:
+            text += f" of a {_gib(w['cap'])} cap (budget {_gib(w.get('budget'))}: {w.get('verdict', '?')})"
+        if "reserved" in w:
+            text += f", torch held {_gib(w['reserved'])} after start-up"
+        parts.append(text)
+    cap = workers.get("memory_cap_gb") or 0
+    head = f"--memory-cap-gb {cap:g}" if cap else "no memory cap"
+    kept = "blocks kept quantized (--keep-quantized), " if workers.get("keep_quantized") else ""
+    return f"Model workers: {kept}{head}; " + "; ".join(parts) + "."
+
+
 def markdown(result: dict) -> str:
     lines = [f"### {result['shape']} ({result['dtype']}) on {result['card']}, {result['date']}, torch {result['torch']}", ""]
     comp = result.get("components")
@@ -194,6 +250,8 @@ def markdown(result: dict) -> str:
         if comp.get("prefill_ms"):
             prefills = "; ".join(f"{path} {ms:.1f} ms" for path, ms in comp["prefill_ms"].items())
             lines += ["", f"Prefill of the prompt: {prefills}."]
+        if comp.get("kernels"):
+            lines += [""] + kernel_table(comp["kernels"])
         lines.append("")
     rows = result.get("system")
     if rows:
@@ -227,6 +285,8 @@ def markdown(result: dict) -> str:
             lines += ["", f"**Headline**, {HEADLINE_RULE}; {AGGREGATE_RULE}:", ""] + [f"- {h['line']}" for h in headline]
         if len(_levels(rows)) > 1:
             lines += sweep_markdown(rows)
+        if result.get("workers"):
+            lines += ["", workers_line(result["workers"])]
         spin = result.get("busy_poll_us")
         if spin is not None:
             lines += ["", f"Services' busy polling: {f'{spin} µs' if spin else 'off'}."]

@@ -21,6 +21,12 @@ requests, which the N clients take from one queue, so N are in flight until the 
 Each level draws prompts no other level uses, and the oracle reads the AR rows' output of its own
 level.
 
+**Quantized shapes** (``*-q4km``) run their workers with ``--keep-quantized``: the target's linears
+and LM head stay in GGUF blocks (``native.gguf_matmul``), and the DFlash draft borrows the head in
+its Q6_K blocks, as a real Q4_K_M pair is served. ``--memory-cap-gb`` reaches both workers as
+``splitspec serve`` passes it (:func:`splitspec.cli.serve.memory_caps`), and each worker's memory
+plan, as its log states it, is reported (:func:`worker_memory`).
+
 ``--pair builtin`` (:func:`run_builtin_system`) runs the sweep on the built-in pair instead, served
 by ``splitspec serve`` with no model flags, on held-out standard-library prompts: the trained
 DFlash draft, so its AL is real and no oracle is needed.
@@ -31,6 +37,8 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import os
+import re
 import subprocess
 import sys
 import sysconfig
@@ -280,6 +288,42 @@ def measure(
     return run_batch(address, requests_for(level.timed, spec, max_tokens), n, label, spec.budget, wire, drafter, corruption)
 
 
+DFLASH_LOG = "draft-dflash"  # the random DFlash draft's process name: its log is DFLASH_LOG.log
+
+
+def worker_flags(quantized: bool, cap_gb: float, draft_gb: float, shared: bool) -> tuple[list[str], list[str]]:
+    """The flags of the random target and the random DFlash draft: ``--keep-quantized`` for a
+    quantized shape (its blocks stay blocks, as a real Q4_K_M pair is served) and ``--memory-cap-gb``
+    as ``splitspec serve --memory-cap-gb cap_gb --draft-memory-gb draft_gb`` gives it: each worker the
+    whole cap on devices of their own, else the draft ``draft_gb`` (0: a third) and the target the rest."""
+    from splitspec.cli.serve import memory_caps
+
+    target_cap, draft_cap = memory_caps(cap_gb, draft_gb, shared)
+    keep = ["--keep-quantized"] if quantized else []
+    return [*keep, *target_cap], [*keep, *draft_cap]
+
+
+_SIZE = r"(-?[\d.]+) (GiB|MiB|KiB)"
+_UNIT_GIB = {"GiB": 1.0, "MiB": 1 / 1024, "KiB": 1 / 1024**2}
+
+
+def worker_memory(log: Path) -> dict:
+    """What a worker's log (``services.worker.memory_plan``) says of its memory, in GiB: ``plan`` (the
+    total of its memory plan), ``cap`` and ``budget`` (when capped) and ``verdict`` (``fits`` or
+    ``over by ...``), and ``reserved`` (what torch held after start-up: CUDA targets only). A figure
+    the log does not state is absent."""
+    text = log.read_text(errors="replace") if log.exists() else ""
+    out: dict = {}
+    plan = text[text.find("memory plan:") :] if "memory plan:" in text else ""
+    if (m := re.search(r"^\s*total\s+" + _SIZE, plan, re.M)) is not None:
+        out["plan"] = float(m[1]) * _UNIT_GIB[m[2]]
+    if (m := re.search(r"cap " + _SIZE + r" \(--memory-cap-gb [^)]*\), budget " + _SIZE + r" after .*?: (.*)$", plan, re.M)) is not None:
+        out |= {"cap": float(m[1]) * _UNIT_GIB[m[2]], "budget": float(m[3]) * _UNIT_GIB[m[4]], "verdict": m[5].strip()}
+    if (m := re.search(r"memory after start-up: torch holds ([\d.]+) GiB", text)) is not None:
+        out["reserved"] = float(m[1])
+    return out
+
+
 def run_system(
     shape: str,
     device: str,
@@ -296,11 +340,16 @@ def run_system(
     wires: tuple[str, ...] = ("socket",),
     busy_poll_us: int = 0,
     gateways_per_draft: int = 1,
+    target_flags: Sequence[str] = (),
+    draft_flags: Sequence[str] = (),
 ) -> list[SystemRow]:
     """At each concurrency level: the AR row, then one row per draft, for each gateway ``--wire`` in
     ``wires``. The workers are shared and the wires take turns row by row, so both see the same
     machine state. The AR rows of the first wire record the oracle's table for that level. Each draft
-    (and wire) gets ``gateways_per_draft`` gateway processes, the clients spread over them."""
+    (and wire) gets ``gateways_per_draft`` gateway processes, the clients spread over them.
+    ``target_flags`` and ``draft_flags`` go to the random target and the random DFlash draft's
+    worker (``--keep-quantized``, ``--memory-cap-gb``: :func:`worker_flags`); the OracleDrafter holds no
+    model and gets none. The workers' logs are ``target.log`` and ``draft-dflash.log`` in ``log_dir``."""
     from splitspec.bench.random_weights import random_target_config
 
     target_model = f"random:{shape}"
@@ -312,18 +361,29 @@ def run_system(
     # The paged KV cache holds every sequence of the top level at full length (and one more, with room to
     # spare for block rounding) and no more: its auto size would take most of a GPU that the draft shares.
     kv_tokens = (max(levels) + 1) * (prompt_len + max_tokens + 2 * budget + 64)
+    # Sequences and tree nodes sized to the run as well (the gateway releases a request's sequence before
+    # its last reply, so at most the top level's clients are live): a hybrid target keeps state slots and
+    # tree rows per sequence (151 MB and 2 MB a row at 27B), which the defaults (64 sequences, 256 nodes)
+    # would put at 180 GiB in its memory plan, far over any --memory-cap-gb.
+    sized = ["--max-sequences", str(max(levels) + 1), "--max-tree-nodes", str(max(1, budget))]
+    # Two CPU workers that each spin every core stall each other at every op (a kept-quantized
+    # target dequantizes in many small ones): split the cores between them, as `splitspec serve` does.
+    threads = ["--threads", str(max(1, (os.cpu_count() or 2) // 2))] if device == "cpu" and draft_device == "cpu" else []
 
     rows = []
     with Cluster(log_dir, busy_poll_us) as c:
         target = c.start(
             "target", "random-target", "--model", target_model, "--device", device, "--dtype", dtype,
-            "--max-kv-tokens", str(kv_tokens),
+            "--max-kv-tokens", str(kv_tokens), *sized, *threads, *target_flags,
         )
         drafts = {oracle_label(p): ("oracle-draft", "--table", str(table), "--corruption", str(p)) for p in corruptions}
-        drafts[DFLASH_LABEL] = ("random-draft", "--model", f"{target_model}-dflash", "--device", draft_device, "--dtype", dtype)
+        drafts[DFLASH_LABEL] = (
+            "random-draft", "--model", f"{target_model}-dflash", "--device", draft_device, "--dtype", dtype, *threads, *draft_flags,
+        )
         kinds = {oracle_label(p): ("oracle", p) for p in corruptions} | {DFLASH_LABEL: ("dflash", None)}
         draft_addresses = {
-            label: c.start(f"draft{i}", args[0], "--target-model", target_model, *args[1:]) for i, (label, args) in enumerate(drafts.items())
+            label: c.start(DFLASH_LOG if label == DFLASH_LABEL else f"draft{i}", args[0], "--target-model", target_model, *args[1:])
+            for i, (label, args) in enumerate(drafts.items())
         }
         gateways = {
             (wire, label): [

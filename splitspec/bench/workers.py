@@ -6,9 +6,12 @@ around a model that only the benchmark and the tests use:
 
 - ``random-target --model random:SHAPE``: a target of random weights of a real shape
   (``splitspec.bench.random_weights``), drawn on the device; it has no tokenizer, so its gateway
-  is given one with ``--tokenizer``.
+  is given one with ``--tokenizer``. A ``*-q4km`` shape's linears are GGUF blocks: with
+  ``--keep-quantized`` they stay in them (``QuantLinear``), without it they are dequantized to
+  ``--dtype``, as ``splitspec target`` treats a Q4_K_M file.
 - ``random-draft --model random:SHAPE-dflash --target-model random:SHAPE``: a DFlash draft of
-  random weights with the random target's embedding and LM head.
+  random weights with the random target's embedding and LM head (a ``*-q4km`` target's Q6_K head
+  kept in its blocks with ``--keep-quantized``, as ``splitspec draft`` keeps a GGUF target's).
 - ``oracle-draft --table FILE --target-model TARGET``: the OracleDrafter (``oracle_drafter.py``),
   which proposes recorded continuations corrupted at ``--corruption``.
 
@@ -35,8 +38,10 @@ BENCH_WORKERS = ("random-target", "random-draft", "oracle-draft")
 
 def random_target(args: argparse.Namespace, device, dtype, state_dtype):
     from splitspec.bench.random_weights import random_target as build
+    from splitspec.models.quantized import kept_summary
 
-    model, config = build(args.model, device, dtype, state_dtype)
+    model, config = build(args.model, device, dtype, state_dtype, keep_quantized=args.keep_quantized)
+    logger.info("random target %s: %s", args.model, kept_summary(model))
     return model, config, [], ""
 
 
@@ -44,11 +49,13 @@ def random_draft(args: argparse.Namespace):
     from splitspec.bench.random_weights import random_draft as build
     from splitspec.bench.random_weights import random_target_head
     from splitspec.models.devices import resolve_device, resolve_dtype
+    from splitspec.models.quantized import head_summary
 
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     model, _ = build(args.model, device, dtype)
-    embed, head, target_config = random_target_head(args.target_model, device, dtype)
+    embed, head, target_config = random_target_head(args.target_model, device, dtype, keep_quantized=args.keep_quantized)
+    logger.info("random draft %s: the target's %s", args.model, head_summary(embed, head))
     engine = draft_main.draft_engine(args, model, embed, head, device)
     return engine, target_config, str(dtype).removeprefix("torch."), str(device)
 

@@ -1,6 +1,8 @@
 """``splitspec bench`` end to end on the CPU with the tiny random shapes: every part runs through
 the real services and the figures hang together (an oracle draft accepts more than AR); the
-quantized and hybrid shapes time their components, and parts that cannot measure a shape refuse."""
+quantized and hybrid shapes time their components (the quantized ones with a quantized-matmul
+kernel table) and run the system part (the quantized ones kept quantized, under --memory-cap-gb),
+and the baseline part refuses the shapes it cannot measure."""
 
 from __future__ import annotations
 
@@ -81,7 +83,7 @@ def _bench(tmp_path, shape: str, *args: str) -> subprocess.CompletedProcess:
     )
 
 
-@pytest.mark.parametrize("shape, path", [("tiny-q4km", "fixed shapes"), ("tiny-qwen35", "eager")])
+@pytest.mark.parametrize("shape, path", [("tiny-q4km", "fixed shapes"), ("tiny-qwen35", "eager"), ("tiny-qwen35-q4km", "eager")])
 def test_components_of_the_quantized_and_hybrid_shapes(shape, path):
     """Finite, positive timings for every budget; the hybrid target, which has no fixed-shape
     path, is timed (and labelled) eager; the roofline counts the bytes the model holds."""
@@ -95,22 +97,38 @@ def test_components_of_the_quantized_and_hybrid_shapes(shape, path):
     assert 0 < report.roofline_ms < math.inf
 
 
-def test_bench_components_of_a_quantized_hybrid_shape(tmp_path):
-    from splitspec.bench.components import weight_bytes
+def test_bench_components_of_a_quantized_shape_with_the_kernel_table(tmp_path):
+    from splitspec.bench.components import KERNEL_ROWS, weight_bytes
 
-    proc = _bench(tmp_path, "tiny-qwen35-q4km", "--parts", "components", "--budgets", "4,22")
+    proc = _bench(tmp_path, "tiny-q4km", "--parts", "components", "--budgets", "4,22")
     assert proc.returncode == 0, proc.stderr[-3000:]
     comp = json.loads((tmp_path / "bench.json").read_text())["components"]
     # The roofline reads the packed blocks (test_random_weights checks what weight_bytes counts).
-    assert comp["weight_bytes"] == weight_bytes(random_target("random:tiny-qwen35-q4km")[0])
-    assert set(comp["verify_ms"]) == {"eager"} and all(ms > 0 for ms in comp["verify_ms"]["eager"].values())
-    assert comp["draft_ms"]["eager"] > 0 and "| eager |" in proc.stdout
+    assert comp["weight_bytes"] == weight_bytes(random_target("random:tiny-q4km")[0])
+    assert set(comp["verify_ms"]) == {"fixed shapes"} and all(ms > 0 for ms in comp["verify_ms"]["fixed shapes"].values())
+    assert comp["draft_ms"]["eager"] > 0 and "| fixed shapes |" in proc.stdout
+    # The kernel table: five types at both MLP sizes, every row count; the model's own types marked.
+    kernels = comp["kernels"]
+    assert {(k["qtype"], k["layer"], k["rows"]) for k in kernels} == {
+        (q, layer, m) for q in ("Q4_K", "Q5_K", "Q6_K", "Q8_0", "IQ4_XS") for layer in ("ffn_up", "ffn_down") for m in KERNEL_ROWS
+    }
+    assert {k["qtype"] for k in kernels if k["in_model"]} == {"Q4_K", "Q6_K"}
+    for k in kernels:
+        # No Triton kernel on a plain CPU: the row says it timed QuantLinear's reference path.
+        assert k["path"] == "reference" and k["timing"] == "wall time" and k["us"] > 0
+        assert (k["out_features"], k["in_features"]) == ((512, 256) if k["layer"] == "ffn_up" else (256, 512))
+        assert k["bandwidth"] == pytest.approx(k["packed_bytes"] / (k["us"] * 1e-6))
+        assert k["copy_share"] == pytest.approx(k["bandwidth"] / comp["copy_bandwidth"])
+        one = next(o for o in kernels if (o["qtype"], o["layer"], o["rows"]) == (k["qtype"], k["layer"], 1))
+        assert k["vs_one_row"] == pytest.approx(k["us"] / one["us"]) and k["packed_bytes"] == one["packed_bytes"]
+    assert "| type | layer [N × K] | packed MB | " + " | ".join(f"M={m}" for m in KERNEL_ROWS) + " |" in proc.stdout
+    assert "| Q4_K* | ffn_up [512 × 256] | 0.07 |" in proc.stdout and "| IQ4_XS | ffn_down [256 × 512] |" in proc.stdout
+    assert "path: reference; wall time" in proc.stdout
 
 
-@pytest.mark.parametrize("part, message", [("system", "greedy output is not the same on every pass shape"), ("baseline", "dense unquantized")])
-def test_parts_a_quantized_shape_cannot_measure_are_refused_in_one_line(tmp_path, part, message):
-    proc = _bench(tmp_path, "tiny-q4km", "--parts", part)
-    assert proc.returncode == 2 and message in proc.stderr
+def test_baseline_refuses_a_quantized_shape_in_one_line(tmp_path):
+    proc = _bench(tmp_path, "tiny-q4km", "--parts", "baseline")
+    assert proc.returncode == 2 and "dense unquantized" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "bench.json").exists()
 
 
@@ -122,3 +140,44 @@ def test_bench_system_runs_a_hybrid_shape(tmp_path):
     rows = {r["label"]: r for r in json.loads((tmp_path / "bench.json").read_text())["system"]}
     assert rows["off (AR)"]["acceptance_length"] == 1.0 and rows[oracle_label(0.0)]["acceptance_length"] > 4
     assert all(r["completion_tokens"] == 24 for r in rows.values())
+
+
+def test_bench_system_runs_a_quantized_hybrid_shape_kept_quantized_under_a_memory_cap(tmp_path):
+    """tiny-qwen35-q4km through the three services: its workers keep the blocks quantized, the cap is
+    split as `splitspec serve` splits it on one device (target 2, draft 1 of 3 GiB) and reported with
+    each worker's plan; the uncorrupted oracle is accepted nearly whole (the structured Q6_K head
+    makes greedy output the same on every pass shape), and the headline uses the DFlash round."""
+    proc = _bench(
+        tmp_path, "tiny-qwen35-q4km", "--parts", "system", "--corruptions", "0.0", "--prompts", "1", "--max-tokens", "24",
+        "--memory-cap-gb", "3", "--log-dir", str(tmp_path / "logs"),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "bench.json").read_text())
+    rows = {r["label"]: r for r in result["system"]}
+    assert rows["off (AR)"]["acceptance_length"] == 1.0 and rows[oracle_label(0.0)]["acceptance_length"] > 4
+    assert all(r["completion_tokens"] == 24 and r["draft_fallbacks"] == 0 for r in rows.values())
+    (h,) = result["headline"]
+    t_ar, t_round = rows["off (AR)"]["ms_per_step"], rows["dflash (random weights)"]["ms_per_step"]
+    assert h["speedup"] == pytest.approx(rows[oracle_label(0.0)]["acceptance_length"] * t_ar / t_round, rel=1e-12)
+    workers = result["workers"]
+    assert workers["keep_quantized"] and workers["memory_cap_gb"] == 3
+    assert workers["target"]["flags"] == ["--keep-quantized", "--memory-cap-gb", "2"]
+    assert workers["draft"]["flags"] == ["--keep-quantized", "--memory-cap-gb", "1"]
+    for name, cap in (("target", 2.0), ("draft", 1.0)):
+        assert workers[name]["cap"] == cap and workers[name]["verdict"] == "fits"
+        assert 0 < workers[name]["plan"] <= workers[name]["budget"] < cap
+    assert "Model workers: blocks kept quantized (--keep-quantized), --memory-cap-gb 3; target: plan " in proc.stdout
+    logs = tmp_path / "logs"
+    assert "32 linears in blocks (Q4_K 27, Q6_K 5), 0 dequantized" in (logs / "target.log").read_text()
+    assert "the target's embedding dequantized, LM head in blocks (Q6_K)" in (logs / "draft-dflash.log").read_text()
+
+
+def test_worker_flags_split_the_cap_as_serve_does():
+    from splitspec.bench.system import worker_flags
+
+    assert worker_flags(False, 0, 0, True) == ([], [])
+    assert worker_flags(True, 0, 0, True) == (["--keep-quantized"], ["--keep-quantized"])
+    assert worker_flags(False, 24, 0, False) == (["--memory-cap-gb", "24"], ["--memory-cap-gb", "24"])  # a device each
+    assert worker_flags(True, 40, 10, True) == (["--keep-quantized", "--memory-cap-gb", "30"], ["--keep-quantized", "--memory-cap-gb", "10"])
+    with pytest.raises(ValueError, match="--draft-memory-gb 30"):
+        worker_flags(False, 24, 30, True)

@@ -1,20 +1,34 @@
 """Benchmark-only random shapes (splitspec.bench.random_weights): quantized blocks that decode to
-finite values of the intended spread, llama.cpp's Q4_K_M types per tensor, the QuantLinear swap
-inside the hybrid model, the published geometries, and the roofline's byte count."""
+finite values of the intended spread, the device Q6_K quantizer against gguf's dequantizer, the
+structured LM head (the same greedy output on every kernel path), llama.cpp's Q4_K_M types per
+tensor, the QuantLinear swap inside the hybrid model, the published geometries, and the roofline's
+byte count."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
 import pytest
 import torch
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize as gguf_dequantize
 from torch import nn
 
 from native.gguf_dequant import dequantize
 from native.gguf_matmul import QuantLinear
 from splitspec.bench.components import weight_bytes
 from splitspec.bench.random_weights import (
+    RANDOM_BLOCK_TYPES,
     SHAPES,
+    _permutation,
+    quant_types,
+    quantize_q6_k,
     random_blocks,
     random_draft,
     random_draft_config,
@@ -31,22 +45,72 @@ MORE_BITS_OF_36 = [0, 1, 2, 3, 6, 9, 12, 15, 18, 21, 24, 27, 30, 31, 32, 33, 34,
 MORE_BITS_OF_64 = [*range(8), *range(10, 56, 3), *range(56, 64)]  # 64 // 8 = 8, 7 * 64 // 8 = 56
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", RANDOM_BLOCK_TYPES, ids=lambda q: q.name)
 @pytest.mark.parametrize("std", [0.02, 1e-4, 1.0])
 def test_random_blocks_decode_to_finite_values_of_the_intended_spread(qtype, std):
+    block_values, block_bytes = GGML_QUANT_SIZES[qtype]
     raw = random_blocks(qtype, 64, 1024, std, torch.Generator().manual_seed(0))
-    assert raw.dtype == torch.uint8 and raw.shape == (64, 1024 // 256 * GGML_QUANT_SIZES[qtype][1])
+    assert raw.dtype == torch.uint8 and raw.shape == (64, 1024 // block_values * block_bytes)
     values = dequantize(raw, qtype, (64, 1024))
     assert torch.isfinite(values).all()
     assert 0.8 * std < values.std().item() < 1.25 * std
     assert abs(values.mean().item()) < 0.1 * std
     # Every f16 scale field is finite and positive; the quant bits vary.
-    scales = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,), Q.IQ4_XS: (0,)}[qtype]
-    blocks = raw.view(-1, GGML_QUANT_SIZES[qtype][1])
+    scales = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,), Q.IQ4_XS: (0,), Q.Q8_0: (0,)}[qtype]
+    blocks = raw.view(-1, block_bytes)
     for offset in scales:
         d = blocks[:, offset : offset + 2].contiguous().view(torch.float16).float()
         assert torch.isfinite(d).all() and (d > 0).all()
-    assert len(torch.unique(blocks[:, 16:128])) > 200
+    assert set(RANDOM_BLOCK_TYPES) == {Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS, Q.Q8_0}
+    assert len(torch.unique(blocks[:, 4:34])) > 200
+
+
+def _q6_k_input(rows: int, k: int) -> torch.Tensor:
+    """Rows of scales 0.3 to 30 (where ``d`` is a normal f16: quantize_q6_k's bound holds), an
+    all-zero super-block, a lone outlier, a constant run."""
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(rows, k, generator=g) * torch.logspace(-0.5, 1.5, rows)[:, None]
+    w[0, :256] = 0.0
+    w[1, 300] = 50.0
+    w[2, 256:512] = -0.75
+    return w
+
+
+def test_q6_k_quantizer_round_trips_through_ggufs_dequantizer():
+    """quantize_q6_k writes valid Q6_K blocks: gguf's numpy dequantizer reads them back within
+    the quantizer's bound (half a step plus 31 half-units of d: under 2% of each super-block's
+    largest magnitude), and native.gguf_dequant reads the same values bit for bit."""
+    w = _q6_k_input(24, 768)
+    raw = quantize_q6_k(w)
+    assert raw.dtype == torch.uint8 and raw.shape == (24, 3 * 210) and raw.is_contiguous()
+    back = gguf_dequantize(raw.numpy(), Q.Q6_K)  # [24, 768] float32
+    assert back.shape == (24, 768)
+    error = np.abs(back - w.numpy()).reshape(-1, 256).max(1)
+    peak = np.abs(w.numpy()).reshape(-1, 256).max(1)
+    assert (error <= 0.02 * peak).all(), (error / np.maximum(peak, 1e-30)).max()
+    assert error[0] == 0.0  # the all-zero super-block: d = 0, exact
+    assert error[2 * 3 + 1] <= 1e-3 * 0.75  # a constant one: off by d's f16 rounding only
+    # A lone outlier sets its super-block's d: it comes back within the bound; the block's small
+    # values may round to zero, which the bound (relative to the largest magnitude) allows.
+    assert abs(back[1, 300] - 50.0) <= 0.02 * 50.0
+    relative = np.linalg.norm(back - w.numpy(), axis=1) / np.linalg.norm(w.numpy(), axis=1)
+    assert relative.max() < 0.03
+    assert np.array_equal(dequantize(raw, Q.Q6_K, (24, 768)).numpy().view(np.uint32), back.view(np.uint32))
+    blocks = raw.view(-1, 210)
+    d = blocks[:, 208:210].contiguous().view(torch.float16).float()
+    scales = blocks[:, 192:208].contiguous().view(torch.int8)
+    assert torch.isfinite(d).all() and (d >= 0).all() and (scales >= 0).all()
+    with pytest.raises(ValueError, match="multiples of 256"):
+        quantize_q6_k(torch.zeros(2, 300))
+
+
+def test_q6_k_quantizer_puts_every_value_where_ggufs_layout_reads_it():
+    """The packing alone: row c of the identity is one-hot at column c of one super-block, so each
+    row exercises one position of the low-nibble, high-bit and sub-block-scale fields; gguf must
+    read every row back one-hot at its own column (1 within d's f16 rounding, exact zeros elsewhere)."""
+    back = gguf_dequantize(quantize_q6_k(torch.eye(256)).numpy(), Q.Q6_K)
+    assert np.array_equal(back != 0, np.eye(256, dtype=bool))
+    assert np.abs(np.diag(back) - 1.0).max() < 1e-3
 
 
 def _types(model: nn.Module) -> dict[str, str]:
@@ -151,12 +215,100 @@ def test_published_geometries():
         random_target_config("random:qwen35-9b")
 
 
-def test_quantized_draft_head_is_the_targets_dequantized_q6_k_head():
-    """The draft worker borrows the target's LM head: for a quantized shape, the dequantized blocks
-    the target multiplies with."""
-    model, _ = random_target("random:tiny-q4km")
-    embed, head, _ = random_target_head("random:tiny-q4km")
+@pytest.mark.parametrize("name", ["tiny-q4km", "tiny-qwen35-q4km"])
+def test_quantized_head_is_the_permuted_embedding_in_q6_k_blocks_and_the_draft_borrows_it(name):
+    """The target's Q6_K head holds row j = embedding of token perm[j]; the draft worker borrows the
+    very same blocks (keep-quantized) or their dequantized values (not)."""
+    model, config = random_target(f"random:{name}")
+    embed, kept, _ = random_target_head(f"random:{name}", keep_quantized=True)
+    _, head, _ = random_target_head(f"random:{name}")
     assert torch.equal(embed, model.embed_tokens.weight)
+    assert isinstance(kept, QuantLinear) and kept.qtype == Q.Q6_K and torch.equal(kept.raw, model.lm_head.raw)
     assert torch.equal(head, dequantize(model.lm_head.raw, Q.Q6_K, tuple(head.shape)))
-    draft, config = random_draft("random:tiny-qwen35-q4km-dflash")
-    assert config.num_heads == 4 and all(torch.isfinite(p).all() for p in draft.parameters())
+    permuted = embed[_permutation(config, "cpu")]
+    assert ((head - permuted).norm(dim=1) / permuted.norm(dim=1)).max() < 0.03
+    draft, draft_config = random_draft(f"random:{name}-dflash")
+    assert draft_config.vocab_size == config.vocab_size and all(torch.isfinite(p).all() for p in draft.parameters())
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-q4km", "tiny-qwen35", "tiny-qwen35-q4km"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_every_position_continues_with_its_own_token_by_a_wide_margin(name, dtype):
+    """Greedy output is perm^-1(x) after token x, by a margin (top logit less the runner-up) of over
+    half the top logit, about hidden: far beyond any difference between kernel paths (bf16 rounding
+    of a logit of that size is under 1%); a random head would have near-ties everywhere."""
+    model, config = random_target(f"random:{name}", dtype=dtype)
+    inverse = torch.argsort(_permutation(config, "cpu"))
+    tokens = torch.randint(0, config.vocab_size, (40,), generator=torch.Generator().manual_seed(1))
+    cache = model.new_cache(64, "cpu", dtype)
+    logits, _ = model(tokens, torch.arange(40), cache, 0, torch.ones(40, 40, dtype=torch.bool).tril())
+    top = logits.float().topk(2, dim=-1).values
+    assert torch.equal(logits.argmax(-1), inverse[tokens])
+    assert ((top[:, 0] - top[:, 1]) > 0.5 * top[:, 0]).all()
+
+
+def _kernel_path_logits() -> dict:
+    """Run under TRITON_INTERPRET=1 SPLITSPEC_NATIVE_CPU=1 (see the test below): tiny-q4km's final
+    hidden states over a prompt (the trunk on the torch references: SPLITSPEC_NATIVE=0 while it
+    runs), then its Q6_K head through the GEMV kernel (one row a call, M = 1) and through the
+    tl.dot kernel (all rows in one call), in float16."""
+    from native.gguf_matmul import default_tiling, gguf_matmul
+
+    model, config = random_target("random:tiny-q4km")
+    tokens = torch.randint(0, config.vocab_size, (6,), generator=torch.Generator().manual_seed(2))
+    hidden = []
+    model.lm_head.register_forward_hook(lambda module, args, out: hidden.append(args[0]))
+    os.environ["SPLITSPEC_NATIVE"] = "0"
+    model(tokens, torch.arange(6), model.new_cache(8, "cpu", torch.float32), 0, torch.ones(6, 6, dtype=torch.bool).tril())
+    del os.environ["SPLITSPEC_NATIVE"]
+    h = hidden[0].half()  # [6, hidden]
+    raw, n = model.lm_head.raw, config.vocab_size
+    assert default_tiling(1, Q.Q6_K).gemv and not default_tiling(len(h), Q.Q6_K).gemv
+    gemv = torch.cat([gguf_matmul(h[i : i + 1], raw, Q.Q6_K, n) for i in range(len(h))]).float()
+    dot = gguf_matmul(h, raw, Q.Q6_K, n).float()
+    top = dot.topk(2, dim=-1).values
+    return {
+        "expected": torch.argsort(_permutation(config, "cpu"))[tokens].tolist(),
+        "gemv": gemv.argmax(-1).tolist(), "dot": dot.argmax(-1).tolist(),
+        "path_difference": (gemv - dot).abs().max().item(), "margin": (top[:, 0] - top[:, 1]).min().item(),
+    }
+
+
+def test_greedy_output_is_the_same_through_the_gemv_and_the_dot_kernel():
+    """The benchmark's oracle rows rely on it: the M = 1 GEMV kernel and the M > 1 tl.dot kernel
+    round differently, and the structured head's margin dwarfs that difference."""
+    pytest.importorskip("triton", reason="triton is not installed (pip install triton==3.6.0; the CPU interpreter runs this)")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "SPLITSPEC_NATIVE_CPU": "1"}
+    done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(done.stdout.splitlines()[-1])
+    assert result["gemv"] == result["dot"] == result["expected"]
+    assert 0 < result["path_difference"] and result["margin"] > 50 * result["path_difference"]
+
+
+@pytest.mark.parametrize("name", ["tiny-q4km", "tiny-qwen35-q4km"])
+def test_without_keep_quantized_the_same_blocks_are_dequantized(name):
+    """``keep_quantized=False`` (a benchmark worker without --keep-quantized) holds every linear as
+    an nn.Linear of the blocks' values, as a load of a Q4_K_M file without it does: the same logits
+    as the kept model, whose QuantLinears dequantize the same blocks on the CPU."""
+    kept, config = random_target(f"random:{name}")
+    plain, _ = random_target(f"random:{name}", keep_quantized=False)
+    assert not _types(plain) and isinstance(plain.lm_head, nn.Linear)
+    assert torch.equal(plain.lm_head.weight, dequantize(kept.lm_head.raw, Q.Q6_K, tuple(plain.lm_head.weight.shape)))
+    tokens = torch.tensor([3, 77, 150, 9])
+    outputs = [
+        m(tokens, torch.arange(4), m.new_cache(8, "cpu", torch.float32), 0, torch.ones(4, 4, dtype=torch.bool).tril())[0]
+        for m in (kept, plain)
+    ]
+    torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-5, atol=1e-4)
+
+
+def test_quant_types_are_those_the_model_holds():
+    assert quant_types("random:qwen35-27b-q4km") == [Q.Q4_K, Q.Q6_K] == quant_types("random:tiny-q4km")
+    assert quant_types("random:qwen3-8b") == []
+    assert set(quant_types("random:tiny-qwen35-q4km")) == {Q.Q4_K, Q.Q6_K}
+
+
+if __name__ == "__main__":  # the interpreter half of test_greedy_output_is_the_same_through_the_gemv_and_the_dot_kernel
+    sys.path.insert(0, str(Path(__file__).parents[2]))
+    print(json.dumps(_kernel_path_logits()))
