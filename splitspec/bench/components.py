@@ -4,8 +4,8 @@ Every figure is the median wall time of one engine call, which ends by reading t
 path (verify) or the proposal (draft) back to the host, so it is what a step costs the service.
 The roofline is the model's weight bytes over the device's measured copy bandwidth: a batch-1
 step reads every weight once and cannot beat it. Weights kept in GGUF blocks (the ``*-q4km``
-shapes) count as their packed bytes. Hybrid (qwen35) targets have no fixed-shape path: their rows
-are labelled "eager".
+shapes) count as their packed bytes. Dense and hybrid (qwen35) targets alike run their fixed-shape
+passes (graphed on a GPU) and exact shapes eagerly.
 
 **Quantized-matmul kernel table** (``time_quant_kernels``, quantized shapes): ``native.gguf_matmul``
 alone, for each GGUF type at the shape's MLP sizes (``ffn_up`` [intermediate x hidden], ``ffn_down``
@@ -37,7 +37,6 @@ from services.draft.engine import DraftEngine
 from services.draft.graphs import BlockGraphs
 from services.target.engine import TargetEngine, TargetLimits
 from splitspec.bench.random_weights import quant_types, random_blocks, random_draft, random_shape, random_target, random_target_head
-from splitspec.models.dense import DenseForCausalLM
 from splitspec.spec.sampling import SamplingParams
 from splitspec.spec.tree import build_ddtree
 
@@ -124,9 +123,7 @@ def time_target(
     prompt = rng.integers(0, vocab, prompt_len).tolist()
     steps = (len(budgets) + 1) * (iters + 3)  # every verify commits at least its root
     context = prompt_len + steps + max(budgets) + 1
-    if not isinstance(model, DenseForCausalLM):
-        paths = {"eager": False}  # fixed shapes (services/target/graphs.py) serve dense targets only
-    elif graphs and device.type == "cuda":
+    if graphs and device.type == "cuda":
         paths = {"graphs": True, "eager": False}
     else:
         paths = {"fixed shapes" if graphs else "eager": False}
