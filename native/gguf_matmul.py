@@ -351,54 +351,45 @@ if triton is not None:
         return w_lo, w_hi, x_at
 
     @triton.jit
-    def _rows_fma(w, x_rows, x_at, m_ok, acc):
-        """acc [ROWS, BLOCK_N, G, L] + w [BLOCK_N, G, L] * x [ROWS, G, L], x read at ``x_rows`` [ROWS]
-        (row pointers) + ``x_at`` [G, L]; rows past M read as 0. fma: the compiler does not fuse
-        a += b * c here."""
-        x = tl.load(x_rows[:, None, None] + x_at[None], mask=m_ok[:, None, None], other=0.0).to(tl.float32)
-        return tl.fma(w[None], x[:, None], acc)
-
-    @triton.jit(do_not_specialize=["M"])
     def _gguf_gemv_kernel(
         x_ptr, w_ptr, y_ptr, levels_ptr,
-        M, N, stride_xm, stride_ys, stride_ym, row_nbytes,
+        N, stride_xm, stride_ys, stride_ym, row_nbytes,
         QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, CHUNKS_PER_SPLIT: tl.constexpr,
-        ROWS: tl.constexpr,
     ):
-        """y[split, m, n] for the ROWS x rows m of program_id(2) and this program's BLOCK_N features
-        n (see above): each weight value is expanded once and multiplied with every row."""
-        pid_n, split, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        """y[split, m, n] for x row m = program_id(2) and this program's BLOCK_N features n (see above)."""
+        pid_n, split, m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rows = tl.minimum(cols, N - 1).to(tl.int64)
-        m = pid_m * ROWS + tl.arange(0, ROWS)
-        m_ok = m < M
-        x_rows = x_ptr + m * stride_xm  # [ROWS]
+        x_row = x_ptr + m * stride_xm
         if QTYPE == 0:
-            acc = tl.zeros((ROWS, BLOCK_N, CHUNK // 32, 32), dtype=tl.float32)
+            acc = tl.zeros((BLOCK_N, CHUNK // 32, 32), dtype=tl.float32)
         elif QTYPE == 1 or QTYPE == 3:  # Q4_K, Q5_K: 32-byte groups of two sub-blocks
-            acc = tl.zeros((ROWS, BLOCK_N, CHUNK // 64, 32), dtype=tl.float32)
+            acc = tl.zeros((BLOCK_N, CHUNK // 64, 32), dtype=tl.float32)
         else:  # Q6_K, IQ4_XS: 16-byte runs
-            acc = tl.zeros((ROWS, BLOCK_N, CHUNK // 32, 16), dtype=tl.float32)
+            acc = tl.zeros((BLOCK_N, CHUNK // 32, 16), dtype=tl.float32)
         for i in range(CHUNKS_PER_SPLIT):
             k0 = (split * CHUNKS_PER_SPLIT + i) * CHUNK
             if QTYPE == 0:
                 w, x_at = _q8_0_step(w_ptr, rows, row_nbytes, k0, CHUNK)
-                acc = _rows_fma(w, x_rows, x_at, m_ok, acc)
+                acc = tl.fma(w, tl.load(x_row + x_at).to(tl.float32)[None], acc)  # fma: the compiler does not fuse a += b * c here
             elif QTYPE == 1:
                 w_lo, w_hi, x_at = _q4_k_step(w_ptr, rows, row_nbytes, k0, CHUNK)
-                acc = _rows_fma(w_hi, x_rows, x_at + 32, m_ok, _rows_fma(w_lo, x_rows, x_at, m_ok, acc))
+                acc = tl.fma(w_lo, tl.load(x_row + x_at).to(tl.float32)[None], acc)
+                acc = tl.fma(w_hi, tl.load(x_row + x_at + 32).to(tl.float32)[None], acc)
             elif QTYPE == 2:
                 w_lo, w_hi, x_at = _q6_k_step(w_ptr, rows, row_nbytes, k0, CHUNK)
-                acc = _rows_fma(w_hi, x_rows, x_at + 64, m_ok, _rows_fma(w_lo, x_rows, x_at, m_ok, acc))
+                acc = tl.fma(w_lo, tl.load(x_row + x_at).to(tl.float32)[None], acc)
+                acc = tl.fma(w_hi, tl.load(x_row + x_at + 64).to(tl.float32)[None], acc)
             elif QTYPE == 3:
                 w_lo, w_hi, x_at = _q5_k_step(w_ptr, rows, row_nbytes, k0, CHUNK)
-                acc = _rows_fma(w_hi, x_rows, x_at + 32, m_ok, _rows_fma(w_lo, x_rows, x_at, m_ok, acc))
+                acc = tl.fma(w_lo, tl.load(x_row + x_at).to(tl.float32)[None], acc)
+                acc = tl.fma(w_hi, tl.load(x_row + x_at + 32).to(tl.float32)[None], acc)
             else:
                 w_lo, w_hi, x_at = _iq4_xs_step(w_ptr, levels_ptr, rows, row_nbytes, k0, CHUNK)
-                acc = _rows_fma(w_hi, x_rows, x_at + 16, m_ok, _rows_fma(w_lo, x_rows, x_at, m_ok, acc))
-        y = tl.sum(tl.sum(acc, axis=3), axis=2)  # [ROWS, BLOCK_N]
-        out = y_ptr + split * stride_ys + m[:, None] * stride_ym + cols[None, :]
-        tl.store(out, y.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & (cols < N)[None, :])
+                acc = tl.fma(w_lo, tl.load(x_row + x_at).to(tl.float32)[None], acc)
+                acc = tl.fma(w_hi, tl.load(x_row + x_at + 16).to(tl.float32)[None], acc)
+        y = tl.sum(tl.sum(acc, axis=2), axis=1)  # [BLOCK_N]
+        tl.store(y_ptr + split * stride_ys + m * stride_ym + cols, y.to(y_ptr.dtype.element_ty), mask=cols < N)
 
 
 @dataclass(frozen=True)
@@ -406,15 +397,13 @@ class Tiling:
     """How ``gguf_matmul`` cuts its work: ``block_n`` output features per program, ``chunk`` K
     values per loop step, ``num_warps`` per program, ``split_k`` programs sharing one tile's K
     range (0: enough to make about two waves of programs on the device), and ``gemv``: the GEMV
-    kernel (CUDA cores; ``rows`` x rows per program, each weight value expanded once for all of
-    them) instead of ``tl.dot`` tiles."""
+    kernel (one x row per program, CUDA cores) instead of ``tl.dot`` tiles."""
 
     block_n: int
     chunk: int
     num_warps: int
     split_k: int = 0
     gemv: bool = False
-    rows: int = 1
 
 
 def default_tiling(m: int, qtype: Q | None = None) -> Tiling:
@@ -471,7 +460,7 @@ def gguf_matmul(
         return x.new_empty(*lead, N)
     tiling = tiling or default_tiling(M, qtype)
     if tiling.gemv:
-        block_m = tiling.rows
+        block_m = 1
         smallest_chunk = GGML_QUANT_SIZES[qtype][0]  # a step holds whole blocks (super-blocks)
     else:
         block_m = min(128, max(16, _next_power_of_2(M)))  # tl.dot wants 16 rows at least
@@ -489,7 +478,7 @@ def gguf_matmul(
     strides = (x2.stride(0), y.stride(0) if split_k > 1 else 0, y.stride(-2), raw.stride(0))
     levels = _levels(x.device) if qtype == Q.IQ4_XS else raw  # the other types never read this pointer
     if tiling.gemv:
-        _gguf_gemv_kernel[grid](x2, raw, y, levels, M, N, *strides, ROWS=block_m, **common)
+        _gguf_gemv_kernel[grid](x2, raw, y, levels, N, *strides, **common)
     else:
         _gguf_matmul_kernel[grid](x2, raw, y, levels, M, N, K, *strides, BLOCK_M=block_m, FP32_DOT=x.dtype == torch.float32, **common)
     if split_k > 1:

@@ -33,7 +33,7 @@ from torch.nn import functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from native.gguf_dequant import dequantize  # noqa: E402
-from native.gguf_matmul import Tiling, gguf_matmul, gguf_matmul_reference  # noqa: E402
+from native.gguf_matmul import gguf_matmul, gguf_matmul_reference  # noqa: E402
 
 SHAPES = {  # name: (N, K)
     "8b.qkv": (6144, 4096), "8b.o": (4096, 4096), "8b.gate_up": (24576, 4096), "8b.down": (4096, 12288),
@@ -172,16 +172,7 @@ def main() -> None:
                 row["gguf_matmul_err_ref"] = ((yg - ref).abs().max() / ref.abs().max()).item()
                 row["bf16_us"] = timed(lambda: F.linear(x, w16))
                 row["gguf_matmul_us"] = timed(lambda: gguf_matmul(x, raw, qtype, n))
-                if 1 < m <= 8:  # the GEMV kernel with every row in one program, against the default
-                    for chunk in (256, 512):
-                        t = Tiling(block_n=4, chunk=chunk, num_warps=2, gemv=True, rows=1 << (m - 1).bit_length())
-                        yr = gguf_matmul(x, raw, qtype, n, t).float()
-                        row[f"gemv_rows_c{chunk}_err_ref"] = ((yr - ref).abs().max() / ref.abs().max()).item()
-                        row[f"gemv_rows_c{chunk}_us"] = timed(lambda: gguf_matmul(x, raw, qtype, n, t))
-                        packers.setdefault(f"gemv_rows_c{chunk}", None)
                 for lib, fn in packers.items():
-                    if fn is None:  # our own variants, timed above
-                        continue
                     try:
                         yl = fn(x).float()
                         row[f"{lib}_err_ref"] = ((yl - ref).abs().max() / ref.abs().max()).item()

@@ -47,8 +47,6 @@ TILED = [
     for m, tiling in (
         (1, {"block_n": 16, "chunk": 512, "num_warps": 4, "split_k": 3, "gemv": True}),
         (3, {"block_n": 32, "chunk": 1024, "num_warps": 2, "gemv": True}),
-        (3, {"block_n": 8, "chunk": 512, "num_warps": 2, "gemv": True, "rows": 4}),  # one program, a masked row
-        (5, {"block_n": 16, "chunk": 256, "num_warps": 2, "split_k": 2, "gemv": True, "rows": 2}),  # 3 programs of rows
         (5, {"block_n": 32, "chunk": 128, "num_warps": 4, "split_k": 2}),
     )
 ] + [("Q8_0", 24, 96, 2, {"block_n": 16, "chunk": 64, "num_warps": 4, "split_k": 3, "gemv": True})]  # K = 3 blocks of 32
