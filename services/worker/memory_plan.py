@@ -31,8 +31,8 @@ of the compute dtype live at once (the residual stream, norms, mixer and MLP out
 features; the MLP's gate, up and product), plus, where it is projected to logits, ``vocab`` values
 in the compute dtype and two float32 copies (the logits, and a sampling or log-softmax copy).
 Attention is taken to read keys in place (``native/paged_attention``), as it does on GPUs. A
-prompt's tap features of ``PLAN_TAPS`` layers are kept for all its rows, twice (the chunks, then
-their concatenation). A target's captured graphs keep their float32 logits; the plan counts the
+target's prompt features go to the host chunk by chunk (``TargetEngine._prefill``), so its prompt
+pass holds one chunk's; the draft appends a prompt's features at once. A target's captured graphs keep their float32 logits; the plan counts the
 graphs captured at start (``PassRunner.warm_up``); graphs captured later for other shapes add to
 it, so on CUDA the target logs what torch has reserved once warm-up is over.
 """
@@ -266,13 +266,12 @@ def target_plan(
     verify = tree_rows * (row + _logits_row_bytes(c.vocab_size, itemsize) + feature_row)
     if hybrid:  # the tree kernel's scratch: every row's state, one layer at a time
         verify += tree_rows * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * state_dtype.itemsize
-    prompt_rows = min(limits.max_kv_tokens, c.max_context)
-    prefill = limits.prefill_chunk * row + _logits_row_bytes(c.vocab_size, itemsize) + 2 * prompt_rows * feature_row
+    prefill = limits.prefill_chunk * (row + feature_row) + _logits_row_bytes(c.vocab_size, itemsize)
     graph_rows = warm_up_logit_rows(warm_up_sequences)
     plan.workspace = max(verify, prefill) + graph_rows * c.vocab_size * 4
     plan.basis["workspace"] = (
-        f"estimate: the larger of a verify pass of {tree_rows} rows ({size(verify)}) and a prompt of "
-        f"{prompt_rows:,} positions with {taps} taps' features ({size(prefill)})"
+        f"estimate: the larger of a verify pass of {tree_rows} rows ({size(verify)}) and a prompt chunk of "
+        f"{limits.prefill_chunk} rows with {taps} taps' features ({size(prefill)})"
         + (f", + {graph_rows} rows of logits kept by the graphs captured at start" if graph_rows else "")
     )
     return plan

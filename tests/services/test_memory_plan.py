@@ -200,14 +200,14 @@ def test_target_refuses_a_cap_it_cannot_fit(services, tiny_qwen35_pair, monkeypa
 @pytest.mark.slow
 def test_target_under_a_cap_it_fits_logs_its_plan_and_serves(services, tiny_qwen35_pair):
     services.start(
-        "target", "target", "--model", str(tiny_qwen35_pair.target), "--memory-cap-gb", "0.01",
+        "target", "target", "--model", str(tiny_qwen35_pair.target), "--memory-cap-gb", "0.004",
         "--max-sequences", "4", "--max-tree-nodes", "22",
     )
     log = services.log("target")
     block = log[log.index("target memory plan:"):]
     for part in ("weights", "KV cache", "state slots", "tree buffers", "workspace", "total"):
         assert re.search(rf"\n  {part} +\d+\.\d\d MiB", block), part
-    assert re.search(r"cap 10\.24 MiB \(--memory-cap-gb 0\.01\), budget [\d.]+ MiB after [\d.]+ MiB of headroom: fits", block)
+    assert re.search(r"cap 4\.10 MiB \(--memory-cap-gb 0\.004\), budget [\d.]+ MiB after [\d.]+ MiB of headroom: fits", block), block
     # The auto KV size took what the cap left, far below the CPU's 1 GiB default (4 x 4096 positions here).
     positions = int(re.search(r"paged KV cache: (\d+) positions", log).group(1))
     assert 16 <= positions < 4 * 4096
