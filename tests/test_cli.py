@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import re
 import subprocess
 import sys
 import threading
@@ -83,7 +84,9 @@ def test_make_tiny_qwen35_and_serve_it(tmp_path):
                 out = generate(address, speculation=spec, **request)
                 assert out.tokens == off.tokens and out.text == off.text
                 assert out.final.usage.draft_fallbacks == 0
-    assert "recurrent state 0.00614 MB" in (tmp_path / "serve.log").read_text()  # 3 layers x 4 heads x 16 x 16 x 2 bytes
+    log = (tmp_path / "serve.log").read_text()
+    assert "hybrid target: 3 DeltaNet + 1 attention layers" in log
+    assert re.search(r"state slots .* slots x [\d.]+ KiB \(bfloat16 states\)", log)  # the env var reached the target
 
 
 def test_gateway_refuses_a_draft_built_for_another_target(services, tiny_pair, tmp_path):
