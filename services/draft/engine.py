@@ -27,6 +27,8 @@ from splitspec.errors import FailedPrecondition, InvalidArgument, ResourceExhaus
 from splitspec.models.dflash import DFlashConfig, DFlashDraft
 from splitspec.models.quantized import QuantEmbedding
 
+APPEND_CHUNK = 512  # new context rows projected to keys and values at once (a prompt arrives whole)
+
 
 class ContextCache:
     """Per-layer K/V [H_kv, capacity, D] with an optional window: in the storage of a
@@ -271,7 +273,16 @@ class DraftEngine:
         out: list[list[tuple[torch.Tensor, torch.Tensor]] | None] = [None] * len(admitted)
         if not new:
             return out
-        kv = self.model.context_kv(*self._joined_rows([admitted[n] for n in new]))  # per layer (k, v) [H_kv, M, D]
+        features, positions = self._joined_rows([admitted[n] for n in new])  # [M, taps * hidden], [M]
+        # A prompt's rows go through in chunks: all 16K rows' features, fc and norm outputs at once
+        # would take 1.25 GiB at the 27B draft's width; rows are independent, so chunks give the same.
+        chunks = [
+            self.model.context_kv(features[a : a + APPEND_CHUNK].to(self.device, self.dtype), positions[a : a + APPEND_CHUNK].to(self.device))
+            for a in range(0, features.shape[0], APPEND_CHUNK)
+        ]
+        kv = chunks[0] if len(chunks) == 1 else [
+            (torch.cat([c[i][0] for c in chunks], dim=1), torch.cat([c[i][1] for c in chunks], dim=1)) for i in range(len(chunks[0]))
+        ]  # per layer (k, v) [H_kv, M, D]
         rows = [admitted[n][0].rows for n in new]
         pieces = [list(zip(k.split(rows, dim=1), v.split(rows, dim=1))) for k, v in kv]  # [layer][j]: (k, v) [H_kv, m_j, D]
         for j, n in enumerate(new):
@@ -279,17 +290,16 @@ class DraftEngine:
         return out
 
     def _joined_rows(self, new: list[tuple[ProposeStep, DraftSequence]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The steps' new feature rows [M, taps * hidden] and their positions [M], on the device.
-        Several steps' rows are joined where the first one's are (features from the wire are on
-        the host) and sent in one copy."""
+        """The steps' new feature rows [M, taps * hidden] and their positions [M], where the first
+        step's features are (features from the wire are on the host; the caller sends them to the
+        device a chunk at a time)."""
         if len(new) == 1:
             step, seq = new[0]
-            positions = torch.arange(seq.ctx_end, step.anchor_position, device=self.device)
-            return step.features.to(device=self.device, dtype=self.dtype), positions
+            return step.features, torch.arange(seq.ctx_end, step.anchor_position, device=step.features.device)
         where = new[0][0].features.device
         features = torch.cat([step.features.to(device=where, dtype=self.dtype) for step, _ in new])
-        positions = torch.cat([torch.arange(seq.ctx_end, step.anchor_position) for step, seq in new])
-        return features.to(self.device), positions.to(self.device)
+        positions = torch.cat([torch.arange(seq.ctx_end, step.anchor_position, device=where) for step, seq in new])
+        return features, positions
 
     def _propose_one(self, step: ProposeStep, seq: DraftSequence) -> Proposal:
         """One sequence's pass: a CUDA graph where one serves it (appending up to a block of new

@@ -32,7 +32,8 @@ features; the MLP's gate, up and product), plus, where it is projected to logits
 in the compute dtype and two float32 copies (the logits, and a sampling or log-softmax copy).
 Attention is taken to read keys in place (``native/paged_attention``), as it does on GPUs. A
 target's prompt features go to the host chunk by chunk (``TargetEngine._prefill``), so its prompt
-pass holds one chunk's; the draft appends a prompt's features at once. A target's captured graphs keep their float32 logits; the plan counts the
+pass holds one chunk's; the draft projects a prompt's features a chunk at a time (``APPEND_CHUNK``)
+and holds its keys and values twice (joined, then appended). A target's captured graphs keep their float32 logits; the plan counts the
 graphs captured at start (``PassRunner.warm_up``); graphs captured later for other shapes add to
 it, so on CUDA the target logs what torch has reserved once warm-up is over.
 """
@@ -47,6 +48,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from services.draft.engine import APPEND_CHUNK
 from services.target.engine import TargetLimits
 from services.target.graphs import ROW_BUCKETS, PassRunner, bucket, recurrent_pass_rows
 from services.worker.hosting import StepBatcher
@@ -298,12 +300,14 @@ def draft_plan(
     pass_sequences = min(max_sequences, PASS_SEQUENCES)
     rows = pass_sequences * c.block_size
     block = rows * _row_bytes(c.hidden_size, c.intermediate_size, itemsize) + pass_sequences * (c.block_size - 1) * _logits_row_bytes(vocab, itemsize)
-    # A prompt's features arrive in one append: its rows, fc and norm outputs and one layer's K/V.
-    append = context * (c.num_taps + 3) * c.hidden_size * itemsize
+    # A prompt's features arrive at once and are projected a chunk at a time (APPEND_CHUNK rows:
+    # their features, fc and norm outputs); its keys and values are joined, then appended.
+    chunk = min(context, APPEND_CHUNK)
+    append = chunk * (c.num_taps + 3) * c.hidden_size * itemsize + 2 * c.num_layers * 2 * c.num_kv_heads * context * c.head_dim * itemsize
     plan.workspace = max(block, append)
     plan.basis["workspace"] = (
         f"estimate: the larger of a pass of {pass_sequences} x {c.block_size} rows ({size(block)}) and a prompt of "
-        f"{context:,} positions appended at once ({size(append)})"
+        f"{context:,} positions appended in chunks of {chunk} ({size(append)})"
     )
     return plan
 

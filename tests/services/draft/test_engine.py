@@ -132,3 +132,22 @@ def test_context_slots_are_reused_and_overflow_grows_its_own(draft):
     engine.sequences.pop("a")
     engine.propose("d", 7, 6, features, top_k=3)
     assert engine.sequences.get("d").cache.slot == slots["a"]
+
+
+def test_a_long_append_goes_in_chunks_and_matches_the_reference(draft, monkeypatch):
+    """New context rows are projected ``APPEND_CHUNK`` at a time (a 16K-token prompt arrives
+    whole, and all its rows' activations at once would take GiBs): chunks of 7 rows give the
+    reference's proposals."""
+    monkeypatch.setattr("services.draft.engine.APPEND_CHUNK", 7)
+    model, cfg, embed, head, w = draft
+    engine = DraftEngine(model, embed, head)
+    rows = []  # a spy: the real method runs
+    context_kv = model.context_kv
+    monkeypatch.setattr(model, "context_kv", lambda f, p: rows.append(len(f)) or context_kv(f, p))
+    features = torch.randn(40, cfg.num_taps * cfg.hidden_size, generator=torch.Generator().manual_seed(3))
+    for start, end, anchor in [(0, 30, 17), (30, 40, 5)]:
+        proposal = engine.propose("s", anchor, end, features[start:end], top_k=5, window=0)
+        top = torch.topk(reference_block(w, cfg, embed, head, features[:end], torch.arange(end), anchor, end), 5, dim=-1)
+        assert torch.equal(proposal.top_ids.long(), top.indices)
+        assert torch.allclose(proposal.top_logprobs, top.values, atol=1e-5)
+    assert rows == [7, 7, 7, 7, 2, 7, 3]
