@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import os
-import signal
 import re
+import signal
 import subprocess
 import sys
 import threading
