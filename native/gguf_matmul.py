@@ -43,7 +43,7 @@ from gguf import GGMLQuantizationType as Q
 from torch import nn
 from torch.nn import functional as F
 
-from native import sm_count, use_triton
+from native import gguf_mma, sm_count, use_triton
 from native.gguf_dequant import dequantize, iq4_nl_levels
 
 try:
@@ -440,8 +440,9 @@ def gguf_matmul(
     x: torch.Tensor, raw: torch.Tensor, qtype: Q, out_features: int, tiling: Tiling | None = None
 ) -> torch.Tensor:
     """x [..., K] (bf16, fp16 or fp32) @ W^T for W [out_features, K] held as GGUF blocks ``raw``
-    [out_features, row_bytes] (uint8) -> [..., out_features] in x's dtype, by the Triton kernel.
-    ``tiling`` overrides ``default_tiling`` (benchmarks compare tilings)."""
+    [out_features, row_bytes] (uint8) -> [..., out_features] in x's dtype: by ``native.gguf_mma``
+    where it takes the call (Q4_K/Q6_K, bf16, 1-64 rows), else by the Triton kernels. ``tiling``
+    forces the Triton kernels with that tiling (benchmarks compare tilings)."""
     if qtype not in KERNEL_TYPES:
         raise ValueError(f"no kernel for {qtype.name} (kernels: {', '.join(sorted(t.name for t in KERNEL_TYPES))})")
     if x.dtype not in KERNEL_DTYPES:
@@ -458,6 +459,8 @@ def gguf_matmul(
     M, N = x2.shape[0], out_features
     if M == 0:
         return x.new_empty(*lead, N)
+    if tiling is None and gguf_mma.usable(x2, raw, qtype):
+        return gguf_mma.matmul(x2, raw, qtype, N).reshape(*lead, N)
     tiling = tiling or default_tiling(M, qtype)
     if tiling.gemv:
         block_m = 1

@@ -1,0 +1,362 @@
+// y = x @ W^T for bf16 x [M, K] (M <= 64) and W [N, K] kept in its GGUF blocks (Q4_K, Q6_K), on
+// tensor cores: each thread expands its share of a super-block to float32 in registers, rounds
+// it to bf16 and feeds it as the B operand of mma.sync m16n8k16 (x is the A operand). Built at
+// first use by native/gguf_mma.py, which documents the design; this file is the device code.
+//
+// Layout of one warp's work: 8 * NT output features (NT n-tiles of 8), all M rows (MT m-tiles of
+// 16), one super-block (256 values) per loop step. Lane t = 4 g + c holds, for each n-tile, the
+// weights of feature g and the k slots {2c, 2c+1, 2c+8, 2c+9} of each 16-wide k step; the A
+// operand's lane t holds rows g and g + 8 at the same k slots. A dot product does not depend on
+// the order of k, so each c maps its slots to whichever real k its bytes hold, as long as A and
+// B use the same map: lane c reads 16-byte runs of its rows' bytes and the matching x pairs.
+
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <torch/extension.h>
+
+#include <cstdint>
+
+namespace {
+
+constexpr int kWarps = 4;  // warps per block, each with its own 8 * NT features
+#ifndef MIN_BLOCKS  // blocks a multiprocessor must hold (caps registers); benchmarks try others
+#define MIN_BLOCKS 1
+#endif
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // .x (low half) = lo
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// Byte `sel` (0..3) of `word`, less `offset`, as an exact float: the byte under the bits
+// 0x4B000000 makes the float 2^23 + byte (an integer conversion instruction runs at a quarter rate).
+__device__ __forceinline__ float byte_f32(uint32_t word, int sel, float offset = 0.0f) {
+  return __uint_as_float(__byte_perm(word, 0x4B000000u, 0x7540 + sel)) - (8388608.0f + offset);
+}
+
+__device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint4 load16(const uint8_t* p) {  // p 16-byte aligned
+  return __ldg(reinterpret_cast<const uint4*>(p));
+}
+
+__device__ __forceinline__ uint32_t word_of(const uint4& v, int i) {  // i a compile-time constant after unrolling
+  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+__device__ __forceinline__ uint32_t byte_at(const uint4& v, int i) {  // i run-time, 0..15
+  const uint32_t w = i < 4 ? v.x : i < 8 ? v.y : i < 12 ? v.z : v.w;
+  return (w >> (8 * (i & 3))) & 0xFF;
+}
+
+// Each block type has load(), which only issues the loads of one super-block's bytes for this
+// lane (so the next super-block's can be in flight while this one is computed), prepare(), which
+// decodes its scales once they arrived, fragment(s), the B operand of k step s (0..15), and
+// k_of(c, s), the real k (in the super-block) of slots 2c, 2c + 1 of step s; slots 2c + 8, 2c + 9
+// are 32 further.
+
+// ---------------------------------------------------------------------------------------- Q4_K
+// Super-block (144 bytes): f16 d, f16 dmin, 12 bytes of eight 6-bit (scale, min), then 4 groups of
+// 32 bytes; byte l of group j holds value 64 j + l (sub-block 2 j) in its low nibble and
+// 64 j + 32 + l (sub-block 2 j + 1) in its high one; value = d * scale * q - dmin * min.
+// Lane c reads bytes 16 + 16 c .. (half c % 2 of group c / 2) and 80 + 16 c .. (the same half of
+// group 2 + c / 2): the four lanes of a feature read 64 contiguous bytes per load. Steps 0-7 take
+// the first run's bytes 2s, 2s + 1, steps 8-15 the second's.
+struct Q4K {
+  static constexpr int kBytes = 144;
+  uint4 head, q0, q1;
+  float scale[4], minimum[4];  // d * scale, dmin * min of sub-blocks t, t + 1, t + 4, t + 5 (t = 2 (c / 2))
+
+  __device__ __forceinline__ void load(const uint8_t* block, int c) {
+    head = load16(block);
+    q0 = load16(block + 16 + 16 * c);
+    q1 = load16(block + 80 + 16 * c);
+  }
+
+  __device__ __forceinline__ void prepare(int c) {
+    const float d = __half2float(__ushort_as_half(static_cast<unsigned short>(head.x & 0xFFFF)));
+    const float dmin = __half2float(__ushort_as_half(static_cast<unsigned short>(head.x >> 16)));
+    // Scale bytes b[i] = head byte 4 + i. Sub-block t < 4: scale b[t] & 63, min b[t + 4] & 63;
+    // sub-block t + 4: scale b[t + 8] & 15 | (b[t] >> 6) << 4, min b[t + 8] >> 4 | (b[t + 4] >> 6) << 4.
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int shift = 8 * (2 * (c >> 1) + h);
+      const uint32_t b0 = (head.y >> shift) & 0xFF, b4 = (head.z >> shift) & 0xFF, b8 = (head.w >> shift) & 0xFF;
+      scale[h] = d * static_cast<float>(b0 & 63);
+      minimum[h] = dmin * static_cast<float>(b4 & 63);
+      scale[2 + h] = d * static_cast<float>((b8 & 15) | ((b0 >> 6) << 4));
+      minimum[2 + h] = dmin * static_cast<float>((b8 >> 4) | ((b4 >> 6) << 4));
+    }
+  }
+
+  __device__ __forceinline__ void fragment(int s, uint32_t& b0, uint32_t& b1) const {
+    const uint32_t word = word_of(s < 8 ? q0 : q1, (s & 7) >> 1);
+    const uint32_t lo = word & 0x0F0F0F0Fu, hi = (word >> 4) & 0x0F0F0F0Fu;
+    const int at = 2 * (s & 1), t = s < 8 ? 0 : 2;
+    // The products are exact in float32 (a 4-bit q times a 17-bit scale): one rounding, as the
+    // dequantizer's (d * scale) * q - dmin * min has.
+    b0 = pack_bf16(fmaf(byte_f32(lo, at), scale[t], -minimum[t]), fmaf(byte_f32(lo, at + 1), scale[t], -minimum[t]));
+    b1 = pack_bf16(fmaf(byte_f32(hi, at), scale[t + 1], -minimum[t + 1]), fmaf(byte_f32(hi, at + 1), scale[t + 1], -minimum[t + 1]));
+  }
+
+  __host__ __device__ __forceinline__ static int k_of(int c, int s) {
+    return (s < 8 ? 0 : 128) + 64 * (c >> 1) + 16 * (c & 1) + 2 * (s & 7);
+  }
+};
+
+// ---------------------------------------------------------------------------------------- Q6_K
+// Super-block (210 bytes, so only 2-byte aligned): 128 bytes of low nibbles, 64 of high 2-bit
+// pairs, sixteen int8 scales, f16 d. Value v = 128 h + 32 r + l (h < 2, r < 4, l < 32): low bits
+// nibble r / 2 of byte 64 h + 32 (r % 2) + l, high bits 2r of byte 128 + 32 h + l, scale v / 16;
+// value = d * scale * (q - 32). Lane c takes h = c / 2 and l in 16 (c % 2) + 0 .. 15: step s
+// takes r = 2 (s / 8) for slots 2c, 2c + 1 and r + 1 for 2c + 8, 2c + 9, at
+// l = 16 (c % 2) + 2 (s % 8) + {0, 1}. Runs of 16 bytes at 2-byte aligned addresses are loaded
+// as five aligned words (the fifth only when shifted: an aligned run may end the tensor) and
+// funnel-shifted in prepare().
+struct Q6K {
+  static constexpr int kBytes = 210;
+  uint32_t raw[4][5];  // runs at 64h + l0, 64h + 32 + l0, 128 + 32h + l0, 192 (scales)
+  unsigned short d_bits;
+  uint32_t shift;
+  uint4 low0, low1, high;
+  float scale[4];  // d * scale of (r, this lane's half) for r = 0..3
+
+  __device__ __forceinline__ void load(const uint8_t* block, int c) {
+    const int h = c >> 1, l0 = 16 * (c & 1);
+    const int at[4] = {64 * h + l0, 64 * h + 32 + l0, 128 + 32 * h + l0, 192};
+    const uintptr_t addr = reinterpret_cast<uintptr_t>(block);
+    shift = (addr & 3) * 8;  // the same for all four runs: their offsets are multiples of 4
+    const uint32_t* words = reinterpret_cast<const uint32_t*>(addr & ~uintptr_t(3));
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) raw[r][i] = __ldg(words + at[r] / 4 + i);
+      raw[r][4] = shift ? __ldg(words + at[r] / 4 + 4) : 0u;
+    }
+    d_bits = __ldg(reinterpret_cast<const unsigned short*>(block + 208));
+  }
+
+  __device__ __forceinline__ static uint4 run(const uint32_t (&w)[5], uint32_t shift) {
+    return make_uint4(__funnelshift_r(w[0], w[1], shift), __funnelshift_r(w[1], w[2], shift),
+                      __funnelshift_r(w[2], w[3], shift), __funnelshift_r(w[3], w[4], shift));
+  }
+
+  __device__ __forceinline__ void prepare(int c) {
+    low0 = run(raw[0], shift);
+    low1 = run(raw[1], shift);
+    high = run(raw[2], shift);
+    const uint4 scales = run(raw[3], shift);
+    const float d = __half2float(__ushort_as_half(d_bits));
+    const int h = c >> 1;
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int8_t s = static_cast<int8_t>(byte_at(scales, 8 * h + 2 * r + (c & 1)));
+      scale[r] = d * static_cast<float>(s);
+    }
+  }
+
+  __device__ __forceinline__ void fragment(int s, uint32_t& b0, uint32_t& b1) const {
+    const int rp = s >> 3, word = (s & 7) >> 1, at = 2 * (s & 1);
+    const uint32_t hw = word_of(high, word);
+    // q bytes (0..63) of r = 2 rp (from low0) and 2 rp + 1 (from low1), four lanes each.
+    const uint32_t q_a = ((word_of(low0, word) >> (4 * rp)) & 0x0F0F0F0Fu) | (((hw >> (4 * rp)) & 0x03030303u) << 4);
+    const uint32_t q_b = ((word_of(low1, word) >> (4 * rp)) & 0x0F0F0F0Fu) | (((hw >> (4 * rp + 2)) & 0x03030303u) << 4);
+    const float sa = scale[2 * rp], sb = scale[2 * rp + 1];
+    b0 = pack_bf16(byte_f32(q_a, at, 32.0f) * sa, byte_f32(q_a, at + 1, 32.0f) * sa);
+    b1 = pack_bf16(byte_f32(q_b, at, 32.0f) * sb, byte_f32(q_b, at + 1, 32.0f) * sb);
+  }
+
+  __host__ __device__ __forceinline__ static int k_of(int c, int s) {
+    return 128 * (c >> 1) + 64 * (s >> 3) + 16 * (c & 1) + 2 * (s & 7);
+  }
+};
+
+// x in the A operand's order: xf[sb][s][mt][lane][r] (uint32 = two bf16) is what lane (g, c) of
+// m-tile mt passes as register r of k step s of super-block sb: rows g (r even) and g + 8 (r odd,
+// only when R = 4), k = 256 sb + k_of(c, s) (r < 2, or r = 0 when R = 2) and 32 further. Rows
+// from M on are zeros. Each lane then loads its whole A operand of a step in one 8- or 16-byte
+// access, the warp's accesses contiguous.
+template <typename Block, int MT, int R>
+__global__ void permute_x_kernel(const __nv_bfloat16* __restrict__ x, uint32_t* __restrict__ xf, int M, int64_t stride_xm,
+                                 int64_t total) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= total) return;
+  const int r = i % R, lane = (i / R) % 32;
+  const int64_t rest = i / (R * 32);
+  const int mt = rest % MT, s = (rest / MT) % 16;
+  const int64_t sb = rest / (MT * 16);
+  const int g = lane >> 2, c = lane & 3;
+  const int row = 16 * mt + g + (R == 4 ? 8 * (r & 1) : 0);
+  const int64_t k = 256 * sb + Block::k_of(c, s) + 32 * (R == 4 ? r >> 1 : r);
+  xf[i] = row < M ? *reinterpret_cast<const uint32_t*>(x + row * stride_xm + k) : 0u;
+}
+
+// One program: kWarps warps x 8 NT features, K super-blocks [split's range). With splits > 1 the
+// float32 partial sums go to `partial` [splits, M, N] and the block that finishes a tile last adds
+// them in split order (so the result does not depend on which finished first) and writes `out`.
+template <typename Block, int MT, int NT, int R>
+__global__ void __launch_bounds__(kWarps * 32, MIN_BLOCKS) gguf_mma_kernel(
+    const uint32_t* __restrict__ xf, const uint8_t* __restrict__ w, __nv_bfloat16* __restrict__ out,
+    float* __restrict__ partial, int* __restrict__ counters, int M, int N, int64_t row_bytes, int super_blocks,
+    int splits) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, c = lane & 3;
+  const int n0 = (blockIdx.x * kWarps + warp) * 8 * NT;
+  const int split = blockIdx.y;
+  const int sb_begin = static_cast<int>(static_cast<int64_t>(super_blocks) * split / splits);
+  const int sb_end = static_cast<int>(static_cast<int64_t>(super_blocks) * (split + 1) / splits);
+
+  const uint8_t* rows[NT];
+#pragma unroll
+  for (int i = 0; i < NT; ++i) rows[i] = w + static_cast<int64_t>(min(n0 + 8 * i + g, N - 1)) * row_bytes;
+
+  float acc[MT][NT][4];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int i = 0; i < NT; ++i)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[mt][i][e] = 0.0f;
+
+  Block cur[NT], next[NT];
+#pragma unroll
+  for (int i = 0; i < NT; ++i) cur[i].load(rows[i] + static_cast<int64_t>(sb_begin) * Block::kBytes, c);
+  for (int sb = sb_begin; sb < sb_end; ++sb) {
+    if (sb + 1 < sb_end) {  // the next super-block's bytes are in flight while this one is computed
+#pragma unroll
+      for (int i = 0; i < NT; ++i) next[i].load(rows[i] + static_cast<int64_t>(sb + 1) * Block::kBytes, c);
+    }
+#pragma unroll
+    for (int i = 0; i < NT; ++i) cur[i].prepare(c);
+    const uint32_t* x_sb = xf + static_cast<int64_t>(sb) * 16 * MT * 32 * R + lane * R;
+#pragma unroll
+    for (int s = 0; s < 16; ++s) {
+      uint32_t a[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        const uint32_t* at = x_sb + (s * MT + mt) * 32 * R;
+        if constexpr (R == 4) {
+          const uint4 v = __ldg(reinterpret_cast<const uint4*>(at));
+          a[mt][0] = v.x, a[mt][1] = v.y, a[mt][2] = v.z, a[mt][3] = v.w;
+        } else {
+          const uint2 v = __ldg(reinterpret_cast<const uint2*>(at));
+          a[mt][0] = v.x, a[mt][1] = 0u, a[mt][2] = v.y, a[mt][3] = 0u;
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < NT; ++i) {
+        uint32_t b0, b1;
+        cur[i].fragment(s, b0, b1);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) mma(acc[mt][i], a[mt], b0, b1);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < NT; ++i) cur[i] = next[i];
+  }
+
+  // The C fragment of lane (g, c): rows g, g + 8 of each m-tile, features 2c, 2c + 1 of each n-tile.
+  if (splits == 1) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int i = 0; i < NT; ++i)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int m = 16 * mt + 8 * h + g, n = n0 + 8 * i + 2 * c;
+          if (m < M && n < N) out[static_cast<int64_t>(m) * N + n] = __float2bfloat16_rn(acc[mt][i][2 * h]);
+          if (m < M && n + 1 < N) out[static_cast<int64_t>(m) * N + n + 1] = __float2bfloat16_rn(acc[mt][i][2 * h + 1]);
+        }
+    return;
+  }
+  float* mine = partial + static_cast<int64_t>(split) * M * N;
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int i = 0; i < NT; ++i)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int m = 16 * mt + 8 * h + g, n = n0 + 8 * i + 2 * c;
+        if (m < M && n < N) mine[static_cast<int64_t>(m) * N + n] = acc[mt][i][2 * h];
+        if (m < M && n + 1 < N) mine[static_cast<int64_t>(m) * N + n + 1] = acc[mt][i][2 * h + 1];
+      }
+  __threadfence();  // this block's partial sums are visible before its arrival is counted
+  __syncthreads();
+  __shared__ bool last;
+  if (threadIdx.x == 0) last = atomicAdd(counters + blockIdx.x, 1) == splits - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  const int tile = kWarps * 8 * NT, first = blockIdx.x * tile;
+  for (int idx = threadIdx.x; idx < M * tile; idx += blockDim.x) {
+    const int m = idx / tile, n = first + idx % tile;
+    if (n >= N) continue;
+    float sum = 0.0f;
+    for (int sp = 0; sp < splits; ++sp) sum += __ldcg(partial + (static_cast<int64_t>(sp) * M + m) * N + n);
+    out[static_cast<int64_t>(m) * N + n] = __float2bfloat16_rn(sum);
+  }
+  if (threadIdx.x == 0) counters[blockIdx.x] = 0;  // ready for the next launch (and graph replay)
+}
+
+template <typename Block, int MT, int NT, int R>
+void launch(const torch::Tensor& x, const torch::Tensor& w, torch::Tensor& out, torch::Tensor& partial,
+            torch::Tensor& counters, int splits, cudaStream_t stream) {
+  const int M = x.size(0), N = out.size(1), K = x.size(1);
+  const int64_t total = static_cast<int64_t>(K / 256) * 16 * MT * 32 * R;
+  torch::Tensor xf = torch::empty({total}, x.options().dtype(torch::kInt32));
+  permute_x_kernel<Block, MT, R><<<(total + 255) / 256, 256, 0, stream>>>(
+      reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()), reinterpret_cast<uint32_t*>(xf.data_ptr()), M, x.stride(0), total);
+  const int tiles = (N + kWarps * 8 * NT - 1) / (kWarps * 8 * NT);
+  dim3 grid(tiles, splits);
+  gguf_mma_kernel<Block, MT, NT, R><<<grid, kWarps * 32, 0, stream>>>(
+      reinterpret_cast<const uint32_t*>(xf.data_ptr()), w.data_ptr<uint8_t>(),
+      reinterpret_cast<__nv_bfloat16*>(out.data_ptr()), splits > 1 ? partial.data_ptr<float>() : nullptr,
+      splits > 1 ? counters.data_ptr<int>() : nullptr, M, N, w.stride(0), K / 256, splits);
+}
+
+template <typename Block, int NT>
+void by_rows(const torch::Tensor& x, const torch::Tensor& w, torch::Tensor& out, torch::Tensor& partial,
+             torch::Tensor& counters, int splits, cudaStream_t stream) {
+  const int M = x.size(0);
+  if (M <= 8) launch<Block, 1, NT, 2>(x, w, out, partial, counters, splits, stream);
+  else if (M <= 16) launch<Block, 1, NT, 4>(x, w, out, partial, counters, splits, stream);
+  else if (M <= 32) launch<Block, 2, NT, 4>(x, w, out, partial, counters, splits, stream);
+  else launch<Block, 4, NT, 4>(x, w, out, partial, counters, splits, stream);
+}
+
+}  // namespace
+
+// qtype: 12 (Q4_K) or 14 (Q6_K), gguf's GGMLQuantizationType values. `partial` [splits, M, N]
+// float32 and `counters` [>= tiles] int32 zeros are the caller's (unused when splits == 1).
+void gguf_mma(torch::Tensor x, torch::Tensor w, torch::Tensor out, torch::Tensor partial, torch::Tensor counters,
+              int64_t qtype, int64_t splits, int64_t n_tiles) {
+  TORCH_CHECK(x.is_cuda() && x.scalar_type() == torch::kBFloat16 && x.dim() == 2 && x.stride(1) == 1, "x: bf16 [M, K], rows contiguous");
+  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= 64, "1 <= M <= 64, got ", x.size(0));
+  TORCH_CHECK(x.size(1) % 256 == 0, "K must be a multiple of 256");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 4 == 0 && x.stride(0) % 2 == 0, "x rows must be 4-byte aligned");
+  TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.dim() == 2 && w.stride(1) == 1, "w: uint8 [N, row bytes]");
+  TORCH_CHECK(out.scalar_type() == torch::kBFloat16 && out.is_contiguous(), "out: bf16 [M, N] contiguous");
+  const at::cuda::CUDAGuard guard(x.device());
+  cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  if (qtype == 12) {
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(w.data_ptr()) % 16 == 0 && w.stride(0) % 16 == 0, "Q4_K rows must be 16-byte aligned");
+    if (n_tiles == 1) by_rows<Q4K, 1>(x, w, out, partial, counters, splits, stream);
+    else by_rows<Q4K, 2>(x, w, out, partial, counters, splits, stream);
+  } else if (qtype == 14) {
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(w.data_ptr()) % 2 == 0 && w.stride(0) % 2 == 0, "Q6_K rows must be 2-byte aligned");
+    if (n_tiles == 1) by_rows<Q6K, 1>(x, w, out, partial, counters, splits, stream);
+    else by_rows<Q6K, 2>(x, w, out, partial, counters, splits, stream);
+  } else {
+    TORCH_CHECK(false, "gguf_mma: no kernel for quantization type ", qtype);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("gguf_mma", &gguf_mma, "y = x @ W^T from GGUF blocks on tensor cores"); }

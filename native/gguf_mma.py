@@ -1,0 +1,125 @@
+"""``y = x @ W^T`` from Q4_K and Q6_K blocks on tensor cores, for 1 to 64 bf16 rows (CUDA C++).
+
+Decode and tree verify multiply a few rows by every weight once, so their time is the weight's
+bytes over the card's bandwidth, provided that expanding the bytes costs fewer instructions than
+the memory system takes to deliver them. ``native.gguf_matmul``'s Triton kernels spend ~15
+instructions a value (1 row: 30% of copy bandwidth; 23 rows on ``tl.dot`` tiles: 2.9x the 1-row
+time on the 27B shapes). Here (``gguf_mma.cu``) each lane expands its bytes to float32 in
+registers (a byte permute, a subtract and one fused multiply-add a value, exact as the
+dequantizer's arithmetic) and rounds them to bf16 straight into the B operand of
+``mma.sync.m16n8k16``, x being the A operand. No shared memory and no tile of expanded weights:
+the tensor cores take every row of x (up to 64) for the price of one, so 1 and 32 rows cost
+about the same. The weights are the file's bytes: nothing is repacked at load.
+
+Numerics: each weight is the dequantizer's float32 value rounded to bf16 (as a bf16 model holds
+it, and as ``gguf_matmul``'s ``tl.dot`` path rounds it), products accumulate in float32. A row's
+result does not depend on the other rows (M) nor on the run: K is split over programs by the
+shape only, and split partial sums are added in split order by whichever program finishes last.
+
+Built at first use with ``torch.utils.cpp_extension`` (nvcc, for the GPU at hand; cached under
+``TORCH_EXTENSIONS_DIR``); where it cannot be built or the GPU predates bf16 tensor cores (sm_80),
+``gguf_matmul`` keeps its Triton kernels. ``SPLITSPEC_NATIVE_OFF=gguf_mma`` turns it off.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from native import sm_count, use_triton
+
+log = logging.getLogger(__name__)
+
+MMA_TYPES = {Q.Q4_K: 12, Q.Q6_K: 14}  # gguf's type numbers, as the extension takes them
+MAX_ROWS = 64
+WARPS = 4  # warps per program (kWarps in gguf_mma.cu)
+
+def default_n_tiles(m: int) -> int:
+    """8-feature tiles per warp for ``m`` rows: 1 up to 16 rows, 2 above, where the tensor-core
+    work per loaded byte grows (``scripts/gpu_gguf_mma.py`` on an H200, BENCHMARKS.md: at 1-16 rows
+    one tile is up to 13% faster on the 27B and 8B layers, at 23-32 rows two are 22% faster on
+    the 27B LM head and within 10% elsewhere)."""
+    return 1 if m <= 16 else 2
+
+MAX_TILES = 1 << 15  # programs along N that the split counters cover (a 248K vocabulary at 1 tile: 7,760)
+SOURCE = Path(__file__).with_name("gguf_mma.cu")
+
+
+@functools.cache
+def _extension(min_blocks: int = 0):
+    """The compiled extension, or None (logged once) where it cannot be built. ``min_blocks`` > 0
+    builds a variant whose kernel must fit that many blocks a multiprocessor (benchmarks)."""
+    name = "splitspec_gguf_mma" + (f"_mb{min_blocks}" if min_blocks else "")
+    try:
+        from torch.utils.cpp_extension import _get_build_directory, load
+
+        log.info("building %s for this GPU (first use; later starts load it from %s)", SOURCE.name,
+                 _get_build_directory(name, verbose=False))
+        flags = ["-O3"] + ([f"-DMIN_BLOCKS={min_blocks}"] if min_blocks else [])
+        return load(name=name, sources=[str(SOURCE)], extra_cuda_cflags=flags, verbose=False)
+    except Exception as exc:  # noqa: BLE001 - any build failure means: use the Triton kernels
+        log.warning("gguf_mma not built (%s: %s); quantized matmuls use the Triton kernels", type(exc).__name__, str(exc)[-500:])
+        return None
+
+
+@functools.cache
+def _capable(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= (8, 0)
+
+
+def usable(x: torch.Tensor, raw: torch.Tensor, qtype: Q) -> bool:
+    """Whether ``matmul`` takes x [M, K] (rows contiguous) and ``raw``: a Q4_K/Q6_K weight, bf16 x
+    of 1-64 rows on a CUDA GPU with bf16 tensor cores, aligned as the kernel loads, and built."""
+    if qtype not in MMA_TYPES or x.dtype != torch.bfloat16 or not x.is_cuda or not 1 <= x.shape[0] <= MAX_ROWS:
+        return False
+    if not use_triton(x, "gguf_mma") or not _capable(x.device.index if x.device.index is not None else torch.cuda.current_device()):
+        return False
+    aligned = 16 if qtype == Q.Q4_K else 2
+    if raw.data_ptr() % aligned or raw.stride(0) % aligned or x.data_ptr() % 4 or x.stride(0) % 2:
+        return False
+    return _extension() is not None
+
+
+def default_splits(n_programs: int, super_blocks: int, sms: int) -> int:
+    """How many programs share one tile's K range, for ``n_programs`` tiles of one n-tile a warp:
+    enough for about four programs a multiprocessor (so the last wave leaves little idle), each
+    keeping two super-blocks at least."""
+    wanted = -(-4 * sms // n_programs)  # ceil
+    return max(1, min(wanted, super_blocks // 2, 32))
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _counters(device: torch.device) -> torch.Tensor:
+    """Arrival counters of split programs, one per program along N, zero between launches (the last
+    program of a tile resets its own). Made by the first call on a device, which must come before
+    any CUDA graph capture, as the extension's build must (the engines' warm-up runs each shape
+    eagerly first). One matmul at a time a device: the engines run their passes in one stream."""
+    if device not in _COUNTERS:
+        _COUNTERS[device] = torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
+    return _COUNTERS[device]
+
+
+def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: Q, out_features: int, n_tiles: int = 0,
+           splits: int = 0, min_blocks: int = 0) -> torch.Tensor:
+    """x [M, K] bf16 @ W^T for W [out_features, K] in ``raw`` blocks -> [M, out_features] bf16
+    (``usable`` must hold). ``n_tiles`` (1 or 2; 0: ``default_n_tiles``), ``splits`` (0:
+    ``default_splits``) and ``min_blocks`` (``_extension``) are for benchmarks."""
+    M, K = x.shape
+    n_tiles = n_tiles or default_n_tiles(M)
+    one_tile_programs = -(-out_features // (WARPS * 8))
+    if one_tile_programs > MAX_TILES:
+        raise ValueError(f"{out_features} features need {one_tile_programs} programs, more than the {MAX_TILES} counters")
+    # Splits follow the shape alone, not M or n_tiles: a row's sums then run in the same order
+    # whatever else is in the batch, so a verify pass's logits equal a decode step's bit for bit.
+    splits = splits or default_splits(one_tile_programs, K // 256, sm_count(x.device))
+    out = torch.empty(M, out_features, dtype=torch.bfloat16, device=x.device)
+    partial = torch.empty(splits, M, out_features, dtype=torch.float32, device=x.device) if splits > 1 else out
+    counters = _counters(x.device)  # made at the first call, whatever its splits: before any capture
+    _extension(min_blocks).gguf_mma(x, raw, out, partial, counters, MMA_TYPES[qtype], splits, n_tiles)
+    return out

@@ -1,0 +1,41 @@
+"""``native.gguf_mma``'s host side, which runs everywhere: when it takes a matmul, how it splits K,
+and that it declines what it cannot take (``gguf_matmul`` then runs its Triton kernels). The CUDA kernel
+itself needs a GPU and nvcc: ``scripts/gpu_gguf_mma.py`` checks it against the dequantizer
+(BENCHMARKS.md holds its PASS and timings)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from native import gguf_mma
+from native.gguf_matmul import row_bytes
+
+
+def test_type_numbers_are_ggufs():
+    # The extension dispatches on these numbers; they must be gguf's own.
+    assert gguf_mma.MMA_TYPES == {Q.Q4_K: Q.Q4_K.value, Q.Q6_K: Q.Q6_K.value}
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q8_0])
+def test_not_usable_off_cuda(qtype):
+    x = torch.zeros(1, 256, dtype=torch.bfloat16)
+    raw = torch.zeros(8, row_bytes(qtype, 256), dtype=torch.uint8)
+    assert not gguf_mma.usable(x, raw, qtype)
+
+
+@pytest.mark.parametrize("programs", [1, 40, 160, 1088, 7760])
+@pytest.mark.parametrize("super_blocks", [1, 2, 20, 68])
+def test_default_splits(programs, super_blocks):
+    splits = gguf_mma.default_splits(programs, super_blocks, sms=132)
+    assert 1 <= splits <= max(1, super_blocks // 2)
+    assert splits <= 32
+    if splits > 1:  # split only while programs are short of four a multiprocessor
+        assert programs * (splits - 1) < 4 * 132
+    elif super_blocks >= 4:  # a K of four super-blocks or more is split unless N alone fills the device
+        assert programs >= 4 * 132
+
+
+def test_n_tiles_by_rows():
+    assert [gguf_mma.default_n_tiles(m) for m in (1, 8, 16, 17, 23, 64)] == [1, 1, 1, 2, 2, 2]
