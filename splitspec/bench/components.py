@@ -95,7 +95,7 @@ def weight_bytes(model: torch.nn.Module) -> int:
     table, of which it reads one row (unless the LM head shares it)."""
     seen, total = set(), 0
     embed = getattr(model, "embed_tokens", None)
-    tied = embed is not None and getattr(model.lm_head, "weight", None) is embed.weight
+    tied = embed is not None and getattr(model.lm_head, "weight", None) is getattr(embed, "weight", False)  # blocks are never tied
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
         if id(t) in seen or (name.startswith("embed_tokens") and not tied):
             continue

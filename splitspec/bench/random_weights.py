@@ -9,7 +9,8 @@ greedy output is a fixed permutation of its input tokens, and a random draft acc
 Shapes (``SHAPES``): dense ``qwen3-8b``, ``qwen3-0.6b``, ``tiny``; hybrid ``qwen35-27b`` and
 ``tiny-qwen35``; and ``*-q4km`` variants, whose linear layers stay in random GGUF blocks laid out
 as llama.cpp's Q4_K_M (``models.quantized.q4_k_m_types``; blocks from ``random_blocks``), held
-by ``QuantLinear`` as a ``--keep-quantized`` load holds a real Q4_K_M file. ``NAME-dflash`` is a
+by ``QuantLinear`` as a ``--keep-quantized`` load holds a real Q4_K_M file, with the token
+embedding in Q4_K blocks (``QuantEmbedding``) and the LM head in Q6_K. ``NAME-dflash`` is a
 DFlash draft for target ``NAME``, in the compute dtype (published drafts are BF16).
 """
 
@@ -26,7 +27,7 @@ from native.gguf_dequant import dequantize
 from native.gguf_matmul import QuantLinear, row_bytes
 from splitspec.models.dense import DenseConfig, DenseForCausalLM
 from splitspec.models.dflash import DFlashConfig, DFlashDraft, default_target_layer_ids
-from splitspec.models.quantized import q4_k_m_types, quant_linear, swap_quant_linears
+from splitspec.models.quantized import QuantEmbedding, q4_k_m_types, quant_linear, swap_quant_linears
 from splitspec.models.qwen35 import Qwen35Config, Qwen35ForCausalLM
 
 PREFIX = "random:"
@@ -204,18 +205,78 @@ def quantize_q6_k(w: torch.Tensor) -> torch.Tensor:
     return out.view(rows, -1)
 
 
+def quantize_q4_k(w: torch.Tensor) -> torch.Tensor:
+    """float [rows, K] (K a multiple of 256) -> uint8 [rows, K / 256 * 144]: valid Q4_K blocks, made
+    on ``w``'s device.
+
+    A value is ``d * scale * q - dmin * min`` with a 4-bit ``q`` and 6-bit ``scale`` and ``min`` per
+    sub-block of 32. The plain choice (not llama.cpp's search): a sub-block spans [lo, hi] with
+    lo = min(values, 0), its step (hi - lo) / 15 and its min -lo; ``d`` and ``dmin`` are the largest
+    step and min over 63, rounded to f16 first so that the 6-bit fields are rounded against the
+    values the file holds. Byte layout as ``native.gguf_dequant._q4_k`` reads it: f16 d, f16 dmin,
+    12 bytes of 6-bit fields (``_q4_k_scale_min`` in ``native.gguf_matmul`` decodes them), then
+    byte l of group j holding value 64 j + l in its low nibble and 64 j + 32 + l in its high one."""
+    rows, k = w.shape
+    if k % 256:
+        raise ValueError(f"Q4_K rows hold multiples of 256 values, got {k}")
+    x = w.float().reshape(-1, 8, 32)  # [n super-blocks, 8 sub-blocks, 32 values]
+    n = x.shape[0]
+    lo = x.amin(-1).clamp(max=0.0)  # [n, 8]
+    step = (x.amax(-1) - lo) / 15
+    d = (step.amax(-1) / 63).to(torch.float16)  # [n]
+    dmin = ((-lo).amax(-1) / 63).to(torch.float16)
+    d32, dmin32 = d.float()[:, None], dmin.float()[:, None]
+    sc = torch.where(d32 > 0, step / d32.clamp_min(1e-30), 0.0).round().clamp(0, 63).to(torch.int32)  # [n, 8]
+    mn = torch.where(dmin32 > 0, -lo / dmin32.clamp_min(1e-30), 0.0).round().clamp(0, 63).to(torch.int32)
+    eff, offset = (d32 * sc)[..., None], (dmin32 * mn)[..., None]  # [n, 8, 1]: what the file decodes
+    q = torch.where(eff > 0, (x + offset) / eff.clamp_min(1e-30), 0.0).round().clamp(0, 15).to(torch.int32)
+    out = torch.empty(n, 144, dtype=torch.uint8, device=w.device)
+    out[:, 0:2] = d.view(torch.uint8).view(n, 2)
+    out[:, 2:4] = dmin.view(torch.uint8).view(n, 2)
+    # sub-blocks 0-3 in the low 6 bits of bytes 0-3 (scale) and 4-7 (min); 4-7 as nibbles of bytes
+    # 8-11 (scale low, min high) with their top two bits over those of bytes 0-7
+    out[:, 4:8] = ((sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6)).to(torch.uint8)
+    out[:, 8:12] = ((mn[:, :4] & 63) | ((mn[:, 4:] >> 4) << 6)).to(torch.uint8)
+    out[:, 12:16] = ((sc[:, 4:] & 15) | ((mn[:, 4:] & 15) << 4)).to(torch.uint8)
+    pairs = q.reshape(n, 4, 2, 32)  # [n, group j, low/high half, l]
+    out[:, 16:] = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(n, 128).to(torch.uint8)
+    return out.view(rows, -1)
+
+
 HEAD_CHUNK_ROWS = 16384  # rows quantized or dequantized at once: bounded float32 scratch (27B's head is 1.3G values)
 
 
-def _q6_k_head(embed: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
-    """The Q6_K LM head of a quantized shape: row ``j`` is ``embed[perm[j]]`` in Q6_K blocks
-    (``random_target_head`` says why), quantized from ``embed`` as the model holds it (its dtype)."""
-    vocab, hidden = embed.shape
-    raw = torch.empty(vocab, row_bytes(Q.Q6_K, hidden), dtype=torch.uint8, device=embed.device)
+def _q6_k_head(embed: QuantEmbedding, perm: torch.Tensor) -> torch.Tensor:
+    """The Q6_K LM head of a quantized shape: row ``j`` is ``embed``'s row ``perm[j]`` in Q6_K blocks
+    (``random_target_head`` says why), quantized from the values the model's lookups give (its dtype)."""
+    vocab, hidden = embed.num_embeddings, embed.embedding_dim
+    raw = torch.empty(vocab, row_bytes(Q.Q6_K, hidden), dtype=torch.uint8, device=embed.raw.device)
     for start in range(0, vocab, HEAD_CHUNK_ROWS):
         rows = perm[start : start + HEAD_CHUNK_ROWS]
-        raw[start : start + len(rows)] = quantize_q6_k(embed[rows])
+        raw[start : start + len(rows)] = quantize_q6_k(embed(rows))
     return raw
+
+
+def _q4_k_embedding(config, device: torch.device | str, dtype: torch.dtype) -> QuantEmbedding:
+    """A quantized shape's token embedding: ``_embedding``'s standard normal values in Q4_K blocks
+    (``quantize_q4_k``), held as ``QuantEmbedding`` as a keep-quantized load holds a Q4_K_M file's
+    ``token_embd`` (0.67 GiB at 27B against 2.37 in bf16). Drawn and quantized by row chunks on a
+    seeded generator, so the draft worker draws the same blocks as the target."""
+    raw = torch.empty(config.vocab_size, row_bytes(Q.Q4_K, config.hidden_size), dtype=torch.uint8, device=device)
+    generator = _generator(device, 0)
+    for start in range(0, config.vocab_size, HEAD_CHUNK_ROWS):
+        rows = min(HEAD_CHUNK_ROWS, config.vocab_size - start)
+        raw[start : start + rows] = quantize_q4_k(torch.randn((rows, config.hidden_size), device=device, generator=generator))
+    return QuantEmbedding.of(raw, Q.Q4_K, config.hidden_size, dtype)
+
+
+def _dequantized_embedding(embed: QuantEmbedding) -> torch.Tensor:
+    """``embed``'s table in its dtype, by row chunks (as a load without ``--keep-quantized`` holds it)."""
+    out = torch.empty(embed.num_embeddings, embed.embedding_dim, dtype=embed.dtype, device=embed.raw.device)
+    for start in range(0, embed.num_embeddings, HEAD_CHUNK_ROWS):
+        ids = torch.arange(start, min(start + HEAD_CHUNK_ROWS, embed.num_embeddings), device=out.device)
+        out[start : start + len(ids)] = embed(ids)
+    return out
 
 
 def _dequantized(module: QuantLinear, dtype: torch.dtype) -> torch.nn.Linear:
@@ -261,14 +322,21 @@ def random_target(
         model = Qwen35ForCausalLM(config, state_dtype) if isinstance(config, Qwen35Config) else DenseForCausalLM(config)
     if shape.quantized:
         swap_quant_linears(model, q4_k_m_types(model))
+        model.embed_tokens = None  # its Q4_K blocks are set below: no bf16 table allocated first
     model = model.to(dtype).to_empty(device=device)
     with torch.no_grad():
-        embed = model.embed_tokens.weight
-        _embedding(config, device, dtype, out=embed)
         if shape.quantized:
+            embed = _q4_k_embedding(config, device, dtype)
             model.lm_head.raw.copy_(_q6_k_head(embed, _permutation(config, device)))
-        elif not config.tie_word_embeddings:
-            model.lm_head.weight.copy_(embed[_permutation(config, device)])
+            if keep_quantized:
+                model.embed_tokens = embed
+            else:
+                model.embed_tokens = torch.nn.Embedding.from_pretrained(_dequantized_embedding(embed), freeze=True)
+        else:
+            embed = model.embed_tokens.weight
+            _embedding(config, device, dtype, out=embed)
+            if not config.tie_word_embeddings:
+                model.lm_head.weight.copy_(embed[_permutation(config, device)])
     _randomize(model, _generator(device, 1))
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
@@ -294,19 +362,23 @@ def random_target_head(
     rounding difference between a tree pass and a single-token pass (a GEMV kernel against a
     ``tl.dot`` one, bf16 against float32 accumulation) can flip that: greedy output is the same on
     every path, which the oracle rows of the benchmark rely on. (Tied shapes repeat the last
-    token.) A quantized shape's head is that matrix in Q6_K blocks (``_q6_k_head``): a
-    ``QuantLinear`` holding them with ``keep_quantized``, else dequantized to ``dtype`` as a draft
-    worker dequantizes a real target's head. Seeded, so the draft worker draws the same tensors as
+    token.) A quantized shape's embedding is Q4_K blocks (``_q4_k_embedding``) and its head that
+    matrix in Q6_K blocks (``_q6_k_head``): a ``QuantEmbedding`` and a ``QuantLinear`` holding them
+    with ``keep_quantized``, else both dequantized to ``dtype`` as a draft worker dequantizes a real
+    target's. Seeded, so the draft worker draws the same tensors as
     the target (on the same kind of device, in the same dtype)."""
     shape = random_shape(path)
     config = shape.config
+    if shape.quantized:
+        embed = _q4_k_embedding(config, device, dtype)
+        kept = quant_linear(_q6_k_head(embed, _permutation(config, device)), Q.Q6_K, config.hidden_size)
+        if keep_quantized:
+            return embed, kept, config
+        return _dequantized_embedding(embed), _dequantized(kept, dtype).weight.detach(), config
     embed = _embedding(config, device, dtype)
     if config.tie_word_embeddings:
         return embed, embed, config
-    if not shape.quantized:
-        return embed, embed[_permutation(config, device)], config
-    kept = quant_linear(_q6_k_head(embed, _permutation(config, device)), Q.Q6_K, config.hidden_size)
-    return embed, kept if keep_quantized else _dequantized(kept, dtype).weight.detach(), config
+    return embed, embed[_permutation(config, device)], config
 
 
 def _embedding(config, device: torch.device | str, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:

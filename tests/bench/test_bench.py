@@ -168,8 +168,8 @@ def test_bench_system_runs_a_quantized_hybrid_shape_kept_quantized_under_a_memor
         assert 0 < workers[name]["plan"] <= workers[name]["budget"] < cap
     assert "Model workers: blocks kept quantized (--keep-quantized), --memory-cap-gb 3; target: plan " in proc.stdout
     logs = tmp_path / "logs"
-    assert "32 linears in blocks (Q4_K 27, Q6_K 5), 0 dequantized" in (logs / "target.log").read_text()
-    assert "the target's embedding dequantized, LM head in blocks (Q6_K)" in (logs / "draft-dflash.log").read_text()
+    assert "32 linears in blocks (Q4_K 27, Q6_K 5), 0 dequantized; embedding in blocks (Q4_K)" in (logs / "target.log").read_text()
+    assert "the target's embedding in blocks (Q4_K), LM head in blocks (Q6_K)" in (logs / "draft-dflash.log").read_text()
 
 
 def test_worker_flags_split_the_cap_as_serve_does():

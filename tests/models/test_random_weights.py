@@ -28,6 +28,7 @@ from splitspec.bench.random_weights import (
     SHAPES,
     _permutation,
     quant_types,
+    quantize_q4_k,
     quantize_q6_k,
     random_blocks,
     random_draft,
@@ -36,7 +37,7 @@ from splitspec.bench.random_weights import (
     random_target_config,
     random_target_head,
 )
-from splitspec.models.quantized import q4_k_m_types, swap_quant_linears
+from splitspec.models.quantized import QuantEmbedding, q4_k_m_types, swap_quant_linears
 from splitspec.models.qwen35 import Qwen35Config, Qwen35ForCausalLM
 
 # llama.cpp's use_more_bits layers, worked out by hand: first and last eighth, every third between.
@@ -113,6 +114,23 @@ def test_q6_k_quantizer_puts_every_value_where_ggufs_layout_reads_it():
     assert np.abs(np.diag(back) - 1.0).max() < 1e-3
 
 
+def test_q4_k_quantizer_round_trips_through_ggufs_dequantizer():
+    """Blocks that gguf's own dequantizer reads back exactly as ours does, within the format's error:
+    half a sub-block's step (its span / 30, at most 1/15 of the super-block's largest magnitude)
+    plus the 6-bit fields' rounding, with every byte field exercised (all eight sub-blocks' scales
+    and mins differ)."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(6, 512, generator=g) * torch.linspace(0.1, 3.0, 16).repeat_interleave(32)  # sub-block spans differ
+    raw = quantize_q4_k(w)
+    assert raw.shape == (6, 2 * 144) and raw.dtype == torch.uint8
+    back = torch.from_numpy(gguf_dequantize(raw.numpy(), Q.Q4_K)).reshape(6, 512)
+    assert torch.equal(back, dequantize(raw, Q.Q4_K, (6, 512)))
+    span = w.reshape(-1, 256).abs().amax(-1, keepdim=True)  # [super-blocks, 1]
+    assert ((back - w).reshape(-1, 256).abs() / span).max() < 0.08
+    with pytest.raises(ValueError, match="multiples of 256"):
+        quantize_q4_k(torch.zeros(2, 300))
+
+
 def _types(model: nn.Module) -> dict[str, str]:
     return {name: m.qtype.name for name, m in model.named_modules() if isinstance(m, QuantLinear)}
 
@@ -120,8 +138,13 @@ def _types(model: nn.Module) -> dict[str, str]:
 def test_q4km_shapes_hold_the_llama_cpp_type_of_every_linear():
     model, _ = random_target("random:tiny-q4km")
     types = _types(model)
-    # Every linear is kept in blocks; the embedding stays a dense table, as the loader dequantizes it.
-    assert len(types) == 1 + 4 * 7 and isinstance(model.embed_tokens, nn.Embedding)
+    # Every linear is kept in blocks, and the embedding in Q4_K blocks, as a keep-quantized load
+    # holds a Q4_K_M file's token_embd; without keep_quantized the embedding is a dense table.
+    assert len(types) == 1 + 4 * 7 and isinstance(model.embed_tokens, QuantEmbedding) and model.embed_tokens.qtype == Q.Q4_K
+    dense, _ = random_target("random:tiny-q4km", keep_quantized=False)
+    assert isinstance(dense.embed_tokens, nn.Embedding)
+    ids = torch.arange(model.embed_tokens.num_embeddings)
+    assert torch.equal(dense.embed_tokens(ids), model.embed_tokens(ids))
     assert types.pop("lm_head") == "Q6_K"
     for name, qtype in types.items():
         layer, kind = int(name.split(".")[1]), name.split(".", 2)[2]
@@ -160,7 +183,7 @@ def load_target_meta(name: str) -> nn.Module:
 def test_weight_bytes_are_the_packed_blocks_plus_the_other_parameters(name):
     model, _ = random_target(f"random:{name}", dtype=torch.bfloat16)
     raw = sum(m.raw.numel() for m in model.modules() if isinstance(m, QuantLinear))
-    others = sum(p.numel() * 2 for n, p in model.named_parameters() if n != "embed_tokens.weight")  # norms, conv, ...
+    others = sum(p.numel() * 2 for n, p in model.named_parameters())  # norms, conv, ... (the embedding's blocks are buffers: a step reads one row)
     assert raw > 0 and weight_bytes(model) == raw + others
     # The packed linears: about 4.5 to 6.6 bits per weight (Q4_K and Q6_K), far below bf16's 16.
     values = sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, QuantLinear))
@@ -218,14 +241,16 @@ def test_published_geometries():
 @pytest.mark.parametrize("name", ["tiny-q4km", "tiny-qwen35-q4km"])
 def test_quantized_head_is_the_permuted_embedding_in_q6_k_blocks_and_the_draft_borrows_it(name):
     """The target's Q6_K head holds row j = embedding of token perm[j]; the draft worker borrows the
-    very same blocks (keep-quantized) or their dequantized values (not)."""
+    very same blocks of both (keep-quantized) or their dequantized values (not)."""
     model, config = random_target(f"random:{name}")
     embed, kept, _ = random_target_head(f"random:{name}", keep_quantized=True)
-    _, head, _ = random_target_head(f"random:{name}")
-    assert torch.equal(embed, model.embed_tokens.weight)
+    table, head, _ = random_target_head(f"random:{name}")
+    assert isinstance(embed, QuantEmbedding) and torch.equal(embed.raw, model.embed_tokens.raw)
+    ids = torch.arange(config.vocab_size)
+    assert torch.equal(table, model.embed_tokens(ids))
     assert isinstance(kept, QuantLinear) and kept.qtype == Q.Q6_K and torch.equal(kept.raw, model.lm_head.raw)
     assert torch.equal(head, dequantize(model.lm_head.raw, Q.Q6_K, tuple(head.shape)))
-    permuted = embed[_permutation(config, "cpu")]
+    permuted = table[_permutation(config, "cpu")]
     assert ((head - permuted).norm(dim=1) / permuted.norm(dim=1)).max() < 0.03
     draft, draft_config = random_draft(f"random:{name}-dflash")
     assert draft_config.vocab_size == config.vocab_size and all(torch.isfinite(p).all() for p in draft.parameters())

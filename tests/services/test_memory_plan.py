@@ -218,14 +218,18 @@ def test_target_under_a_cap_it_fits_logs_its_plan_and_serves(services, tiny_qwen
 
 def test_the_27b_q4km_pair_at_16k_context_and_budget_22():
     """Qwen3.5-27B Q4_K_M as the benchmark's ``random:qwen35-27b-q4km`` shape holds it (linears in
-    GGUF blocks, the embedding in bf16), on the meta device: nothing is allocated. One sequence of
-    16,384 positions, trees of 22 nodes, bf16 compute; the draft of the published 27B shape (5
-    layers, hidden 5120) with one context slot of 16,384 positions. The parts are checked against
-    arithmetic on the geometry; whether the pair fits 23 GiB is printed (``pytest -s``), not
-    asserted: it is the finding, not a property of the code."""
+    GGUF blocks, the embedding in Q4_K, the head in Q6_K, as a keep-quantized load holds a real
+    file), on the meta device: nothing is allocated. One sequence of 16,384 positions, trees of 22
+    nodes, bf16 compute; the draft of the published 27B shape (5 layers, hidden 5120) with one
+    context slot of 16,384 positions, borrowing the target's embedding and head in their blocks.
+    The parts are checked against arithmetic on the geometry; whether the pair fits 23 GiB is
+    printed (``pytest -s``), not asserted: it is the finding, not a property of the code."""
+    from gguf import GGMLQuantizationType as Q
+
+    from native.gguf_matmul import QuantLinear
     from splitspec.bench.random_weights import QWEN35_27B, random_draft_config
     from splitspec.models.dflash import DFlashDraft
-    from splitspec.models.quantized import q4_k_m_types, swap_quant_linears
+    from splitspec.models.quantized import QuantEmbedding, q4_k_m_types, swap_quant_linears
     from splitspec.models.qwen35 import Qwen35ForCausalLM
 
     c, bf16 = QWEN35_27B, torch.bfloat16
@@ -233,24 +237,24 @@ def test_the_27b_q4km_pair_at_16k_context_and_budget_22():
     with torch.device("meta"):
         target = Qwen35ForCausalLM(c)
     swap_quant_linears(target, q4_k_m_types(target))
+    target.embed_tokens = QuantEmbedding(Q.Q4_K, c.vocab_size, c.hidden_size, bf16, device="meta")
     target = target.to(bf16)
     limits = TargetLimits(max_sequences=1, max_kv_tokens=16384, max_tree_nodes=22)
     draft_config = random_draft_config("random:qwen35-27b-dflash")
     with torch.device("meta"):
         draft = DFlashDraft(draft_config).to(bf16)
-    embed = torch.empty(c.vocab_size, c.hidden_size, dtype=bf16, device="meta")
-    head = torch.empty_like(embed)
+    embed = QuantEmbedding(Q.Q4_K, c.vocab_size, c.hidden_size, bf16, device="meta")
+    head = QuantLinear(Q.Q6_K, c.hidden_size, c.vocab_size, device="meta")
     plans = {}
     for name, state_dtype in (("float32", None), ("bfloat16", bf16)):
         target.state_dtype = state_dtype
         plans[name] = mp.target_plan(target, c, bf16, limits, cap=24 * GiB)
     plans["draft"] = mp.draft_plan(draft, embed, head, slots=1, context=16384, max_sequences=1, cap=24 * GiB)
 
-    # Weights: llama.cpp's Q4_K_M file is 15.4 GiB (DESIGN.md); here the embedding is bf16 instead of
-    # Q4_K (+1.70 GiB), and the recipe of models.quantized may differ from llama.cpp's in a few
-    # tensors (within 3% of the file).
-    embed_growth = c.vocab_size * c.hidden_size * 2 - c.vocab_size * c.hidden_size // 256 * 144
-    assert abs(plans["float32"].weights - (15.4 * GiB + embed_growth)) < 0.03 * 15.4 * GiB
+    # Weights: llama.cpp's Q4_K_M file is 15.4 GiB (DESIGN.md); the recipe of models.quantized may
+    # differ from llama.cpp's in a few tensors (within 3% of the file).
+    q4_k_embed, q6_k_head = c.vocab_size * c.hidden_size // 256 * 144, c.vocab_size * c.hidden_size // 256 * 210
+    assert abs(plans["float32"].weights - 15.4 * GiB) < 0.03 * 15.4 * GiB
     # KV: 16 attention layers x K and V x 4 heads x 256 x bf16 = 64 KiB a position, 1025 blocks of 16.
     assert plans["float32"].kv_cache == 1025 * 16 * 16 * 2 * 4 * 256 * 2
     # A tree row: per DeltaNet layer a 10240-channel conv input and the delta rule's inputs (a float32
@@ -264,7 +268,7 @@ def test_the_27b_q4km_pair_at_16k_context_and_budget_22():
     layer = (d.hidden_size * (d.num_heads + 2 * d.num_kv_heads) * d.head_dim + d.num_heads * d.head_dim * d.hidden_size
              + 3 * d.hidden_size * d.intermediate_size + 2 * d.hidden_size + 2 * d.head_dim)
     draft_values = d.num_layers * layer + 5 * d.hidden_size * d.hidden_size + 2 * d.hidden_size
-    assert plans["draft"].weights == 2 * draft_values + 2 * c.vocab_size * c.hidden_size * 2
+    assert plans["draft"].weights == 2 * draft_values + q4_k_embed + q6_k_head
     assert plans["draft"].context_slots == 5 * 2 * 8 * (16384 + 16) * 128 * 2
 
     print("\n-- issue #17: Qwen3.5-27B Q4_K_M + 27B DFlash draft, 16K context, budget 22 --")
