@@ -243,16 +243,18 @@ def quantize_q4_k(w: torch.Tensor) -> torch.Tensor:
     return out.view(rows, -1)
 
 
-HEAD_CHUNK_ROWS = 16384  # rows quantized or dequantized at once: bounded float32 scratch (27B's head is 1.3G values)
+HEAD_CHUNK_ROWS = 16384  # rows drawn or dequantized at once: bounded float32 scratch (27B's head is 1.3G values)
+QUANTIZE_CHUNK_ROWS = 4096  # rows quantized at once: the quantizers keep several float32 and int32 copies of a chunk
 
 
-def _q6_k_head(embed: QuantEmbedding, perm: torch.Tensor) -> torch.Tensor:
+def _q6_k_head(embed: QuantEmbedding, perm: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """The Q6_K LM head of a quantized shape: row ``j`` is ``embed``'s row ``perm[j]`` in Q6_K blocks
-    (``random_target_head`` says why), quantized from the values the model's lookups give (its dtype)."""
+    (``random_target_head`` says why), quantized from the values the model's lookups give (its
+    dtype), into ``out`` when given (a capped worker cannot hold the 1 GB head at 27B twice)."""
     vocab, hidden = embed.num_embeddings, embed.embedding_dim
-    raw = torch.empty(vocab, row_bytes(Q.Q6_K, hidden), dtype=torch.uint8, device=embed.raw.device)
-    for start in range(0, vocab, HEAD_CHUNK_ROWS):
-        rows = perm[start : start + HEAD_CHUNK_ROWS]
+    raw = torch.empty(vocab, row_bytes(Q.Q6_K, hidden), dtype=torch.uint8, device=embed.raw.device) if out is None else out
+    for start in range(0, vocab, QUANTIZE_CHUNK_ROWS):
+        rows = perm[start : start + QUANTIZE_CHUNK_ROWS]
         raw[start : start + len(rows)] = quantize_q6_k(embed(rows))
     return raw
 
@@ -264,8 +266,8 @@ def _q4_k_embedding(config, device: torch.device | str, dtype: torch.dtype) -> Q
     seeded generator, so the draft worker draws the same blocks as the target."""
     raw = torch.empty(config.vocab_size, row_bytes(Q.Q4_K, config.hidden_size), dtype=torch.uint8, device=device)
     generator = _generator(device, 0)
-    for start in range(0, config.vocab_size, HEAD_CHUNK_ROWS):
-        rows = min(HEAD_CHUNK_ROWS, config.vocab_size - start)
+    for start in range(0, config.vocab_size, QUANTIZE_CHUNK_ROWS):
+        rows = min(QUANTIZE_CHUNK_ROWS, config.vocab_size - start)
         raw[start : start + rows] = quantize_q4_k(torch.randn((rows, config.hidden_size), device=device, generator=generator))
     return QuantEmbedding.of(raw, Q.Q4_K, config.hidden_size, dtype)
 
@@ -327,7 +329,7 @@ def random_target(
     with torch.no_grad():
         if shape.quantized:
             embed = _q4_k_embedding(config, device, dtype)
-            model.lm_head.raw.copy_(_q6_k_head(embed, _permutation(config, device)))
+            _q6_k_head(embed, _permutation(config, device), out=model.lm_head.raw)
             if keep_quantized:
                 model.embed_tokens = embed
             else:

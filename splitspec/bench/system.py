@@ -358,14 +358,15 @@ def run_system(
     table = work_dir / "oracle.jsonl"
     table.write_text("")
     plan = plan_levels(random_prompts(config.vocab_size, prompt_len), levels, prompts)
-    # The paged KV cache holds every sequence of the top level at full length (and one more, with room to
-    # spare for block rounding) and no more: its auto size would take most of a GPU that the draft shares.
-    kv_tokens = (max(levels) + 1) * (prompt_len + max_tokens + 2 * budget + 64)
+    # The paged KV cache holds every sequence of the top level at full length (64 positions to spare
+    # each, for block rounding and the bonus row) and no more: its auto size would take most of a GPU
+    # that the draft shares, and a whole extra sequence at 16K positions would not fit a 24 GiB cap.
+    kv_tokens = max(levels) * (prompt_len + max_tokens + 2 * budget + 64)
     # Sequences and tree nodes sized to the run as well (the gateway releases a request's sequence before
     # its last reply, so at most the top level's clients are live): a hybrid target keeps state slots and
     # tree rows per sequence (151 MB and 2 MB a row at 27B), which the defaults (64 sequences, 256 nodes)
     # would put at 180 GiB in its memory plan, far over any --memory-cap-gb.
-    sized = ["--max-sequences", str(max(levels) + 1), "--max-tree-nodes", str(max(1, budget))]
+    sized = ["--max-sequences", str(max(levels)), "--max-tree-nodes", str(max(1, budget))]
     # Two CPU workers that each spin every core stall each other at every op (a kept-quantized
     # target dequantizes in many small ones): split the cores between them, as `splitspec serve` does.
     threads = ["--threads", str(max(1, (os.cpu_count() or 2) // 2))] if device == "cpu" and draft_device == "cpu" else []
@@ -377,8 +378,15 @@ def run_system(
             "--max-kv-tokens", str(kv_tokens), *sized, *threads, *target_flags,
         )
         drafts = {oracle_label(p): ("oracle-draft", "--table", str(table), "--corruption", str(p)) for p in corruptions}
+        # The draft's contexts sized to the run like the target's: one slot per live sequence, as long as
+        # its prompt and output (the defaults, 32 slots of 4,096 positions and passes of 64 sequences,
+        # take 5 GiB at 27B, which a capped draft sharing a 24 GiB card cannot hold).
+        draft_sized = ["--max-sequences", str(max(levels))]
+        if draft_device != "cpu":  # a CPU draft keeps no slots (its default)
+            draft_sized += ["--graph-sequences", str(max(levels)), "--graph-context", str(prompt_len + max_tokens + 2 * budget + 64)]
         drafts[DFLASH_LABEL] = (
-            "random-draft", "--model", f"{target_model}-dflash", "--device", draft_device, "--dtype", dtype, *threads, *draft_flags,
+            "random-draft", "--model", f"{target_model}-dflash", "--device", draft_device, "--dtype", dtype, *draft_sized, *threads,
+            *draft_flags,
         )
         kinds = {oracle_label(p): ("oracle", p) for p in corruptions} | {DFLASH_LABEL: ("dflash", None)}
         draft_addresses = {

@@ -23,8 +23,10 @@ from splitspec.transport.security import ClientSecurity, ServerSecurity
 
 logger = logging.getLogger(__name__)
 
-# Tap features of a long prompt are the largest worker messages; keep the limit explicit.
-MAX_MESSAGE_BYTES = 512 * 1024 * 1024
+# Tap features of a long prompt are the largest worker messages; keep the limit explicit. gRPC's
+# own ceiling (a signed 32-bit length): a 16K-token prompt's features at 27B (5 taps x 5120 x bf16)
+# are 819 MB, so prompts up to ~40K tokens of such a target fit one message.
+MAX_MESSAGE_BYTES = 2**31 - 1
 # HTTP/2 flow control starts each stream with a 64 KiB window: a step's tap features (~40 KiB per
 # committed row for an 8B target) would wait on window updates. A large initial window lets a
 # step's message go out at once (a 245 KB echo on a stream: 0.84 -> 0.58 ms on the CI machine).

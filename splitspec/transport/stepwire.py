@@ -52,7 +52,7 @@ logger = logging.getLogger(__name__)
 
 HEADER = struct.Struct("<IB")
 HELLO, REQUEST, RESPONSE, ERROR, OPEN = range(5)
-MAX_FRAME_BYTES = 512 * 1024 * 1024  # as rpc.MAX_MESSAGE_BYTES: a long prompt's tap features
+MAX_FRAME_BYTES = 2**31 - 1  # as rpc.MAX_MESSAGE_BYTES: a long prompt's tap features
 # Frames go out without waiting for the reader; a write waits only past this much unsent data.
 WRITE_HIGH_WATER = 64 * 1024 * 1024
 # A reader pauses its socket past twice this much unread data; a prompt's features fit in one go
