@@ -35,6 +35,7 @@ from dataclasses import asdict
 from datetime import date
 from pathlib import Path
 
+from services.gateway.budget import DEFAULT_BUDGET, parse_budget
 from splitspec.transport import busypoll
 
 logger = logging.getLogger(__name__)
@@ -69,7 +70,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-device", default="", help="draft device (default: --device; --pair builtin: always --device, as serve does)")
     p.add_argument("--dtype", default="", help="compute dtype (default: bfloat16; auto with --pair builtin: bfloat16 on a GPU, float32 on a CPU)")
     p.add_argument("--budgets", default="16,22,32,64", help="verify budgets (tree nodes) of the component table")
-    p.add_argument("--budget", type=int, default=22, help="tree budget of the end-to-end runs")
+    p.add_argument(
+        "--budget", type=parse_budget, default=DEFAULT_BUDGET,
+        help="tree budget of the end-to-end runs: nodes, or auto (the requests name none; the gateways' adaptive budget chooses each step's)",
+    )
     p.add_argument(
         "--corruptions", default="0.6,0.3,0.15,0.05",
         help="OracleDrafter corruption rates of the end-to-end runs (lower = longer acceptance); its rows are "

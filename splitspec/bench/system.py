@@ -46,12 +46,13 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import grpc
 import numpy as np
 
+from services.gateway.budget import AUTO, DEFAULT_MAX_BUDGET
 from splitspec.bench.report import AR_LABEL, BUILTIN_LABEL, DFLASH_LABEL, oracle_label
 from splitspec.bench.workers import BENCH_WORKERS
 from splitspec.cli.serve import wait_ready
@@ -67,7 +68,7 @@ MAX_CONCURRENCY = 64
 @dataclass
 class SystemRow:
     label: str
-    budget: int
+    budget: int | str  # the request's tree budget, or "auto": the gateway's adaptive budget chose each step's
     completion_tokens: int  # tokens the clients received (each request's first from its prefill)
     steps: int  # verify steps
     committed_tokens: int  # tokens committed by the verify steps (usage: AL x steps)
@@ -330,7 +331,7 @@ def run_system(
     draft_device: str,
     dtype: str,
     corruptions: list[float],
-    budget: int,
+    budget: int | str,
     prompts: int,
     prompt_len: int,
     max_tokens: int,
@@ -361,12 +362,13 @@ def run_system(
     # The paged KV cache holds every sequence of the top level at full length (64 positions to spare
     # each, for block rounding and the bonus row) and no more: its auto size would take most of a GPU
     # that the draft shares, and a whole extra sequence at 16K positions would not fit a 24 GiB cap.
-    kv_tokens = max(levels) * (prompt_len + max_tokens + 2 * budget + 64)
+    tree, gateway_flags, largest = _tree_spec(budget)
+    kv_tokens = max(levels) * (prompt_len + max_tokens + 2 * largest + 64)
     # Sequences and tree nodes sized to the run as well (the gateway releases a request's sequence before
     # its last reply, so at most the top level's clients are live): a hybrid target keeps state slots and
     # tree rows per sequence (151 MB and 2 MB a row at 27B), which the defaults (64 sequences, 256 nodes)
     # would put at 180 GiB in its memory plan, far over any --memory-cap-gb.
-    sized = ["--max-sequences", str(max(levels)), "--max-tree-nodes", str(max(1, budget))]
+    sized = ["--max-sequences", str(max(levels)), "--max-tree-nodes", str(max(1, largest))]
     # Two CPU workers that each spin every core stall each other at every op (a kept-quantized
     # target dequantizes in many small ones): split the cores between them, as `splitspec serve` does.
     threads = ["--threads", str(max(1, (os.cpu_count() or 2) // 2))] if device == "cpu" and draft_device == "cpu" else []
@@ -383,7 +385,7 @@ def run_system(
         # take 5 GiB at 27B, which a capped draft sharing a 24 GiB card cannot hold).
         draft_sized = ["--max-sequences", str(max(levels))]
         if draft_device != "cpu":  # a CPU draft keeps no slots (its default)
-            draft_sized += ["--graph-sequences", str(max(levels)), "--graph-context", str(prompt_len + max_tokens + 2 * budget + 64)]
+            draft_sized += ["--graph-sequences", str(max(levels)), "--graph-context", str(prompt_len + max_tokens + 2 * largest + 64)]
         drafts[DFLASH_LABEL] = (
             "random-draft", "--model", f"{target_model}-dflash", "--device", draft_device, "--dtype", dtype, *draft_sized, *threads,
             *draft_flags,
@@ -397,7 +399,7 @@ def run_system(
             (wire, label): [
                 c.start(
                     f"gateway{i}{f'.{g}' if g else ''}-{wire}", "gateway", "--target", target, "--draft", draft, "--tokenizer", str(tokenizer),
-                    "--wire", wire,
+                    "--wire", wire, *gateway_flags,
                 )
                 for g in range(gateways_per_draft)
             ]
@@ -405,7 +407,6 @@ def run_system(
             for i, (label, draft) in enumerate(draft_addresses.items())
         }
         off = Spec(mode=Spec.OFF)
-        tree = Spec(mode=Spec.DDTREE, budget=budget)
         for level in plan:
             for wire in wires:
                 row, outputs = measure(gateways[wire, next(iter(drafts))], level, off, max_tokens, AR_LABEL, wire, "off")
@@ -415,14 +416,24 @@ def run_system(
                         f.writelines(json.dumps({"tokens": p + out}) + "\n" for p, out in zip(level.timed, outputs))
             for label in drafts:
                 for wire in wires:
-                    rows.append(measure(gateways[wire, label], level, tree, max_tokens, label, wire, *kinds[label])[0])
+                    row = measure(gateways[wire, label], level, tree, max_tokens, label, wire, *kinds[label])[0]
+                    rows.append(replace(row, budget=budget))
     return rows
+
+
+def _tree_spec(budget: int | str) -> tuple[gateway_pb2.Speculation, list[str], int]:
+    """For ``--budget`` (a number or ``auto``): the speculating requests' ``Speculation`` (``auto``:
+    they name no budget, so the gateway's adaptive policy chooses), the gateway's flags, and the
+    largest tree a step may verify (``auto``: the policy's largest)."""
+    if budget == AUTO:
+        return Spec(mode=Spec.DDTREE, budget=0), ["--budget", AUTO], DEFAULT_MAX_BUDGET
+    return Spec(mode=Spec.DDTREE, budget=budget), [], budget
 
 
 def run_builtin_system(
     device: str,
     dtype: str,
-    budget: int,
+    budget: int | str,
     prompts: int,
     prompt_len: int,
     max_tokens: int,
@@ -445,16 +456,18 @@ def run_builtin_system(
         raise ValueError(f"--pair builtin: --prompt-len {prompt_len} + --max-tokens {max_tokens} exceed the pair's context of {context}")
     plan = plan_levels(heldout_prompts(Tokenizer.from_gguf(pair[0]), prompt_len), levels, prompts)
     rows = []
+    tree, gateway_flags, _ = _tree_spec(budget)
     with Cluster(log_dir) as c:
         gateways = {
             # No model flags: serve picks the built-in pair (checked above) and splits the CPU threads; no
-            # --budget either: every request below names its own.
-            wire: c.start(f"serve-{wire}", "serve", "--http-listen", "", "--device", device, "--dtype", dtype, "--wire", wire)
+            # --budget either (unless auto): every request below names its own.
+            wire: c.start(f"serve-{wire}", "serve", "--http-listen", "", "--device", device, "--dtype", dtype, "--wire", wire, *gateway_flags)
             for wire in wires
         }
-        kinds = ((Spec(mode=Spec.OFF), AR_LABEL, "off"), (Spec(mode=Spec.DDTREE, budget=budget), BUILTIN_LABEL, "dflash"))
+        kinds = ((Spec(mode=Spec.OFF), AR_LABEL, "off"), (tree, BUILTIN_LABEL, "dflash"))
         for level in plan:
             for spec, label, drafter in kinds:
                 for wire in wires:
-                    rows.append(measure(gateways[wire], level, spec, max_tokens, label, wire, drafter)[0])
+                    row = measure(gateways[wire], level, spec, max_tokens, label, wire, drafter)[0]
+                    rows.append(row if spec.mode == Spec.OFF else replace(row, budget=budget))
     return rows

@@ -129,9 +129,12 @@ def test_bench_sweeps_concurrency_through_the_services(tmp_path):
 
 @pytest.mark.slow
 def test_bench_sweeps_the_builtin_pair_through_serve(tmp_path):
-    """--pair builtin: `splitspec serve` with no model flags, the trained draft on held-out code (no oracle)."""
-    proc, result = _sweep(tmp_path, "--pair", "builtin", "--prompt-len", "32")
+    """--pair builtin: `splitspec serve` with no model flags, the trained draft on held-out code (no oracle);
+    --budget auto: the requests name no budget and serve's gateway chooses each step's."""
+    proc, result = _sweep(tmp_path, "--pair", "builtin", "--prompt-len", "32", "--budget", "auto")
     assert result["pair"] == "builtin" and "built-in pair" in proc.stdout.splitlines()[0]
+    assert {r["budget"] for r in result["system"] if r["label"] == BUILTIN_LABEL} == {"auto"}
+    assert "| dflash (built-in pair) | socket | auto |" in proc.stdout
     assert sorted((r["label"], r["concurrency"]) for r in result["system"]) == sorted(
         (k, n) for k in (AR_LABEL, BUILTIN_LABEL) for n in (1, 3)
     )
