@@ -2,14 +2,15 @@
 
 Decode and tree verify multiply a few rows by every weight once, so their time is the weight's
 bytes over the card's bandwidth, provided that expanding the bytes costs fewer instructions than
-the memory system takes to deliver them. ``native.gguf_matmul``'s Triton kernels spend ~15
-instructions a value (1 row: 30% of copy bandwidth; 23 rows on ``tl.dot`` tiles: 2.9x the 1-row
-time on the 27B shapes). Here (``gguf_mma.cu``) each lane expands its bytes to float32 in
-registers (a byte permute, a subtract and one fused multiply-add a value, exact as the
-dequantizer's arithmetic) and rounds them to bf16 straight into the B operand of
-``mma.sync.m16n8k16``, x being the A operand. No shared memory and no tile of expanded weights:
-the tensor cores take every row of x (up to 64) for the price of one, so 1 and 32 rows cost
-about the same. The weights are the file's bytes: nothing is repacked at load.
+the memory system takes to deliver them. ``native.gguf_matmul``'s Triton kernels reach 27-32% of
+copy bandwidth at one row and take 2.3-4.0x that time at 23 rows on ``tl.dot`` tiles (27B shapes,
+BENCHMARKS.md). Here (``gguf_mma.cu``) each lane expands its bytes to float32 in registers (a
+byte permute, a subtract and one fused multiply-add a value, exact as the dequantizer's
+arithmetic) and rounds them to bf16 straight into the B operand of ``mma.sync.m16n8k16``, x
+(permuted once per call into the A operand's order) being the A operand. No shared memory and
+no tile of expanded weights: the tensor cores take 16 rows of x for the price of one, so 1 to 16
+rows cost about the same and 23-32 rows 1.2-1.9x (BENCHMARKS.md). The weights are the file's
+bytes: nothing is repacked at load.
 
 Numerics: each weight is the dequantizer's float32 value rounded to bf16 (as a bf16 model holds
 it, and as ``gguf_matmul``'s ``tl.dot`` path rounds it), products accumulate in float32. A row's
@@ -37,6 +38,9 @@ log = logging.getLogger(__name__)
 MMA_TYPES = {Q.Q4_K: 12, Q.Q6_K: 14}  # gguf's type numbers, as the extension takes them
 MAX_ROWS = 64
 WARPS = 4  # warps per program (kWarps in gguf_mma.cu)
+MAX_TILES = 1 << 15  # programs along N that the split counters cover (a 248K vocabulary at 1 tile: 7,760)
+SOURCE = Path(__file__).with_name("gguf_mma.cu")
+
 
 def default_n_tiles(m: int) -> int:
     """8-feature tiles per warp for ``m`` rows: 1 up to 16 rows, 2 above, where the tensor-core
@@ -44,9 +48,6 @@ def default_n_tiles(m: int) -> int:
     one tile is up to 13% faster on the 27B and 8B layers, at 23-32 rows two are 22% faster on
     the 27B LM head and within 10% elsewhere)."""
     return 1 if m <= 16 else 2
-
-MAX_TILES = 1 << 15  # programs along N that the split counters cover (a 248K vocabulary at 1 tile: 7,760)
-SOURCE = Path(__file__).with_name("gguf_mma.cu")
 
 
 @functools.cache
