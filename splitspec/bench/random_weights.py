@@ -272,24 +272,26 @@ def _q4_k_embedding(config, device: torch.device | str, dtype: torch.dtype) -> Q
     return QuantEmbedding.of(raw, Q.Q4_K, config.hidden_size, dtype)
 
 
-def _dequantized_embedding(embed: QuantEmbedding) -> torch.Tensor:
-    """``embed``'s table in its dtype, by row chunks (as a load without ``--keep-quantized`` holds it)."""
-    out = torch.empty(embed.num_embeddings, embed.embedding_dim, dtype=embed.dtype, device=embed.raw.device)
-    for start in range(0, embed.num_embeddings, HEAD_CHUNK_ROWS):
-        ids = torch.arange(start, min(start + HEAD_CHUNK_ROWS, embed.num_embeddings), device=out.device)
-        out[start : start + len(ids)] = embed(ids)
+def _dequantized_rows(raw: torch.Tensor, qtype: Q, in_features: int, dtype: torch.dtype) -> torch.Tensor:
+    """GGUF rows ``raw`` [n, row bytes] as a [n, in_features] table in ``dtype``, by row chunks
+    (bounded float32 scratch), as a load without ``--keep-quantized`` holds a GGUF weight."""
+    out = torch.empty(raw.shape[0], in_features, dtype=dtype, device=raw.device)
+    for start in range(0, raw.shape[0], HEAD_CHUNK_ROWS):
+        rows = raw[start : start + HEAD_CHUNK_ROWS]
+        out[start : start + len(rows)] = dequantize(rows, qtype, (len(rows), in_features)).to(dtype)
     return out
 
 
+def _dequantized_embedding(embed: QuantEmbedding) -> torch.Tensor:
+    """``embed``'s table in its dtype."""
+    return _dequantized_rows(embed.raw, embed.qtype, embed.embedding_dim, embed.dtype)
+
+
 def _dequantized(module: QuantLinear, dtype: torch.dtype) -> torch.nn.Linear:
-    """An ``nn.Linear`` holding ``module``'s weight dequantized to ``dtype`` (as a load without
-    keep-quantized holds a GGUF weight), row chunk by row chunk."""
-    raw, n, k = module.raw, module.out_features, module.in_features
+    """An ``nn.Linear`` holding ``module``'s weight dequantized to ``dtype``."""
+    n, k = module.out_features, module.in_features
     linear = torch.nn.Linear(k, n, bias=module.bias is not None, device="meta")
-    weight = torch.empty(n, k, dtype=dtype, device=raw.device)
-    for start in range(0, n, HEAD_CHUNK_ROWS):
-        rows = raw[start : start + HEAD_CHUNK_ROWS]
-        weight[start : start + len(rows)] = dequantize(rows, module.qtype, (len(rows), k)).to(dtype)
+    weight = _dequantized_rows(module.raw, module.qtype, k, dtype)
     linear.weight = torch.nn.Parameter(weight, requires_grad=False)
     if module.bias is not None:
         linear.bias = torch.nn.Parameter(module.bias.detach().to(dtype), requires_grad=False)

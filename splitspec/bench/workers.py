@@ -10,8 +10,9 @@ around a model that only the benchmark and the tests use:
   ``--keep-quantized`` they stay in them (``QuantLinear``), without it they are dequantized to
   ``--dtype``, as ``splitspec target`` treats a Q4_K_M file.
 - ``random-draft --model random:SHAPE-dflash --target-model random:SHAPE``: a DFlash draft of
-  random weights with the random target's embedding and LM head (a ``*-q4km`` target's Q6_K head
-  kept in its blocks with ``--keep-quantized``, as ``splitspec draft`` keeps a GGUF target's).
+  random weights with the random target's embedding and LM head (a ``*-q4km`` target's Q4_K
+  embedding and Q6_K head kept in their blocks with ``--keep-quantized``, as ``splitspec draft``
+  keeps a GGUF target's).
 - ``oracle-draft --table FILE --target-model TARGET``: the OracleDrafter (``oracle_drafter.py``),
   which proposes recorded continuations corrupted at ``--corruption``.
 

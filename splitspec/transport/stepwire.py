@@ -46,13 +46,13 @@ import grpc
 
 from splitspec.errors import InvalidArgument, ResourceExhausted, Unauthenticated
 from splitspec.transport.interceptors import status_of
-from splitspec.transport.rpc import deadline_exceeded, rpc_error, sequence_stream
+from splitspec.transport.rpc import MAX_MESSAGE_BYTES, deadline_exceeded, rpc_error, sequence_stream
 
 logger = logging.getLogger(__name__)
 
 HEADER = struct.Struct("<IB")
 HELLO, REQUEST, RESPONSE, ERROR, OPEN = range(5)
-MAX_FRAME_BYTES = 2**31 - 1  # as rpc.MAX_MESSAGE_BYTES: a long prompt's tap features
+MAX_FRAME_BYTES = MAX_MESSAGE_BYTES  # a long prompt's tap features, as on gRPC
 # Frames go out without waiting for the reader; a write waits only past this much unsent data.
 WRITE_HIGH_WATER = 64 * 1024 * 1024
 # A reader pauses its socket past twice this much unread data; a prompt's features fit in one go
