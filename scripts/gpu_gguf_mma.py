@@ -45,11 +45,7 @@ def check(device: torch.device) -> bool:
     for qtype in gguf_mma.MMA_TYPES:
         for n, k in CHECK_SHAPES:
             raw = random_blocks(qtype, n, k, device)
-            # Q4_K's kernel multiplies the raw q and scales after (exact products, float32 sums): its
-            # reference is the float32 dequantized weight. Q6_K's rounds each weight to bf16 first.
-            w = dequantize(raw, qtype, (n, k)).float()
-            if qtype != Q.Q4_K:
-                w = w.to(torch.bfloat16).float()
+            w = dequantize(raw, qtype, (n, k)).to(torch.bfloat16).float()
             x_all = torch.randn(max(CHECK_ROWS), k, device=device, dtype=torch.bfloat16)
             for splits in (1, 3, 0):
                 first_row = None
@@ -78,8 +74,6 @@ def main() -> None:
     ap.add_argument("--skip-check", action="store_true")
     ap.add_argument("--min-blocks", type=lambda t: [int(v) for v in t.split(",") if v], default=[],
                     help="also time builds whose kernel must fit this many blocks a multiprocessor (e.g. 3,4)")
-    ap.add_argument("--splits", type=lambda t: [int(v) for v in t.split(",") if v], default=[],
-                    help="also time Q4_K at these K splits (e.g. 1,2,3,4)")
     ap.add_argument("--json", default="gpu_gguf_mma.json", help="file name under $OUT")
     args = ap.parse_args()
     device = torch.device("cuda")
@@ -97,13 +91,7 @@ def main() -> None:
             one = {}
             for m in rows:
                 x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
-                if qtype == Q.Q4_K:  # the scaled-after-mma kernel, at the default and at each --splits; the old one
-                    variants = {"q4k": lambda: gguf_mma.matmul(x, raw, qtype, n)}
-                    for sp in args.splits:
-                        variants[f"q4k_s{sp}"] = lambda sp=sp: gguf_mma.matmul(x, raw, qtype, n, splits=sp)
-                    variants["mma1"] = lambda: gguf_mma.matmul(x, raw, qtype, n, n_tiles=1)
-                else:
-                    variants = {f"mma{t}": (lambda t=t: gguf_mma.matmul(x, raw, qtype, n, n_tiles=t)) for t in (1, 2)}
+                variants = {f"mma{t}": (lambda t=t: gguf_mma.matmul(x, raw, qtype, n, n_tiles=t)) for t in (1, 2)}
                 for mb in args.min_blocks:
                     variants[f"mma_mb{mb}"] = lambda mb=mb: gguf_mma.matmul(x, raw, qtype, n, min_blocks=mb)
                 variants["triton"] = lambda: gguf_matmul(x, raw, qtype, n, tiling=default_tiling(m, qtype))
