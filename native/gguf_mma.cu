@@ -10,15 +10,11 @@
 // the order of k, so each c maps its slots to whichever real k its bytes hold, as long as A and
 // B use the same map: lane c reads 16-byte runs of its rows' bytes and the matching x pairs.
 
-#ifndef GGUF_MMA_NO_HOST  // nvcc -DGGUF_MMA_NO_HOST --cubin: the device code alone, to read its SASS
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
-#endif
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
-#ifndef GGUF_MMA_NO_HOST
 #include <torch/extension.h>
-#endif
 
 #include <cstdint>
 
@@ -27,9 +23,6 @@ namespace {
 constexpr int kWarps = 4;  // warps per block, each with its own 8 * NT features
 #ifndef MIN_BLOCKS  // blocks a multiprocessor must hold (caps registers); benchmarks try others
 #define MIN_BLOCKS 1
-#endif
-#ifndef Q4K_STAGES  // super-blocks a warp of gguf_q4k.cuh's kernel has in flight, plus one
-#define Q4K_STAGES 4
 #endif
 
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
@@ -50,44 +43,8 @@ __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint3
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-__device__ __forceinline__ void mma_from(float (&d)[4], const float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {  // d = a b + c
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%11,%12,%13};\n"
-      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
-}
-
-// Weight loads. L2_HINT (128 or 256) asks an L2 miss to bring that many bytes around the load
-// from memory, not the 32-byte sector alone (benchmarks try it; 0 is the plain load).
-#ifndef L2_HINT
-#define L2_HINT 0
-#endif
-#if L2_HINT == 256
-#define L2_SUFFIX ".L2::256B"
-#elif L2_HINT == 128
-#define L2_SUFFIX ".L2::128B"
-#else
-#define L2_SUFFIX ""
-#endif
-
 __device__ __forceinline__ uint4 load16(const uint8_t* p) {  // p 16-byte aligned
-#if L2_HINT
-  uint4 v;
-  asm("ld.global.nc" L2_SUFFIX ".v4.u32 {%0,%1,%2,%3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-  return v;
-#else
   return __ldg(reinterpret_cast<const uint4*>(p));
-#endif
-}
-
-__device__ __forceinline__ uint32_t load4(const uint32_t* p) {
-#if L2_HINT
-  uint32_t v;
-  asm("ld.global.nc" L2_SUFFIX ".u32 %0, [%1];\n" : "=r"(v) : "l"(p));
-  return v;
-#else
-  return __ldg(p);
-#endif
 }
 
 __device__ __forceinline__ uint32_t word_of(const uint4& v, int i) {  // i a compile-time constant after unrolling
@@ -97,42 +54,6 @@ __device__ __forceinline__ uint32_t word_of(const uint4& v, int i) {  // i a com
 __device__ __forceinline__ uint32_t byte_at(const uint4& v, int i) {  // i run-time, 0..15
   const uint32_t w = i < 4 ? v.x : i < 8 ? v.y : i < 12 ? v.z : v.w;
   return (w >> (8 * (i & 3))) & 0xFF;
-}
-
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {  // both 16-byte aligned
-  const uint32_t to = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global" L2_SUFFIX " [%0], [%1], 16;\n" ::"r"(to), "l"(gmem) : "memory");
-}
-
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {  // all but the newest N groups of this thread have landed
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-
-// After a program wrote its partial sums [splits, M, N] (float32) of a tile of `tile` features, the
-// program that finishes the tile last adds them in split order (so the result does not depend on
-// which finished first) and writes `out`; it then resets the tile's counter, ready for the next
-// launch and for graph replay.
-__device__ __forceinline__ void add_splits(const float* partial, int* counters, __nv_bfloat16* out, int M, int N,
-                                           int splits, int tile) {
-  __threadfence();  // this block's partial sums are visible before its arrival is counted
-  __syncthreads();
-  __shared__ bool last;
-  if (threadIdx.x == 0) last = atomicAdd(counters + blockIdx.x, 1) == splits - 1;
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
-  const int first = blockIdx.x * tile;
-  for (int idx = threadIdx.x; idx < M * tile; idx += blockDim.x) {
-    const int m = idx / tile, n = first + idx % tile;
-    if (n >= N) continue;
-    float sum = 0.0f;
-    for (int sp = 0; sp < splits; ++sp) sum += __ldcg(partial + (static_cast<int64_t>(sp) * M + m) * N + n);
-    out[static_cast<int64_t>(m) * N + n] = __float2bfloat16_rn(sum);
-  }
-  if (threadIdx.x == 0) counters[blockIdx.x] = 0;
 }
 
 // Each block type has load(), which only issues the loads of one super-block's bytes for this
@@ -216,8 +137,8 @@ struct Q6K {
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) raw[r][i] = load4(words + at[r] / 4 + i);
-      raw[r][4] = shift ? load4(words + at[r] / 4 + 4) : 0u;
+      for (int i = 0; i < 4; ++i) raw[r][i] = __ldg(words + at[r] / 4 + i);
+      raw[r][4] = shift ? __ldg(words + at[r] / 4 + 4) : 0u;
     }
     d_bits = __ldg(reinterpret_cast<const unsigned short*>(block + 208));
   }
@@ -366,12 +287,24 @@ __global__ void __launch_bounds__(kWarps * 32, MIN_BLOCKS) gguf_mma_kernel(
         if (m < M && n < N) mine[static_cast<int64_t>(m) * N + n] = acc[mt][i][2 * h];
         if (m < M && n + 1 < N) mine[static_cast<int64_t>(m) * N + n + 1] = acc[mt][i][2 * h + 1];
       }
-  add_splits(partial, counters, out, M, N, splits, kWarps * 8 * NT);
+  __threadfence();  // this block's partial sums are visible before its arrival is counted
+  __syncthreads();
+  __shared__ bool last;
+  if (threadIdx.x == 0) last = atomicAdd(counters + blockIdx.x, 1) == splits - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  const int tile = kWarps * 8 * NT, first = blockIdx.x * tile;
+  for (int idx = threadIdx.x; idx < M * tile; idx += blockDim.x) {
+    const int m = idx / tile, n = first + idx % tile;
+    if (n >= N) continue;
+    float sum = 0.0f;
+    for (int sp = 0; sp < splits; ++sp) sum += __ldcg(partial + (static_cast<int64_t>(sp) * M + m) * N + n);
+    out[static_cast<int64_t>(m) * N + n] = __float2bfloat16_rn(sum);
+  }
+  if (threadIdx.x == 0) counters[blockIdx.x] = 0;  // ready for the next launch (and graph replay)
 }
 
-#include "gguf_q4k.cuh"
-
-#ifndef GGUF_MMA_NO_HOST
 template <typename Block, int MT, int NT, int R>
 void launch(const torch::Tensor& x, const torch::Tensor& w, torch::Tensor& out, torch::Tensor& partial,
             torch::Tensor& counters, int splits, cudaStream_t stream) {
@@ -388,36 +321,6 @@ void launch(const torch::Tensor& x, const torch::Tensor& w, torch::Tensor& out, 
       splits > 1 ? counters.data_ptr<int>() : nullptr, M, N, w.stride(0), K / 256, splits);
 }
 
-template <int NX, bool ODD>
-void launch_q4k(const torch::Tensor& x, const torch::Tensor& w, torch::Tensor& out, torch::Tensor& partial,
-                torch::Tensor& counters, int splits, cudaStream_t stream) {
-  const int M = x.size(0), N = out.size(1), K = x.size(1);
-  const int64_t total = static_cast<int64_t>(K / 256) * NX * 64;
-  torch::Tensor xsum = torch::empty({2 * total}, x.options().dtype(torch::kFloat32));  // a float4 per 2 threads
-  const auto* xp = reinterpret_cast<const __nv_bfloat16*>(x.data_ptr());
-  xsum_kernel<<<(total + 255) / 256, 256, 0, stream>>>(xp, x.stride(0), xsum.data_ptr<float>(), M, NX, total);
-  const int tiles = (N + kWarps * 16 - 1) / (kWarps * 16);
-  q4k_kernel<NX, ODD><<<dim3(tiles, splits), kWarps * 32, 0, stream>>>(
-      xp, x.stride(0), xsum.data_ptr<float>(), w.data_ptr<uint8_t>(), reinterpret_cast<__nv_bfloat16*>(out.data_ptr()),
-      splits > 1 ? partial.data_ptr<float>() : nullptr, splits > 1 ? counters.data_ptr<int>() : nullptr, M, N,
-      w.stride(0), K / 256, splits);
-}
-
-void q4k_by_rows(const torch::Tensor& x, const torch::Tensor& w, torch::Tensor& out, torch::Tensor& partial,
-                 torch::Tensor& counters, int splits, cudaStream_t stream) {
-  if (x.size(0) == 1) return launch_q4k<1, false>(x, w, out, partial, counters, splits, stream);
-  switch ((x.size(0) + 7) / 8) {
-    case 1: return launch_q4k<1, true>(x, w, out, partial, counters, splits, stream);
-    case 2: return launch_q4k<2, true>(x, w, out, partial, counters, splits, stream);
-    case 3: return launch_q4k<3, true>(x, w, out, partial, counters, splits, stream);
-    case 4: return launch_q4k<4, true>(x, w, out, partial, counters, splits, stream);
-    case 5: return launch_q4k<5, true>(x, w, out, partial, counters, splits, stream);
-    case 6: return launch_q4k<6, true>(x, w, out, partial, counters, splits, stream);
-    case 7: return launch_q4k<7, true>(x, w, out, partial, counters, splits, stream);
-    default: return launch_q4k<8, true>(x, w, out, partial, counters, splits, stream);
-  }
-}
-
 template <typename Block, int NT>
 void by_rows(const torch::Tensor& x, const torch::Tensor& w, torch::Tensor& out, torch::Tensor& partial,
              torch::Tensor& counters, int splits, cudaStream_t stream) {
@@ -428,10 +331,7 @@ void by_rows(const torch::Tensor& x, const torch::Tensor& w, torch::Tensor& out,
   else launch<Block, 4, NT, 4>(x, w, out, partial, counters, splits, stream);
 }
 
-#endif  // GGUF_MMA_NO_HOST
 }  // namespace
-
-#ifndef GGUF_MMA_NO_HOST
 
 // qtype: 12 (Q4_K) or 14 (Q6_K), gguf's GGMLQuantizationType values. `partial` [splits, M, N]
 // float32 and `counters` [>= tiles] int32 zeros are the caller's (unused when splits == 1).
@@ -447,10 +347,7 @@ void gguf_mma(torch::Tensor x, torch::Tensor w, torch::Tensor out, torch::Tensor
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   if (qtype == 12) {
     TORCH_CHECK(reinterpret_cast<uintptr_t>(w.data_ptr()) % 16 == 0 && w.stride(0) % 16 == 0, "Q4_K rows must be 16-byte aligned");
-    if (n_tiles == 0) {  // the scaled-after-mma kernel (gguf_q4k.cuh); x rows 8-byte aligned
-      TORCH_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 && x.stride(0) % 8 == 0, "x rows must be 16-byte aligned");
-      q4k_by_rows(x, w, out, partial, counters, splits, stream);
-    } else if (n_tiles == 1) by_rows<Q4K, 1>(x, w, out, partial, counters, splits, stream);
+    if (n_tiles == 1) by_rows<Q4K, 1>(x, w, out, partial, counters, splits, stream);
     else by_rows<Q4K, 2>(x, w, out, partial, counters, splits, stream);
   } else if (qtype == 14) {
     TORCH_CHECK(reinterpret_cast<uintptr_t>(w.data_ptr()) % 2 == 0 && w.stride(0) % 2 == 0, "Q6_K rows must be 2-byte aligned");
@@ -463,4 +360,3 @@ void gguf_mma(torch::Tensor x, torch::Tensor w, torch::Tensor out, torch::Tensor
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("gguf_mma", &gguf_mma, "y = x @ W^T from GGUF blocks on tensor cores"); }
-#endif  // GGUF_MMA_NO_HOST

@@ -25,7 +25,6 @@ Built at first use with ``torch.utils.cpp_extension`` (nvcc, for the GPU at hand
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 from pathlib import Path
 
@@ -41,7 +40,6 @@ MAX_ROWS = 64
 WARPS = 4  # warps per program (kWarps in gguf_mma.cu)
 MAX_TILES = 1 << 15  # programs along N that the split counters cover (a 248K vocabulary at 1 tile: 7,760)
 SOURCE = Path(__file__).with_name("gguf_mma.cu")
-HEADERS = [Path(__file__).with_name("gguf_q4k.cuh")]  # included by SOURCE
 
 
 def default_n_tiles(m: int) -> int:
@@ -53,18 +51,16 @@ def default_n_tiles(m: int) -> int:
 
 
 @functools.cache
-def _extension(defines: tuple[str, ...] = ()):
-    """The compiled extension, or None (logged once) where it cannot be built. ``defines`` (``NAME=VALUE``,
-    e.g. ``MIN_BLOCKS=3``, ``L2_HINT=256``) build a variant of the kernels, for benchmarks."""
-    name = "splitspec_gguf_mma" + "".join("_" + d.replace("=", "").lower() for d in defines)
+def _extension(min_blocks: int = 0):
+    """The compiled extension, or None (logged once) where it cannot be built. ``min_blocks`` > 0
+    builds a variant whose kernel must fit that many blocks a multiprocessor (benchmarks)."""
+    name = "splitspec_gguf_mma" + (f"_mb{min_blocks}" if min_blocks else "")
     try:
         from torch.utils.cpp_extension import _get_build_directory, load
 
         log.info("building %s for this GPU (first use; later starts load it from %s)", SOURCE.name,
                  _get_build_directory(name, verbose=False))
-        # torch rebuilds when the source or the flags change, not a header: the headers' digest is a flag.
-        digest = hashlib.sha1(b"".join(h.read_bytes() for h in HEADERS)).hexdigest()[:12]
-        flags = ["-O3", f"-DHEADERS_DIGEST={digest}"] + [f"-D{d}" for d in defines]
+        flags = ["-O3"] + ([f"-DMIN_BLOCKS={min_blocks}"] if min_blocks else [])
         return load(name=name, sources=[str(SOURCE)], extra_cuda_cflags=flags, verbose=False)
     except Exception as exc:  # noqa: BLE001 - any build failure means: use the Triton kernels
         log.warning("gguf_mma not built (%s: %s); quantized matmuls use the Triton kernels", type(exc).__name__, str(exc)[-500:])
@@ -110,31 +106,21 @@ def _counters(device: torch.device) -> torch.Tensor:
     return _COUNTERS[device]
 
 
-def program_features(qtype: Q, n_tiles: int = 0) -> int:
-    """Output features one program covers: Q4_K's kernel (gguf_q4k.cuh) 16 a warp, the
-    scaled-before-mma kernel 8 a warp (``n_tiles`` 8-feature tiles, but splits follow one)."""
-    return WARPS * 16 if qtype == Q.Q4_K and not n_tiles else WARPS * 8
-
-
 def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: Q, out_features: int, n_tiles: int = 0,
-           splits: int = 0, defines: tuple[str, ...] = ()) -> torch.Tensor:
+           splits: int = 0, min_blocks: int = 0) -> torch.Tensor:
     """x [M, K] bf16 @ W^T for W [out_features, K] in ``raw`` blocks -> [M, out_features] bf16
-    (``usable`` must hold). ``n_tiles`` (Q6_K: 1 or 2, 0 = ``default_n_tiles``; Q4_K: 0 = its
-    scaled-after-mma kernel, 1 or 2 = the scaled-before one), ``splits`` (0: ``default_splits``)
-    and ``defines`` (``_extension``) are for benchmarks."""
+    (``usable`` must hold). ``n_tiles`` (1 or 2; 0: ``default_n_tiles``), ``splits`` (0:
+    ``default_splits``) and ``min_blocks`` (``_extension``) are for benchmarks."""
     M, K = x.shape
-    if qtype == Q.Q6_K:
-        n_tiles = n_tiles or default_n_tiles(M)
-    elif not n_tiles and (x.data_ptr() % 16 or x.stride(0) % 8):
-        x = x.clone(memory_format=torch.contiguous_format)  # Q4_K's kernels read x's rows 8 and 16 bytes at a time
-    programs = -(-out_features // program_features(qtype, n_tiles))
-    if programs > MAX_TILES:
-        raise ValueError(f"{out_features} features need {programs} programs, more than the {MAX_TILES} counters")
-    # Splits follow the shape alone, not M: a row's sums then run in the same order whatever else
-    # is in the batch, so a verify pass's logits equal a decode step's bit for bit.
-    splits = splits or default_splits(programs, K // 256, sm_count(x.device))
+    n_tiles = n_tiles or default_n_tiles(M)
+    one_tile_programs = -(-out_features // (WARPS * 8))
+    if one_tile_programs > MAX_TILES:
+        raise ValueError(f"{out_features} features need {one_tile_programs} programs, more than the {MAX_TILES} counters")
+    # Splits follow the shape alone, not M or n_tiles: a row's sums then run in the same order
+    # whatever else is in the batch, so a verify pass's logits equal a decode step's bit for bit.
+    splits = splits or default_splits(one_tile_programs, K // 256, sm_count(x.device))
     out = torch.empty(M, out_features, dtype=torch.bfloat16, device=x.device)
     partial = torch.empty(splits, M, out_features, dtype=torch.float32, device=x.device) if splits > 1 else out
     counters = _counters(x.device)  # made at the first call, whatever its splits: before any capture
-    _extension(defines).gguf_mma(x, raw, out, partial, counters, MMA_TYPES[qtype], splits, n_tiles)
+    _extension(min_blocks).gguf_mma(x, raw, out, partial, counters, MMA_TYPES[qtype], splits, n_tiles)
     return out

@@ -7,7 +7,7 @@
    other rounding is the bf16 output and the order of float32 sums: the bound is 2^-8 of the row's
    largest magnitude); every run twice, bitwise equal; row 0 of every M bitwise equal to M = 1's.
 2. Timing (a CUDA graph of 20 calls, best of 5): per 8B/27B layer shape and M, microseconds and
-   bandwidth on the packed bytes for ``n_tiles`` 1 and 2 (default splits; ``--defines`` adds
+   bandwidth on the packed bytes for ``n_tiles`` 1 and 2 (default splits; ``--min-blocks`` adds
    register-capped builds), the Triton kernels
    (``default_tiling``) and cuBLAS bf16; "x1" is the time over the same variant's M = 1 time.
 
@@ -45,11 +45,7 @@ def check(device: torch.device) -> bool:
     for qtype in gguf_mma.MMA_TYPES:
         for n, k in CHECK_SHAPES:
             raw = random_blocks(qtype, n, k, device)
-            # Q4_K's kernel multiplies the raw q and scales after (exact products, float32 sums): its
-            # reference is the float32 dequantized weight. Q6_K's rounds each weight to bf16 first.
-            w = dequantize(raw, qtype, (n, k)).float()
-            if qtype != Q.Q4_K:
-                w = w.to(torch.bfloat16).float()
+            w = dequantize(raw, qtype, (n, k)).to(torch.bfloat16).float()
             x_all = torch.randn(max(CHECK_ROWS), k, device=device, dtype=torch.bfloat16)
             for splits in (1, 3, 0):
                 first_row = None
@@ -76,10 +72,8 @@ def main() -> None:
     ap.add_argument("--rows", default="1,2,4,8,16,23,32,64")
     ap.add_argument("--types", default="Q4_K,Q6_K")
     ap.add_argument("--skip-check", action="store_true")
-    ap.add_argument("--defines", type=lambda t: [tuple(d for d in v.split(",") if d) for v in t.split(";") if v], default=[],
-                    help="also time builds with these macros, sets split by ';' (e.g. 'MIN_BLOCKS=3;L2_HINT=256')")
-    ap.add_argument("--splits", type=lambda t: [int(v) for v in t.split(",") if v], default=[],
-                    help="also time Q4_K at these K splits (e.g. 1,2,3,4)")
+    ap.add_argument("--min-blocks", type=lambda t: [int(v) for v in t.split(",") if v], default=[],
+                    help="also time builds whose kernel must fit this many blocks a multiprocessor (e.g. 3,4)")
     ap.add_argument("--json", default="gpu_gguf_mma.json", help="file name under $OUT")
     args = ap.parse_args()
     device = torch.device("cuda")
@@ -97,21 +91,9 @@ def main() -> None:
             one = {}
             for m in rows:
                 x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
-                if qtype == Q.Q4_K:  # the scaled-after-mma kernel, at the default and at each --splits; the old one
-                    variants = {"q4k": lambda: gguf_mma.matmul(x, raw, qtype, n)}
-                    for sp in args.splits:
-                        variants[f"q4k_s{sp}"] = lambda sp=sp: gguf_mma.matmul(x, raw, qtype, n, splits=sp)
-                    variants["mma1"] = lambda: gguf_mma.matmul(x, raw, qtype, n, n_tiles=1)
-                else:
-                    variants = {f"mma{t}": (lambda t=t: gguf_mma.matmul(x, raw, qtype, n, n_tiles=t)) for t in (1, 2)}
-                if qtype != Q.Q4_K:
-                    for sp in args.splits:
-                        variants[f"mma_s{sp}"] = lambda sp=sp: gguf_mma.matmul(x, raw, qtype, n, splits=sp)
-                for defines in args.defines:  # each set: the default kernel, and for Q4_K the old one too
-                    tag = "_".join(d.replace("=", "").lower() for d in defines)
-                    variants[f"{'q4k' if qtype == Q.Q4_K else 'mma'}_{tag}"] = lambda d=defines: gguf_mma.matmul(x, raw, qtype, n, defines=d)
-                    if qtype == Q.Q4_K:
-                        variants[f"mma1_{tag}"] = lambda d=defines: gguf_mma.matmul(x, raw, qtype, n, n_tiles=1, defines=d)
+                variants = {f"mma{t}": (lambda t=t: gguf_mma.matmul(x, raw, qtype, n, n_tiles=t)) for t in (1, 2)}
+                for mb in args.min_blocks:
+                    variants[f"mma_mb{mb}"] = lambda mb=mb: gguf_mma.matmul(x, raw, qtype, n, min_blocks=mb)
                 variants["triton"] = lambda: gguf_matmul(x, raw, qtype, n, tiling=default_tiling(m, qtype))
                 variants["bf16"] = lambda: F.linear(x, w16)
                 row = {"type": qtype.name, "shape": name, "N": n, "K": k, "M": m, "bytes": raw.numel()}
