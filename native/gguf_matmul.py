@@ -489,6 +489,14 @@ def gguf_matmul(
     return y.reshape(*lead, N)
 
 
+def quant_linear(x: torch.Tensor, raw: torch.Tensor, qtype: Q, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W^T (+ bias)`` for W [rows of raw, K] in ``raw``'s blocks: the kernels where
+    ``triton_enabled``, else ``gguf_matmul_reference``."""
+    matmul = gguf_matmul if triton_enabled(x) else gguf_matmul_reference
+    y = matmul(x, raw, qtype, raw.shape[0])
+    return y if bias is None else y + bias.to(y.dtype)
+
+
 class QuantLinear(nn.Module):
     """A bias-optional linear layer whose weight [out_features, in_features] stays in GGUF blocks.
 
@@ -506,11 +514,7 @@ class QuantLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features, device=device)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if triton_enabled(x):
-            y = gguf_matmul(x, self.raw, self.qtype, self.out_features)
-        else:
-            y = gguf_matmul_reference(x, self.raw, self.qtype, self.out_features)
-        return y if self.bias is None else y + self.bias.to(y.dtype)
+        return quant_linear(x, self.raw, self.qtype, self.bias)
 
     def extra_repr(self) -> str:
         return f"{self.qtype.name}, in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

@@ -7,13 +7,17 @@ steps: kernels per step, their summed device time, the share of the wall time no
 (launch gaps and host work), the device time by kind (``KINDS``: the first pattern a kernel's name
 contains decides) and the most expensive kernels.
 
-Usage: python3 scripts/gpu_kernel_table.py [--shape random:qwen35-27b-q4km] [--budget 22]
+With ``--unfused`` the same weights are profiled again with every fused projection
+(``layers.fuse_linears``) split back into its layers' own matmuls.
+
+Usage: python3 scripts/gpu_kernel_table.py [--shape random:qwen35-27b-q4km] [--budget 22] [--unfused]
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import gc
 import re
 
 import numpy as np
@@ -81,11 +85,26 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--top", type=int, default=30)
+    parser.add_argument("--unfused", action="store_true", help="then again with every projection unfused (the same weights)")
     args = parser.parse_args()
     device = torch.device("cuda")
     model, config = random_target(args.shape, device, getattr(torch, args.dtype))
     bandwidth, nbytes = copy_bandwidth(device), weight_bytes(model)
     print(f"{args.shape}: {nbytes / 1e9:.2f} GB of weights, copy bandwidth {bandwidth / 1e12:.2f} TB/s, roofline {nbytes / bandwidth * 1e3:.2f} ms")
+    profile_engine(model, config, args, "fused projections")
+    if args.unfused:
+        for module in model.modules():
+            for name in ("_qkv", "_gate_up", "_in_proj"):  # layers.fuse_linears' results: their layers stay views
+                if getattr(module, name, None) is not None:
+                    setattr(module, name, None)
+        gc.collect()  # the first engine's graphs and pools
+        torch.cuda.empty_cache()
+        profile_engine(model, config, args, "unfused projections")
+
+
+def profile_engine(model, config, args, label: str) -> None:
+    device = torch.device("cuda")
+    print(f"--- {label}")
     rng = np.random.default_rng(0)
     context = args.prompt + 64 * (args.reps + 60)
     engine = TargetEngine(model, TargetLimits(max_sequences=1, max_tree_nodes=args.budget, max_kv_tokens=context + 64), fixed_shapes=True, capture=True)

@@ -348,8 +348,7 @@ def random_target(
         for name, module in list(model.named_modules()):
             if isinstance(module, QuantLinear):
                 model.set_submodule(name, _dequantized(module, dtype))
-    if isinstance(model, DenseForCausalLM):
-        model.fuse_projections()  # QuantLinear layers stay unfused (see layers.fuse_linears)
+    model.fuse_projections()
     return model.eval(), config
 
 

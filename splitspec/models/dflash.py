@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from native import paged_attention, qkv_rope, use_triton
 from splitspec.models.layers import TREE_ATTENTION_ROWS, QKVProjection, RMSNorm, SwiGLU, rope_cos_sin
@@ -361,7 +360,7 @@ def _project_write(
     ``slots`` [T]: the projection half of ``QKVProjection.project_attend_cached`` (one
     ``qkv_rope`` launch where the kernels run)."""
     if attn._fused_native(x):
-        return qkv_rope.qkv_rope(F.linear(x, *attn._qkv), cos, sin, *attn._norm_args(), k_pool, v_pool, slots, attn.num_heads)
+        return qkv_rope.qkv_rope(attn._qkv(x), cos, sin, *attn._norm_args(), k_pool, v_pool, slots, attn.num_heads)
     q, k, v = attn.query_key_value(x, cos, sin)
     k_pool.index_copy_(1, slots, k)
     v_pool.index_copy_(1, slots, v)

@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 
 import torch
+from gguf import GGMLQuantizationType as Q
 from torch import nn
 from torch.nn import functional as F
 
 from native import paged_attention, qkv_rope, rms_norm, silu_mul, tree_attention, use_triton
+from native.gguf_matmul import QuantLinear, quant_linear
 from splitspec.models.paged import PassAttention
 
 # cuDNN's attention builds a plan for every new shape: ~1.3 ms of host time per call measured on
@@ -51,24 +54,54 @@ class RMSNorm(nn.Module):
         return self(residual), residual
 
 
-def fuse_linears(*linears: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """One weight [sum of outputs, in] (and bias) whose row blocks *are* the given layers' weights:
-    each layer's parameter becomes a view into it, so one matmul replaces several at no extra
-    memory. None (nothing changed) unless all are plain ``nn.Linear`` alike in bias."""
-    if not all(type(m) is nn.Linear for m in linears) or len({m.bias is None for m in linears}) != 1:
+@dataclass(frozen=True)
+class FusedLinear:
+    """Several linear layers over one input as one matmul (:func:`fuse_linears`). ``weight`` is
+    their float weights [sum of outputs, in] or, for ``QuantLinear`` layers, their GGUF blocks
+    [sum of outputs, row bytes] of type ``qtype``. ``fused(x, first)``: the outputs of rows
+    ``first`` on, [..., out_features - first] (0: all)."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    qtype: Q | None = None  # None: a float weight
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    def __call__(self, x: torch.Tensor, first: int = 0) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias[first:]
+        if self.qtype is None:
+            return F.linear(x, self.weight[first:], bias)
+        return quant_linear(x, self.weight[first:], self.qtype, bias)
+
+
+def fuse_linears(*linears: nn.Module) -> FusedLinear | None:
+    """One weight whose row blocks *are* the given layers' weights: each layer's parameter (or
+    ``QuantLinear`` blocks) becomes a view into it, so one matmul replaces several at no extra
+    memory. None (nothing changed) unless all are plain ``nn.Linear``, or all ``QuantLinear`` of
+    one block type and input size, alike in bias."""
+    if all(type(m) is nn.Linear for m in linears):
+        attr, qtype = "weight", None
+    elif all(isinstance(m, QuantLinear) for m in linears) and len({(m.qtype, m.in_features) for m in linears}) == 1:
+        attr, qtype = "raw", linears[0].qtype
+    else:
+        return None
+    if len({m.bias is None for m in linears}) != 1:
         return None
     fused = []
-    for attr in ("weight", "bias"):
-        if getattr(linears[0], attr) is None:
+    for name in (attr, "bias"):
+        if getattr(linears[0], name) is None:
             fused.append(None)
             continue
-        whole = torch.cat([getattr(m, attr).detach() for m in linears])
+        whole = torch.cat([getattr(m, name).detach() for m in linears])
         offset = 0
         for m in linears:
-            setattr(m, attr, nn.Parameter(whole[offset : offset + m.out_features], requires_grad=False))
+            view = whole[offset : offset + m.out_features]
+            setattr(m, name, view if name == "raw" else nn.Parameter(view, requires_grad=False))  # raw: a buffer
             offset += m.out_features
         fused.append(whole)
-    return fused[0], fused[1]
+    return FusedLinear(fused[0], fused[1], qtype)
 
 
 class SwiGLU(nn.Module):
@@ -77,7 +110,7 @@ class SwiGLU(nn.Module):
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-        self._gate_up: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self._gate_up: FusedLinear | None = None
 
     def fuse(self) -> None:
         """Gate and up projections as one matmul (inference; see :func:`fuse_linears`)."""
@@ -86,7 +119,7 @@ class SwiGLU(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._gate_up is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        gate_up = F.linear(x, *self._gate_up)
+        gate_up = self._gate_up(x)
         if use_triton(gate_up, "silu_mul") and silu_mul.supported(gate_up):
             return self.down_proj(silu_mul.silu_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
@@ -178,7 +211,7 @@ class QKVProjection(nn.Module):
         self.o_proj = nn.Linear(num_heads * head_dim, hidden, bias=False)
         self.q_norm = RMSNorm(head_dim, eps) if qk_norm else nn.Identity()
         self.k_norm = RMSNorm(head_dim, eps) if qk_norm else nn.Identity()
-        self._qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self._qkv: FusedLinear | None = None
 
     def fuse(self) -> None:
         """q, k and v projections as one matmul (inference; see :func:`fuse_linears`)."""
@@ -202,7 +235,7 @@ class QKVProjection(nn.Module):
         """:meth:`query` and :meth:`key_value` together, as one matmul once fused."""
         if self._qkv is None:
             return self.query(x, cos, sin), *self.key_value(x, cos, sin)
-        q, k, v = F.linear(x, *self._qkv).split([self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features], -1)
+        q, k, v = self._qkv(x).split([self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features], -1)
         return self._heads_q(q, cos, sin), *self._heads_kv(k, v, cos, sin)
 
     def _heads_q(self, q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -331,7 +364,7 @@ class QKVProjection(nn.Module):
         """:meth:`project_attend_cached` for a pass over paged sequences."""
         if not self._fused_native(x):
             return self.write_and_attend_paged(*self.query_key_value(x, cos, sin), k_pool, v_pool, at)
-        q = qkv_rope.qkv_rope(F.linear(x, *self._qkv), cos, sin, *self._norm_args(), k_pool, v_pool, at.write_slots, self.num_heads)
+        q = qkv_rope.qkv_rope(self._qkv(x), cos, sin, *self._norm_args(), k_pool, v_pool, at.write_slots, self.num_heads)
         return self.attend_paged(q, k_pool, v_pool, at)
 
     def attend_cached(
@@ -363,9 +396,7 @@ class QKVProjection(nn.Module):
         """:meth:`key_value` written to the cache ``slots``: one matmul over the k/v rows of the
         fused weight and the ``qkv_rope`` kernel (with no query heads) where the kernels run."""
         if self._fused_native(x):
-            weight, bias = self._qkv
-            q_rows = self.q_proj.out_features
-            kv = F.linear(x, weight[q_rows:], None if bias is None else bias[q_rows:])
+            kv = self._qkv(x, self.q_proj.out_features)
             qkv_rope.qkv_rope(kv, cos, sin, *self._norm_args(), k_cache, v_cache, slots, 0)
             return
         k, v = self.key_value(x, cos, sin)
@@ -400,7 +431,7 @@ class QKVProjection(nn.Module):
         if not self._fused_native(x):
             return self.write_and_attend(*self.query_key_value(x, cos, sin), k_cache, v_cache, start, mask)
         slots = start if isinstance(start, torch.Tensor) else torch.arange(start, start + x.shape[0], device=x.device)
-        q = qkv_rope.qkv_rope(F.linear(x, *self._qkv), cos, sin, *self._norm_args(), k_cache, v_cache, slots, self.num_heads)
+        q = qkv_rope.qkv_rope(self._qkv(x), cos, sin, *self._norm_args(), k_cache, v_cache, slots, self.num_heads)
         span = mask.shape[-1]
         return self.attend(q, k_cache[:, :span], v_cache[:, :span], mask)
 

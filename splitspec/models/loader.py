@@ -332,7 +332,7 @@ def _load_dense(
         part = "raw" if isinstance(model.lm_head, QuantLinear) else "weight"
         state[f"lm_head.{part}"] = state[f"embed_tokens.{part}"]
     model.load_state_dict(state, assign=True, strict=True)
-    model.fuse_projections()  # QuantLinear layers stay unfused (see layers.fuse_linears)
+    model.fuse_projections()
     return model.eval(), config
 
 
@@ -449,7 +449,7 @@ def load_dflash_draft(
         else:
             state[name] = read(src, expected[name]).to(device=device, dtype=dtype)
     model.load_state_dict(state, assign=True, strict=True)
-    model.fuse_projections()  # QuantLinear layers stay unfused (see layers.fuse_linears)
+    model.fuse_projections()
     return model.eval(), config
 
 

@@ -58,7 +58,7 @@ from splitspec.models.delta_rule import (
     path_gated_delta,
     reloaded_rows,
 )
-from splitspec.models.layers import QKVProjection, RMSNorm, SwiGLU, apply_rope, rope_cos_sin
+from splitspec.models.layers import FusedLinear, QKVProjection, RMSNorm, SwiGLU, apply_rope, fuse_linears, rope_cos_sin
 from splitspec.models.paged import KVBlockPool, PagedState, PassInputs
 from splitspec.spec.acceptance import compact_rows
 
@@ -209,6 +209,7 @@ class DeltaInputs:
     v: torch.Tensor  # [T, Hv, Dv] the conv's output (compute dtype)
     g: torch.Tensor  # [T, Hv] log-decay (math dtype)
     beta: torch.Tensor  # [T, Hv] write strength (math dtype)
+    z: torch.Tensor  # [T, Hv * Dv] the output gate before its SiLU (compute dtype; not kept by TreeRows)
 
 
 @dataclass
@@ -393,6 +394,12 @@ class GatedDeltaNet(nn.Module):
         self.ssm_a = nn.Parameter(torch.empty(nv))  # -exp(A_log) < 0
         self.norm = RMSNorm(c.linear_value_head_dim, c.rms_norm_eps)  # gated by SiLU(z)
         self.out_proj = nn.Linear(c.value_dim, c.hidden_size, bias=False)
+        self._in_proj: FusedLinear | None = None
+
+    def fuse(self) -> None:
+        """The four input projections as one matmul (inference; see ``layers.fuse_linears``: a
+        kept-quantized ``in_proj_qkv`` of another block type than the rest stays unfused)."""
+        self._in_proj = fuse_linears(self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
 
     @property
     def group(self) -> int:
@@ -404,24 +411,28 @@ class GatedDeltaNet(nn.Module):
         [(S,) K-1, C] and the rows' ``ancestors`` [T, K]. q and k keep their key heads."""
         c, t = self.config, x.shape[0]
         math = torch.promote_types(x.dtype, torch.float32)
-        inputs = self.in_proj_qkv(x)  # [T, C]
+        if self._in_proj is None:
+            inputs, z, b, a = self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
+        else:
+            nv = c.linear_num_value_heads
+            inputs, z, b, a = self._in_proj(x).split([c.conv_channels, c.value_dim, nv, nv], dim=-1)  # [T, C], ...
         mixed = conv_silu(history, inputs, ancestors, self.conv_weight)  # [T, C] compute dtype
         q, k, v = mixed.split([c.key_dim, c.key_dim, c.value_dim], dim=-1)
         q = l2_normalize(q.to(math).view(t, -1, c.linear_key_head_dim)) * c.linear_key_head_dim**-0.5
         k = l2_normalize(k.to(math).view(t, -1, c.linear_key_head_dim))
-        beta = torch.sigmoid(self.in_proj_b(x).to(math))  # [T, Hv]
-        g = self.ssm_a.to(math) * F.softplus(self.in_proj_a(x).to(math) + self.dt_bias.to(math))  # [T, Hv]
-        return DeltaInputs(inputs, q, k, v.view(t, -1, c.linear_value_head_dim), g, beta)
+        beta = torch.sigmoid(b.to(math))  # [T, Hv]
+        g = self.ssm_a.to(math) * F.softplus(a.to(math) + self.dt_bias.to(math))  # [T, Hv]
+        return DeltaInputs(inputs, q, k, v.view(t, -1, c.linear_value_head_dim), g, beta, z)
 
     def heads(self, x: torch.Tensor) -> torch.Tensor:
         """``[T, Hk, D]`` -> ``[T, Hv, D]``: value head ``h`` reads key head ``h // group``."""
         return x.repeat_interleave(self.group, 1)
 
-    def output(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    def output(self, d: DeltaInputs, out: torch.Tensor) -> torch.Tensor:
         """The mixer output [T, hidden] of the delta rule's ``out`` [T, Hv, Dv]: gated norm, out_proj."""
-        t = x.shape[0]
-        z = self.in_proj_z(x).view(t, -1, self.config.linear_value_head_dim)
-        y = self.norm(out.to(x.dtype)) * F.silu(z)  # [T, Hv, Dv]
+        t = out.shape[0]
+        z = d.z.view(t, -1, self.config.linear_value_head_dim)
+        y = self.norm(out.to(z.dtype)) * F.silu(z)  # [T, Hv, Dv]
         return self.out_proj(y.reshape(t, -1))
 
     def forward(
@@ -444,7 +455,7 @@ class GatedDeltaNet(nn.Module):
         else:
             tree = parents if parents is not None else chain_parents(1, x.device)
             out, states = gated_delta(q, k, d.v, d.g, d.beta, state, tree, state.dtype, offsets)
-        return self.output(x, out), d.conv_inputs, states
+        return self.output(d, out), d.conv_inputs, states
 
 
 class Qwen35DecoderLayer(nn.Module):
@@ -475,6 +486,14 @@ class Qwen35ForCausalLM(nn.Module):
         # Layer i's index into the cache tensors of its kind.
         kinds = [layer.full_attention for layer in self.layers]
         self.slots = [sum(1 for k in kinds[:i] if k == kinds[i]) for i in range(len(kinds))]
+
+    def fuse_projections(self) -> None:
+        """Inference: gate/up and each DeltaNet layer's input projections become one matmul each
+        (fewer, fuller kernels per step; see ``layers.fuse_linears``)."""
+        for layer in self.layers:
+            layer.mlp.fuse()
+            if not layer.full_attention:
+                layer.linear_attn.fuse()
 
     def recurrent_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """How recurrent states are stored when computing in ``dtype``."""
@@ -601,7 +620,7 @@ class Qwen35ForCausalLM(nn.Module):
                 levels=block_rows if inputs.static else 0,
             )
             pending.record(layer, d)
-            return net.output(x, out)
+            return net.output(d, out)
 
         return delta
 
@@ -630,7 +649,7 @@ class Qwen35ForCausalLM(nn.Module):
                 final = states[0]
             slots.recurrent[layer].index_copy_(0, first, final[None].to(slots.recurrent.dtype))
             slots.conv[layer].index_copy_(0, first, torch.cat([history, d.conv_inputs]).index_select(0, window)[None])
-            return net.output(x, out)
+            return net.output(d, out)
 
         return delta
 

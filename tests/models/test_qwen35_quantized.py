@@ -34,7 +34,10 @@ from tests.quantized_fixtures import make_pair, write_target
 # Relative to the largest logit. float32: summation order only (ssm_out's gathered inputs), over
 # 4 layers. float64: the logits come back as float32, so a far smaller difference can still round
 # to one float32 step apart (2**-23 of a power of two at most twice the largest logit).
-TOLERANCE = {torch.float32: 1e-5, torch.float64: 2.5e-7}
+# float32: the dequantized load runs fused projections (one matmul for gate/up, one for a DeltaNet
+# layer's four inputs), whose BLAS sums in another order than the kept blocks' per-layer reference
+# matmuls: 2.1e-5 seen (7.4e-6 unfused). A wrong weight or block is off by orders more.
+TOLERANCE = {torch.float32: 5e-5, torch.float64: 2.5e-7}
 
 
 @pytest.fixture(scope="module")
