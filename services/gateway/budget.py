@@ -21,7 +21,7 @@ import argparse
 
 import numpy as np
 
-from splitspec.spec.budget import choose_budget, depth_mass, expected_acceptance, row_bucket, verify_cost
+from splitspec.spec.budget import ADAPTIVE_BUDGETS, choose_budget, depth_mass, expected_acceptance, row_bucket, verify_cost
 from splitspec.spec.tree import DraftTree
 
 AUTO = "auto"
@@ -157,10 +157,12 @@ class BudgetPolicy:
 
     def choose(self, tree: DraftTree) -> int:
         """The budget for a step whose draft gave ``tree``, a DDTree of the largest budget (with its
-        scores): in ``[0, min(tree.num_nodes, max_budget)]``; cut the tree to it with ``tree.prefix``."""
+        scores): one of ``ADAPTIVE_BUDGETS`` below ``min(tree.num_nodes, max_budget)``, or that
+        bound itself; cut the tree to it with ``tree.prefix``."""
         most = min(tree.num_nodes, self.max_budget)
         if not self.ready or most == 0:
             return min(self.default_budget, most)
         calibration = self.calibration(int(tree.depths[:most].max()))
         expected_al = expected_acceptance(tree.scores[:most], tree.depths[:most], calibration)  # [most + 1]
-        return choose_budget(expected_al, self.cost, self.t_other, self.concurrency)
+        candidates = [b for b in ADAPTIVE_BUDGETS if b < most] + [most]  # the whole tree, when smaller than a bucket
+        return choose_budget(expected_al, self.cost, self.t_other, self.concurrency, candidates)

@@ -219,13 +219,15 @@ class SpeculativeSequence:
         if policy is None:
             return
         forward_s = verified.forward_ns / 1e9
-        # A target that does not batch reports no pass figures: its pass was this step's alone.
-        policy.observe_pass(verified.pass_rows or tree.num_nodes + 1, verified.pass_sequences or 1, forward_s)
+        if forward_s > 0:  # 0: the pass captured a CUDA graph; its time says nothing of a pass or a round
+            # A target that does not batch reports no pass figures: its pass was this step's alone.
+            policy.observe_pass(verified.pass_rows or tree.num_nodes + 1, verified.pass_sequences or 1, forward_s)
+            if drafted:
+                # Waiting behind other sequences' passes is the target's cost of the load, which t(rows)
+                # already prices: counted in t_other too, larger trees would lengthen the wait and the
+                # wait would argue for larger trees.
+                policy.observe_round(step_s, forward_s + verified.queue_ns / 1e9)
         if drafted:
-            # Waiting behind other sequences' passes is the target's cost of the load, which t(rows)
-            # already prices: counted in t_other too, larger trees would lengthen the wait and the
-            # wait would argue for larger trees.
-            policy.observe_round(step_s, forward_s + verified.queue_ns / 1e9)
             policy.observe_acceptance(tree, accepted)
 
     def _committed(self, tokens: list[int], logprobs) -> Committed:

@@ -48,6 +48,13 @@ ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 264, 384, 512, 768,
 PREFILL_BUCKETS = (64, 128, 256, 512)
 PREFILL_CHUNK = PREFILL_BUCKETS[-1]
 WARM_TREE_ROWS = 24  # a budget-22 tree (23 rows), padded: the tree size warm_up captures
+WARM_SPANS = (256, 512, 1024)  # key spans warm_up captures: prompts up to ~1K tokens, and their answers
+
+
+def warm_up_start(span: int, rows: int) -> int:
+    """The first position of a warm-up pass of ``rows`` rows whose keys need exactly ``span`` slots
+    (``attention_span``): they end one past half of it. (< 1: no such pass.)"""
+    return span // 2 + 1 - rows
 
 
 def recurrent_pass_rows(max_sequences: int) -> int:
@@ -119,7 +126,7 @@ class PassRunner:
         n = layout.num_rows
         return (p.logits if prompt_chunk else p.logits[:n]), (None if p.features is None else p.features[:n])
 
-    def warm_up(self, max_sequences: int, tree_rows: tuple[int, ...] = (1, WARM_TREE_ROWS), spans: tuple[int, ...] = (256, 1024)) -> int:
+    def warm_up(self, max_sequences: int, tree_rows: tuple[int, ...] = (1, WARM_TREE_ROWS), spans: tuple[int, ...] = WARM_SPANS) -> int:
         """Capture the passes of every power-of-two batch of up to ``max_sequences`` sequences, each
         sequence's block ``tree_rows`` rows (a decode step; a budget-22 tree), at key ``spans``, with
         no taps: the Triton kernels of those shapes compile now, not mid-stream, where a first batch
@@ -134,7 +141,7 @@ class PassRunner:
         for span in spans:
             for rows in tree_rows:
                 for n in sizes:
-                    start = span // 2 - rows  # the pass's keys end inside ``span``
+                    start = warm_up_start(span, rows)
                     if start < 1 or n * rows > self.max_rows:
                         continue
                     table = [PAD_BLOCK] * self.state.kv.blocks_for(start + rows)

@@ -50,7 +50,7 @@ from torch import nn
 
 from services.draft.engine import APPEND_CHUNK
 from services.target.engine import TargetLimits
-from services.target.graphs import ROW_BUCKETS, PassRunner, bucket, recurrent_pass_rows
+from services.target.graphs import ROW_BUCKETS, PassRunner, bucket, recurrent_pass_rows, warm_up_start
 from services.worker.hosting import StepBatcher
 from splitspec.models.qwen35 import Qwen35Config, tree_row_bytes
 
@@ -222,7 +222,7 @@ def warm_up_logit_rows(sequences: int, max_rows: int = ROW_BUCKETS[-1]) -> int:
     for span in _WARM_UP["spans"].default:
         for tree in _WARM_UP["tree_rows"].default:
             for n in sizes:
-                if span // 2 - tree >= 1 and n * tree <= max_rows:
+                if warm_up_start(span, tree) >= 1 and n * tree <= max_rows:
                     rows += bucket(n * tree, ROW_BUCKETS)
     return rows
 

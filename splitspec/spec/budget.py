@@ -43,9 +43,14 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-__all__ = ["choose_budget", "depth_mass", "expected_acceptance", "row_bucket", "verify_cost"]
+__all__ = ["ADAPTIVE_BUDGETS", "choose_budget", "depth_mass", "expected_acceptance", "row_bucket", "verify_cost"]
 
 BUCKETS_PER_OCTAVE = 2  # row buckets per doubling of rows: points ~1.41x apart
+# The budgets an adaptive step chooses among: those whose trees (b + 1 rows) fill a row bucket of
+# the target's fixed-shape passes (``services.target.graphs.ROW_BUCKETS``). Each block size is a
+# CUDA graph shape; any budget would make tens of them, captured one by one while serving (on an
+# H200, 56 captures of 50-1500 ms in a two-minute adaptive run).
+ADAPTIVE_BUDGETS = (0, 1, 3, 7, 15, 23, 31, 47, 63)
 
 
 def expected_acceptance(scores: np.ndarray, depths: np.ndarray, calibration: np.ndarray) -> np.ndarray:

@@ -15,7 +15,7 @@ from services.gateway.speculation import DraftShape, Mode, SpeculationOptions, S
 from services.gateway.workers import Prefilled, Verified
 from services.metrics import GatewayMetrics
 from splitspec.errors import InvalidArgument
-from splitspec.spec.budget import depth_mass
+from splitspec.spec.budget import ADAPTIVE_BUDGETS, depth_mass
 from splitspec.spec.tree import build_ddtree
 from splitspec.v1 import common_pb2, gateway_pb2, target_pb2
 
@@ -108,9 +108,22 @@ def test_its_choice_follows_the_observed_load():
 def test_a_draft_that_overpromises_gets_smaller_trees():
     rng = np.random.default_rng(3)
     trusting, doubting = BudgetPolicy(22, 64), BudgetPolicy(22, 64, calibration_alpha=0.05)
-    trusted = run_steps(trusting, 8, 150, rng)[-1]
-    doubted = run_steps(doubting, 8, 150, rng, true_q=np.full(DEPTHS, 0.3))[-1]
+    # 16 sequences: the flat cost ends at 8 rows a sequence, so the trusted tree is the 7-node budget
+    # and a doubted one a smaller one of ADAPTIVE_BUDGETS.
+    trusted = run_steps(trusting, 16, 150, rng)[-1]
+    doubted = run_steps(doubting, 16, 150, rng, true_q=np.full(DEPTHS, 0.3))[-1]
     assert doubted < trusted, (doubted, trusted)
+
+
+def test_adaptive_budgets_fill_the_targets_row_buckets():
+    """Each adaptive budget's tree (b + 1 rows) is a row bucket of the target's fixed-shape passes,
+    so adaptive steps make no CUDA graph shapes of their own; and the policy picks only those."""
+    from services.target.graphs import ROW_BUCKETS  # the target's (torch); the gateway has a copy
+
+    assert {b + 1 for b in ADAPTIVE_BUDGETS} <= set(ROW_BUCKETS)
+    policy = BudgetPolicy(22, 64)
+    chosen = run_steps(policy, 1, 40, np.random.default_rng(4)) + run_steps(policy, 6, 40, np.random.default_rng(5))
+    assert set(chosen[8:]) <= set(ADAPTIVE_BUDGETS) | {64}, sorted(set(chosen))
 
 
 def test_the_budget_flag():
@@ -234,3 +247,35 @@ def test_a_requests_own_budget_wins_over_the_adaptive_default():
     assert servicer(SpeculationOptions(budget=22, adaptive=True), BudgetPolicy(22, 64), max_tree_nodes=40)._options(Spec()).budget == 40
     fixed = servicer(SpeculationOptions(budget=16), BudgetPolicy(22, 64))._options(Spec())
     assert (fixed.adaptive, fixed.budget) == (False, 16)
+
+
+class CapturingTarget(FakeTarget):
+    """Its first two passes capture a CUDA graph each: they report no time (forward_ns 0)."""
+
+    async def verify(self, sequence_id, tokens, parents, return_features, timeout=None) -> Verified:
+        verified = await super().verify(sequence_id, tokens, parents, return_features, timeout)
+        if len(self.trees) <= 2:
+            verified.forward_ns = 0
+        return verified
+
+
+def test_a_pass_that_captured_a_graph_teaches_the_policy_nothing_of_costs():
+    policy = BudgetPolicy(22, 64, warmup_passes=3)
+    options = SpeculationOptions(budget=64, adaptive=True)
+    metrics = GatewayMetrics(CollectorRegistry())
+    metrics.model = "m"
+    target = CapturingTarget()
+    seq = SpeculativeSequence(
+        "s", target, FakeDraft(), DraftShape(block_size=DEPTHS + 1, taps=()), options, PROMPT, common_pb2.Sampling(),
+        max_new_tokens=MAX_NEW_TOKENS, max_context=4096, on_step=metrics.step_observer(options.mode.value),
+        budget_policy=policy,
+    )
+
+    async def drain():
+        async for _ in seq.run():
+            pass
+
+    asyncio.run(drain())
+    assert policy.passes == len(target.trees) - 2  # the two capturing passes: no cost point, no round
+    assert policy._other.count == len(target.trees) - 3  # every other drafted step's round (the last step drafts nothing)
+    assert policy._observed and policy._observed[1].count > 0  # acceptance is learned from every step
