@@ -168,10 +168,10 @@ class FakeDraft:
         pass
 
 
-def run_sequence(options: SpeculationOptions, policy: BudgetPolicy, max_new_tokens: int = MAX_NEW_TOKENS):
+def run_sequence(options: SpeculationOptions, policy: BudgetPolicy, max_new_tokens: int = MAX_NEW_TOKENS, target=None):
     metrics = GatewayMetrics(CollectorRegistry())
     metrics.model = "m"
-    target = FakeTarget()
+    target = target or FakeTarget()
     seq = SpeculativeSequence(
         "s", target, FakeDraft(), DraftShape(block_size=DEPTHS + 1, taps=()), options, PROMPT, common_pb2.Sampling(),
         max_new_tokens=max_new_tokens, max_context=4096, on_step=metrics.step_observer(options.mode.value),
@@ -261,21 +261,7 @@ class CapturingTarget(FakeTarget):
 
 def test_a_pass_that_captured_a_graph_teaches_the_policy_nothing_of_costs():
     policy = BudgetPolicy(22, 64, warmup_passes=3)
-    options = SpeculationOptions(budget=64, adaptive=True)
-    metrics = GatewayMetrics(CollectorRegistry())
-    metrics.model = "m"
-    target = CapturingTarget()
-    seq = SpeculativeSequence(
-        "s", target, FakeDraft(), DraftShape(block_size=DEPTHS + 1, taps=()), options, PROMPT, common_pb2.Sampling(),
-        max_new_tokens=MAX_NEW_TOKENS, max_context=4096, on_step=metrics.step_observer(options.mode.value),
-        budget_policy=policy,
-    )
-
-    async def drain():
-        async for _ in seq.run():
-            pass
-
-    asyncio.run(drain())
-    assert policy.passes == len(target.trees) - 2  # the two capturing passes: no cost point, no round
-    assert policy._other.count == len(target.trees) - 3  # every other drafted step's round (the last step drafts nothing)
+    trees, _ = run_sequence(SpeculationOptions(budget=64, adaptive=True), policy, target=CapturingTarget())
+    assert policy.passes == len(trees) - 2  # the two capturing passes: no cost point, no round
+    assert policy._other.count == len(trees) - 3  # every other drafted step's round (the last step drafts nothing)
     assert policy._observed and policy._observed[1].count > 0  # acceptance is learned from every step
