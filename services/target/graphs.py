@@ -97,10 +97,7 @@ class PassRunner:
             state.slots.reserve(max_rows)
         self._passes: dict[tuple, _Pass] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.capture else None
-
-    @property
-    def graphs(self) -> int:
-        return sum(p.graph is not None for p in self._passes.values())
+        self.graphs = 0  # CUDA graphs captured so far
 
     def run(
         self, layout: PassLayout, taps: tuple[int, ...], prompt_chunk: bool = False
@@ -179,6 +176,7 @@ class PassRunner:
         elif fresh:
             t0 = time.perf_counter()
             p.graph, (p.logits, p.features) = capture(compute, self.device, self._pool)
+            self.graphs += 1
             n, b, t, s = p.inputs.shape
             logger.info(
                 "captured the %s graph of %d rows (%d sequences of up to %d) over %d positions, taps %s, in %.0f ms (%d graphs)",
