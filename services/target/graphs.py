@@ -14,9 +14,16 @@ fixed ``(N, B, T, S)`` it can be captured once and replayed with new inputs:
 - **Prompt chunks** of up to ``PREFILL_CHUNK`` rows pad to ``PREFILL_BUCKETS`` and project only
   their last row to logits.
 
-One graph per (N, B, T, S, taps, prompt chunk or not) is captured on first use and replayed after;
-graphs share one memory pool. Without ``capture`` (a CPU) the fixed shapes run eagerly (how CI
-tests this path); with ``fixed_shapes`` off every pass runs eagerly at its exact shape.
+**When a shape is captured.** :meth:`PassRunner.warm_up` captures, at start, the shapes steps
+make: power-of-two batches of every block size the adaptive budget chooses (``WARM_BLOCKS``). A
+shape first met while serving runs eagerly at its fixed shape (on a GPU about as fast as a replay
+once the pass's kernels, not their launches, take the time), and is captured at its ``HOT_PASSES``-th
+pass: a capture stalls every sequence of the pass for two passes and the graph's instantiation (on
+an H200, 50-1,500 ms with Triton compiles), worth it only for a shape that keeps coming. Graphs
+share one memory pool and write their logits and features into buffers of the runner, so a graph
+keeps no memory of its own beyond the pool. Without ``capture`` (a CPU) the fixed shapes run
+eagerly (how CI tests this path); with ``fixed_shapes`` off every pass runs eagerly at its exact
+shape.
 
 **Recurrent families** (the hybrid Qwen3.5: ``PagedState.slots``) run the same fixed shapes, since
 their passes read nothing on the host and their padding only reads (``Qwen35ForCausalLM.forward_paged``).
@@ -38,6 +45,7 @@ import torch
 
 from services.worker.cuda_graphs import StagedInputs, attention_span, capture
 from splitspec.models.paged import PAD_BLOCK, PagedState, PassInputs, PassLayout, pass_layout
+from splitspec.spec.budget import ADAPTIVE_BUDGETS
 
 logger = logging.getLogger(__name__)
 
@@ -47,8 +55,12 @@ ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 264, 384, 512, 768,
 # of five 4096-wide taps: 21 MB).
 PREFILL_BUCKETS = (64, 128, 256, 512)
 PREFILL_CHUNK = PREFILL_BUCKETS[-1]
-WARM_TREE_ROWS = 24  # a budget-22 tree (23 rows), padded: the tree size warm_up captures
+WARM_TREE_ROWS = 24  # a budget-22 tree (23 rows), padded: the default budget's block
+# Block rows warm_up captures: a decode step's one row and every adaptive budget's tree (b + 1 rows,
+# each a bucket), the default budget's among them.
+WARM_BLOCKS = tuple(b + 1 for b in ADAPTIVE_BUDGETS)
 WARM_SPANS = (256, 512, 1024)  # key spans warm_up captures: prompts up to ~1K tokens, and their answers
+HOT_PASSES = 16  # passes of a shape not warmed up after which it is captured
 
 
 def warm_up_start(span: int, rows: int) -> int:
@@ -65,6 +77,17 @@ def recurrent_pass_rows(max_sequences: int) -> int:
     return bucket(min(max_sequences * WARM_TREE_ROWS, ROW_BUCKETS[-1]), ROW_BUCKETS)
 
 
+def warm_up_passes(
+    max_sequences: int, max_rows: int, blocks: tuple[int, ...] = WARM_BLOCKS, spans: tuple[int, ...] = WARM_SPANS
+) -> list[tuple[int, int, int]]:
+    """The passes :meth:`PassRunner.warm_up` runs: ``(span, block rows, sequences)``, every
+    power-of-two batch of up to ``max_sequences`` whose rows fit ``max_rows``, largest first (the
+    first capture sizes the runner's output buffers for all)."""
+    sizes = [1 << i for i in range(max(1, max_sequences).bit_length()) if 1 << i <= max_sequences]
+    passes = [(span, rows, n) for span in spans for rows in blocks for n in sizes if warm_up_start(span, rows) >= 1 and n * rows <= max_rows]
+    return sorted(passes, key=lambda p: -p[1] * p[2])
+
+
 def bucket(value: int, buckets: tuple[int, ...]) -> int | None:
     """The smallest bucket >= ``value``, or None above the largest."""
     i = bisect.bisect_left(buckets, value)
@@ -73,12 +96,13 @@ def bucket(value: int, buckets: tuple[int, ...]) -> int | None:
 
 @dataclass
 class _Pass:
-    """One captured shape: its input buffers and the outputs its replays rewrite."""
+    """One fixed shape: its input buffers, and once captured its graph and the outputs its replays rewrite."""
 
     staged: StagedInputs  # the inputs' bytes: written on the host, one copy to the device a pass
     inputs: PassInputs  # views of the staged device bytes
-    logits: torch.Tensor | None = None  # [N or 1, vocab] float32
-    features: torch.Tensor | None = None  # [N, taps * hidden]
+    passes: int = 0  # passes run at this shape
+    logits: torch.Tensor | None = None  # [N or 1, vocab] float32, a view of the runner's buffer
+    features: torch.Tensor | None = None  # [N, taps * hidden], likewise
     graph: torch.cuda.CUDAGraph | None = None
     pending: object | None = None  # a recurrent family's rows kept by this pass (views of reserved buffers)
 
@@ -86,25 +110,35 @@ class _Pass:
 class PassRunner:
     """Runs :meth:`forward_paged` of a target over a :class:`PassLayout`."""
 
-    def __init__(self, model, state: PagedState, fixed_shapes: bool, capture: bool, max_rows: int = ROW_BUCKETS[-1]) -> None:
+    def __init__(
+        self, model, state: PagedState, fixed_shapes: bool, capture: bool, max_rows: int = ROW_BUCKETS[-1], hot_passes: int = HOT_PASSES
+    ) -> None:
         """``max_rows``: the most rows of a fixed-shape tree (verify or decode) pass; larger ones run
-        eagerly at their exact shape. A recurrent family's state slots reserve their tree rows for it."""
+        eagerly at their exact shape. A recurrent family's state slots reserve their tree rows for it.
+        ``hot_passes``: the pass at which a shape not warmed up is captured (1: at its first, as
+        tools that time one shape want)."""
         self.model, self.state = model, state
         self.device = state.kv.k.device
         self.fixed_shapes, self.capture = fixed_shapes, capture and fixed_shapes
-        self.max_rows = max_rows
+        self.max_rows, self.hot_passes = max_rows, hot_passes
         if fixed_shapes and state.slots is not None:
             state.slots.reserve(max_rows)
         self._passes: dict[tuple, _Pass] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.capture else None
+        self._outputs: dict[tuple, torch.Tensor] = {}  # (width, dtype) -> [rows, width]: where graphs write outputs
+        self._warming = False
+        # The most rows of a tree pass captured while serving (warm_up lowers it to its largest
+        # pass): larger ones run eagerly, their kernels' time far above their launches', and keep
+        # the logits buffer at the size the memory plan counts.
+        self.capture_rows = max_rows
         self.graphs = 0  # CUDA graphs captured so far
 
     def run(
         self, layout: PassLayout, taps: tuple[int, ...], prompt_chunk: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits (``[N, vocab]``, or ``[1, vocab]`` of the last row for a prompt chunk) and features
-        ``[N, taps * hidden]`` of the layout's rows. A fixed-shape pass returns views of its own
-        buffers, which its next replay rewrites: read them before the next pass."""
+        ``[N, taps * hidden]`` of the layout's rows. A fixed-shape pass returns views of the runner's
+        buffers, which its next pass rewrites: read them before the next pass."""
         shape = self._shape(layout, prompt_chunk) if self.fixed_shapes else None
         block_size = self.state.kv.block_size
         if shape is None:
@@ -112,43 +146,42 @@ class PassRunner:
             return self.model.forward_paged(inputs, self.state, taps, logit_rows=inputs.last_row if prompt_chunk else None, chain=prompt_chunk)
         key = (*shape, taps, prompt_chunk)
         p = self._passes.get(key)
-        fresh = p is None
-        if fresh:
+        if p is None:
             staged = StagedInputs.allocate(PassInputs.nbytes(*shape, block_size), self.device)
             p = self._passes[key] = _Pass(staged, PassInputs.on(staged.on_device, *shape, block_size, static=True))
         # The chunk's last real row is read inside the pass: one graph serves every chunk length.
         p.inputs.fill(layout, p.staged.writable(), layout.num_rows - 1)
         p.staged.upload()
-        self._run(p, taps, prompt_chunk, fresh)
+        self._run(p, taps, prompt_chunk)
         n = layout.num_rows
         return (p.logits if prompt_chunk else p.logits[:n]), (None if p.features is None else p.features[:n])
 
-    def warm_up(self, max_sequences: int, tree_rows: tuple[int, ...] = (1, WARM_TREE_ROWS), spans: tuple[int, ...] = WARM_SPANS) -> int:
+    def warm_up(self, max_sequences: int, blocks: tuple[int, ...] = WARM_BLOCKS, spans: tuple[int, ...] = WARM_SPANS) -> int:
         """Capture the passes of every power-of-two batch of up to ``max_sequences`` sequences, each
-        sequence's block ``tree_rows`` rows (a decode step; a budget-22 tree), at key ``spans``, with
-        no taps: the Triton kernels of those shapes compile now, not mid-stream, where a first batch
-        of a new size would stall every sequence for the compile (py-spy on an H200: 42% of the
-        engine thread in captures during a timed run). The pad sequences read and write only the
-        pad block (and a recurrent family's pad state slot 0, which tree passes only read). Returns
-        the passes made (none when passes run at exact shapes)."""
+        sequence's block ``blocks`` rows (a decode step; the adaptive budgets' trees, the default
+        budget's among them), at key ``spans``, with no taps: their graphs, and the Triton kernels of
+        those shapes, are made now, not mid-stream, where a new shape would stall every sequence of
+        its pass (py-spy on an H200: 42% of the engine thread in captures during a timed run, before
+        shapes met while serving ran eagerly first). The pad sequences read and write only the pad
+        block (and a recurrent family's pad state slot 0, which tree passes only read). Returns the
+        passes made (none when passes run at exact shapes)."""
         if not self.fixed_shapes:
             return 0
         made = 0
-        sizes = [1 << i for i in range(max(1, max_sequences).bit_length()) if 1 << i <= max_sequences]
-        for span in spans:
-            for rows in tree_rows:
-                for n in sizes:
-                    start = warm_up_start(span, rows)
-                    if start < 1 or n * rows > self.max_rows:
-                        continue
-                    table = [PAD_BLOCK] * self.state.kv.blocks_for(start + rows)
-                    tree = np.tril(np.ones((rows, rows), dtype=bool))
-                    layout = pass_layout(
-                        self.state.kv, [[0] * rows] * n, [np.arange(-1, rows - 1)] * n, [start] * n, [table] * n, [tree] * n,
-                    )
-                    before = len(self._passes)
-                    self.run(layout, ())
-                    made += len(self._passes) - before
+        passes = warm_up_passes(max_sequences, self.max_rows, blocks, spans)
+        self.capture_rows = max((bucket(n * rows, ROW_BUCKETS) for _, rows, n in passes), default=0)
+        self._warming = True
+        try:
+            for span, rows, n in passes:
+                start = warm_up_start(span, rows)
+                table = [PAD_BLOCK] * self.state.kv.blocks_for(start + rows)
+                tree = np.tril(np.ones((rows, rows), dtype=bool))
+                layout = pass_layout(self.state.kv, [[0] * rows] * n, [np.arange(-1, rows - 1)] * n, [start] * n, [table] * n, [tree] * n)
+                before = len(self._passes)
+                self.run(layout, ())
+                made += len(self._passes) - before
+        finally:
+            self._warming = False
         return made
 
     def _shape(self, layout: PassLayout, prompt_chunk: bool) -> tuple[int, int, int, int] | None:
@@ -165,28 +198,46 @@ class PassRunner:
         keys = -(-keys // self.state.kv.block_size) * self.state.kv.block_size
         return rows, sequences, block_rows, keys
 
-    def _run(self, p: _Pass, taps: tuple[int, ...], prompt_chunk: bool, fresh: bool) -> None:
+    def _output(self, value: torch.Tensor) -> torch.Tensor:
+        """``value`` ``[n, width]`` copied into the runner's buffer of its width and dtype: the one
+        place every graph writes such outputs. The buffer grows in the run that :func:`capture` makes
+        before capturing (a capture may not allocate outside its pool); graphs captured before keep
+        the old one."""
+        rows, width = value.shape
+        buffer = self._outputs.get((width, value.dtype))
+        if buffer is None or buffer.shape[0] < rows:
+            buffer = self._outputs[width, value.dtype] = torch.empty((rows, width), dtype=value.dtype, device=value.device)
+        return buffer[:rows].copy_(value)
+
+    def _run(self, p: _Pass, taps: tuple[int, ...], prompt_chunk: bool) -> None:
         def compute():
             last = p.inputs.last_row if prompt_chunk else None
             return self.model.forward_paged(p.inputs, self.state, taps, logit_rows=last, chain=prompt_chunk)
 
         slots = self.state.slots
-        if not self.capture:
-            p.logits, p.features = compute()
-        elif fresh:
-            t0 = time.perf_counter()
-            p.graph, (p.logits, p.features) = capture(compute, self.device, self._pool)
-            self.graphs += 1
-            n, b, t, s = p.inputs.shape
-            logger.info(
-                "captured the %s graph of %d rows (%d sequences of up to %d) over %d positions, taps %s, in %.0f ms (%d graphs)",
-                "prompt" if prompt_chunk else "verify", n, b, t, s, list(taps), 1e3 * (time.perf_counter() - t0), self.graphs,
-            )
-        else:
+        p.passes += 1
+        if p.graph is not None:
             p.graph.replay()
             if slots is not None:  # the replay rewrote this pass's kept rows; no Python said so
                 slots.pending = p.pending
             return
+        hot = p.passes >= self.hot_passes and (prompt_chunk or p.inputs.shape[0] <= self.capture_rows)
+        if not self.capture or not (self._warming or hot):
+            p.logits, p.features = compute()
+            return
+
+        def into_buffers():
+            logits, features = compute()
+            return self._output(logits), None if features is None else self._output(features)
+
+        t0 = time.perf_counter()
+        p.graph, (p.logits, p.features) = capture(into_buffers, self.device, self._pool)
+        self.graphs += 1
+        n, b, t, s = p.inputs.shape
+        logger.info(
+            "captured the %s graph of %d rows (%d sequences of up to %d) over %d positions, taps %s, %s, in %.0f ms (%d graphs)",
+            "prompt" if prompt_chunk else "verify", n, b, t, s, list(taps),
+            "at start" if self._warming else f"at its pass {p.passes}", 1e3 * (time.perf_counter() - t0), self.graphs,
+        )
         if slots is not None:
             p.pending = slots.pending
-

@@ -7,6 +7,7 @@ import logging
 import time
 from dataclasses import replace
 
+from splitspec.spec.budget import ADAPTIVE_BUDGETS
 from splitspec.transport import busypoll, rpc
 from splitspec.transport.security import ServerSecurity, add_server_arguments
 from splitspec.transport.stepwire import Opener, add_step_socket_argument, step_server_from_args
@@ -14,6 +15,20 @@ from splitspec.transport.stepwire import Opener, add_step_socket_argument, step_
 logger = logging.getLogger(__name__)
 
 WARM_UP_SEQUENCES = 32  # the largest batch whose passes are captured at start (on CUDA)
+
+
+def _blocks(text: str) -> tuple[int, ...]:
+    """``--warm-up-blocks``: comma-separated row counts, each a row bucket of the fixed shapes."""
+    try:
+        blocks = tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of row counts") from None
+    from services.target.graphs import ROW_BUCKETS
+
+    wrong = [b for b in blocks if b not in ROW_BUCKETS]
+    if wrong:
+        raise argparse.ArgumentTypeError(f"{wrong} are not row buckets of the fixed shapes {list(ROW_BUCKETS)}")
+    return blocks
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -62,6 +77,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "pass eagerly at its exact shape (auto: on on CUDA, off on a CPU)",
     )
     p.add_argument("--no-cuda-graphs", action="store_true", help="run the fixed shapes without capturing graphs (debugging)")
+    p.add_argument(
+        "--warm-up-blocks", type=_blocks, default=None, metavar="ROWS,...",
+        help="rows per sequence of the batch passes captured as CUDA graphs at start, for every power-of-two batch "
+        f"up to {WARM_UP_SEQUENCES} sequences and --max-sequences (default: a decode step's 1 and every adaptive "
+        f"budget's tree, {','.join(str(b + 1) for b in ADAPTIVE_BUDGETS)}); a shape left out runs eagerly until it "
+        "has come often, then is captured. Fewer start sooner",
+    )
     p.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0 = torch's default)")
     p.add_argument("--sequence-ttl", type=float, default=600.0, help="release sequences idle this many seconds")
     p.add_argument("--metrics-port", type=int, default=9452, help="Prometheus /metrics port on the --listen host (0 = off)")
@@ -110,6 +132,7 @@ async def run(args: argparse.Namespace, build=load_model) -> None:
 
     from services.metrics import WorkerMetrics, model_name
     from services.target.engine import TargetEngine, TargetLimits
+    from services.target.graphs import WARM_BLOCKS
     from services.target.server import SERVICE, TargetDescription, TargetServicer
     from services.worker import memory_plan
     from services.worker.hosting import model_geometry, serve_worker
@@ -152,10 +175,11 @@ async def run(args: argparse.Namespace, build=load_model) -> None:
         fixed = args.fixed_shapes == "on" or (args.fixed_shapes == "auto" and device.type == "cuda")
         capture = fixed and device.type == "cuda" and not args.no_cuda_graphs
         warm_up = min(args.max_sequences, WARM_UP_SEQUENCES) if capture else 0
+        warm_blocks = args.warm_up_blocks or WARM_BLOCKS
         limits = TargetLimits(max_sequences=args.max_sequences, max_tree_nodes=args.max_tree_nodes, block_size=args.kv_block_size)
 
         def plan_at(positions: int) -> memory_plan.MemoryPlan:
-            return memory_plan.target_plan(model, config, dtype, replace(limits, max_kv_tokens=positions), warm_up, cap)
+            return memory_plan.target_plan(model, config, dtype, replace(limits, max_kv_tokens=positions), warm_up, cap, warm_blocks)
 
         limits.max_kv_tokens = kv_tokens(args, model, config, device, dtype, plan_at if cap is not None else None)
         # Checked before the pools exist: a refusal allocates nothing more than the weights.
@@ -172,7 +196,7 @@ async def run(args: argparse.Namespace, build=load_model) -> None:
         if engine.runner.capture:
             t1 = time.perf_counter()
             try:
-                made = engine.runner.warm_up(warm_up)
+                made = engine.runner.warm_up(warm_up, warm_blocks)
                 logger.info("captured %d passes of up to %d sequences in %.1f s", made, warm_up, time.perf_counter() - t1)
             except Exception:  # a pass not made now is made on first use: serve anyway
                 logger.exception("capturing the batch passes at start failed; they will be captured on first use")

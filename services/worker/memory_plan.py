@@ -33,9 +33,9 @@ in the compute dtype and two float32 copies (the logits, and a sampling or log-s
 Attention is taken to read keys in place (``native/paged_attention``), as it does on GPUs. A
 target's prompt features go to the host chunk by chunk (``TargetEngine._prefill``), so its prompt
 pass holds one chunk's; the draft projects a prompt's features a chunk at a time (``APPEND_CHUNK``)
-and holds its keys and values twice (joined, then appended). A target's captured graphs keep their float32 logits; the plan counts the
-graphs captured at start (``PassRunner.warm_up``); graphs captured later for other shapes add to
-it, so on CUDA the target logs what torch has reserved once warm-up is over.
+and holds its keys and values twice (joined, then appended). A target's captured graphs write their float32 logits and tap features into buffers of the
+runner, as many rows as the largest pass captured at start (``PassRunner.warm_up``), which no
+graph captured later exceeds; on CUDA the target logs what torch has reserved once warm-up is over.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ from torch import nn
 
 from services.draft.engine import APPEND_CHUNK
 from services.target.engine import TargetLimits
-from services.target.graphs import ROW_BUCKETS, PassRunner, bucket, recurrent_pass_rows, warm_up_start
+from services.target.graphs import ROW_BUCKETS, WARM_BLOCKS, bucket, recurrent_pass_rows, warm_up_passes
 from services.worker.hosting import StepBatcher
 from splitspec.models.qwen35 import Qwen35Config, tree_row_bytes
 
@@ -64,7 +64,6 @@ PLAN_TAPS = 5
 # Steps of at most this many sequences share a pass (the batcher's own default, read here so
 # the plan follows it).
 PASS_SEQUENCES = inspect.signature(StepBatcher.__init__).parameters["max_batch"].default
-_WARM_UP = inspect.signature(PassRunner.warm_up).parameters
 
 # Each part's label in the log, in the log's order; then, per worker, what lowers each part.
 LABELS = {
@@ -212,27 +211,21 @@ def _logits_row_bytes(vocab: int, itemsize: int) -> int:
     return vocab * (itemsize + 8)
 
 
-def warm_up_logit_rows(sequences: int, max_rows: int = ROW_BUCKETS[-1]) -> int:
-    """Rows of float32 logits that the graphs captured by ``PassRunner.warm_up(sequences)`` keep as
-    outputs: one graph per power-of-two batch, tree size and key span, its rows padded to a bucket."""
+def graph_output_rows(sequences: int, max_rows: int = ROW_BUCKETS[-1], blocks: tuple[int, ...] = WARM_BLOCKS) -> int:
+    """Rows of the output buffers that the graphs captured by ``PassRunner.warm_up(sequences, blocks)``
+    write to (``PassRunner.capture_rows``): its largest pass, rows padded to a bucket."""
     if sequences <= 0:
         return 0
-    sizes = [1 << i for i in range(sequences.bit_length()) if 1 << i <= sequences]
-    rows = 0
-    for span in _WARM_UP["spans"].default:
-        for tree in _WARM_UP["tree_rows"].default:
-            for n in sizes:
-                if warm_up_start(span, tree) >= 1 and n * tree <= max_rows:
-                    rows += bucket(n * tree, ROW_BUCKETS)
-    return rows
+    return max((bucket(n * rows, ROW_BUCKETS) for _, rows, n in warm_up_passes(sequences, max_rows, blocks)), default=0)
 
 
 def target_plan(
-    model: nn.Module, config, dtype: torch.dtype, limits: TargetLimits, warm_up_sequences: int = 0, cap: int | None = None
+    model: nn.Module, config, dtype: torch.dtype, limits: TargetLimits, warm_up_sequences: int = 0, cap: int | None = None,
+    warm_up_blocks: tuple[int, ...] = WARM_BLOCKS,
 ) -> MemoryPlan:
     """The plan of a target ``model`` (loaded, or on the meta device) serving ``limits``, computing
     in ``dtype``; ``warm_up_sequences``: the batch the engine's captured graphs are warmed up for
-    (0 when passes are not captured as graphs)."""
+    (0 when passes are not captured as graphs) with ``warm_up_blocks`` rows per sequence."""
     c, itemsize = config, dtype.itemsize
     hybrid = isinstance(config, Qwen35Config)
     plan = MemoryPlan("target", cap=cap)
@@ -269,12 +262,13 @@ def target_plan(
     if hybrid:  # the tree kernel's scratch: every row's state, one layer at a time
         verify += tree_rows * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * state_dtype.itemsize
     prefill = limits.prefill_chunk * (row + feature_row) + _logits_row_bytes(c.vocab_size, itemsize)
-    graph_rows = warm_up_logit_rows(warm_up_sequences)
-    plan.workspace = max(verify, prefill) + graph_rows * c.vocab_size * 4
+    max_rows = recurrent_pass_rows(limits.max_sequences) if hybrid else ROW_BUCKETS[-1]  # as TargetEngine's runner
+    graph_rows = graph_output_rows(warm_up_sequences, max_rows, warm_up_blocks)
+    plan.workspace = max(verify, prefill) + graph_rows * (c.vocab_size * 4 + feature_row)
     plan.basis["workspace"] = (
         f"estimate: the larger of a verify pass of {tree_rows} rows ({size(verify)}) and a prompt chunk of "
         f"{limits.prefill_chunk} rows with {taps} taps' features ({size(prefill)})"
-        + (f", + {graph_rows} rows of logits kept by the graphs captured at start" if graph_rows else "")
+        + (f", + {graph_rows} rows of logits and features the captured graphs write to" if graph_rows else "")
     )
     return plan
 

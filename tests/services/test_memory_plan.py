@@ -88,14 +88,15 @@ def test_hybrid_plan_is_what_the_pools_and_a_largest_verify_pass_hold(tiny_qwen3
     assert plan.tree_buffers == 2 * held
 
 
-def test_graph_outputs_are_the_logits_the_warm_up_keeps(tiny_pair):
-    """On a CPU the fixed shapes run eagerly, keeping the outputs a capture would: the plan's rows
-    of logits are theirs."""
+def test_graph_outputs_are_the_rows_of_the_largest_warm_up_pass(tiny_pair):
+    """Captured graphs write their logits and features into buffers of the runner, as many rows as
+    the largest pass warm_up makes (on a CPU the fixed shapes run eagerly, at the same shapes): the
+    plan's rows."""
     model, config = load_target(tiny_pair.target)
     engine = TargetEngine(model, TargetLimits(max_sequences=8, max_kv_tokens=64), fixed_shapes=True)
     engine.runner.warm_up(8)
-    kept = sum(p.logits.nbytes for p in engine.runner._passes.values())
-    assert kept == mp.warm_up_logit_rows(8) * config.vocab_size * 4
+    largest = max(p.inputs.shape[0] for p in engine.runner._passes.values())
+    assert largest == engine.runner.capture_rows == mp.graph_output_rows(8) == 8 * 64
     assert isinstance(engine.runner, PassRunner) and engine.runner.graphs == 0  # nothing captured on a CPU
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from services.target.engine import TargetEngine, TargetLimits, VerifyStep
-from services.target.graphs import PREFILL_BUCKETS, ROW_BUCKETS, bucket
+from services.target.graphs import PREFILL_BUCKETS, ROW_BUCKETS, WARM_BLOCKS, WARM_SPANS, bucket, warm_up_passes, warm_up_start
 from services.worker.cuda_graphs import attention_span
 from splitspec.models.loader import load_target
 from splitspec.spec.sampling import SamplingParams
@@ -120,13 +120,26 @@ def test_blocks_come_back_when_a_sequence_ends(model):
     assert fixed.kv.free_blocks == free
 
 
+def test_warm_up_covers_every_adaptive_block_largest_pass_first():
+    """warm_up's passes: each power-of-two batch of every adaptive budget's block at each span, the
+    largest first (it sizes the graphs' output buffers); passes over the row limit are left out."""
+    passes = warm_up_passes(32, 256)
+    assert {rows for _, rows, _ in passes} == set(WARM_BLOCKS) and {span for span, _, _ in passes} == set(WARM_SPANS)
+    assert {n for _, _, n in passes} == {1, 2, 4, 8, 16, 32}
+    assert all(n * rows <= 256 and warm_up_start(span, rows) >= 1 for span, rows, n in passes)
+    assert ((1024, 64, 4) in passes) and ((1024, 64, 8) not in passes)
+    sizes = [n * rows for _, rows, n in passes]
+    assert sizes == sorted(sizes, reverse=True) and len(passes) == len(set(passes))
+    assert {n for _, _, n in warm_up_passes(6, 2048)} == {1, 2, 4}  # up to 6 sequences
+
+
 def test_warm_up_makes_the_batch_shapes_and_touches_no_sequence(model):
     eager, fixed = engines(model)
     prompt = list(range(3, 40))
     for engine in (eager, fixed):
         engine.prefill("s", prompt, GREEDY, taps=(1,), reserve_tokens=300)
     held = fixed.sequence_cache(fixed.sequences.get("s"))
-    made = fixed.runner.warm_up(4, spans=(256,))
+    made = fixed.runner.warm_up(4, blocks=(1, 24), spans=(256,))
     # Batches of 1, 2 and 4 sequences, of one row (decode) and of 24 rows (a budget-22 tree).
     assert made == 6 and {(key[1], key[2]) for key in fixed.runner._passes if not key[-1]} >= {(b, t) for b in (1, 2, 4) for t in (1, 24)}
     after = fixed.sequence_cache(fixed.sequences.get("s"))
