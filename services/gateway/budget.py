@@ -9,7 +9,17 @@ exponential moving average (EMA), so they follow the load as it changes:
 - ``t_other``: a speculating step's time minus its verify pass and its wait for that pass;
 - the concurrency ``n``: sequences per pass (``pass_sequences``). The target counts every sequence
   of the pass, so other gateways' sequences are in it too;
-- the calibration ``c(d)``: per depth, the observed and the predicted acceptance.
+- the calibration ``c(d)``: per depth, the observed and the predicted acceptance;
+- the draft's mass by budget and depth (``prefix_depth_mass``) of the trees it is asked to cut.
+
+**One budget for all.** The choice is made from these running figures, not from the tree at hand,
+so every sequence of the gateway gets the same budget until the figures move it: the target's
+passes then join trees of one size, shapes its CUDA graphs were warmed up for
+(``services.target.graphs.WARM_BLOCKS``). Trees chosen one by one from their own scores made
+passes of mixed sizes, each mix a new shape; on an H200 (8B, 32 users) those passes ran eagerly
+or stalled for captures, and the adaptive rounds took 85 ms against a fixed budget's 55-84 ms. A
+new choice replaces the current one only when its rate is ``HYSTERESIS`` higher, so two budgets
+of near-equal rate do not alternate.
 
 Its methods never await, so on the gateway's one event loop each runs whole between steps of
 other sequences; no lock is needed.
@@ -21,12 +31,13 @@ import argparse
 
 import numpy as np
 
-from splitspec.spec.budget import ADAPTIVE_BUDGETS, choose_budget, depth_mass, expected_acceptance, row_bucket, verify_cost
+from splitspec.spec.budget import ADAPTIVE_BUDGETS, budget_rates, depth_mass, prefix_depth_mass, row_bucket, verify_cost
 from splitspec.spec.tree import DraftTree
 
 AUTO = "auto"
 DEFAULT_BUDGET = 22  # before the policy has cost data, and the chain length of chain mode under auto
 DEFAULT_MAX_BUDGET = 64
+HYSTERESIS = 0.03  # how much faster a budget must be to replace the current choice
 
 
 def parse_budget(text: str) -> str | int:
@@ -87,6 +98,9 @@ class BudgetPolicy:
         self._concurrency = _Ema(alpha)  # sequences per pass
         self._observed: list[_Ema] = []  # [depth] EMA of the steps' acceptance at that depth (index 0 unused)
         self._predicted: list[_Ema] = []  # [depth] EMA of the draft's probability mass at that depth
+        self._mass: np.ndarray | None = None  # [max_budget + 1, max_budget + 1] EMA of prefix_depth_mass
+        self._trees = 0
+        self.choice: int | None = None  # the budget every adaptive step gets now (None: not ready)
 
     def observe_pass(self, rows: int, pass_sequences: int, forward_s: float) -> None:
         """A verify pass of ``rows`` rows over ``pass_sequences`` sequences took ``forward_s`` seconds.
@@ -155,14 +169,30 @@ class BudgetPolicy:
         """Whether the policy has seen enough to choose: ``warmup_passes`` passes and one speculating step."""
         return self.passes >= self.warmup_passes and self._other.count > 0
 
+    def rates(self) -> tuple[np.ndarray, np.ndarray]:
+        """The budgets the policy chooses among (``[m]``: ``ADAPTIVE_BUDGETS`` below ``max_budget``,
+        and ``max_budget``) and the committed tokens per second it expects of each (``[m]``); needs
+        :attr:`ready` and a tree seen by :meth:`choose`."""
+        candidates = np.array([b for b in ADAPTIVE_BUDGETS if b < self.max_budget] + [self.max_budget])  # [m]
+        expected_al = 1.0 + self._mass @ self.calibration(self.max_budget)  # [max_budget + 1]
+        return candidates, budget_rates(expected_al, self.cost, self.t_other, self.concurrency, candidates)
+
     def choose(self, tree: DraftTree) -> int:
         """The budget for a step whose draft gave ``tree``, a DDTree of the largest budget (with its
-        scores): one of ``ADAPTIVE_BUDGETS`` below ``min(tree.num_nodes, max_budget)``, or that
-        bound itself; cut the tree to it with ``tree.prefix``."""
+        scores): the gateway's current choice among ``ADAPTIVE_BUDGETS`` below ``max_budget`` and
+        ``max_budget`` itself, or the tree's size when that is smaller; cut the tree to it with
+        ``tree.prefix``. The tree's scores join the running figures the choice is made from."""
         most = min(tree.num_nodes, self.max_budget)
-        if not self.ready or most == 0:
+        if tree.num_nodes and tree.scores is not None:
+            mass = prefix_depth_mass(tree.scores, tree.depths, self.max_budget)
+            alpha = 1.0 if self._trees == 0 else self.alpha
+            self._mass = mass if self._mass is None else self._mass + alpha * (mass - self._mass)
+            self._trees += 1
+        if not self.ready or self._mass is None:
             return min(self.default_budget, most)
-        calibration = self.calibration(int(tree.depths[:most].max()))
-        expected_al = expected_acceptance(tree.scores[:most], tree.depths[:most], calibration)  # [most + 1]
-        candidates = [b for b in ADAPTIVE_BUDGETS if b < most] + [most]  # the whole tree, when smaller than a bucket
-        return choose_budget(expected_al, self.cost, self.t_other, self.concurrency, candidates)
+        candidates, rates = self.rates()
+        best = int(np.argmax(rates))
+        current = np.flatnonzero(candidates == self.choice)
+        if not len(current) or rates[best] > (1 + HYSTERESIS) * rates[current[0]]:
+            self.choice = int(candidates[best])
+        return min(self.choice, most)

@@ -15,11 +15,13 @@ fixed ``(N, B, T, S)`` it can be captured once and replayed with new inputs:
   their last row to logits.
 
 **When a shape is captured.** :meth:`PassRunner.warm_up` captures, at start, the shapes steps
-make: power-of-two batches of every block size the adaptive budget chooses (``WARM_BLOCKS``). A
-shape first met while serving runs eagerly at its fixed shape (on a GPU about as fast as a replay
-once the pass's kernels, not their launches, take the time), and is captured at its ``HOT_PASSES``-th
-pass: a capture stalls every sequence of the pass for two passes and the graph's instantiation (on
-an H200, 50-1,500 ms with Triton compiles), worth it only for a shape that keeps coming. Graphs
+make: batches of any size whose sequences' blocks are all of one of the sizes the adaptive
+budget chooses (``WARM_BLOCKS``; the gateway's policy gives all its sequences one budget,
+``services.gateway.budget``). A shape first met while serving runs eagerly at its fixed shape
+(slower than a replay where launches, not kernels, take the time), and is captured at its
+``HOT_PASSES``-th pass: a capture stalls every sequence of the pass for two passes and the graph's
+instantiation (on an H200, 60-120 ms for the 8B once warm-up compiled the Triton kernels), worth
+it only for a shape that comes again. Graphs
 share one memory pool and write their logits and features into buffers of the runner, so a graph
 keeps no memory of its own beyond the pool. Without ``capture`` (a CPU) the fixed shapes run
 eagerly (how CI tests this path); with ``fixed_shapes`` off every pass runs eagerly at its exact
@@ -60,7 +62,7 @@ WARM_TREE_ROWS = 24  # a budget-22 tree (23 rows), padded: the default budget's 
 # each a bucket), the default budget's among them.
 WARM_BLOCKS = tuple(b + 1 for b in ADAPTIVE_BUDGETS)
 WARM_SPANS = (256, 512, 1024)  # key spans warm_up captures: prompts up to ~1K tokens, and their answers
-HOT_PASSES = 16  # passes of a shape not warmed up after which it is captured
+HOT_PASSES = 3  # the pass of a shape not warmed up at which it is captured
 
 
 def warm_up_start(span: int, rows: int) -> int:
@@ -80,12 +82,18 @@ def recurrent_pass_rows(max_sequences: int) -> int:
 def warm_up_passes(
     max_sequences: int, max_rows: int, blocks: tuple[int, ...] = WARM_BLOCKS, spans: tuple[int, ...] = WARM_SPANS
 ) -> list[tuple[int, int, int]]:
-    """The passes :meth:`PassRunner.warm_up` runs: ``(span, block rows, sequences)``, every
-    power-of-two batch of up to ``max_sequences`` whose rows fit ``max_rows``, largest first (the
-    first capture sizes the runner's output buffers for all)."""
-    sizes = [1 << i for i in range(max(1, max_sequences).bit_length()) if 1 << i <= max_sequences]
-    passes = [(span, rows, n) for span in spans for rows in blocks for n in sizes if warm_up_start(span, rows) >= 1 and n * rows <= max_rows]
-    return sorted(passes, key=lambda p: -p[1] * p[2])
+    """The passes :meth:`PassRunner.warm_up` runs: ``(span, block rows, sequences)``, one for each
+    shape that a batch of up to ``max_sequences`` sequences with blocks of one size makes (its
+    rows and its sequences padded to their buckets) and ``max_rows`` holds; largest first (the first
+    capture sizes the runner's output buffers for all)."""
+    passes = {}
+    for span in spans:
+        for rows in blocks:
+            for n in range(1, max(1, max_sequences) + 1):
+                total = bucket(n * rows, ROW_BUCKETS)
+                if warm_up_start(span, rows) >= 1 and total is not None and total <= max_rows:
+                    passes.setdefault((span, rows, total, 1 << (n - 1).bit_length()), (span, rows, n))
+    return sorted(passes.values(), key=lambda p: -p[1] * p[2])
 
 
 def bucket(value: int, buckets: tuple[int, ...]) -> int | None:
@@ -157,7 +165,7 @@ class PassRunner:
         return (p.logits if prompt_chunk else p.logits[:n]), (None if p.features is None else p.features[:n])
 
     def warm_up(self, max_sequences: int, blocks: tuple[int, ...] = WARM_BLOCKS, spans: tuple[int, ...] = WARM_SPANS) -> int:
-        """Capture the passes of every power-of-two batch of up to ``max_sequences`` sequences, each
+        """Capture the passes of every batch of up to ``max_sequences`` sequences (one per shape), each
         sequence's block ``blocks`` rows (a decode step; the adaptive budgets' trees, the default
         budget's among them), at key ``spans``, with no taps: their graphs, and the Triton kernels of
         those shapes, are made now, not mid-stream, where a new shape would stall every sequence of

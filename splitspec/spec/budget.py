@@ -43,7 +43,10 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-__all__ = ["ADAPTIVE_BUDGETS", "choose_budget", "depth_mass", "expected_acceptance", "row_bucket", "verify_cost"]
+__all__ = [
+    "ADAPTIVE_BUDGETS", "budget_rates", "choose_budget", "depth_mass", "expected_acceptance", "prefix_depth_mass", "row_bucket",
+    "verify_cost",
+]
 
 BUCKETS_PER_OCTAVE = 2  # row buckets per doubling of rows: points ~1.41x apart
 # The budgets an adaptive step chooses among: those whose trees (b + 1 rows) fill a row bucket of
@@ -78,6 +81,20 @@ def depth_mass(scores: np.ndarray, depths: np.ndarray, max_depth: int) -> np.nda
     """
     weights = np.exp(np.asarray(scores, dtype=np.float64))  # [n]
     return np.bincount(np.asarray(depths), weights=weights, minlength=max_depth + 1)
+
+
+def prefix_depth_mass(scores: np.ndarray, depths: np.ndarray, budgets: int) -> np.ndarray:
+    """:func:`depth_mass` of every prefix of a tree: ``[budgets + 1, budgets + 1]`` float64, row ``b``
+    that of the tree's first ``b`` nodes (the tree of budget ``b``), column ``d`` a depth.
+
+    ``scores`` and ``depths`` are ``[n]`` as for :func:`expected_acceptance`, ``depths <= budgets``.
+    A tree of fewer than ``budgets`` nodes repeats its whole tree's row below its last: cut to any
+    larger budget it stays itself. ``E[AL](b) = 1 + row_b . c`` (``c``: the calibration)."""
+    n = min(len(scores), budgets)
+    weights = np.exp(np.asarray(scores[:n], dtype=np.float64))  # [n]
+    per_node = np.zeros((budgets + 1, budgets + 1))  # [node + 1, depth]
+    per_node[np.arange(1, n + 1), np.asarray(depths[:n])] = weights
+    return np.cumsum(per_node, axis=0)  # [budgets + 1, depth]
 
 
 def row_bucket(rows: int) -> int:
@@ -133,7 +150,14 @@ def choose_budget(
     Returns:
         ``argmax_b n * E[AL](b) / (t_other + t(n * (b + 1)))``; among equal rates, the smallest ``b``.
     """
-    expected_al = np.asarray(expected_al, dtype=np.float64)
     b = np.arange(len(expected_al)) if candidates is None else np.asarray(candidates, dtype=np.int64)  # [m]
-    rate = concurrency * expected_al[b] / (t_other + cost(concurrency * (b + 1)))  # [m] tokens / s
-    return int(b[np.argmax(rate)])
+    return int(b[np.argmax(budget_rates(expected_al, cost, t_other, concurrency, b))])
+
+
+def budget_rates(
+    expected_al: np.ndarray, cost: Callable[[np.ndarray], np.ndarray], t_other: float, concurrency: float, budgets: np.ndarray
+) -> np.ndarray:
+    """``[m]`` committed tokens per second of a pass at each of ``budgets`` (``[m]`` int): the rate
+    :func:`choose_budget` maximizes, with its arguments."""
+    expected_al = np.asarray(expected_al, dtype=np.float64)
+    return concurrency * expected_al[budgets] / (t_other + cost(concurrency * (budgets + 1)))  # [m]

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from splitspec.spec.acceptance import accept_path
-from splitspec.spec.budget import choose_budget, depth_mass, expected_acceptance, row_bucket, verify_cost
+from splitspec.spec.budget import choose_budget, depth_mass, expected_acceptance, prefix_depth_mass, row_bucket, verify_cost
 from splitspec.spec.tree import build_ddtree, validate_tree
 from tests.spec.test_tree import make_draft, path_score, rank_paths
 
@@ -72,6 +72,21 @@ def test_expected_acceptance_and_depth_mass_equal_brute_force():
     calibration = np.array([1.0, 0.5, 2.0, 0.25])
     scaled = expected_acceptance(tree.scores, tree.depths, calibration)
     assert np.allclose(np.diff(scaled), calibration[tree.depths] * np.exp(tree.scores))
+
+
+def test_prefix_depth_mass_is_the_depth_mass_of_every_prefix():
+    """Row b is depth_mass of the tree cut to b nodes, so 1 + row b . c is E[AL](b); a tree of fewer
+    nodes than the rows keeps its whole tree below its last node."""
+    tree = realistic_tree()  # 64 nodes
+    calibration = np.linspace(1.0, 0.4, 65)
+    for budgets in (64, 80):
+        mass = prefix_depth_mass(tree.scores, tree.depths, budgets)
+        assert mass.shape == (budgets + 1, budgets + 1)
+        for b in range(budgets + 1):
+            cut = tree.prefix(min(b, tree.num_nodes))
+            assert np.allclose(mass[b], depth_mass(cut.scores, cut.depths, budgets), atol=1e-12), b
+        expected = expected_acceptance(tree.scores, tree.depths, np.r_[calibration, np.ones(16)][: budgets + 1])
+        assert np.allclose((1.0 + mass @ np.r_[calibration, np.ones(16)][: budgets + 1])[:65], expected)
 
 
 def flat_then_linear(rows):

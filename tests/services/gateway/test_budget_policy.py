@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
 
-from services.gateway.budget import BudgetPolicy, parse_budget
+from services.gateway.budget import HYSTERESIS, BudgetPolicy, parse_budget
 from services.gateway.server import GatewayServicer, GatewayState
 from services.gateway.speculation import DraftShape, Mode, SpeculationOptions, SpeculativeSequence
 from services.gateway.workers import Prefilled, Verified
@@ -113,6 +113,31 @@ def test_a_draft_that_overpromises_gets_smaller_trees():
     trusted = run_steps(trusting, 16, 150, rng)[-1]
     doubted = run_steps(doubting, 16, 150, rng, true_q=np.full(DEPTHS, 0.3))[-1]
     assert doubted < trusted, (doubted, trusted)
+
+
+def test_every_sequence_gets_the_gateways_one_budget_until_the_figures_move_it():
+    """The choice comes from the running figures, not from the tree at hand: a confident and a
+    doubtful tree, asked for in turn, get the same budget (the target's pass joins trees of one
+    size); it moves when the figures do, and only by more than the hysteresis."""
+    policy = BudgetPolicy(22, 64)
+    run_steps(policy, 16, 60, np.random.default_rng(6))
+    doubtful = build_ddtree(TOP_IDS, TOP_LOGPROBS - 1.5 * np.arange(K)[None, :] - 0.3, budget=64)
+    first = policy.choose(TREE)
+    assert first in ADAPTIVE_BUDGETS and first == policy.choice
+    assert [policy.choose(t) for t in (doubtful, TREE, doubtful)] == [first] * 3
+    assert policy.choose(TREE.prefix(2)) == min(first, 2)  # a tree smaller than the choice is itself
+    run_steps(policy, 1, 40, np.random.default_rng(7))  # alone: the passes cost the same at any size
+    assert policy.choose(TREE) == 64
+    # A current choice within the hysteresis of the best stays; one further below gives way.
+    candidates, rates = policy.rates()
+    best = rates.max()
+    near = [int(b) for b, r in zip(candidates, rates) if best > r > best / (1 + HYSTERESIS)]
+    far = [int(b) for b, r in zip(candidates, rates) if r < best / (1 + HYSTERESIS)]
+    assert near and far, (candidates, rates)
+    policy.choice = near[0]
+    assert policy.choose(TREE) == near[0]
+    policy.choice = far[-1]
+    assert policy.choose(TREE) == int(candidates[np.argmax(rates)])
 
 
 def test_adaptive_budgets_fill_the_targets_row_buckets():

@@ -120,17 +120,25 @@ def test_blocks_come_back_when_a_sequence_ends(model):
     assert fixed.kv.free_blocks == free
 
 
-def test_warm_up_covers_every_adaptive_block_largest_pass_first():
-    """warm_up's passes: each power-of-two batch of every adaptive budget's block at each span, the
-    largest first (it sizes the graphs' output buffers); passes over the row limit are left out."""
+def test_warm_up_covers_every_batch_of_one_block_size_largest_pass_first():
+    """warm_up's passes: one for each shape (rows and sequences padded to their buckets) of a batch
+    of 1 to 32 sequences whose blocks are all one adaptive budget's, at each span, the largest first
+    (it sizes the graphs' output buffers); passes over the row limit are left out."""
     passes = warm_up_passes(32, 256)
     assert {rows for _, rows, _ in passes} == set(WARM_BLOCKS) and {span for span, _, _ in passes} == set(WARM_SPANS)
-    assert {n for _, _, n in passes} == {1, 2, 4, 8, 16, 32}
-    assert all(n * rows <= 256 and warm_up_start(span, rows) >= 1 for span, rows, n in passes)
-    assert ((1024, 64, 4) in passes) and ((1024, 64, 8) not in passes)
+    assert all(bucket(n * rows, ROW_BUCKETS) <= 256 and warm_up_start(span, rows) >= 1 for span, rows, n in passes)
+
+    def shape(rows, n):
+        return bucket(n * rows, ROW_BUCKETS), 1 << (n - 1).bit_length()
+
+    for span in WARM_SPANS:
+        for rows in WARM_BLOCKS:
+            made = [shape(rows, n) for s, r, n in passes if (s, r) == (span, rows)]
+            wanted = {shape(rows, n) for n in range(1, 33) if shape(rows, n)[0] <= 256}
+            assert sorted(made) == sorted(wanted), (span, rows)  # each shape once
     sizes = [n * rows for _, rows, n in passes]
-    assert sizes == sorted(sizes, reverse=True) and len(passes) == len(set(passes))
-    assert {n for _, _, n in warm_up_passes(6, 2048)} == {1, 2, 4}  # up to 6 sequences
+    assert sizes == sorted(sizes, reverse=True)
+    assert {n for _, rows, n in warm_up_passes(6, 2048) if rows == 1} == {1, 2, 3, 5}  # batches of 1, 2, 3-4, 5-6
 
 
 def test_warm_up_makes_the_batch_shapes_and_touches_no_sequence(model):
