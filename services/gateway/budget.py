@@ -28,11 +28,14 @@ other sequences; no lock is needed.
 from __future__ import annotations
 
 import argparse
+import logging
 
 import numpy as np
 
 from splitspec.spec.budget import ADAPTIVE_BUDGETS, budget_rates, depth_mass, prefix_depth_mass, row_bucket, verify_cost
 from splitspec.spec.tree import DraftTree
+
+logger = logging.getLogger(__name__)
 
 AUTO = "auto"
 DEFAULT_BUDGET = 22  # before the policy has cost data, and the chain length of chain mode under auto
@@ -194,5 +197,9 @@ class BudgetPolicy:
         best = int(np.argmax(rates))
         current = np.flatnonzero(candidates == self.choice)
         if not len(current) or rates[best] > (1 + HYSTERESIS) * rates[current[0]]:
+            logger.info(
+                "adaptive budget %s -> %d: %.0f tok/s expected at %.1f sequences a pass (%s)", self.choice, candidates[best],
+                rates[best], self.concurrency, ", ".join(f"{b}: {r:.0f}" for b, r in zip(candidates, rates)),
+            )
             self.choice = int(candidates[best])
         return min(self.choice, most)
