@@ -63,7 +63,7 @@ def main() -> None:
             for level in plan:
                 _, outputs = measure(gateways, level, Spec(mode=Spec.OFF), args.max_tokens, "off (AR)", "socket", "off")
                 with table.open("a") as f:  # the oracle re-reads its table when the file changes
-                    f.writelines(json.dumps({"tokens": p + out}) + "\n" for p, out in zip(level.timed, outputs))
+                    f.writelines(json.dumps({"tokens": p + out}) + "\n" for p, out in zip(level.warm + level.timed, outputs))
                 for budget in [*budgets, 0]:  # 0: the request names none, the gateway's adaptive budget decides
                     name = f"b{budget}" if budget else "auto"
                     spec = Spec(mode=Spec.DDTREE, budget=budget, chain_seed=False)

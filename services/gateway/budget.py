@@ -62,8 +62,9 @@ class _Ema:
     def __init__(self, alpha: float) -> None:
         self.alpha, self.value, self.count = alpha, 0.0, 0
 
-    def add(self, x: float) -> None:
-        self.value = x if self.count == 0 else self.value + self.alpha * (x - self.value)
+    def add(self, x: float, weight: float = 1.0) -> None:
+        """Observe ``x``; ``weight`` scales ``alpha`` (a report that is one of several of one event)."""
+        self.value = x if self.count == 0 else self.value + min(1.0, self.alpha * weight) * (x - self.value)
         self.count += 1
 
 
@@ -74,8 +75,8 @@ class BudgetPolicy:
         default_budget: the budget chosen before ``warmup_passes`` passes and a speculating step were seen.
         max_budget: the largest budget chosen (the adaptive trees are built at this size).
         warmup_passes: verify passes to observe before choosing.
-        alpha: EMA weight of a new observation of cost, ``t_other`` and concurrency: about the last
-            ``1 / alpha`` observations count.
+        alpha: EMA weight of a new pass's observation of cost, ``t_other`` and concurrency: about the
+            last ``1 / alpha`` passes count.
         calibration_alpha: EMA weight of one step's acceptance. A step's acceptance at a depth is 0
             or 1, so this averages over more steps.
     """
@@ -109,19 +110,24 @@ class BudgetPolicy:
         """A verify pass of ``rows`` rows over ``pass_sequences`` sequences took ``forward_s`` seconds.
 
         Every sequence of a pass reports it, so a pass of ``n`` counts ``n`` times: its concurrency is
-        then the one a sequence meets, and its cost point simply settles sooner."""
+        then the one a sequence meets. Each report weighs ``1 / pass_sequences``, so that a pass
+        counts once and the figures average over about ``1 / alpha`` passes at any load, not over a
+        fraction of one pass (on an H200 at 32 users, weighing each report fully, the concurrency
+        read 5 to 26 within seconds)."""
         if rows < 1 or pass_sequences < 1 or forward_s <= 0:
             return  # a target that does not time or count its passes teaches nothing
+        weight = 1.0 / pass_sequences
         bucket = self._buckets.setdefault(row_bucket(rows), (_Ema(self.alpha), _Ema(self.alpha)))
-        bucket[0].add(rows)
-        bucket[1].add(forward_s)
-        self._concurrency.add(pass_sequences)
+        bucket[0].add(rows, weight)
+        bucket[1].add(forward_s, weight)
+        self._concurrency.add(pass_sequences, weight)
         self.passes += 1
 
-    def observe_round(self, seconds: float, verify_forward_s: float) -> None:
+    def observe_round(self, seconds: float, verify_forward_s: float, pass_sequences: int = 1) -> None:
         """A speculating step took ``seconds`` from its proposal to its verify response, of which its
-        verify pass (and its wait in the target for it) took ``verify_forward_s``; the rest is ``t_other``."""
-        self._other.add(max(0.0, seconds - verify_forward_s))
+        verify pass of ``pass_sequences`` sequences (and its wait in the target for it) took
+        ``verify_forward_s``; the rest is ``t_other`` (weighed as a pass's report, :meth:`observe_pass`)."""
+        self._other.add(max(0.0, seconds - verify_forward_s), 1.0 / max(1, pass_sequences))
 
     def observe_acceptance(self, tree: DraftTree, accepted_depth: int) -> None:
         """A step verified ``tree`` (with its scores) and accepted ``accepted_depth`` nodes: update the

@@ -226,7 +226,7 @@ class SpeculativeSequence:
                 # Waiting behind other sequences' passes is the target's cost of the load, which t(rows)
                 # already prices: counted in t_other too, larger trees would lengthen the wait and the
                 # wait would argue for larger trees.
-                policy.observe_round(step_s, forward_s + verified.queue_ns / 1e9)
+                policy.observe_round(step_s, forward_s + verified.queue_ns / 1e9, verified.pass_sequences or 1)
         if drafted:
             policy.observe_acceptance(tree, accepted)
 

@@ -283,10 +283,13 @@ def measure(
     address: str | Sequence[str], level: Level, spec: gateway_pb2.Speculation, max_tokens: int, label: str, wire: str,
     drafter: str = "", corruption: float | None = None,
 ) -> tuple[SystemRow, list[list[int]]]:
-    """One row at one level: the warm-up (N at once), then the timed requests, N at a time."""
+    """One row at one level: the warm-up (N at once), then the timed requests, N at a time; and the
+    outputs of all, the warm-up's first (``level.warm + level.timed``: an oracle's table needs the
+    warm-up's too, or an adaptive budget learns from it that the draft is never right)."""
     n = level.concurrency
-    run_batch(address, requests_for(level.warm, spec, max_tokens), n, "warm-up", spec.budget, wire)
-    return run_batch(address, requests_for(level.timed, spec, max_tokens), n, label, spec.budget, wire, drafter, corruption)
+    _, warm = run_batch(address, requests_for(level.warm, spec, max_tokens), n, "warm-up", spec.budget, wire)
+    row, timed = run_batch(address, requests_for(level.timed, spec, max_tokens), n, label, spec.budget, wire, drafter, corruption)
+    return row, warm + timed
 
 
 DFLASH_LOG = "draft-dflash"  # the random DFlash draft's process name: its log is DFLASH_LOG.log
@@ -413,7 +416,7 @@ def run_system(
                 rows.append(row)
                 if wire == wires[0]:
                     with table.open("a") as f:  # the oracle re-reads its table when the file changes
-                        f.writelines(json.dumps({"tokens": p + out}) + "\n" for p, out in zip(level.timed, outputs))
+                        f.writelines(json.dumps({"tokens": p + out}) + "\n" for p, out in zip(level.warm + level.timed, outputs))
             for label in drafts:
                 for wire in wires:
                     row = measure(gateways[wire, label], level, tree, max_tokens, label, wire, *kinds[label])[0]

@@ -45,7 +45,7 @@ def run_steps(policy: BudgetPolicy, sequences: int, steps: int, rng: np.random.G
         forward = flat_then_linear(rows)
         for _ in range(sequences):
             policy.observe_pass(rows, sequences, forward)
-            policy.observe_round(0.003 + forward, forward)
+            policy.observe_round(0.003 + forward, forward, sequences)
             reach = depth_mass(tree.scores, tree.depths, DEPTHS) if true_q is None else np.cumprod(np.r_[1.0, true_q])
             accepted = int(np.sum(rng.random() < reach[1 : int(tree.depths.max(initial=0)) + 1]))
             policy.observe_acceptance(tree, accepted)
@@ -99,7 +99,7 @@ def test_its_choice_follows_the_observed_load():
     alone = run_steps(policy, 1, 40, rng)
     assert alone[:8] == [22] * 8 and alone[-1] == 64
     busy = run_steps(policy, 32, 40, rng)
-    assert policy.concurrency == pytest.approx(32)
+    assert policy.concurrency == pytest.approx(32, rel=0.02)  # about the last 10 passes count
     assert busy[-1] <= 4, busy
     assert run_steps(policy, 1, 40, rng)[-1] == 64
     assert run_steps(policy, 8, 60, rng)[-1] in range(8, 24)
