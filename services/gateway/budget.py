@@ -7,6 +7,11 @@ exponential moving average (EMA), so they follow the load as it changes:
 - the verify cost curve ``t(rows)``: per row bucket, the mean rows and seconds of the target's
   passes, fed by every ``VerifyResponse`` (``pass_rows``, ``forward_ns``);
 - ``t_other``: a speculating step's time minus its verify pass and its wait for that pass;
+- the passes a round holds ``q``: its pass and its wait in the target over its pass. Sequences out
+  of step make the target alternate between groups of them, so a round waits for the other
+  groups' passes, whose rows grow with the budget as its own do: a round costs
+  ``t_other + q * t(rows)`` (at 8 users on an H200, ``q`` near 2: priced as one pass, the policy
+  chose trees of 48-64 nodes where 16-23 were faster);
 - the concurrency ``n``: sequences per pass (``pass_sequences``). The target counts every sequence
   of the pass, so other gateways' sequences are in it too;
 - the calibration ``c(d)``: per depth, the observed and the predicted acceptance;
@@ -99,6 +104,7 @@ class BudgetPolicy:
         self.passes = 0
         self._buckets: dict[int, tuple[_Ema, _Ema]] = {}  # row bucket -> (EMA of rows, EMA of seconds)
         self._other = _Ema(alpha)  # t_other, seconds
+        self._passes_per_round = _Ema(alpha)  # q
         self._concurrency = _Ema(alpha)  # sequences per pass
         self._observed: list[_Ema] = []  # [depth] EMA of the steps' acceptance at that depth (index 0 unused)
         self._predicted: list[_Ema] = []  # [depth] EMA of the draft's probability mass at that depth
@@ -123,11 +129,15 @@ class BudgetPolicy:
         self._concurrency.add(pass_sequences, weight)
         self.passes += 1
 
-    def observe_round(self, seconds: float, verify_forward_s: float, pass_sequences: int = 1) -> None:
+    def observe_round(self, seconds: float, verify_forward_s: float, verify_queue_s: float = 0.0, pass_sequences: int = 1) -> None:
         """A speculating step took ``seconds`` from its proposal to its verify response, of which its
-        verify pass of ``pass_sequences`` sequences (and its wait in the target for it) took
-        ``verify_forward_s``; the rest is ``t_other`` (weighed as a pass's report, :meth:`observe_pass`)."""
-        self._other.add(max(0.0, seconds - verify_forward_s), 1.0 / max(1, pass_sequences))
+        verify pass of ``pass_sequences`` sequences took ``verify_forward_s`` and its wait in the
+        target for that pass ``verify_queue_s``; the rest is ``t_other``. Weighed as a pass's
+        report (:meth:`observe_pass`)."""
+        weight = 1.0 / max(1, pass_sequences)
+        self._other.add(max(0.0, seconds - verify_forward_s - verify_queue_s), weight)
+        if verify_forward_s > 0:
+            self._passes_per_round.add((verify_forward_s + verify_queue_s) / verify_forward_s, weight)
 
     def observe_acceptance(self, tree: DraftTree, accepted_depth: int) -> None:
         """A step verified ``tree`` (with its scores) and accepted ``accepted_depth`` nodes: update the
@@ -158,6 +168,11 @@ class BudgetPolicy:
     def t_other(self) -> float:
         return self._other.value
 
+    @property
+    def passes_per_round(self) -> float:
+        """``q`` (1.0 before a round was observed)."""
+        return self._passes_per_round.value if self._passes_per_round.count else 1.0
+
     def calibration(self, max_depth: int) -> np.ndarray:
         """``c(d)`` for ``d = 0 .. max_depth``: ``[max_depth + 1]`` float64, 1.0 where unobserved."""
         c = np.ones(max_depth + 1)
@@ -184,7 +199,12 @@ class BudgetPolicy:
         :attr:`ready` and a tree seen by :meth:`choose`."""
         candidates = np.array([b for b in ADAPTIVE_BUDGETS if b < self.max_budget] + [self.max_budget])  # [m]
         expected_al = 1.0 + self._mass @ self.calibration(self.max_budget)  # [max_budget + 1]
-        return candidates, budget_rates(expected_al, self.cost, self.t_other, self.concurrency, candidates)
+        q = self.passes_per_round
+
+        def round_cost(rows: np.ndarray) -> np.ndarray:
+            return q * self.cost(rows)
+
+        return candidates, budget_rates(expected_al, round_cost, self.t_other, self.concurrency, candidates)
 
     def choose(self, tree: DraftTree) -> int:
         """The budget for a step whose draft gave ``tree``, a DDTree of the largest budget (with its
@@ -204,8 +224,9 @@ class BudgetPolicy:
         current = np.flatnonzero(candidates == self.choice)
         if not len(current) or rates[best] > (1 + HYSTERESIS) * rates[current[0]]:
             logger.info(
-                "adaptive budget %s -> %d: %.0f tok/s expected at %.1f sequences a pass (%s)", self.choice, candidates[best],
-                rates[best], self.concurrency, ", ".join(f"{b}: {r:.0f}" for b, r in zip(candidates, rates)),
+                "adaptive budget %s -> %d: %.0f tok/s expected at %.1f sequences a pass, %.2f passes a round, t_other %.1f ms (%s)",
+                self.choice, candidates[best], rates[best], self.concurrency, self.passes_per_round, 1e3 * self.t_other,
+                ", ".join(f"{b}: {r:.0f}" for b, r in zip(candidates, rates)),
             )
             self.choice = int(candidates[best])
         return min(self.choice, most)

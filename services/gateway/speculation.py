@@ -223,10 +223,9 @@ class SpeculativeSequence:
             # A target that does not batch reports no pass figures: its pass was this step's alone.
             policy.observe_pass(verified.pass_rows or tree.num_nodes + 1, verified.pass_sequences or 1, forward_s)
             if drafted:
-                # Waiting behind other sequences' passes is the target's cost of the load, which t(rows)
-                # already prices: counted in t_other too, larger trees would lengthen the wait and the
-                # wait would argue for larger trees.
-                policy.observe_round(step_s, forward_s + verified.queue_ns / 1e9, verified.pass_sequences or 1)
+                # The wait behind other sequences' passes is priced as passes (BudgetPolicy's q), not as
+                # t_other: as a constant it would argue for larger trees, which lengthen it.
+                policy.observe_round(step_s, forward_s, verified.queue_ns / 1e9, verified.pass_sequences or 1)
         if drafted:
             policy.observe_acceptance(tree, accepted)
 

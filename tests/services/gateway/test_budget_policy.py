@@ -31,11 +31,15 @@ def flat_then_linear(rows: float) -> float:
     return 0.020 + 1e-4 * max(0.0, rows - 128)
 
 
-def run_steps(policy: BudgetPolicy, sequences: int, steps: int, rng: np.random.Generator, true_q: np.ndarray | None = None) -> list[int]:
+def run_steps(
+    policy: BudgetPolicy, sequences: int, steps: int, rng: np.random.Generator, true_q: np.ndarray | None = None, waits: int = 0,
+    other_s: float = 0.003,
+) -> list[int]:
     """``steps`` steps of ``sequences`` sequences sharing each pass, every one choosing as the policy
     says: feed it what the gateway would see, the target priced by ``flat_then_linear`` and accepting
-    each depth with probability ``true_q[d]`` given the depth before (default: as the draft predicts).
-    Returns the budgets chosen."""
+    each depth with probability ``true_q[d]`` given the depth before (default: as the draft predicts);
+    each round also waits for ``waits`` passes of other sequences like its own, and spends
+    ``other_s`` outside the target. Returns the budgets chosen."""
     chosen = []
     for _ in range(steps):
         budget = policy.choose(TREE)
@@ -45,7 +49,7 @@ def run_steps(policy: BudgetPolicy, sequences: int, steps: int, rng: np.random.G
         forward = flat_then_linear(rows)
         for _ in range(sequences):
             policy.observe_pass(rows, sequences, forward)
-            policy.observe_round(0.003 + forward, forward, sequences)
+            policy.observe_round(other_s + (1 + waits) * forward, forward, waits * forward, sequences)
             reach = depth_mass(tree.scores, tree.depths, DEPTHS) if true_q is None else np.cumprod(np.r_[1.0, true_q])
             accepted = int(np.sum(rng.random() < reach[1 : int(tree.depths.max(initial=0)) + 1]))
             policy.observe_acceptance(tree, accepted)
@@ -103,6 +107,17 @@ def test_its_choice_follows_the_observed_load():
     assert busy[-1] <= 4, busy
     assert run_steps(policy, 1, 40, rng)[-1] == 64
     assert run_steps(policy, 8, 60, rng)[-1] in range(8, 24)
+
+
+def test_a_round_that_waits_for_other_passes_prices_its_rows_as_that_many_passes():
+    """Users out of step: the target alternates between two groups, so each round holds two passes
+    (its own and the other group's wait); the rows cost twice per round, and the trees shrink."""
+    alone, alternating = BudgetPolicy(22, 64), BudgetPolicy(22, 64)
+    one = run_steps(alone, 32, 80, np.random.default_rng(8), other_s=0.1)[-1]
+    two = run_steps(alternating, 32, 80, np.random.default_rng(8), waits=1, other_s=0.1)[-1]
+    assert alone.passes_per_round == pytest.approx(1.0) and alternating.passes_per_round == pytest.approx(2.0)
+    assert alone.t_other == pytest.approx(0.1) == alternating.t_other
+    assert two < one, (two, one)
 
 
 def test_a_draft_that_overpromises_gets_smaller_trees():
