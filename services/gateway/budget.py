@@ -23,8 +23,11 @@ passes then join trees of one size, shapes its CUDA graphs were warmed up for
 (``services.target.graphs.WARM_BLOCKS``). Trees chosen one by one from their own scores made
 passes of mixed sizes, each mix a new shape; on an H200 (8B, 32 users) those passes ran eagerly
 or stalled for captures, and the adaptive rounds took 85 ms against a fixed budget's 55-84 ms. A
-new choice replaces the current one only when its rate is ``HYSTERESIS`` higher, so two budgets
-of near-equal rate do not alternate.
+new choice replaces the current one only when its rate is ``HYSTERESIS`` higher, and not before
+``hold_passes`` passes since the last change have shown what the current one costs: at 8 users on
+an H200, with 3% and no hold, the choice moved between 7 and 64 nodes several times a second as
+``t_other`` and ``q`` wandered, its passes mixed tree sizes, and the rounds took 44 ms against a
+fixed budget's 30.
 
 Its methods never await, so on the gateway's one event loop each runs whole between steps of
 other sequences; no lock is needed.
@@ -45,7 +48,7 @@ logger = logging.getLogger(__name__)
 AUTO = "auto"
 DEFAULT_BUDGET = 22  # before the policy has cost data, and the chain length of chain mode under auto
 DEFAULT_MAX_BUDGET = 64
-HYSTERESIS = 0.03  # how much faster a budget must be to replace the current choice
+HYSTERESIS = 0.10  # how much faster a budget must be to replace the current choice
 
 
 def parse_budget(text: str) -> str | int:
@@ -84,6 +87,8 @@ class BudgetPolicy:
             last ``1 / alpha`` passes count.
         calibration_alpha: EMA weight of one step's acceptance. A step's acceptance at a depth is 0
             or 1, so this averages over more steps.
+        hold_passes: passes after a change of the choice before it may change again (default
+            ``1 / alpha``: the passes the figures average over).
     """
 
     def __init__(
@@ -94,6 +99,7 @@ class BudgetPolicy:
         warmup_passes: int = 8,
         alpha: float = 0.1,
         calibration_alpha: float = 0.01,
+        hold_passes: float | None = None,
     ) -> None:
         if not 0 <= default_budget <= max_budget:
             raise ValueError(f"default budget {default_budget} is outside [0, max budget {max_budget}]")
@@ -111,6 +117,9 @@ class BudgetPolicy:
         self._mass: np.ndarray | None = None  # [max_budget + 1, max_budget + 1] EMA of prefix_depth_mass
         self._trees = 0
         self.choice: int | None = None  # the budget every adaptive step gets now (None: not ready)
+        self.hold_passes = 1.0 / alpha if hold_passes is None else hold_passes
+        self._pass_weight = 0.0  # passes observed, each counted once (its reports weigh 1 / its sequences)
+        self._chosen_at = 0.0  # _pass_weight at the last change
 
     def observe_pass(self, rows: int, pass_sequences: int, forward_s: float) -> None:
         """A verify pass of ``rows`` rows over ``pass_sequences`` sequences took ``forward_s`` seconds.
@@ -119,7 +128,8 @@ class BudgetPolicy:
         then the one a sequence meets. Each report weighs ``1 / pass_sequences``, so that a pass
         counts once and the figures average over about ``1 / alpha`` passes at any load, not over a
         fraction of one pass (on an H200 at 32 users, weighing each report fully, the concurrency
-        read 5 to 26 within seconds)."""
+        read 5 to 26 within seconds). Where other gateways' sequences share the passes, this
+        gateway sees its share of each, so its figures span that many more passes."""
         if rows < 1 or pass_sequences < 1 or forward_s <= 0:
             return  # a target that does not time or count its passes teaches nothing
         weight = 1.0 / pass_sequences
@@ -128,6 +138,7 @@ class BudgetPolicy:
         bucket[1].add(forward_s, weight)
         self._concurrency.add(pass_sequences, weight)
         self.passes += 1
+        self._pass_weight += weight
 
     def observe_round(self, seconds: float, verify_forward_s: float, verify_queue_s: float = 0.0, pass_sequences: int = 1) -> None:
         """A speculating step took ``seconds`` from its proposal to its verify response, of which its
@@ -222,11 +233,12 @@ class BudgetPolicy:
         candidates, rates = self.rates()
         best = int(np.argmax(rates))
         current = np.flatnonzero(candidates == self.choice)
-        if not len(current) or rates[best] > (1 + HYSTERESIS) * rates[current[0]]:
+        held = self._pass_weight - self._chosen_at < self.hold_passes
+        if not len(current) or (not held and rates[best] > (1 + HYSTERESIS) * rates[current[0]]):
             logger.info(
                 "adaptive budget %s -> %d: %.0f tok/s expected at %.1f sequences a pass, %.2f passes a round, t_other %.1f ms (%s)",
                 self.choice, candidates[best], rates[best], self.concurrency, self.passes_per_round, 1e3 * self.t_other,
                 ", ".join(f"{b}: {r:.0f}" for b, r in zip(candidates, rates)),
             )
-            self.choice = int(candidates[best])
+            self.choice, self._chosen_at = int(candidates[best]), self._pass_weight
         return min(self.choice, most)

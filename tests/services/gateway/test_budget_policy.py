@@ -142,17 +142,40 @@ def test_every_sequence_gets_the_gateways_one_budget_until_the_figures_move_it()
     assert [policy.choose(t) for t in (doubtful, TREE, doubtful)] == [first] * 3
     assert policy.choose(TREE.prefix(2)) == min(first, 2)  # a tree smaller than the choice is itself
     run_steps(policy, 1, 40, np.random.default_rng(7))  # alone: the passes cost the same at any size
-    assert policy.choose(TREE) == 64
-    # A current choice within the hysteresis of the best stays; one further below gives way.
+    assert policy.choose(TREE) > first
+    # A current choice within the hysteresis of the best stays; one further below gives way, but
+    # only once hold_passes passes have shown what the current one costs.
     candidates, rates = policy.rates()
     best = rates.max()
     near = [int(b) for b, r in zip(candidates, rates) if best > r > best / (1 + HYSTERESIS)]
     far = [int(b) for b, r in zip(candidates, rates) if r < best / (1 + HYSTERESIS)]
     assert near and far, (candidates, rates)
+    policy.hold_passes = 0
     policy.choice = near[0]
     assert policy.choose(TREE) == near[0]
-    policy.choice = far[-1]
-    assert policy.choose(TREE) == int(candidates[np.argmax(rates)])
+    policy.choice = far[0]
+    chosen = policy.choose(TREE)
+    candidates, rates = policy.rates()  # as choose saw them (it took TREE into its figures first)
+    assert chosen == int(candidates[np.argmax(rates)]) != far[0]
+
+
+def test_a_new_choice_holds_for_the_passes_that_show_its_cost():
+    """After a change the choice stays for hold_passes passes (each pass counted once, whatever its
+    sequences), however the figures move meanwhile: as the load arrives the trees shrink in steps
+    at least that far apart."""
+    policy = BudgetPolicy(22, 64, hold_passes=5)
+    run_steps(policy, 1, 40, np.random.default_rng(9))
+    alone = policy.choice
+    loaded = []
+    for _ in range(12):  # passes of 32 sequences whose cost calls for far smaller trees
+        loaded.append(policy.choose(TREE))
+        for _ in range(32):
+            policy.observe_pass(32 * (alone + 1), 32, 0.5)
+            policy.observe_round(0.501, 0.5, 0.0, 32)
+    assert policy.concurrency > 20
+    assert loaded[0] == alone and loaded[-1] < alone
+    changes = [i for i in range(1, len(loaded)) if loaded[i] != loaded[i - 1]]  # each loop: one pass
+    assert len(changes) >= 2 and all(b - a >= 5 for a, b in zip(changes, changes[1:])), loaded
 
 
 def test_adaptive_budgets_fill_the_targets_row_buckets():
@@ -240,7 +263,8 @@ def recording(policy: BudgetPolicy) -> list[int]:
 
 
 def test_an_adaptive_sequence_cuts_the_largest_tree_to_the_choice_and_feeds_the_policy():
-    policy = BudgetPolicy(22, 64, warmup_passes=3)
+    # No hold: one sequence's reports of 32-sequence passes count 1/32 of a pass each.
+    policy = BudgetPolicy(22, 64, warmup_passes=3, hold_passes=0)
     chosen = recording(policy)
     options = SpeculationOptions(budget=64, adaptive=True)
     trees, budgets = run_sequence(options, policy)
