@@ -21,11 +21,10 @@ budget chooses (``WARM_BLOCKS``; the gateway's policy gives all its sequences on
 (slower than a replay where launches, not kernels, take the time), and is captured at its
 ``HOT_PASSES``-th pass: a capture stalls every sequence of the pass for two passes and the graph's
 instantiation (on an H200, 60-120 ms for the 8B once warm-up compiled the Triton kernels), worth
-it only for a shape that comes again. Graphs
-share one memory pool and write their logits and features into buffers of the runner, so a graph
-keeps no memory of its own beyond the pool. Without ``capture`` (a CPU) the fixed shapes run
-eagerly (how CI tests this path); with ``fixed_shapes`` off every pass runs eagerly at its exact
-shape.
+it only for a shape that comes again. Graphs share one memory pool and write their logits and
+features into buffers of the runner, so a graph keeps no memory of its own beyond the pool. Without
+``capture`` (a CPU) the fixed shapes run eagerly (how CI tests this path); with ``fixed_shapes``
+off every pass runs eagerly at its exact shape.
 
 **Recurrent families** (the hybrid Qwen3.5: ``PagedState.slots``) run the same fixed shapes, since
 their passes read nothing on the host and their padding only reads (``Qwen35ForCausalLM.forward_paged``).
@@ -109,7 +108,7 @@ class _Pass:
     staged: StagedInputs  # the inputs' bytes: written on the host, one copy to the device a pass
     inputs: PassInputs  # views of the staged device bytes
     passes: int = 0  # passes run at this shape
-    logits: torch.Tensor | None = None  # [N or 1, vocab] float32, a view of the runner's buffer
+    logits: torch.Tensor | None = None  # [N or 1, vocab] float32 once captured, a view of the runner's buffer
     features: torch.Tensor | None = None  # [N, taps * hidden], likewise
     graph: torch.cuda.CUDAGraph | None = None
     pending: object | None = None  # a recurrent family's rows kept by this pass (views of reserved buffers)
@@ -160,9 +159,9 @@ class PassRunner:
         # The chunk's last real row is read inside the pass: one graph serves every chunk length.
         p.inputs.fill(layout, p.staged.writable(), layout.num_rows - 1)
         p.staged.upload()
-        self._run(p, taps, prompt_chunk)
+        logits, features = self._run(p, taps, prompt_chunk)
         n = layout.num_rows
-        return (p.logits if prompt_chunk else p.logits[:n]), (None if p.features is None else p.features[:n])
+        return (logits if prompt_chunk else logits[:n]), (None if features is None else features[:n])
 
     def warm_up(self, max_sequences: int, blocks: tuple[int, ...] = WARM_BLOCKS, spans: tuple[int, ...] = WARM_SPANS) -> int:
         """Capture the passes of every batch of up to ``max_sequences`` sequences (one per shape), each
@@ -217,7 +216,10 @@ class PassRunner:
             buffer = self._outputs[width, value.dtype] = torch.empty((rows, width), dtype=value.dtype, device=value.device)
         return buffer[:rows].copy_(value)
 
-    def _run(self, p: _Pass, taps: tuple[int, ...], prompt_chunk: bool) -> None:
+    def _run(self, p: _Pass, taps: tuple[int, ...], prompt_chunk: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The pass at ``p``'s shape: replayed, captured, or eager (whose outputs ``p`` does not keep:
+        a shape run eagerly now and then holds no memory)."""
+
         def compute():
             last = p.inputs.last_row if prompt_chunk else None
             return self.model.forward_paged(p.inputs, self.state, taps, logit_rows=last, chain=prompt_chunk)
@@ -228,11 +230,10 @@ class PassRunner:
             p.graph.replay()
             if slots is not None:  # the replay rewrote this pass's kept rows; no Python said so
                 slots.pending = p.pending
-            return
+            return p.logits, p.features
         hot = p.passes >= self.hot_passes and (prompt_chunk or p.inputs.shape[0] <= self.capture_rows)
         if not self.capture or not (self._warming or hot):
-            p.logits, p.features = compute()
-            return
+            return compute()
 
         def into_buffers():
             logits, features = compute()
@@ -249,3 +250,4 @@ class PassRunner:
         )
         if slots is not None:
             p.pending = slots.pending
+        return p.logits, p.features
