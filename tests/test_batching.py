@@ -71,6 +71,7 @@ def system(request, module_services, tiny_pair, tiny_qwen35_pair, tmp_path_facto
     dflash = s.start(f"b-{arch}-dflash", "draft", "--model", str(pair.draft), "--target-model", model, "--threads", "1")
     gw_oracle = s.start(f"b-{arch}-gw-oracle", "gateway", "--target", target, "--draft", oracle, "--metrics-port", "0")
     gw_dflash = s.start(f"b-{arch}-gw-dflash", "gateway", "--target", target, "--draft", dflash, "--metrics-port", "0")
+    gw_auto = s.start(f"b-{arch}-gw-auto", "gateway", "--target", target, "--draft", dflash, "--metrics-port", "0", "--budget", "auto")
     cases = _cases(read_target_config(model).vocab_size, 32)
     # Single-stream, target-only: one request at a time.
     references = [generate(gw_oracle, speculation=Spec(mode=Spec.OFF), **case).tokens for case in cases]
@@ -78,9 +79,9 @@ def system(request, module_services, tiny_pair, tiny_qwen35_pair, tmp_path_facto
         for case, ref in zip(cases, references):
             assert len(ref) == NEW_TOKENS
             f.write(json.dumps({"tokens": list(case["tokens"].ids) + ref}) + "\n")
-    yield {"target": target, "oracle": oracle, "dflash": dflash, "gw_oracle": gw_oracle, "gw_dflash": gw_dflash,
+    yield {"target": target, "oracle": oracle, "dflash": dflash, "gw_oracle": gw_oracle, "gw_dflash": gw_dflash, "gw_auto": gw_auto,
            "cases": cases, "references": references, "metrics": f"http://127.0.0.1:{port}/metrics"}
-    for name in ("gw-dflash", "gw-oracle", "dflash", "oracle", "target"):
+    for name in ("gw-auto", "gw-dflash", "gw-oracle", "dflash", "oracle", "target"):
         s.stop(f"b-{arch}-{name}")
 
 
@@ -104,6 +105,13 @@ def test_outputs_under_batching_equal_single_stream(system, name, spec, concurre
 @pytest.mark.parametrize("name,spec", MODES[1:], ids=[m[0] for m in MODES[1:]])
 def test_real_draft_outputs_under_batching_equal_single_stream(system, name, spec):
     outputs = run_concurrently(system["gw_dflash"], system["cases"], 8, spec)
+    assert outputs == system["references"]
+
+
+def test_adaptive_budget_outputs_under_batching_equal_single_stream(system):
+    """``--budget auto`` with the real draft: whatever budgets the gateway's policy picks (0 among
+    them: steps that skip the draft and send it the missed features later), the target's output."""
+    outputs = run_concurrently(system["gw_auto"], system["cases"], 8, Spec(mode=Spec.DDTREE))
     assert outputs == system["references"]
 
 

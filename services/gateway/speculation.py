@@ -38,6 +38,7 @@ from services.gateway.stats import SequenceStats, StepStats
 from services.gateway.workers import DraftClient, Prefilled, TargetClient, Verified
 from splitspec.errors import UpstreamError
 from splitspec.spec.tree import DraftTree, build_chain, build_ddtree
+from splitspec.transport.tensors import concat_rows, last_rows
 from splitspec.v1 import common_pb2, target_pb2
 
 logger = logging.getLogger(__name__)
@@ -132,6 +133,7 @@ class SpeculativeSequence:
         self.draft_context = 0  # the number of the last draft context started (ProposeRequest.context)
         self.draft_synced = 0  # positions whose token ids the draft has been sent
         self.resumes = 0
+        self.draft_s = 0.0  # the last proposal's time, as the gateway waited for it
         self.generated: list[int] = []  # every token yielded so far
 
     def _tokens(self, begin: int, end: int) -> list[int]:
@@ -183,10 +185,13 @@ class SpeculativeSequence:
             if max_depth < 0:
                 return
             step_start = time.perf_counter()
-            tree, fallback, budget = DraftTree.empty(), "", None
+            tree, fallback, budget, skipped = DraftTree.empty(), "", None, False
             # Features are missing after steps run without the draft; a resumed draft needs them.
             if self._speculating() and (features is not None or not self.shape.taps):
-                tree, fallback, budget = await self._draft_tree(anchor, start, features, max_depth, max_nodes)
+                if self.options.adaptive and max_depth > 0 and not self.budget_policy.drafts():
+                    budget, skipped = 0, True  # the adaptive budget is 0: a target-only step, draft not asked
+                else:
+                    tree, fallback, budget = await self._draft_tree(anchor, start, features, max_depth, max_nodes)
             elif self.wants_draft:
                 fallback = "draft_down"
             elif self.options.mode is not Mode.OFF:
@@ -204,13 +209,14 @@ class SpeculativeSequence:
                 yield self._committed([anchor], [prefilled.logprob])
                 continue
             accepted = len(verified.committed_tokens) - 1
-            self._observe(tree, budget is not None, verified, accepted, time.perf_counter() - step_start)
+            self._observe(tree, budget is not None and not skipped, verified, accepted, time.perf_counter() - step_start)
             step = StepStats(tree.num_nodes, int(tree.depths.max(initial=0)), accepted, fallback, budget)
             self.stats.add(step)
             self.on_step(step)
             new = verified.committed_tokens[1:] + [verified.next_token]
             self.generated.extend(new)
-            anchor, features = verified.next_token, verified.features
+            anchor = verified.next_token
+            features = await self._behind(features, verified.features) if skipped else verified.features
             yield self._committed(new, verified.logprobs)
 
     def _observe(self, tree: DraftTree, drafted: bool, verified: Verified, accepted: int, step_s: float) -> None:
@@ -225,7 +231,7 @@ class SpeculativeSequence:
             if drafted:
                 # The wait behind other sequences' passes is priced as passes (BudgetPolicy's q), not as
                 # t_other: as a constant it would argue for larger trees, which lengthen it.
-                policy.observe_round(step_s, forward_s, verified.queue_ns / 1e9, verified.pass_sequences or 1)
+                policy.observe_round(step_s, forward_s, verified.queue_ns / 1e9, verified.pass_sequences or 1, self.draft_s)
         if drafted:
             policy.observe_acceptance(tree, accepted)
 
@@ -245,6 +251,20 @@ class SpeculativeSequence:
         prefilled = await self._prefill(tokens)
         self.generated.append(prefilled.next_token)
         return prefilled
+
+    async def _behind(self, features: common_pb2.Tensor | None, new: common_pb2.Tensor | None) -> common_pb2.Tensor | None:
+        """The tap features the draft has not seen, after a step it was not asked for: ``features``
+        (the rows since its last proposal) then the step's ``new`` rows. A windowed draft attends to
+        its last ``draft_window`` positions only: past that many rows its context is released, and
+        the next proposal starts a fresh one from the last rows."""
+        if features is None or new is None:
+            return new if features is None else features
+        joined = concat_rows(features, new)
+        window = self.options.draft_window
+        if window and joined.shape[0] > window:
+            await self._forget_draft()
+            return last_rows(joined, window)
+        return joined
 
     async def _forget_draft(self) -> None:
         self.draft_synced = 0
@@ -274,12 +294,14 @@ class SpeculativeSequence:
         self.draft_live = True
         history = self._tokens(self.draft_synced, start)
         timeout = self._timeout(opts.draft_timeout_s)
+        asked = time.perf_counter()
         try:
             top_ids, top_logprobs = await self.draft.propose(
                 self.sequence_id, anchor, start, history, features, opts.top_k, opts.draft_window,
                 timeout=timeout, context=self.draft_context,
             )
             self.draft_synced = start
+            self.draft_s = time.perf_counter() - asked
         except grpc.aio.AioRpcError as exc:
             logger.warning(
                 "sequence %s: draft failed (%s: %s); continuing target-only",

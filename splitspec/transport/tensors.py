@@ -44,6 +44,24 @@ def _checked(msg: common_pb2.Tensor) -> tuple[tuple[int, ...], bytes]:
     return shape, data
 
 
+def concat_rows(first: common_pb2.Tensor, second: common_pb2.Tensor) -> common_pb2.Tensor:
+    """``second``'s rows after ``first``'s (both ``[rows, ...]`` of one dtype and row shape), without
+    decoding either: the gateway joins the tap features of steps the draft did not see."""
+    (shape_a, data_a), (shape_b, data_b) = _checked(first), _checked(second)
+    if first.dtype != second.dtype or len(shape_a) < 1 or shape_a[1:] != shape_b[1:]:
+        raise TensorFormatError(f"cannot join rows of {first.dtype} {shape_a} and {second.dtype} {shape_b}")
+    return common_pb2.Tensor(dtype=first.dtype, shape=[shape_a[0] + shape_b[0], *shape_a[1:]], data=data_a + data_b)
+
+
+def last_rows(msg: common_pb2.Tensor, rows: int) -> common_pb2.Tensor:
+    """The last ``rows`` rows of ``msg`` (``[n, ...]``; all of them when ``n <= rows``), undecoded."""
+    shape, data = _checked(msg)
+    if shape[0] <= rows:
+        return msg
+    row_bytes = len(data) // shape[0] if shape[0] else 0
+    return common_pb2.Tensor(dtype=msg.dtype, shape=[rows, *shape[1:]], data=data[len(data) - rows * row_bytes :])
+
+
 def array_to_pb(array: np.ndarray) -> common_pb2.Tensor:
     name = np.dtype(array.dtype).name
     if name not in _NUMPY_DTYPES:

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import torch
 
-from splitspec.transport.tensors import TensorFormatError, array_from_pb, array_to_pb, tensor_from_pb, tensor_to_pb
+from splitspec.transport.tensors import TensorFormatError, array_from_pb, array_to_pb, concat_rows, last_rows, tensor_from_pb, tensor_to_pb
 from splitspec.v1 import common_pb2
 
 
@@ -36,3 +36,17 @@ def test_cast_to_a_wire_dtype_and_numpy_side():
 def test_inconsistent_messages_are_refused(message, error):
     with pytest.raises(TensorFormatError, match=error):
         tensor_from_pb(message)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_join_and_cut_without_decoding(dtype):
+    """The gateway joins the features of steps the draft missed, and keeps a window's last rows."""
+    a, b = torch.randn(3, 2, 5).to(dtype), torch.randn(4, 2, 5).to(dtype)
+    joined = concat_rows(tensor_to_pb(a), tensor_to_pb(b))
+    assert torch.equal(tensor_from_pb(joined), torch.cat([a, b]))
+    assert torch.equal(tensor_from_pb(last_rows(joined, 5)), torch.cat([a, b])[-5:])
+    assert last_rows(joined, 7) is joined and last_rows(joined, 9) is joined
+    with pytest.raises(TensorFormatError, match="cannot join"):
+        concat_rows(tensor_to_pb(a), tensor_to_pb(torch.randn(4, 2, 6).to(dtype)))
+    with pytest.raises(TensorFormatError, match="cannot join"):
+        concat_rows(tensor_to_pb(a), tensor_to_pb(b.float() if dtype == torch.bfloat16 else b.half()))

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
 
-from services.gateway.budget import HYSTERESIS, BudgetPolicy, parse_budget
+from services.gateway.budget import EXPLORE_PASSES, HYSTERESIS, BudgetPolicy, parse_budget
 from services.gateway.server import GatewayServicer, GatewayState
 from services.gateway.speculation import DraftShape, Mode, SpeculationOptions, SpeculativeSequence
 from services.gateway.workers import Prefilled, Verified
@@ -17,6 +17,7 @@ from services.metrics import GatewayMetrics
 from splitspec.errors import InvalidArgument
 from splitspec.spec.budget import ADAPTIVE_BUDGETS, depth_mass
 from splitspec.spec.tree import build_ddtree
+from splitspec.transport.tensors import array_from_pb, array_to_pb
 from splitspec.v1 import common_pb2, gateway_pb2, target_pb2
 
 DEPTHS, K = 15, 8
@@ -178,6 +179,27 @@ def test_a_new_choice_holds_for_the_passes_that_show_its_cost():
     assert len(changes) >= 2 and all(b - a >= 5 for a, b in zip(changes, changes[1:])), loaded
 
 
+def test_budget_0_skips_the_draft_and_explores_every_few_passes():
+    """Where the draft's proposal costs more than its trees save, 0 wins: priced without the draft
+    (its steps do not ask it), and while 0 is chosen the steps of one pass in EXPLORE_PASSES draft,
+    with the best tree of the other budgets."""
+    policy = BudgetPolicy(22, 64, warmup_passes=1)
+    for _ in range(20):
+        policy.observe_pass(1, 1, 0.010)
+        policy.observe_round(0.300, 0.010, 0.0, 1, draft_s=0.280)  # t_other 290 ms, of which the draft 280
+    assert policy.t_other == pytest.approx(0.290) and policy.t_draft == pytest.approx(0.280)
+    assert policy.drafts()  # nothing chosen yet
+    explored = policy.choose(TREE)
+    assert policy.choice == 0 and explored > 0  # the step that drafted explores
+    candidates, rates = policy.rates()
+    assert rates[candidates == 0][0] == pytest.approx(1 / (0.010 + 0.010))  # one token per (t_other - t_draft + t(1))
+    asked = []
+    for _ in range(3 * EXPLORE_PASSES):
+        asked.append(policy.drafts())
+        policy.observe_pass(1, 1, 0.010)  # a target-only step's pass
+    assert [i for i, a in enumerate(asked) if a] == list(range(EXPLORE_PASSES - 1, 3 * EXPLORE_PASSES, EXPLORE_PASSES)), asked
+
+
 def test_adaptive_budgets_fill_the_targets_row_buckets():
     """Each adaptive budget's tree (b + 1 rows) is a row bucket of the target's fixed-shape passes,
     so adaptive steps make no CUDA graph shapes of their own; and the policy picks only those."""
@@ -278,6 +300,63 @@ def test_an_adaptive_sequence_cuts_the_largest_tree_to_the_choice_and_feeds_the_
         want = build_ddtree(TOP_IDS, TOP_LOGPROBS, budget, chain_seed=options.chain_seed, max_depth=depth)
         assert (tokens, parents) == (want.tokens.tolist(), want.parents.tolist())
     assert budgets == sum(chosen)
+
+
+class FeatureTarget(FakeTarget):
+    """Accepts nothing, in passes of one sequence, and returns a tap feature row per committed
+    position whose value is the position: a draft can check it got every row once, in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.length = 0  # positions committed
+
+    async def prefill(self, request, timeout=None) -> Prefilled:
+        self.length = len(request.tokens)
+        return Prefilled(next_token=500, features=array_to_pb(np.arange(self.length, dtype=np.float32)[:, None]))
+
+    async def verify(self, sequence_id, tokens, parents, return_features, timeout=None) -> Verified:
+        self.trees.append((np.asarray(tokens).tolist(), np.asarray(parents).tolist()))
+        features = array_to_pb(np.array([[self.length]], dtype=np.float32)) if return_features else None
+        self.length += 1
+        return Verified([500], 500, 0, features, int(flat_then_linear(len(tokens) + 1) * 1e9), pass_rows=len(tokens) + 1, pass_sequences=1)
+
+
+class CheckingDraft(FakeDraft):
+    """Checks, as the draft worker does, that a context's feature rows join up to each anchor."""
+
+    def __init__(self) -> None:
+        self.proposals: list[tuple[int, list[float]]] = []  # (anchor position, rows' positions)
+        self.ends: dict[int, int] = {}  # context -> first position without features
+
+    async def propose(self, sequence_id, anchor, start, history, features, top_k, window, timeout=None, context=0):
+        rows = array_from_pb(features)[:, 0].tolist()
+        assert rows == list(range(self.ends.get(context, start - len(rows)), start)), (start, rows)
+        self.ends[context] = start
+        self.proposals.append((start, rows))
+        return TOP_IDS, TOP_LOGPROBS
+
+
+def test_a_target_only_step_of_budget_0_does_not_ask_the_draft_and_keeps_its_features():
+    """While the adaptive budget is 0, steps skip the draft; the features of the steps it missed
+    reach it, joined, with the next proposal (an exploring step's), every row once and in order."""
+    policy = BudgetPolicy(22, 64, warmup_passes=1, hold_passes=float("inf"))
+    policy.choice = 0  # held: a draft whose proposals cost more than they save
+    target, draft = FeatureTarget(), CheckingDraft()
+    seq = SpeculativeSequence(
+        "s", target, draft, DraftShape(block_size=DEPTHS + 1, taps=(1,)), SpeculationOptions(budget=64, adaptive=True), PROMPT,
+        common_pb2.Sampling(), max_new_tokens=60, max_context=4096, budget_policy=policy,
+    )
+
+    async def drain():
+        return [tokens async for tokens in seq.run()]
+
+    out = sum(asyncio.run(drain()), [])
+    assert out == [500] * 60  # the target's tokens, whoever drafted
+    starts = [start for start, _ in draft.proposals]
+    assert starts == [len(PROMPT), len(PROMPT) + EXPLORE_PASSES, len(PROMPT) + 2 * EXPLORE_PASSES], starts
+    assert [len(rows) for _, rows in draft.proposals] == [len(PROMPT), EXPLORE_PASSES, EXPLORE_PASSES]
+    skipped = [len(tokens) == 0 for tokens, _ in target.trees]
+    assert sum(not s for s in skipped) == 3 and policy._other.count == 3  # only drafted steps priced a round
 
 
 def test_a_fixed_budget_wins_over_the_policy_and_still_teaches_it():
