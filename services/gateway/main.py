@@ -22,10 +22,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", choices=["ddtree", "chain", "off"], default="ddtree", help="default speculation mode")
     p.add_argument(
         "--budget", type=parse_budget, default=DEFAULT_BUDGET,
-        help=f"default DDTree nodes per step, root excluded (default {DEFAULT_BUDGET}): a fixed N, or auto (chosen per step "
-        "for the most tokens per second at the load the target reports: large trees while few sequences share its "
-        f"passes, small ones under load; at most --max-budget, {DEFAULT_BUDGET} until it has measured a few passes; "
-        "experimental: on an H200 it fell short of the best fixed budget under load, see BENCHMARKS.md). A request's "
+        help=f"default DDTree nodes per step, root excluded (default {DEFAULT_BUDGET}): a fixed N, or auto (one budget for "
+        "all the gateway's sequences, for the most tokens per second at the load the target reports: large trees while "
+        "few sequences share its passes, small ones under load, 0 (target-only steps that skip the draft) where the "
+        f"draft costs more than it saves; at most --max-budget, {DEFAULT_BUDGET} until it has measured a few passes; "
+        "experimental: on an H200 it reached 0.70-1.01 of the best fixed budget, see BENCHMARKS.md). A request's "
         f"own speculation.budget wins. Chain mode's default length is N, or {DEFAULT_BUDGET} under auto",
     )
     p.add_argument(
