@@ -128,6 +128,7 @@ class BudgetPolicy:
         self._predicted: list[_Ema] = []  # [depth] EMA of the draft's probability mass at that depth
         self._mass: np.ndarray | None = None  # [max_budget + 1, max_budget + 1] EMA of prefix_depth_mass
         self._trees = 0
+        self.verified_trees = 0  # steps whose acceptance the calibration has seen
         self.choice: int | None = None  # the budget every adaptive step gets now (None: not ready)
         self.hold_passes = 1.0 / alpha if hold_passes is None else hold_passes
         self._pass_weight = 0.0  # passes observed, each counted once (its reports weigh 1 / its sequences)
@@ -170,6 +171,7 @@ class BudgetPolicy:
         calibration of every depth the tree reached (a depth it did not reach is no evidence)."""
         if tree.num_nodes == 0 or tree.scores is None:
             return
+        self.verified_trees += 1
         max_depth = int(tree.depths.max())
         predicted = depth_mass(tree.scores, tree.depths, max_depth)  # [max_depth + 1]
         while len(self._observed) <= max_depth:
@@ -225,9 +227,13 @@ class BudgetPolicy:
 
     def rates(self) -> tuple[np.ndarray, np.ndarray]:
         """The budgets the policy chooses among (``[m]``: ``ADAPTIVE_BUDGETS`` below ``max_budget``,
-        and ``max_budget``) and the committed tokens per second it expects of each (``[m]``); needs
+        and ``max_budget``; 0 once ``1 / calibration_alpha`` verified trees have calibrated the
+        draft's acceptance) and the committed tokens per second it expects of each (``[m]``); needs
         :attr:`ready` and a tree seen by :meth:`choose`."""
-        candidates = np.array([b for b in ADAPTIVE_BUDGETS if b < self.max_budget] + [self.max_budget])  # [m]
+        # 0 stops the drafting that teaches the calibration: it waits for ~1 / calibration_alpha steps of
+        # it. (The built-in pair's draft under-reports its acceptance; trusted at once, it chose 0.)
+        known = self.verified_trees >= 1.0 / self.calibration_alpha
+        candidates = np.array([b for b in ADAPTIVE_BUDGETS if 0 < b < self.max_budget or (b == 0 and known)] + [self.max_budget])  # [m]
         expected_al = 1.0 + self._mass @ self.calibration(self.max_budget)  # [max_budget + 1]
         q = self.passes_per_round
 

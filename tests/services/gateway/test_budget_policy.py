@@ -180,15 +180,19 @@ def test_a_new_choice_holds_for_the_passes_that_show_its_cost():
 
 
 def test_budget_0_skips_the_draft_and_explores_every_few_passes():
-    """Where the draft's proposal costs more than its trees save, 0 wins: priced without the draft
-    (its steps do not ask it), and while 0 is chosen the steps of one pass in EXPLORE_PASSES draft,
-    with the best tree of the other budgets."""
+    """Where the draft's proposal costs more than its trees save, 0 wins once the draft's
+    acceptance is calibrated: priced without the draft (its steps do not ask it), and while 0 is
+    chosen the steps of one pass in EXPLORE_PASSES draft, with the best tree of the other budgets."""
     policy = BudgetPolicy(22, 64, warmup_passes=1)
     for _ in range(20):
         policy.observe_pass(1, 1, 0.010)
         policy.observe_round(0.300, 0.010, 0.0, 1, draft_s=0.280)  # t_other 290 ms, of which the draft 280
     assert policy.t_other == pytest.approx(0.290) and policy.t_draft == pytest.approx(0.280)
     assert policy.drafts()  # nothing chosen yet
+    assert policy.choose(TREE) > 0 and 0 not in policy.rates()[0]  # 0 waits for a calibrated acceptance
+    for _ in range(int(1 / policy.calibration_alpha)):
+        policy.observe_acceptance(TREE, 3)
+    policy.choice = None  # as if unchosen: no hold
     explored = policy.choose(TREE)
     assert policy.choice == 0 and explored > 0  # the step that drafted explores
     candidates, rates = policy.rates()
@@ -341,6 +345,7 @@ def test_a_target_only_step_of_budget_0_does_not_ask_the_draft_and_keeps_its_fea
     reach it, joined, with the next proposal (an exploring step's), every row once and in order."""
     policy = BudgetPolicy(22, 64, warmup_passes=1, hold_passes=float("inf"))
     policy.choice = 0  # held: a draft whose proposals cost more than they save
+    policy.verified_trees = int(1 / policy.calibration_alpha)  # as after that many steps: 0 may be chosen
     target, draft = FeatureTarget(), CheckingDraft()
     seq = SpeculativeSequence(
         "s", target, draft, DraftShape(block_size=DEPTHS + 1, taps=(1,)), SpeculationOptions(budget=64, adaptive=True), PROMPT,
