@@ -127,7 +127,6 @@ class BudgetPolicy:
         self._observed: list[_Ema] = []  # [depth] EMA of the steps' acceptance at that depth (index 0 unused)
         self._predicted: list[_Ema] = []  # [depth] EMA of the draft's probability mass at that depth
         self._mass: np.ndarray | None = None  # [max_budget + 1, max_budget + 1] EMA of prefix_depth_mass
-        self._trees = 0
         self.verified_trees = 0  # steps whose acceptance the calibration has seen
         self.choice: int | None = None  # the budget every adaptive step gets now (None: not ready)
         self.hold_passes = 1.0 / alpha if hold_passes is None else hold_passes
@@ -261,9 +260,7 @@ class BudgetPolicy:
         most = min(tree.num_nodes, self.max_budget)
         if tree.num_nodes and tree.scores is not None:
             mass = prefix_depth_mass(tree.scores, tree.depths, self.max_budget)
-            alpha = 1.0 if self._trees == 0 else self.alpha
-            self._mass = mass if self._mass is None else self._mass + alpha * (mass - self._mass)
-            self._trees += 1
+            self._mass = mass if self._mass is None else self._mass + self.alpha * (mass - self._mass)
         if not self.ready or self._mass is None:
             return min(self.default_budget, most)
         candidates, rates = self.rates()

@@ -39,7 +39,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from services.target.graphs import HOT_PASSES, PREFILL_CHUNK, ROW_BUCKETS, PassRunner, recurrent_pass_rows
+from services.target.graphs import HOT_PASSES, PREFILL_CHUNK, PassRunner, pass_row_limit
 from services.worker.hosting import SequenceTable
 from splitspec.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, ServiceError
 from splitspec.models.paged import PagedState, PassInputs, pass_layout
@@ -167,7 +167,7 @@ class TargetEngine:
         blocks = -(-self.limits.max_kv_tokens // self.limits.block_size) + 1  # + the pad block
         self.state = model.new_pool(blocks, self.limits.block_size, self.limits.max_sequences, self.device, self.dtype)
         # A recurrent family's fixed-shape tree passes are bounded by the rows its slots reserve.
-        max_rows = ROW_BUCKETS[-1] if self.state.slots is None else recurrent_pass_rows(self.limits.max_sequences)
+        max_rows = pass_row_limit(self.state.slots is not None, self.limits.max_sequences)
         self.runner = PassRunner(model, self.state, fixed_shapes, capture, max_rows, hot_passes)
         self.sequences = SequenceTable(on_drop=lambda state: self._give_back(state.holding))  # of SequenceState
         self._admissions = itertools.count(1)

@@ -78,6 +78,12 @@ def recurrent_pass_rows(max_sequences: int) -> int:
     return bucket(min(max_sequences * WARM_TREE_ROWS, ROW_BUCKETS[-1]), ROW_BUCKETS)
 
 
+def pass_row_limit(recurrent: bool, max_sequences: int) -> int:
+    """The most rows of a fixed-shape tree pass (``PassRunner``'s ``max_rows``): a recurrent family's
+    is bounded by the tree rows its state slots reserve (:func:`recurrent_pass_rows`)."""
+    return recurrent_pass_rows(max_sequences) if recurrent else ROW_BUCKETS[-1]
+
+
 def warm_up_passes(
     max_sequences: int, max_rows: int, blocks: tuple[int, ...] = WARM_BLOCKS, spans: tuple[int, ...] = WARM_SPANS
 ) -> list[tuple[int, int, int]]:

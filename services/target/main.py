@@ -79,10 +79,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-cuda-graphs", action="store_true", help="run the fixed shapes without capturing graphs (debugging)")
     p.add_argument(
         "--warm-up-blocks", type=_blocks, default=None, metavar="ROWS,...",
-        help="rows per sequence of the batch passes captured as CUDA graphs at start, for every power-of-two batch "
-        f"up to {WARM_UP_SEQUENCES} sequences and --max-sequences (default: a decode step's 1 and every adaptive "
-        f"budget's tree, {','.join(str(b + 1) for b in ADAPTIVE_BUDGETS)}); a shape left out runs eagerly until it "
-        "has come often, then is captured. Fewer start sooner",
+        help="rows per sequence of the batch passes captured as CUDA graphs at start, for every batch of up to "
+        f"{WARM_UP_SEQUENCES} sequences and --max-sequences (default: a decode step's 1 and every adaptive budget's "
+        f"tree, {','.join(str(b + 1) for b in ADAPTIVE_BUDGETS)}); a shape left out runs eagerly until its third pass, "
+        "then is captured. Fewer start sooner",
     )
     p.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0 = torch's default)")
     p.add_argument("--sequence-ttl", type=float, default=600.0, help="release sequences idle this many seconds")

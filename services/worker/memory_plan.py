@@ -33,9 +33,10 @@ in the compute dtype and two float32 copies (the logits, and a sampling or log-s
 Attention is taken to read keys in place (``native/paged_attention``), as it does on GPUs. A
 target's prompt features go to the host chunk by chunk (``TargetEngine._prefill``), so its prompt
 pass holds one chunk's; the draft projects a prompt's features a chunk at a time (``APPEND_CHUNK``)
-and holds its keys and values twice (joined, then appended). A target's captured graphs write their float32 logits and tap features into buffers of the
-runner, as many rows as the largest pass captured at start (``PassRunner.warm_up``), which no
-graph captured later exceeds; on CUDA the target logs what torch has reserved once warm-up is over.
+and holds its keys and values twice (joined, then appended). A target's captured graphs write
+their float32 logits and tap features into buffers of the runner, as many rows as the largest
+pass captured at start (``PassRunner.warm_up``), which no graph captured later exceeds; on CUDA
+the target logs what torch has reserved once warm-up is over.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ from torch import nn
 
 from services.draft.engine import APPEND_CHUNK
 from services.target.engine import TargetLimits
-from services.target.graphs import ROW_BUCKETS, WARM_BLOCKS, bucket, recurrent_pass_rows, warm_up_passes
+from services.target.graphs import ROW_BUCKETS, WARM_BLOCKS, bucket, pass_row_limit, recurrent_pass_rows, warm_up_passes
 from services.worker.hosting import StepBatcher
 from splitspec.models.qwen35 import Qwen35Config, tree_row_bytes
 
@@ -262,8 +263,7 @@ def target_plan(
     if hybrid:  # the tree kernel's scratch: every row's state, one layer at a time
         verify += tree_rows * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * state_dtype.itemsize
     prefill = limits.prefill_chunk * (row + feature_row) + _logits_row_bytes(c.vocab_size, itemsize)
-    max_rows = recurrent_pass_rows(limits.max_sequences) if hybrid else ROW_BUCKETS[-1]  # as TargetEngine's runner
-    graph_rows = graph_output_rows(warm_up_sequences, max_rows, warm_up_blocks)
+    graph_rows = graph_output_rows(warm_up_sequences, pass_row_limit(hybrid, limits.max_sequences), warm_up_blocks)
     plan.workspace = max(verify, prefill) + graph_rows * (c.vocab_size * 4 + feature_row)
     plan.basis["workspace"] = (
         f"estimate: the larger of a verify pass of {tree_rows} rows ({size(verify)}) and a prompt chunk of "

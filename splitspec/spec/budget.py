@@ -155,9 +155,10 @@ def choose_budget(
 
 
 def budget_rates(
-    expected_al: np.ndarray, cost: Callable[[np.ndarray], np.ndarray], t_other: float, concurrency: float, budgets: np.ndarray
+    expected_al: np.ndarray, cost: Callable[[np.ndarray], np.ndarray], t_other: float | np.ndarray, concurrency: float,
+    budgets: np.ndarray,
 ) -> np.ndarray:
     """``[m]`` committed tokens per second of a pass at each of ``budgets`` (``[m]`` int): the rate
-    :func:`choose_budget` maximizes, with its arguments."""
+    :func:`choose_budget` maximizes, with its arguments (``t_other`` may be ``[m]``, one per budget)."""
     expected_al = np.asarray(expected_al, dtype=np.float64)
     return concurrency * expected_al[budgets] / (t_other + cost(concurrency * (budgets + 1)))  # [m]

@@ -58,7 +58,7 @@ def last_rows(msg: common_pb2.Tensor, rows: int) -> common_pb2.Tensor:
     shape, data = _checked(msg)
     if shape[0] <= rows:
         return msg
-    row_bytes = len(data) // shape[0] if shape[0] else 0
+    row_bytes = len(data) // shape[0]  # shape[0] > rows >= 0
     return common_pb2.Tensor(dtype=msg.dtype, shape=[rows, *shape[1:]], data=data[len(data) - rows * row_bytes :])
 
 
