@@ -6,24 +6,24 @@ reads 2-4x fewer bytes than a bf16 matmul. ``W`` [N, K] is held as the file's ra
 tensor [N, K / block_values * block_bytes], row n being the blocks of output feature n, exactly as
 GGUF stores it (see ``models.dequant`` for the block layouts).
 
-Two kernels, chosen by ``Tiling.gemv`` (``default_tiling`` picks by M). The GEMV kernel (M = 1,
+Calls of many rows (prompt chunks, large batched passes) go to ``native.gguf_expand``, which
+expands tiles of W for cuBLAS; calls of 1-64 bf16 rows of Q4_K and Q6_K to ``native.gguf_mma``.
+The rest run here, on two kernels chosen by ``Tiling.gemv`` (``default_tiling`` picks by M). The GEMV kernel (M = 1,
 decode): one program per ``BLOCK_N`` output features and x row; each step of ``CHUNK`` values
 loads the rows' bytes as whole runs (16-byte vectors for Q4_K), expands them with their scales to
 float32 in registers, in the order the bytes lie, and multiply-adds them with x loaded in that
 order into a per-lane accumulator that is reduced once, after the K loop: the work per byte is a
 few ALU operations and no cross-lane traffic, so the kernel can run at memory speed. Integers
-become floats by the 2**23 mantissa trick (``_exact_f32``): conversion instructions run at a
+become floats by the 2**23 mantissa trick (``exact_f32``): conversion instructions run at a
 quarter rate and would bound it. The ``tl.dot`` kernel (tree verify, prefill): one program per
 tile of ``BLOCK_N`` features and ``BLOCK_M`` (16-128) rows, each chunk's blocks expanded once
 and multiplied on tensor cores. When the tiles are too few to fill the GPU, K is split over
 ``SPLIT_K`` programs whose float32 partial sums are added afterwards in a fixed order, so a
 result never depends on scheduling.
 
-Terms: a *block* is GGUF's unit of quantization (32 values for Q8_0, a 256-value *super-block*
-for the K-quants and IQ4_XS); a *sub-block* shares one scale inside a super-block (32 values for
-Q4_K, Q5_K and IQ4_XS, 16 for Q6_K). IQ4_XS's 4-bit values are *indices* into sixteen non-linear
-int8 levels (``gguf_dequant.IQ4_NL_VALUES``), which the kernels read from a 16-entry float32
-table in device memory (``_levels``; ``_iq4_xs_step`` says why a table). Products accumulate in
+Terms (blocks, sub-blocks, IQ4_XS's indices) as in ``native.gguf_blocks``, whose per-type
+functions the ``tl.dot`` kernel expands its chunks with. IQ4_XS's levels are read from a 16-entry float32
+table in device memory (``gguf_blocks.levels``; ``_iq4_xs_step`` says why a table). Products accumulate in
 float32. The ``tl.dot`` kernel rounds the weight to x's dtype before the multiply, as a
 dequantized model in that dtype holds it; the GEMV kernel multiplies the float32 weight (closer
 to the exact product; both stay within x's dtype rounding of the reference). The output has x's
@@ -43,8 +43,9 @@ from gguf import GGMLQuantizationType as Q
 from torch import nn
 from torch.nn import functional as F
 
-from native import gguf_mma, sm_count, use_triton
-from native.gguf_dequant import dequantize, iq4_nl_levels
+from native import gguf_expand, gguf_mma, sm_count, use_triton
+from native.gguf_blocks import TYPE_IDS, levels
+from native.gguf_dequant import dequantize
 
 try:
     import triton
@@ -53,7 +54,6 @@ except ImportError:  # CPU installs without triton run the reference only
     triton = None
 
 KERNEL_TYPES = frozenset({Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS})
-_TYPE_IDS = {Q.Q8_0: 0, Q.Q4_K: 1, Q.Q6_K: 2, Q.Q5_K: 3, Q.IQ4_XS: 4}  # the kernels' QTYPE constant
 
 
 def row_bytes(qtype: Q, in_features: int) -> int:
@@ -81,130 +81,7 @@ def triton_enabled(x: torch.Tensor) -> bool:
 # ------------------------------------------------------------------------------------------ kernels
 
 if triton is not None:
-
-    @triton.jit
-    def _f16(w_ptr, byte_offset):
-        """The little-endian f16 at ``byte_offset`` (even: every block starts 2-byte aligned) -> f32."""
-        return tl.load(w_ptr.to(tl.pointer_type(tl.float16)) + byte_offset // 2).to(tl.float32)
-
-    @triton.jit
-    def _exact_f32(q, offset: tl.constexpr):
-        """int32 0 <= q < 2**23 -> float32 ``q - offset``, exactly: q ORed into the mantissa of 2**23
-        (bits 0x4B000000) is the float 2**23 + q. Two full-rate ALU operations, where an integer
-        to float conversion runs at a quarter of the rate on NVIDIA GPUs and would bound the kernel."""
-        return (q | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + offset)
-
-    # -------------------------------------------------------------------- tl.dot path (M > 8)
-
-    @triton.jit
-    def _q8_0_chunk(w_ptr, rows, row_nbytes, k0, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
-        """Values k0 .. k0 + CHUNK of ``rows`` [BLOCK_N] -> f32 [BLOCK_N, CHUNK]; CHUNK / 32 blocks
-        of f16 d + 32 int8 q, value = d * q."""
-        G: tl.constexpr = CHUNK // 32
-        blocks = k0 // 32 + tl.arange(0, G)
-        base = rows[:, None] * row_nbytes + blocks[None, :] * 34  # [BLOCK_N, G]
-        d = _f16(w_ptr, base)
-        q = tl.load(w_ptr + base[:, :, None] + 2 + tl.arange(0, 32)[None, None, :]).to(tl.int32)
-        return tl.reshape(_exact_f32(q ^ 128, 128.0) * d[:, :, None], (BLOCK_N, CHUNK))  # q ^ 128: int8 + 128
-
-    @triton.jit
-    def _q4_k_scale_min(w_ptr, block_byte, s):
-        """Sub-block ``s`` [G] of the Q4_K super-blocks at ``block_byte`` [BLOCK_N, G] -> its 6-bit
-        (scale, min) as int32 [BLOCK_N, G]: bytes 4 .. 15 hold scale s and min s in the low 6 bits of
-        bytes s and s + 4 for s < 4; for s >= 4 the low and high nibbles of byte s + 4 plus the top two
-        bits of bytes s - 4 and s."""
-        scale_bytes = block_byte + 4
-        lo = tl.load(w_ptr + scale_bytes + s[None, :]).to(tl.int32)  # byte s
-        hi = tl.load(w_ptr + scale_bytes + 4 + s[None, :]).to(tl.int32)  # byte s + 4
-        low = tl.load(w_ptr + scale_bytes + (s % 4)[None, :]).to(tl.int32)  # byte s - 4 for s >= 4
-        first = (s < 4)[None, :]
-        scale = tl.where(first, lo & 63, (hi & 15) | ((low >> 6) << 4))
-        minimum = tl.where(first, hi & 63, (hi >> 4) | ((lo >> 6) << 4))
-        return scale, minimum
-
-    @triton.jit
-    def _q4_k_chunk(w_ptr, rows, row_nbytes, k0, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
-        """Values k0 .. k0 + CHUNK (inside one super-block) -> f32 [BLOCK_N, CHUNK]. A super-block
-        is f16 d, f16 dmin, 12 bytes of eight 6-bit scales and mins, then 128 bytes where 32-byte
-        group j holds sub-block 2j in its low nibbles and 2j + 1 in its high nibbles;
-        value = d * scale[s] * q - dmin * min[s]."""
-        G: tl.constexpr = CHUNK // 32
-        s = (k0 % 256) // 32 + tl.arange(0, G)  # [G] sub-blocks of this chunk
-        base = rows * row_nbytes + (k0 // 256) * 144  # [BLOCK_N]
-        scale, minimum = _q4_k_scale_min(w_ptr, base[:, None], s)
-        d = _f16(w_ptr, base)[:, None] * scale.to(tl.float32)  # [BLOCK_N, G]
-        dmin = _f16(w_ptr, base + 2)[:, None] * minimum.to(tl.float32)
-        offsets = 16 + 32 * (s // 2)[:, None] + tl.arange(0, 32)[None, :]  # [G, 32]
-        shifts = (4 * (s % 2))[:, None]
-        q = (tl.load(w_ptr + base[:, None, None] + offsets[None, :, :]).to(tl.int32) >> shifts[None, :, :]) & 15
-        return tl.reshape(d[:, :, None] * _exact_f32(q, 0.0) - dmin[:, :, None], (BLOCK_N, CHUNK))
-
-    @triton.jit
-    def _q5_k_chunk(w_ptr, rows, row_nbytes, k0, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
-        """Values k0 .. k0 + CHUNK (inside one super-block) -> f32 [BLOCK_N, CHUNK]. A super-block
-        is Q4_K's f16 d, f16 dmin and 12 scale bytes, then 32 bytes of fifth bits (bit s of byte l:
-        value l of sub-block s), then Q4_K's 128 bytes of low nibbles;
-        value = d * scale[s] * q - dmin * min[s], q = low | fifth bit << 4 in 0 .. 31."""
-        G: tl.constexpr = CHUNK // 32
-        s = (k0 % 256) // 32 + tl.arange(0, G)  # [G] sub-blocks of this chunk
-        lane = tl.arange(0, 32)[None, :]
-        base = rows * row_nbytes + (k0 // 256) * 176  # [BLOCK_N]
-        scale, minimum = _q4_k_scale_min(w_ptr, base[:, None], s)
-        d = _f16(w_ptr, base)[:, None] * scale.to(tl.float32)  # [BLOCK_N, G]
-        dmin = _f16(w_ptr, base + 2)[:, None] * minimum.to(tl.float32)
-        low_at = 48 + 32 * (s // 2)[:, None] + lane  # [G, 32]
-        low = (tl.load(w_ptr + base[:, None, None] + low_at[None]).to(tl.int32) >> (4 * (s % 2))[None, :, None]) & 15
-        high = (tl.load(w_ptr + base[:, None, None] + 16 + lane[None]).to(tl.int32) >> s[None, :, None]) & 1  # [BLOCK_N, G, 32]
-        q = _exact_f32(low | (high << 4), 0.0)
-        return tl.reshape(d[:, :, None] * q - dmin[:, :, None], (BLOCK_N, CHUNK))
-
-    @triton.jit
-    def _iq4_xs_scale(w_ptr, block_byte, s):
-        """Sub-block ``s`` [G] of the IQ4_XS super-blocks at ``block_byte`` [BLOCK_N, G] -> its stored
-        6-bit scale (the value plus 32) as int32 [BLOCK_N, G]: low nibble s % 2 of byte 4 + s // 2,
-        high two bits 2 (s % 4) of byte 2 + s // 4 (the little-endian uint16 at byte 2)."""
-        low = (tl.load(w_ptr + block_byte + 4 + (s // 2)[None, :]).to(tl.int32) >> (4 * (s % 2))[None, :]) & 15
-        high = (tl.load(w_ptr + block_byte + 2 + (s // 4)[None, :]).to(tl.int32) >> (2 * (s % 4))[None, :]) & 3
-        return low | (high << 4)
-
-    @triton.jit
-    def _iq4_xs_chunk(w_ptr, levels_ptr, rows, row_nbytes, k0, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
-        """Values k0 .. k0 + CHUNK (inside one super-block) -> f32 [BLOCK_N, CHUNK]. A super-block is
-        f16 d, 6 bytes of eight 6-bit scales (``_iq4_xs_scale``), then sixteen bytes per sub-block s
-        at 8 + 16 s, whose byte i holds the indices of values i (low nibble) and 16 + i (high);
-        value = d * (scale - 32) * levels[index]."""
-        G: tl.constexpr = CHUNK // 32
-        s = (k0 % 256) // 32 + tl.arange(0, G)  # [G] sub-blocks of this chunk
-        lane = tl.arange(0, 32)
-        base = rows * row_nbytes + (k0 // 256) * 136  # [BLOCK_N]
-        dl = _f16(w_ptr, base)[:, None] * _exact_f32(_iq4_xs_scale(w_ptr, base[:, None], s), 32.0)  # [BLOCK_N, G]
-        at = (8 + 16 * s)[:, None] + (lane % 16)[None, :]  # [G, 32]
-        index = (tl.load(w_ptr + base[:, None, None] + at[None]).to(tl.int32) >> (4 * (lane // 16))[None, None, :]) & 15
-        return tl.reshape(dl[:, :, None] * tl.load(levels_ptr + index), (BLOCK_N, CHUNK))
-
-    @triton.jit
-    def _q6_k_chunk(w_ptr, rows, row_nbytes, k0, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
-        """Values k0 .. k0 + CHUNK (inside one super-block) -> f32 [BLOCK_N, CHUNK]. A super-block
-        is 128 bytes of low 4 bits, 64 of high 2 bits, sixteen int8 scales, f16 d. Value
-        v = 128 h + 32 r + l (h < 2, r < 4, l < 32) has its low bits in nibble r // 2 of byte
-        64 h + 32 (r % 2) + l, its high bits at bit 2 r of byte 128 + 32 h + l, and scale v // 16;
-        value = d * scale * (q - 32)."""
-        G: tl.constexpr = CHUNK // 32
-        g = (k0 % 256) // 32 + tl.arange(0, G)  # [G] groups of 32 values: g = 4 h + r
-        h, r = g // 4, g % 4
-        lane = tl.arange(0, 32)[None, :]
-        base = rows * row_nbytes + (k0 // 256) * 210  # [BLOCK_N]
-        low_at = (64 * h + 32 * (r % 2))[:, None] + lane  # [G, 32]
-        high_at = 128 + (32 * h)[:, None] + lane
-        low = (tl.load(w_ptr + base[:, None, None] + low_at[None]).to(tl.int32) >> (4 * (r // 2))[None, :, None]) & 15
-        high = (tl.load(w_ptr + base[:, None, None] + high_at[None]).to(tl.int32) >> (2 * r)[None, :, None]) & 3
-        q = _exact_f32(low | (high << 4), 32.0)  # [BLOCK_N, G, 32]
-        scales = w_ptr + base[:, None] + 192 + 2 * g[None, :]  # [BLOCK_N, G]: sub-blocks 2g, 2g + 1
-        first = tl.load(scales).to(tl.int8, bitcast=True).to(tl.float32)
-        second = tl.load(scales + 1).to(tl.int8, bitcast=True).to(tl.float32)
-        d = _f16(w_ptr, base + 208)[:, None, None]
-        scale = tl.where(lane[None] < 16, (d * first[:, :, None]), (d * second[:, :, None]))
-        return tl.reshape(scale * q, (BLOCK_N, CHUNK))
+    from native.gguf_blocks import exact_f32, f16, iq4_xs_chunk, iq4_xs_scale, q4_k_chunk, q4_k_scale_min, q5_k_chunk, q6_k_chunk, q8_0_chunk
 
     @triton.jit(do_not_specialize=["M"])
     def _gguf_matmul_kernel(
@@ -225,15 +102,15 @@ if triton is not None:
         for i in range(CHUNKS_PER_SPLIT):
             k0 = (split * CHUNKS_PER_SPLIT + i) * CHUNK
             if QTYPE == 0:
-                w = _q8_0_chunk(w_ptr, rows, row_nbytes, k0, BLOCK_N, CHUNK)
+                w = q8_0_chunk(w_ptr, rows, row_nbytes, k0, BLOCK_N, CHUNK)
             elif QTYPE == 1:
-                w = _q4_k_chunk(w_ptr, rows, row_nbytes, k0, BLOCK_N, CHUNK)
+                w = q4_k_chunk(w_ptr, rows, row_nbytes, k0, BLOCK_N, CHUNK)
             elif QTYPE == 2:
-                w = _q6_k_chunk(w_ptr, rows, row_nbytes, k0, BLOCK_N, CHUNK)
+                w = q6_k_chunk(w_ptr, rows, row_nbytes, k0, BLOCK_N, CHUNK)
             elif QTYPE == 3:
-                w = _q5_k_chunk(w_ptr, rows, row_nbytes, k0, BLOCK_N, CHUNK)
+                w = q5_k_chunk(w_ptr, rows, row_nbytes, k0, BLOCK_N, CHUNK)
             else:
-                w = _iq4_xs_chunk(w_ptr, levels_ptr, rows, row_nbytes, k0, BLOCK_N, CHUNK)
+                w = iq4_xs_chunk(w_ptr, levels_ptr, rows, row_nbytes, k0, BLOCK_N, CHUNK)
             x = tl.load(x_ptr + m[:, None] * stride_xm + (k0 + tl.arange(0, CHUNK))[None, :], mask=m_ok[:, None], other=0.0)
             w = w.to(x.dtype)  # the weight as a dequantized model in x's dtype holds it
             if FP32_DOT:
@@ -258,12 +135,12 @@ if triton is not None:
         lane = tl.arange(0, 32)
         block = rows[:, None] * row_nbytes + (k0 // 32 + g)[None, :] * 34  # [BLOCK_N, G]
         q = tl.load(w_ptr + block[:, :, None] + 2 + lane[None, None, :]).to(tl.int32)
-        w = _exact_f32(q ^ 128, 128.0) * _f16(w_ptr, block)[:, :, None]  # q ^ 128 = int8 + 128
+        w = exact_f32(q ^ 128, 128.0) * f16(w_ptr, block)[:, :, None]  # q ^ 128 = int8 + 128
         return w, k0 + 32 * g[:, None] + lane[None, :]
 
     @triton.jit
     def _q4_k_step(w_ptr, rows, row_nbytes, k0, CHUNK: tl.constexpr):
-        """Q4_K (layout in ``_q4_k_chunk``): G = CHUNK / 64 groups of 32 quant bytes (16-byte
+        """Q4_K (layout in ``q4_k_chunk``): G = CHUNK / 64 groups of 32 quant bytes (16-byte
         aligned: 144 = 9 * 16); byte l of group j holds value 64 j + l of its super-block in its low
         nibble (sub-block 2 j) and 64 j + 32 + l in its high one -> (w_lo, w_hi) [BLOCK_N, G, 32]
         and the x offsets of w_lo [G, 32] (w_hi's are 32 on)."""
@@ -274,16 +151,16 @@ if triton is not None:
         block = rows[:, None] * row_nbytes + (k0 // 256 + g // 4)[None, :] * 144  # [BLOCK_N, G]
         at = tl.multiple_of(block + 16 + 32 * j[None, :], (16, 16))
         q = tl.load(w_ptr + at[:, :, None] + lane[None, None, :]).to(tl.int32)  # [BLOCK_N, G, 32]
-        scale_lo, min_lo = _q4_k_scale_min(w_ptr, block, 2 * j)
-        scale_hi, min_hi = _q4_k_scale_min(w_ptr, block, 2 * j + 1)
-        d, dmin = _f16(w_ptr, block), _f16(w_ptr, block + 2)  # [BLOCK_N, G]
-        w_lo = tl.fma(_exact_f32(q & 15, 0.0), (d * scale_lo.to(tl.float32))[:, :, None], -(dmin * min_lo.to(tl.float32))[:, :, None])
-        w_hi = tl.fma(_exact_f32(q >> 4, 0.0), (d * scale_hi.to(tl.float32))[:, :, None], -(dmin * min_hi.to(tl.float32))[:, :, None])
+        scale_lo, min_lo = q4_k_scale_min(w_ptr, block, 2 * j)
+        scale_hi, min_hi = q4_k_scale_min(w_ptr, block, 2 * j + 1)
+        d, dmin = f16(w_ptr, block), f16(w_ptr, block + 2)  # [BLOCK_N, G]
+        w_lo = tl.fma(exact_f32(q & 15, 0.0), (d * scale_lo.to(tl.float32))[:, :, None], -(dmin * min_lo.to(tl.float32))[:, :, None])
+        w_hi = tl.fma(exact_f32(q >> 4, 0.0), (d * scale_hi.to(tl.float32))[:, :, None], -(dmin * min_hi.to(tl.float32))[:, :, None])
         return w_lo, w_hi, k0 + 64 * g[:, None] + lane[None, :]
 
     @triton.jit
     def _q5_k_step(w_ptr, rows, row_nbytes, k0, CHUNK: tl.constexpr):
-        """Q5_K (layout in ``_q5_k_chunk``): ``_q4_k_step``'s groups (32 low-nibble bytes at 48 + 32 j,
+        """Q5_K (layout in ``q5_k_chunk``): ``_q4_k_step``'s groups (32 low-nibble bytes at 48 + 32 j,
         16-byte aligned: 176 = 11 * 16) plus the block's 32 fifth-bit bytes, whose bits 2 j and 2 j + 1
         complete the low and high nibble of byte l -> (w_lo, w_hi) [BLOCK_N, G, 32] and the x offsets
         of w_lo [G, 32] (w_hi's are 32 on)."""
@@ -296,18 +173,18 @@ if triton is not None:
         q = tl.load(w_ptr + at[:, :, None] + lane[None, None, :]).to(tl.int32)  # [BLOCK_N, G, 32]
         qh_at = tl.multiple_of(block + 16, (16, 16))  # read again for each of a block's 4 groups: L1 hits, no more DRAM bytes
         qh = tl.load(w_ptr + qh_at[:, :, None] + lane[None, None, :]).to(tl.int32) >> (2 * j)[None, :, None]
-        scale_lo, min_lo = _q4_k_scale_min(w_ptr, block, 2 * j)
-        scale_hi, min_hi = _q4_k_scale_min(w_ptr, block, 2 * j + 1)
-        d, dmin = _f16(w_ptr, block), _f16(w_ptr, block + 2)  # [BLOCK_N, G]
+        scale_lo, min_lo = q4_k_scale_min(w_ptr, block, 2 * j)
+        scale_hi, min_hi = q4_k_scale_min(w_ptr, block, 2 * j + 1)
+        d, dmin = f16(w_ptr, block), f16(w_ptr, block + 2)  # [BLOCK_N, G]
         q_lo = (q & 15) | ((qh << 4) & 16)  # bit 2 j of qh lands on 4
         q_hi = (q >> 4) | ((qh << 3) & 16)  # bit 2 j + 1 lands on 4
-        w_lo = tl.fma(_exact_f32(q_lo, 0.0), (d * scale_lo.to(tl.float32))[:, :, None], -(dmin * min_lo.to(tl.float32))[:, :, None])
-        w_hi = tl.fma(_exact_f32(q_hi, 0.0), (d * scale_hi.to(tl.float32))[:, :, None], -(dmin * min_hi.to(tl.float32))[:, :, None])
+        w_lo = tl.fma(exact_f32(q_lo, 0.0), (d * scale_lo.to(tl.float32))[:, :, None], -(dmin * min_lo.to(tl.float32))[:, :, None])
+        w_hi = tl.fma(exact_f32(q_hi, 0.0), (d * scale_hi.to(tl.float32))[:, :, None], -(dmin * min_hi.to(tl.float32))[:, :, None])
         return w_lo, w_hi, k0 + 64 * g[:, None] + lane[None, :]
 
     @triton.jit
     def _iq4_xs_step(w_ptr, levels_ptr, rows, row_nbytes, k0, CHUNK: tl.constexpr):
-        """IQ4_XS (layout in ``_iq4_xs_chunk``): U = CHUNK / 32 runs, one per sub-block s = u % 8, of
+        """IQ4_XS (layout in ``iq4_xs_chunk``): U = CHUNK / 32 runs, one per sub-block s = u % 8, of
         16 index bytes at 8 + 16 s (8-byte aligned only: 136 = 17 * 8); byte i holds the indices of
         values 32 u + i (low nibble) and 32 u + 16 + i (high) -> (w_lo, w_hi) [BLOCK_N, U, 16] and
         the x offsets of w_lo [U, 16] (w_hi's are 16 on). The levels come from ``levels_ptr``: a
@@ -320,14 +197,14 @@ if triton is not None:
         block = rows[:, None] * row_nbytes + (k0 // 256 + u // 8)[None, :] * 136  # [BLOCK_N, U]
         at = tl.multiple_of(block + 8 + 16 * s[None, :], (8, 8))
         index = tl.load(w_ptr + at[:, :, None] + lane[None, None, :]).to(tl.int32)  # [BLOCK_N, U, 16]
-        dl = _f16(w_ptr, block) * _exact_f32(_iq4_xs_scale(w_ptr, block, s), 32.0)  # [BLOCK_N, U]
+        dl = f16(w_ptr, block) * exact_f32(iq4_xs_scale(w_ptr, block, s), 32.0)  # [BLOCK_N, U]
         w_lo = tl.load(levels_ptr + (index & 15)) * dl[:, :, None]
         w_hi = tl.load(levels_ptr + (index >> 4)) * dl[:, :, None]
         return w_lo, w_hi, k0 + 32 * u[:, None] + lane[None, :]
 
     @triton.jit
     def _q6_k_step(w_ptr, rows, row_nbytes, k0, CHUNK: tl.constexpr):
-        """Q6_K (layout in ``_q6_k_chunk``): U = CHUNK / 32 runs u = 8 sb + v of 16 low-bit bytes
+        """Q6_K (layout in ``q6_k_chunk``): U = CHUNK / 32 runs u = 8 sb + v of 16 low-bit bytes
         16 v + i, v = 4 h + 2 p + t; the low nibble is value 128 h + 32 p + 16 t + i (r = p,
         sub-block v + 4 h), the high one that + 64 (r = p + 2, sub-block + 4); their high bits are
         bits 2 r of byte 128 + 32 h + 16 t + i -> (w_lo, w_hi) [BLOCK_N, U, 16] and the x offsets
@@ -342,11 +219,11 @@ if triton is not None:
         qh_at = (128 + 32 * h + 16 * t)[None, :, None] + lane[None, None, :]
         qh = tl.load(w_ptr + block[:, :, None] + qh_at).to(tl.int32) >> (2 * p)[None, :, None]
         scales = w_ptr + block + 192 + (v + 4 * h)[None, :]  # [BLOCK_N, U]
-        d = _f16(w_ptr, block + 208)
+        d = f16(w_ptr, block + 208)
         scale_lo = d * tl.load(scales).to(tl.int8, bitcast=True).to(tl.float32)
         scale_hi = d * tl.load(scales + 4).to(tl.int8, bitcast=True).to(tl.float32)
-        w_lo = _exact_f32((ql & 15) | ((qh & 3) << 4), 32.0) * scale_lo[:, :, None]
-        w_hi = _exact_f32((ql >> 4) | (qh & 48), 32.0) * scale_hi[:, :, None]  # bits 2 p + 4 land on 4, 5
+        w_lo = exact_f32((ql & 15) | ((qh & 3) << 4), 32.0) * scale_lo[:, :, None]
+        w_hi = exact_f32((ql >> 4) | (qh & 48), 32.0) * scale_hi[:, :, None]  # bits 2 p + 4 land on 4, 5
         x_at = k0 + 256 * (u // 8)[:, None] + (128 * h + 32 * p + 16 * t)[:, None] + lane[None, :]
         return w_lo, w_hi, x_at
 
@@ -424,25 +301,14 @@ def _next_power_of_2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-_LEVELS: dict[torch.device, torch.Tensor] = {}
-
-
-def _levels(device: torch.device) -> torch.Tensor:
-    """IQ4_XS's sixteen levels as float32 on ``device``: float32, not int8, so a lookup needs no
-    integer-to-float conversion. Made by the first IQ4_XS call on a device, which must then come
-    before any CUDA graph capture, as the kernel's first compilation must anyway."""
-    if device not in _LEVELS:
-        _LEVELS[device] = iq4_nl_levels(device)
-    return _LEVELS[device]
-
-
 def gguf_matmul(
     x: torch.Tensor, raw: torch.Tensor, qtype: Q, out_features: int, tiling: Tiling | None = None
 ) -> torch.Tensor:
     """x [..., K] (bf16, fp16 or fp32) @ W^T for W [out_features, K] held as GGUF blocks ``raw``
     [out_features, row_bytes] (uint8) -> [..., out_features] in x's dtype: by ``native.gguf_mma``
-    where it takes the call (Q4_K/Q6_K, bf16, 1-64 rows), else by the Triton kernels. ``tiling``
-    forces the Triton kernels with that tiling (benchmarks compare tilings)."""
+    where it takes the call (Q4_K/Q6_K, bf16, 1-64 rows), by ``native.gguf_expand`` (expanded tiles on
+    cuBLAS) for many rows, else by the Triton kernels. ``tiling`` forces the Triton kernels with
+    that tiling (benchmarks compare tilings)."""
     if qtype not in KERNEL_TYPES:
         raise ValueError(f"no kernel for {qtype.name} (kernels: {', '.join(sorted(t.name for t in KERNEL_TYPES))})")
     if x.dtype not in KERNEL_DTYPES:
@@ -461,6 +327,9 @@ def gguf_matmul(
         return x.new_empty(*lead, N)
     if tiling is None and gguf_mma.usable(x2, raw, qtype):
         return gguf_mma.matmul(x2, raw, qtype, N).reshape(*lead, N)
+    if tiling is None and gguf_expand.takes(x2, qtype):
+        table = levels(x.device) if qtype == Q.IQ4_XS else raw
+        return gguf_expand.matmul(x2, raw, qtype, N, table).reshape(*lead, N)
     tiling = tiling or default_tiling(M, qtype)
     if tiling.gemv:
         block_m = 1
@@ -477,13 +346,13 @@ def gguf_matmul(
     split_k = max(s for s in range(1, wanted + 1) if chunks % s == 0)  # equal K ranges, no tail
     y = x.new_empty(M, N) if split_k == 1 else torch.empty(split_k, M, N, device=x.device, dtype=torch.float32)
     grid = (triton.cdiv(N, block_n), split_k, triton.cdiv(M, block_m))
-    common = dict(QTYPE=_TYPE_IDS[qtype], BLOCK_N=block_n, CHUNK=chunk, CHUNKS_PER_SPLIT=chunks // split_k, num_warps=tiling.num_warps)
+    common = dict(QTYPE=TYPE_IDS[qtype], BLOCK_N=block_n, CHUNK=chunk, CHUNKS_PER_SPLIT=chunks // split_k, num_warps=tiling.num_warps)
     strides = (x2.stride(0), y.stride(0) if split_k > 1 else 0, y.stride(-2), raw.stride(0))
-    levels = _levels(x.device) if qtype == Q.IQ4_XS else raw  # the other types never read this pointer
+    table = levels(x.device) if qtype == Q.IQ4_XS else raw  # the other types never read this pointer
     if tiling.gemv:
-        _gguf_gemv_kernel[grid](x2, raw, y, levels, N, *strides, **common)
+        _gguf_gemv_kernel[grid](x2, raw, y, table, N, *strides, **common)
     else:
-        _gguf_matmul_kernel[grid](x2, raw, y, levels, M, N, K, *strides, BLOCK_M=block_m, FP32_DOT=x.dtype == torch.float32, **common)
+        _gguf_matmul_kernel[grid](x2, raw, y, table, M, N, K, *strides, BLOCK_M=block_m, FP32_DOT=x.dtype == torch.float32, **common)
     if split_k > 1:
         y = y.sum(0).to(x.dtype)  # fixed order, unlike atomics: the same input gives the same bits
     return y.reshape(*lead, N)

@@ -43,16 +43,16 @@ SHAPES = {  # name: (N, K)
 ROWS = (1, 2, 4, 8, 16, 23, 32)
 
 
+SCALE_BYTES = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,), Q.Q8_0: (0,), Q.IQ4_XS: (0,)}  # a block's f16 fields
+
+
 def random_blocks(qtype: Q, n: int, k: int, device) -> torch.Tensor:
-    """Random GGUF blocks with small finite f16 scales (benchmark weights)."""
+    """Random GGUF blocks with small finite f16 scales (benchmark weights) of any kernel type."""
     values, nbytes = GGML_QUANT_SIZES[qtype]
     raw = torch.randint(0, 256, (n, k // values, nbytes), dtype=torch.uint8, device=device)
     scale = torch.full((n, k // values), 2e-3, dtype=torch.float16, device=device).view(torch.uint8).view(n, k // values, 2)
-    if qtype == Q.Q4_K:
-        raw[..., 0:2] = scale
-        raw[..., 2:4] = scale
-    else:  # Q6_K: d last
-        raw[..., 208:210] = scale
+    for offset in SCALE_BYTES[qtype]:
+        raw[..., offset : offset + 2] = scale
     return raw.view(n, -1)
 
 

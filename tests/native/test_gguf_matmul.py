@@ -53,6 +53,10 @@ TILED = [
 # Relative to the largest output: float32 accumulation order only; half types round their output.
 TOLERANCE = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1.6e-2}
 QUANT_LINEAR_CASES = [(1, "bfloat16"), (5, "float16")]  # (M, x dtype): a decode step, a small tree pass (bfloat16 M = 1 only: see above)
+# (qtype, N, K, first, end): rows of W that ``gguf_expand.expand`` writes; a tail of a program masked.
+EXPAND_CASES = [(qtype, 37, 768, first, end) for qtype in TYPES for first, end in ((0, 37), (5, 29))] + [("Q8_0", 20, 224, 3, 20)]
+# (qtype, M, dtype, tile rows): many rows go to gguf_expand; a tile of 16 rows makes N = 37 three tiles.
+EXPAND_MATMULS = [(qtype, 70, dtype, tile) for qtype in TYPES for dtype in ("float32", "float16") for tile in (None, 16)]
 MODELS = [("llama", "q4_k_m"), ("qwen2", "q8_0"), ("qwen3", "q6_k"), ("qwen3", "q5_k")]  # permuted q/k rows; biases; one type everywhere
 
 
@@ -103,6 +107,40 @@ def _kernel_checks() -> dict[str, float]:
                 tiling = Tiling(**case[4])
                 first, again = gguf_matmul(x, raw, qtype, n, tiling), gguf_matmul(x, raw, qtype, n, tiling)
                 results[repr(case)] = {"error": _relative_error(first, expected), "same_bits": torch.equal(first, again)}
+    return results
+
+
+def _expand_checks() -> dict[str, object]:
+    """``gguf_expand``: expanded rows against the dequantizer (bit for bit in float32, and as torch
+    rounds it in float16; the interpreter truncates to bfloat16 where GPUs round, so bfloat16 is
+    checked by ``scripts/gpu_gguf_expand.py``), and ``gguf_matmul`` of many rows (which it routes there) against the reference."""
+    from native import gguf_expand
+    from native.gguf_blocks import levels
+    from native.gguf_dequant import dequantize
+    from native.gguf_matmul import gguf_matmul, gguf_matmul_reference
+
+    rng = np.random.default_rng(2)
+    results: dict[str, object] = {}
+    for name, n, k, first, end in EXPAND_CASES:
+        qtype = Q[name]
+        raw = torch.from_numpy(_random_bytes(rng, qtype, n, k))
+        expected = dequantize(raw, qtype, (n, k))[first:end]
+        for dtype in (torch.float32, torch.float16):
+            out = torch.full((end - first + 3, k), float("nan"), dtype=dtype)  # spare rows must stay untouched
+            rows = gguf_expand.expand(raw, qtype, levels(raw.device), first, end, out)
+            results[repr((name, n, k, first, end, str(dtype)))] = torch.equal(rows, expected.to(dtype)) and bool(out[end - first :].isnan().all())
+    for name, m, dtype, tile in EXPAND_MATMULS:
+        qtype = Q[name]
+        raw = torch.from_numpy(_quantize((rng.standard_normal((37, 512)) * 0.05).astype(np.float32), qtype))
+        x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m)).to(getattr(torch, dtype))
+        saved, gguf_expand.TILE_BYTES = gguf_expand.TILE_BYTES, (tile * 512 * x.element_size() if tile else gguf_expand.TILE_BYTES)
+        try:
+            assert gguf_expand.takes(x, qtype) and gguf_expand.tile_rows(37, 512, x.element_size()) == (tile or 37)
+            ours = gguf_matmul(x, raw, qtype, 37)
+        finally:
+            gguf_expand.TILE_BYTES = saved
+        assert ours.dtype == x.dtype and ours.shape == (m, 37)
+        results[repr((name, m, dtype, tile))] = _relative_error(ours, gguf_matmul_reference(x, raw, qtype, 37))
     return results
 
 
@@ -174,6 +212,35 @@ def test_every_tiling_matches_the_reference_and_repeats_its_bits(interpreted, ca
     assert result["same_bits"]
 
 
+@pytest.mark.parametrize("case", EXPAND_CASES, ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("dtype", ["torch.float32", "torch.float16"])
+def test_expanded_rows_are_the_dequantizers_bit_for_bit(interpreted, case, dtype):
+    assert interpreted["expand"][repr((*case, dtype))] is True
+
+
+@pytest.mark.parametrize("case", EXPAND_MATMULS, ids=lambda c: "-".join(map(str, c)))
+def test_many_rows_multiply_expanded_tiles_as_the_reference(interpreted, case):
+    assert interpreted["expand"][repr(case)] < TOLERANCE[case[2]]
+
+
+def test_expand_tiles_hold_at_most_tile_bytes():
+    from native.gguf_expand import BLOCK_N, TILE_BYTES, tile_rows
+
+    assert tile_rows(1024, 4096, 2) == 1024  # 8 MiB: the whole weight
+    rows = tile_rows(248_320, 5120, 2)  # a 248K-vocabulary LM head: 2.5 GB as bf16
+    assert rows * 5120 * 2 <= TILE_BYTES and rows % BLOCK_N == 0 and (rows + BLOCK_N) * 5120 * 2 > TILE_BYTES
+
+
+def test_many_rows_go_to_the_expanded_path_only_where_kernels_run(monkeypatch):
+    from native import gguf_expand
+
+    x = torch.zeros(gguf_expand.MIN_ROWS[Q.Q4_K], 256)
+    monkeypatch.setenv("SPLITSPEC_NATIVE_CPU", "1")
+    assert gguf_expand.takes(x, Q.Q4_K) and not gguf_expand.takes(x[1:], Q.Q4_K)
+    monkeypatch.setenv("SPLITSPEC_NATIVE_OFF", "gguf_expand")
+    assert not gguf_expand.takes(x, Q.Q4_K)
+
+
 @pytest.mark.parametrize("qtype", TYPES)
 @pytest.mark.parametrize("m, dtype", QUANT_LINEAR_CASES)
 def test_quant_linear_runs_the_kernel_for_every_type(interpreted, qtype, m, dtype):
@@ -217,4 +284,4 @@ def test_keep_quantized_without_triton_runs_the_reference_bit_for_bit(tmp_path):
 
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).parents[2]))  # the checkout: tests.kquants, tests.dense_fixtures
-    print(json.dumps({"kernels": _kernel_checks(), "quant_linears": _quant_linear_checks(), "models": _model_checks(Path(sys.argv[1]))}))
+    print(json.dumps({"kernels": _kernel_checks(), "expand": _expand_checks(), "quant_linears": _quant_linear_checks(), "models": _model_checks(Path(sys.argv[1]))}))
