@@ -22,15 +22,18 @@ Terms:
     commit recomputes the accepted path's state from them) for every row of
     the largest verify pass (its sequences' largest trees plus roots), twice: the last pass's
     candidates stay referenced (``Qwen35Slots.pending``) while the next pass makes its own.
-  - *workspace*: activations of the largest pass and the outputs that captured CUDA graphs keep,
-    an estimate whose basis the plan states (below, and in its log lines).
+  - *workspace*: activations of the largest pass, a tile of weights expanded from their blocks
+    (``native.gguf_expand``: prompt chunks and other passes of many rows) and the outputs that
+    captured CUDA graphs keep, an estimate whose basis the plan states (below, and in its log lines).
   - *context slots*: the draft's pooled context K/V (``services.draft.graphs.BlockGraphs``).
 
 The workspace estimate: a row of a pass holds at most ``8 x hidden + 3 x intermediate`` values
 of the compute dtype live at once (the residual stream, norms, mixer and MLP outputs, tap
 features; the MLP's gate, up and product), plus, where it is projected to logits, ``vocab`` values
 in the compute dtype and two float32 copies (the logits, and a sampling or log-softmax copy).
-Attention is taken to read keys in place (``native/paged_attention``), as it does on GPUs. A
+Decode and verify attention reads keys in place (``native/paged_attention``), as it does on
+GPUs; a prompt chunk's attention gathers its sequence's keys and values and masks them
+(``_prompt_attention_bytes``), for a context as long as the KV cache. A
 target's prompt features go to the host chunk by chunk (``TargetEngine._prefill``), so its prompt
 pass holds one chunk's; the draft projects a prompt's features a chunk at a time (``APPEND_CHUNK``)
 and holds its keys and values twice (joined, then appended). A target's captured graphs write
@@ -47,12 +50,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from gguf import GGML_QUANT_SIZES
 from torch import nn
 
+from native import gguf_expand
+from native.gguf_matmul import QuantLinear
 from services.draft.engine import APPEND_CHUNK
 from services.target.engine import TargetLimits
 from services.target.graphs import ROW_BUCKETS, WARM_BLOCKS, bucket, pass_row_limit, recurrent_pass_rows, warm_up_passes
 from services.worker.hosting import StepBatcher
+from splitspec.models.layers import FusedLinear
 from splitspec.models.qwen35 import Qwen35Config, tree_row_bytes
 
 logger = logging.getLogger(__name__)
@@ -212,12 +219,33 @@ def _logits_row_bytes(vocab: int, itemsize: int) -> int:
     return vocab * (itemsize + 8)
 
 
+def _prompt_attention_bytes(c, chunk: int, context: int, itemsize: int) -> int:
+    """What one attention layer holds for a prompt chunk of ``chunk`` rows over ``context``
+    positions (``layers.Attention.attend_paged``'s gathered path): the keys and values gathered
+    out of their blocks, the chunk's boolean mask, and the additive mask in the compute dtype that
+    the fused kernel builds from it."""
+    return 2 * context * c.num_kv_heads * c.head_dim * itemsize + chunk * context * (1 + itemsize)
+
+
 def graph_output_rows(sequences: int, max_rows: int = ROW_BUCKETS[-1], blocks: tuple[int, ...] = WARM_BLOCKS) -> int:
     """Rows of the output buffers that the graphs captured by ``PassRunner.warm_up(sequences, blocks)``
     write to (``PassRunner.capture_rows``): its largest pass, rows padded to a bucket."""
     if sequences <= 0:
         return 0
     return max((bucket(n * rows, ROW_BUCKETS) for _, rows, n in warm_up_passes(sequences, max_rows, blocks)), default=0)
+
+
+def expand_tile_bytes(model: nn.Module, itemsize: int) -> int:
+    """The most expanded weight a matmul of many rows holds at once (``native.gguf_expand``): a
+    tile of the largest kept-quantized weight (fused ones too), up to ``TILE_BYTES``; 0 where none
+    is kept."""
+    shapes = [(m.out_features, m.in_features) for m in model.modules() if isinstance(m, QuantLinear)]
+    for module in model.modules():
+        for fused in vars(module).values():
+            if isinstance(fused, FusedLinear) and fused.qtype is not None:
+                block_values, block_bytes = GGML_QUANT_SIZES[fused.qtype]
+                shapes.append((fused.out_features, fused.weight.shape[1] // block_bytes * block_values))
+    return max((gguf_expand.tile_rows(n, k, itemsize) * k * itemsize for n, k in shapes), default=0)
 
 
 def target_plan(
@@ -262,12 +290,15 @@ def target_plan(
     verify = tree_rows * (row + _logits_row_bytes(c.vocab_size, itemsize) + feature_row)
     if hybrid:  # the tree kernel's scratch: every row's state, one layer at a time
         verify += tree_rows * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * state_dtype.itemsize
-    prefill = limits.prefill_chunk * (row + feature_row) + _logits_row_bytes(c.vocab_size, itemsize)
+    prompt_attention = _prompt_attention_bytes(c, limits.prefill_chunk, limits.max_kv_tokens, itemsize)
+    prefill = limits.prefill_chunk * (row + feature_row) + _logits_row_bytes(c.vocab_size, itemsize) + prompt_attention
+    expanded = expand_tile_bytes(model, itemsize)
     graph_rows = graph_output_rows(warm_up_sequences, pass_row_limit(hybrid, limits.max_sequences), warm_up_blocks)
-    plan.workspace = max(verify, prefill) + graph_rows * (c.vocab_size * 4 + feature_row)
+    plan.workspace = max(verify, prefill) + expanded + graph_rows * (c.vocab_size * 4 + feature_row)
     plan.basis["workspace"] = (
         f"estimate: the larger of a verify pass of {tree_rows} rows ({size(verify)}) and a prompt chunk of "
-        f"{limits.prefill_chunk} rows with {taps} taps' features ({size(prefill)})"
+        f"{limits.prefill_chunk} rows with {taps} taps' features and its attention over {limits.max_kv_tokens:,} positions ({size(prefill)})"
+        + (f", + {size(expanded)} of weights expanded from their blocks for many rows" if expanded else "")
         + (f", + {graph_rows} rows of logits and features the captured graphs write to" if graph_rows else "")
     )
     return plan

@@ -291,17 +291,23 @@ class QKVProjection(nn.Module):
             # the fused kernels take with a mask (with enable_gqa and a mask torch falls back to
             # unfused math, ~2 ms per 8B step on an H200).
             rows = q.reshape(b, k.shape[1], group * t, d)  # head i uses K/V head i // group
-            if mask is not None:
-                mask = mask.repeat(*([1] * (mask.dim() - 2)), group, 1)  # [.., group * T, S]
             if mask is not None and group * t * k.shape[2] <= SMALL_ATTENTION:
                 # Decode and verify shapes: plain matmuls beat the fused kernel, which splits no
                 # work over the keys (H200, 36 layers, span 4096: 0.9 ms against 3.2 ms).
+                mask = mask.repeat(*([1] * (mask.dim() - 2)), group, 1)  # [.., group * T, S]
                 acc = torch.promote_types(rows.dtype, torch.float32)  # float64 stays float64 (exact tests)
                 scores = torch.matmul(rows, k.transpose(-1, -2)).to(acc) * d**-0.5  # [B, H_kv, group * T, S]
                 probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1).to(v.dtype)
                 out = torch.matmul(probs, v).reshape(b, h, t, d)
+            elif mask is not None:
+                # Prompt chunks over long contexts: the g-th query head of every group at a time,
+                # so the mask stays [T, S]. All group x T rows at once would need it repeated, and
+                # the fused kernel builds an additive copy of that: 144 of a 512-row chunk's 216 MiB
+                # over 16K positions of the 27B (services.worker.memory_plan counts what is left).
+                heads = q.unflatten(1, (k.shape[1], group))  # [B, H_kv, group, T, D]
+                out = torch.stack([F.scaled_dot_product_attention(heads[:, :, g], k, v, attn_mask=mask) for g in range(group)], 2).flatten(1, 2)
             else:
-                out = F.scaled_dot_product_attention(rows, k, v, attn_mask=mask).reshape(b, h, t, d)
+                out = F.scaled_dot_product_attention(rows, k, v).reshape(b, h, t, d)
         out = out.transpose(1, 2).flatten(2)  # [B, T, H * D]
         return out if batched else out[0]
 

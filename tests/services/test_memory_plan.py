@@ -271,6 +271,11 @@ def test_the_27b_q4km_pair_at_16k_context_and_budget_22():
     draft_values = d.num_layers * layer + 5 * d.hidden_size * d.hidden_size + 2 * d.hidden_size
     assert plans["draft"].weights == 2 * draft_values + q4_k_embed + q6_k_head
     assert plans["draft"].context_slots == 5 * 2 * 8 * (16384 + 16) * 128 * 2
+    # A prompt chunk's attention over the whole context: gathered K and V (4 heads x 256), its mask
+    # and the bf16 additive mask built from it.
+    target.state_dtype = None
+    longer = mp.target_plan(target, c, bf16, TargetLimits(max_sequences=1, max_kv_tokens=32768, max_tree_nodes=22), cap=24 * GiB)
+    assert longer.workspace - plans["float32"].workspace == 16384 * (2 * 4 * 256 * 2 + 512 * (1 + 2))
 
     print("\n-- issue #17: Qwen3.5-27B Q4_K_M + 27B DFlash draft, 16K context, budget 22 --")
     for name, plan in plans.items():
@@ -284,3 +289,29 @@ def test_the_27b_q4km_pair_at_16k_context_and_budget_22():
             f"{'fits' if pair <= 23 * GiB else f'does not fit, over by {(pair - 23 * GiB) / GiB:.2f} GiB'}; "
             f"largest part: {largest} {parts[largest] / GiB:.2f} GiB"
         )
+
+
+def test_the_expanded_tile_is_the_largest_kept_weight_fused_or_not_up_to_the_tile_limit():
+    """Many-row matmuls expand a kept weight a tile at a time (``native.gguf_expand``): the plan
+    counts the largest tile, fused projections included (their rows outnumber either layer's)."""
+    from gguf import GGMLQuantizationType as Q
+    from torch import nn
+
+    from native.gguf_expand import TILE_BYTES
+    from native.gguf_matmul import QuantLinear
+    from splitspec.models.layers import fuse_linears
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate, self.up = QuantLinear(Q.Q4_K, 512, 96, device="meta"), QuantLinear(Q.Q4_K, 512, 64, device="meta")
+            self.out = QuantLinear(Q.Q6_K, 256, 256, device="meta")
+
+    block = Block()
+    assert mp.expand_tile_bytes(block, 2) == 256 * 256 * 2  # apart: the Q6_K weight is the largest
+    block.fused = fuse_linears(block.gate, block.up)
+    assert block.fused is not None
+    assert mp.expand_tile_bytes(block, 2) == 160 * 512 * 2
+    assert mp.expand_tile_bytes(nn.Linear(512, 64), 2) == 0  # nothing kept: no tile
+    big = QuantLinear(Q.Q6_K, 5120, 248_320, device="meta")  # a 27B LM head: 2.5 GB as bf16
+    assert TILE_BYTES - 16 * 5120 * 2 < mp.expand_tile_bytes(big, 2) <= TILE_BYTES
