@@ -163,7 +163,7 @@ def test_a_pass_waits_briefly_for_the_sequences_of_the_last_pass():
     async def scenario(batcher):
         await asyncio.gather(*(batcher.submit((f"s{i}", "a")) for i in range(3)))  # one pass of three
         late = []
-        for i in range(3):  # back 1 ms apart, inside the gather window (a tenth of a 200 ms pass)
+        for i in range(3):  # back 1 ms apart, inside the gather window (max_gather_s here: 50 ms)
             late.append(asyncio.ensure_future(batcher.submit((f"s{i}", "b"))))
             await asyncio.sleep(0.001)
         return await asyncio.gather(*late)
