@@ -10,8 +10,9 @@ Kernels: ``qkv_rope`` (q/k norm, RoPE and K/V cache writes in one launch); ``rms
 and the residual add before it); ``silu_mul`` (SwiGLU's activation); ``tree_attention`` (masked
 grouped-query attention for decode and verify shapes); ``gguf_matmul``
 (``x @ W^T`` with W kept in its GGUF blocks: Q8_0, Q4_K, Q5_K, Q6_K, IQ4_XS) and ``QuantLinear``,
-which hand Q4_K and Q6_K calls of 1-64 bf16 rows to ``gguf_mma`` (CUDA C++ on tensor cores,
-built at first use with nvcc; checked on a GPU by ``scripts/gpu_gguf_mma.py``);
+which hand Q4_K, Q6_K and IQ4_XS calls of 1-64 bf16 rows to ``gguf_mma`` (CUDA C++ on tensor cores,
+built at first use with nvcc; checked on a GPU by ``scripts/gpu_gguf_mma.py``) and calls of
+many rows to ``gguf_expand`` (the blocks expanded tile by tile for cuBLAS);
 ``tree_delta_rule`` (the tree-aware Gated DeltaNet conv and delta rule; references in
 ``splitspec.models.delta_rule``, which dispatches to them); ``top_k`` (the draft's top-K of
 log-softmax over the vocabulary in two launches).

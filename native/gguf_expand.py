@@ -40,9 +40,9 @@ BLOCK_N = 16  # W rows a program expands
 CHUNK = 256  # values of a row a program expands: one super-block (K-quants, IQ4_XS), eight Q8_0 blocks
 
 # The fewest rows of x from which expanding beats the in-register kernels, per type, over the 8B
-# and 27B layer shapes (``scripts/gpu_gguf_expand.py`` on an H200, BENCHMARKS.md): Q4_K and Q6_K
-# have ``gguf_mma`` up to 64 rows; IQ4_XS's ``tl.dot`` path runs 6-11x slower at any M >= 2.
-MIN_ROWS = {Q.Q4_K: 65, Q.Q6_K: 65, Q.Q5_K: 23, Q.Q8_0: 65, Q.IQ4_XS: 2}
+# and 27B layer shapes (``scripts/gpu_gguf_expand.py`` on an H200, BENCHMARKS.md): Q4_K, Q6_K and
+# IQ4_XS have ``gguf_mma`` up to 64 rows; Q5_K's and Q8_0's ``tl.dot`` tiles lose from 23 and 65.
+MIN_ROWS = {Q.Q4_K: 65, Q.Q6_K: 65, Q.Q5_K: 23, Q.Q8_0: 65, Q.IQ4_XS: 65}
 
 
 def takes(x: torch.Tensor, qtype: Q) -> bool:

@@ -7,7 +7,7 @@ tensor [N, K / block_values * block_bytes], row n being the blocks of output fea
 GGUF stores it (see ``models.dequant`` for the block layouts).
 
 Calls of many rows (prompt chunks, large batched passes) go to ``native.gguf_expand``, which
-expands tiles of W for cuBLAS; calls of 1-64 bf16 rows of Q4_K and Q6_K to ``native.gguf_mma``.
+expands tiles of W for cuBLAS; calls of 1-64 bf16 rows of Q4_K, Q6_K and IQ4_XS to ``native.gguf_mma``.
 The rest run here, on two kernels chosen by ``Tiling.gemv`` (``default_tiling`` picks by M). The GEMV kernel (M = 1,
 decode): one program per ``BLOCK_N`` output features and x row; each step of ``CHUNK`` values
 loads the rows' bytes as whole runs (16-byte vectors for Q4_K), expands them with their scales to
@@ -306,7 +306,7 @@ def gguf_matmul(
 ) -> torch.Tensor:
     """x [..., K] (bf16, fp16 or fp32) @ W^T for W [out_features, K] held as GGUF blocks ``raw``
     [out_features, row_bytes] (uint8) -> [..., out_features] in x's dtype: by ``native.gguf_mma``
-    where it takes the call (Q4_K/Q6_K, bf16, 1-64 rows), by ``native.gguf_expand`` (expanded tiles on
+    where it takes the call (Q4_K/Q6_K/IQ4_XS, bf16, 1-64 rows), by ``native.gguf_expand`` (expanded tiles on
     cuBLAS) for many rows, else by the Triton kernels. ``tiling`` forces the Triton kernels with
     that tiling (benchmarks compare tilings)."""
     if qtype not in KERNEL_TYPES:

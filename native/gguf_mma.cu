@@ -1,4 +1,4 @@
-// y = x @ W^T for bf16 x [M, K] (M <= 64) and W [N, K] kept in its GGUF blocks (Q4_K, Q6_K), on
+// y = x @ W^T for bf16 x [M, K] (M <= 64) and W [N, K] kept in its GGUF blocks (Q4_K, Q6_K, IQ4_XS), on
 // tensor cores: each thread expands its share of a super-block to float32 in registers, rounds
 // it to bf16 and feeds it as the B operand of mma.sync m16n8k16 (x is the A operand). Built at
 // first use by native/gguf_mma.py, which documents the design; this file is the device code.
@@ -178,6 +178,54 @@ struct Q6K {
   }
 };
 
+// ---------------------------------------------------------------------------------------- IQ4_XS
+// Super-block (136 bytes, 8-byte aligned): f16 d, a uint16 of the high two bits of each 6-bit
+// scale (sub-block s at bits 2 s), 4 bytes of their low nibbles (nibble s % 2 of byte s / 2), then
+// 16 bytes per sub-block s at 8 + 16 s, whose byte i holds the level indices of values 32 s + i
+// (low nibble) and 32 s + 16 + i (high nibble); value = d * (scale - 32) * level[index], level
+// being IQ4_NL's sixteen int8 values. Lane c takes sub-blocks 2c (slots 2c, 2c + 1) and 2c + 1
+// (slots 2c + 8, 2c + 9: 32 values further), the 32 bytes at 8 + 32 c: step s takes bytes
+// 2 (s % 8) + {0, 1} of both, their low nibbles for s < 8 and their high ones above.
+struct IQ4XS {
+  static constexpr int kBytes = 136;
+  uint2 head, q[4];  // q[0], q[1]: sub-block 2c's 16 bytes; q[2], q[3]: sub-block 2c + 1's
+  float scale[2];    // d * (scale - 32) of sub-blocks 2c, 2c + 1
+
+  __device__ __forceinline__ void load(const uint8_t* block, int c) {
+    head = __ldg(reinterpret_cast<const uint2*>(block));
+#pragma unroll
+    for (int i = 0; i < 4; ++i) q[i] = __ldg(reinterpret_cast<const uint2*>(block + 8 + 32 * c + 8 * i));
+  }
+
+  __device__ __forceinline__ void prepare(int c) {
+    const float d = __half2float(__ushort_as_half(static_cast<unsigned short>(head.x & 0xFFFF)));
+    const uint32_t high = head.x >> 16, low = (head.y >> (8 * c)) & 0xFF;
+    // The products are exact in float32 (an 11-bit d times a 6-bit integer), as the dequantizer's.
+    scale[0] = d * static_cast<float>(static_cast<int>((low & 15) | (((high >> (4 * c)) & 3) << 4)) - 32);
+    scale[1] = d * static_cast<float>(static_cast<int>((low >> 4) | (((high >> (4 * c + 2)) & 3) << 4)) - 32);
+  }
+
+  // Four level indices (one a byte, each < 16) -> their levels plus 128, a byte each: two byte
+  // permutes over the table's low and high halves, then a third that picks per byte by bit 3.
+  __device__ __forceinline__ static uint32_t levels(uint32_t idx) {
+    constexpr uint32_t t0 = 0x3F2D1801u, t1 = 0x766A5D4Fu, t2 = 0xA6998D81u, t3 = 0xF1D9C5B5u;  // -127 .. 113, + 128
+    uint32_t sel = (idx | (idx >> 4)) & 0x00FF00FFu;
+    sel = (sel | (sel >> 8)) & 0xFFFFu;  // the four indices as nibbles
+    const uint32_t lo = __byte_perm(t0, t1, sel & 0x7777u), hi = __byte_perm(t2, t3, sel & 0x7777u);
+    return __byte_perm(lo, hi, 0x3210u | ((sel & 0x8888u) >> 1));
+  }
+
+  __device__ __forceinline__ void fragment(int s, uint32_t& b0, uint32_t& b1) const {
+    const int w = (s & 7) >> 1, at = 2 * (s & 1), shift = s < 8 ? 0 : 4;
+    const uint32_t word_a = (w & 1) ? q[w >> 1].y : q[w >> 1].x, word_b = (w & 1) ? q[2 + (w >> 1)].y : q[2 + (w >> 1)].x;
+    const uint32_t la = levels((word_a >> shift) & 0x0F0F0F0Fu), lb = levels((word_b >> shift) & 0x0F0F0F0Fu);
+    b0 = pack_bf16(byte_f32(la, at, 128.0f) * scale[0], byte_f32(la, at + 1, 128.0f) * scale[0]);
+    b1 = pack_bf16(byte_f32(lb, at, 128.0f) * scale[1], byte_f32(lb, at + 1, 128.0f) * scale[1]);
+  }
+
+  __host__ __device__ __forceinline__ static int k_of(int c, int s) { return 64 * c + (s < 8 ? 0 : 16) + 2 * (s & 7); }
+};
+
 // x in the A operand's order: xf[sb][s][mt][lane][r] (uint32 = two bf16) is what lane (g, c) of
 // m-tile mt passes as register r of k step s of super-block sb: rows g (r even) and g + 8 (r odd,
 // only when R = 4), k = 256 sb + k_of(c, s) (r < 2, or r = 0 when R = 2) and 32 further. Rows
@@ -333,7 +381,7 @@ void by_rows(const torch::Tensor& x, const torch::Tensor& w, torch::Tensor& out,
 
 }  // namespace
 
-// qtype: 12 (Q4_K) or 14 (Q6_K), gguf's GGMLQuantizationType values. `partial` [splits, M, N]
+// qtype: 12 (Q4_K), 14 (Q6_K) or 23 (IQ4_XS), gguf's GGMLQuantizationType values. `partial` [splits, M, N]
 // float32 and `counters` [>= tiles] int32 zeros are the caller's (unused when splits == 1).
 void gguf_mma(torch::Tensor x, torch::Tensor w, torch::Tensor out, torch::Tensor partial, torch::Tensor counters,
               int64_t qtype, int64_t splits, int64_t n_tiles) {
@@ -353,6 +401,10 @@ void gguf_mma(torch::Tensor x, torch::Tensor w, torch::Tensor out, torch::Tensor
     TORCH_CHECK(reinterpret_cast<uintptr_t>(w.data_ptr()) % 2 == 0 && w.stride(0) % 2 == 0, "Q6_K rows must be 2-byte aligned");
     if (n_tiles == 1) by_rows<Q6K, 1>(x, w, out, partial, counters, splits, stream);
     else by_rows<Q6K, 2>(x, w, out, partial, counters, splits, stream);
+  } else if (qtype == 23) {
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(w.data_ptr()) % 8 == 0 && w.stride(0) % 8 == 0, "IQ4_XS rows must be 8-byte aligned");
+    if (n_tiles == 1) by_rows<IQ4XS, 1>(x, w, out, partial, counters, splits, stream);
+    else by_rows<IQ4XS, 2>(x, w, out, partial, counters, splits, stream);
   } else {
     TORCH_CHECK(false, "gguf_mma: no kernel for quantization type ", qtype);
   }

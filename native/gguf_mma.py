@@ -1,4 +1,4 @@
-"""``y = x @ W^T`` from Q4_K and Q6_K blocks on tensor cores, for 1 to 64 bf16 rows (CUDA C++).
+"""``y = x @ W^T`` from Q4_K, Q6_K and IQ4_XS blocks on tensor cores, for 1 to 64 bf16 rows (CUDA C++).
 
 Decode and tree verify multiply a few rows by every weight once, so their time is the weight's
 bytes over the card's bandwidth, provided that expanding the bytes costs fewer instructions than
@@ -10,7 +10,8 @@ arithmetic) and rounds them to bf16 straight into the B operand of ``mma.sync.m1
 (permuted once per call into the A operand's order) being the A operand. No shared memory and
 no tile of expanded weights: the tensor cores take 16 rows of x for the price of one, so 1 to 16
 rows cost about the same and 23-32 rows 1.2-1.9x (BENCHMARKS.md). The weights are the file's
-bytes: nothing is repacked at load.
+bytes: nothing is repacked at load. IQ4_XS's 4-bit values index sixteen non-linear levels: a lane
+looks four of them up at once with three byte permutes of the level table held in registers.
 
 Numerics: each weight is the dequantizer's float32 value rounded to bf16 (as a bf16 model holds
 it, and as ``gguf_matmul``'s ``tl.dot`` path rounds it), products accumulate in float32. A row's
@@ -35,7 +36,8 @@ from native import sm_count, use_triton
 
 log = logging.getLogger(__name__)
 
-MMA_TYPES = {Q.Q4_K: 12, Q.Q6_K: 14}  # gguf's type numbers, as the extension takes them
+MMA_TYPES = {Q.Q4_K: 12, Q.Q6_K: 14, Q.IQ4_XS: 23}  # gguf's type numbers, as the extension takes them
+ALIGNMENT = {Q.Q4_K: 16, Q.Q6_K: 2, Q.IQ4_XS: 8}  # bytes: the kernel's loads of a row's blocks
 MAX_ROWS = 64
 WARPS = 4  # warps per program (kWarps in gguf_mma.cu)
 MAX_TILES = 1 << 15  # programs along N that the split counters cover (a 248K vocabulary at 1 tile: 7,760)
@@ -73,13 +75,13 @@ def _capable(index: int) -> bool:
 
 
 def usable(x: torch.Tensor, raw: torch.Tensor, qtype: Q) -> bool:
-    """Whether ``matmul`` takes x [M, K] (rows contiguous) and ``raw``: a Q4_K/Q6_K weight, bf16 x
+    """Whether ``matmul`` takes x [M, K] (rows contiguous) and ``raw``: a Q4_K/Q6_K/IQ4_XS weight, bf16 x
     of 1-64 rows on a CUDA GPU with bf16 tensor cores, aligned as the kernel loads, and built."""
     if qtype not in MMA_TYPES or x.dtype != torch.bfloat16 or not x.is_cuda or not 1 <= x.shape[0] <= MAX_ROWS:
         return False
     if not use_triton(x, "gguf_mma") or not _capable(x.device.index if x.device.index is not None else torch.cuda.current_device()):
         return False
-    aligned = 16 if qtype == Q.Q4_K else 2
+    aligned = ALIGNMENT[qtype]
     if raw.data_ptr() % aligned or raw.stride(0) % aligned or x.data_ptr() % 4 or x.stride(0) % 2:
         return False
     return _extension() is not None

@@ -15,10 +15,11 @@ from native.gguf_matmul import row_bytes
 
 def test_type_numbers_are_ggufs():
     # The extension dispatches on these numbers; they must be gguf's own.
-    assert gguf_mma.MMA_TYPES == {Q.Q4_K: Q.Q4_K.value, Q.Q6_K: Q.Q6_K.value}
+    assert gguf_mma.MMA_TYPES == {Q.Q4_K: Q.Q4_K.value, Q.Q6_K: Q.Q6_K.value, Q.IQ4_XS: Q.IQ4_XS.value}
+    assert gguf_mma.ALIGNMENT.keys() == gguf_mma.MMA_TYPES.keys()
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q8_0])
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.IQ4_XS, Q.Q8_0])
 def test_not_usable_off_cuda(qtype):
     x = torch.zeros(1, 256, dtype=torch.bfloat16)
     raw = torch.zeros(8, row_bytes(qtype, 256), dtype=torch.uint8)
