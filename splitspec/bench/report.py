@@ -69,12 +69,15 @@ def headline_speedups(rows: list[dict]) -> list[dict]:
     and concurrency: ``AL × t_AR / t_round`` (:data:`HEADLINE_RULE`), and what that makes in aggregate,
     ``N × AL / t_round`` (:data:`AGGREGATE_RULE`). The oracle rows' own tok/s are not used: the
     OracleDrafter runs no draft pass and moves no tap features, so its rounds are cheaper than a real one.
-    With several levels each line also gives the AR rows' aggregate tok/s at N over that at the lowest level."""
+    With several levels each line also gives the AR rows' aggregate tok/s at N over that at the lowest level.
+    None under ``--budget auto``: the adaptive budget sizes the oracle's trees and the random-weight
+    draft's differently (the draft's are never accepted), so the AL of one and the round of the
+    other would belong to different trees."""
     out = []
     sweep = len(_levels(rows)) > 1
     for (wire, n), mine in _by_level(rows).items():
         ar, dflash = _row(mine, AR_LABEL), _row(mine, DFLASH_LABEL)
-        if ar is None or dflash is None:
+        if ar is None or dflash is None or dflash["budget"] == "auto":
             continue
         t_ar, t_round = ar["ms_per_step"], dflash["ms_per_step"]
         base = _base(rows, wire, AR_LABEL)
