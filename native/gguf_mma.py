@@ -44,12 +44,13 @@ MAX_TILES = 1 << 15  # programs along N that the split counters cover (a 248K vo
 SOURCE = Path(__file__).with_name("gguf_mma.cu")
 
 
-def default_n_tiles(m: int) -> int:
-    """8-feature tiles per warp for ``m`` rows: 1 up to 16 rows, 2 above, where the tensor-core
-    work per loaded byte grows (``scripts/gpu_gguf_mma.py`` on an H200, BENCHMARKS.md: at 1-16 rows
-    one tile is up to 13% faster on the 27B and 8B layers, at 23-32 rows two are 22% faster on
-    the 27B LM head and within 10% elsewhere)."""
-    return 1 if m <= 16 else 2
+def default_n_tiles(m: int, qtype: Q = Q.Q4_K) -> int:
+    """8-feature tiles per warp for ``m`` rows of ``qtype``: 1 up to 16 rows, 2 above, where the
+    tensor-core work per loaded byte grows (``scripts/gpu_gguf_mma.py`` on an H200, BENCHMARKS.md:
+    at 1-16 rows one tile is up to 13% faster on the 27B and 8B layers, at 23-32 rows two are 22%
+    faster on the 27B LM head and within 10% elsewhere). IQ4_XS, whose level lookups make
+    expanding dearer, keeps one tile up to 32 rows (2-16% faster there on the 27B and 8B layers)."""
+    return 1 if m <= (32 if qtype == Q.IQ4_XS else 16) else 2
 
 
 @functools.cache
@@ -114,7 +115,7 @@ def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: Q, out_features: int, n_ti
     (``usable`` must hold). ``n_tiles`` (1 or 2; 0: ``default_n_tiles``), ``splits`` (0:
     ``default_splits``) and ``min_blocks`` (``_extension``) are for benchmarks."""
     M, K = x.shape
-    n_tiles = n_tiles or default_n_tiles(M)
+    n_tiles = n_tiles or default_n_tiles(M, qtype)
     one_tile_programs = -(-out_features // (WARPS * 8))
     if one_tile_programs > MAX_TILES:
         raise ValueError(f"{out_features} features need {one_tile_programs} programs, more than the {MAX_TILES} counters")

@@ -40,3 +40,4 @@ def test_default_splits(programs, super_blocks):
 
 def test_n_tiles_by_rows():
     assert [gguf_mma.default_n_tiles(m) for m in (1, 8, 16, 17, 23, 64)] == [1, 1, 1, 2, 2, 2]
+    assert [gguf_mma.default_n_tiles(m, Q.IQ4_XS) for m in (1, 16, 23, 32, 33, 64)] == [1, 1, 1, 1, 2, 2]
