@@ -162,3 +162,19 @@ if triton is not None:
         d = f16(w_ptr, base + 208)[:, None, None]
         scale = tl.where(lane[None] < 16, (d * first[:, :, None]), (d * second[:, :, None]))
         return tl.reshape(scale * q, (BLOCK_N, CHUNK))
+
+    @triton.jit
+    def chunk(w_ptr, levels_ptr, rows, row_nbytes, k0, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
+        """Values k0 .. k0 + CHUNK of ``rows`` [BLOCK_N] of a weight of type ``QTYPE`` (``TYPE_IDS``)
+        -> f32 [BLOCK_N, CHUNK]; ``levels_ptr`` is read for IQ4_XS only."""
+        if QTYPE == 0:
+            w = q8_0_chunk(w_ptr, rows, row_nbytes, k0, BLOCK_N, CHUNK)
+        elif QTYPE == 1:
+            w = q4_k_chunk(w_ptr, rows, row_nbytes, k0, BLOCK_N, CHUNK)
+        elif QTYPE == 2:
+            w = q6_k_chunk(w_ptr, rows, row_nbytes, k0, BLOCK_N, CHUNK)
+        elif QTYPE == 3:
+            w = q5_k_chunk(w_ptr, rows, row_nbytes, k0, BLOCK_N, CHUNK)
+        else:
+            w = iq4_xs_chunk(w_ptr, levels_ptr, rows, row_nbytes, k0, BLOCK_N, CHUNK)
+        return w

@@ -58,7 +58,7 @@ def tile_rows(out_features: int, in_features: int, itemsize: int) -> int:
 
 
 if triton is not None:
-    from native.gguf_blocks import iq4_xs_chunk, q4_k_chunk, q5_k_chunk, q6_k_chunk, q8_0_chunk
+    from native.gguf_blocks import chunk
 
     @triton.jit
     def _expand_kernel(w_ptr, levels_ptr, out_ptr, first, end, row_nbytes, stride_out,
@@ -68,16 +68,7 @@ if triton is not None:
         local = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] rows of the tile
         rows = tl.minimum(first + local, end - 1).to(tl.int64)  # the tail re-reads the last row, unstored
         k0 = tl.program_id(1) * CHUNK
-        if QTYPE == 0:
-            w = q8_0_chunk(w_ptr, rows, row_nbytes, k0, BLOCK_N, CHUNK)
-        elif QTYPE == 1:
-            w = q4_k_chunk(w_ptr, rows, row_nbytes, k0, BLOCK_N, CHUNK)
-        elif QTYPE == 2:
-            w = q6_k_chunk(w_ptr, rows, row_nbytes, k0, BLOCK_N, CHUNK)
-        elif QTYPE == 3:
-            w = q5_k_chunk(w_ptr, rows, row_nbytes, k0, BLOCK_N, CHUNK)
-        else:
-            w = iq4_xs_chunk(w_ptr, levels_ptr, rows, row_nbytes, k0, BLOCK_N, CHUNK)
+        w = chunk(w_ptr, levels_ptr, rows, row_nbytes, k0, QTYPE, BLOCK_N, CHUNK)
         out = out_ptr + local[:, None].to(tl.int64) * stride_out + (k0 + tl.arange(0, CHUNK))[None, :]
         tl.store(out, w.to(out_ptr.dtype.element_ty), mask=(first + local < end)[:, None])
 

@@ -81,7 +81,7 @@ def triton_enabled(x: torch.Tensor) -> bool:
 # ------------------------------------------------------------------------------------------ kernels
 
 if triton is not None:
-    from native.gguf_blocks import exact_f32, f16, iq4_xs_chunk, iq4_xs_scale, q4_k_chunk, q4_k_scale_min, q5_k_chunk, q6_k_chunk, q8_0_chunk
+    from native.gguf_blocks import chunk, exact_f32, f16, iq4_xs_scale, q4_k_scale_min
 
     @triton.jit(do_not_specialize=["M"])
     def _gguf_matmul_kernel(
@@ -101,16 +101,7 @@ if triton is not None:
         # under numpy >= 2.4, and the compiler can pipeline a known count.
         for i in range(CHUNKS_PER_SPLIT):
             k0 = (split * CHUNKS_PER_SPLIT + i) * CHUNK
-            if QTYPE == 0:
-                w = q8_0_chunk(w_ptr, rows, row_nbytes, k0, BLOCK_N, CHUNK)
-            elif QTYPE == 1:
-                w = q4_k_chunk(w_ptr, rows, row_nbytes, k0, BLOCK_N, CHUNK)
-            elif QTYPE == 2:
-                w = q6_k_chunk(w_ptr, rows, row_nbytes, k0, BLOCK_N, CHUNK)
-            elif QTYPE == 3:
-                w = q5_k_chunk(w_ptr, rows, row_nbytes, k0, BLOCK_N, CHUNK)
-            else:
-                w = iq4_xs_chunk(w_ptr, levels_ptr, rows, row_nbytes, k0, BLOCK_N, CHUNK)
+            w = chunk(w_ptr, levels_ptr, rows, row_nbytes, k0, QTYPE, BLOCK_N, CHUNK)
             x = tl.load(x_ptr + m[:, None] * stride_xm + (k0 + tl.arange(0, CHUNK))[None, :], mask=m_ok[:, None], other=0.0)
             w = w.to(x.dtype)  # the weight as a dequantized model in x's dtype holds it
             if FP32_DOT:
