@@ -4,9 +4,9 @@ A prompt chunk (up to 512 rows) or a batched verify pass of many trees does hund
 multiply-adds per weight byte, so it is bound by arithmetic, not by reading the blocks. There
 the library GEMM wins: cuBLAS's bf16 kernels run near the tensor cores' peak, which a Triton tile
 that expands every chunk of blocks inside its K loop (``native.gguf_matmul``'s ``tl.dot`` path)
-does not (BENCHMARKS.md, "the compute-bound path"). Expanding first costs one read of the blocks
-plus one write and one read of the expanded tile, 2.5-4.5 bytes a weight whatever M is, which
-many rows amortise.
+does not (BENCHMARKS.md, "Many rows: expanded tiles on cuBLAS"). Expanding first costs one read
+of the blocks plus one write and one read of the expanded tile, 4.5-5 bytes a weight whatever M
+is, which many rows amortise.
 
 The expansion is a Triton kernel built from ``native.gguf_blocks``' per-type chunk functions, so a
 weight is the dequantizer's float32 value (``gguf_dequant``, bit for bit) rounded to x's dtype,
@@ -64,7 +64,7 @@ if triton is not None:
     def _expand_kernel(w_ptr, levels_ptr, out_ptr, first, end, row_nbytes, stride_out,
                        QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
         """out[r - first, k0 : k0 + CHUNK] = W[r, k0 : k0 + CHUNK] in out's dtype, for this program's
-        rows r of [first, end) and k0 = CHUNK * program_id(1); QTYPE numbers as ``gguf_matmul``'s."""
+        rows r of [first, end) and k0 = CHUNK * program_id(1); QTYPE as ``gguf_blocks.TYPE_IDS``."""
         local = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] rows of the tile
         rows = tl.minimum(first + local, end - 1).to(tl.int64)  # the tail re-reads the last row, unstored
         k0 = tl.program_id(1) * CHUNK
@@ -80,10 +80,10 @@ def expand(raw: torch.Tensor, qtype: Q, levels: torch.Tensor, first: int, end: i
     K = out.shape[1]
     if K % CHUNK and qtype != Q.Q8_0 or K % GGML_QUANT_SIZES[qtype][0]:
         raise ValueError(f"{qtype.name} rows of {K} values do not split into {CHUNK}-value chunks")
-    chunk = CHUNK if K % CHUNK == 0 else 32  # Q8_0 rows are multiples of 32 values only
-    grid = (triton.cdiv(end - first, BLOCK_N), K // chunk)
+    values = CHUNK if K % CHUNK == 0 else 32  # a program's values of a row: Q8_0 rows are multiples of 32 only
+    grid = (triton.cdiv(end - first, BLOCK_N), K // values)
     _expand_kernel[grid](raw, levels, out, first, end, raw.stride(0), out.stride(0),
-                         QTYPE=TYPE_IDS[qtype], BLOCK_N=BLOCK_N, CHUNK=chunk, num_warps=4)
+                         QTYPE=TYPE_IDS[qtype], BLOCK_N=BLOCK_N, CHUNK=values, num_warps=4)
     return out[: end - first]
 
 
