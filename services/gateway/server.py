@@ -144,11 +144,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         mode = _MODES.get(spec.mode, self.defaults.mode)
         # A request's own budget wins; without one, DDTree follows the gateway's default: fixed, or
         # adaptive (trees built at the policy's largest budget and cut per step). Chain mode under an
-        # adaptive default keeps the fixed default as its length.
-        adaptive = not spec.budget and self.defaults.adaptive and mode is Mode.DDTREE
-        budget = min(self.budget_policy.max_budget, self.max_budget) if adaptive else spec.budget or self.defaults.budget
-        if not 0 < budget <= self.max_budget:
+        # adaptive default keeps the fixed default as its length. A default larger than the target
+        # verifies is cut to it: only a request's own budget can be out of range.
+        if spec.budget and not 0 < spec.budget <= self.max_budget:
             raise InvalidArgument(f"speculation.budget: {spec.budget} is outside [1, {self.max_budget}]")
+        adaptive = not spec.budget and self.defaults.adaptive and mode is Mode.DDTREE
+        budget = min(self.budget_policy.max_budget, self.max_budget) if adaptive else spec.budget or min(self.defaults.budget, self.max_budget)
         return SpeculationOptions(
             mode=mode,
             budget=budget,

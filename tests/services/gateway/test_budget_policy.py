@@ -395,6 +395,12 @@ def test_a_requests_own_budget_wins_over_the_adaptive_default():
     assert servicer(SpeculationOptions(budget=22, adaptive=True), BudgetPolicy(22, 64), max_tree_nodes=40)._options(Spec()).budget == 40
     fixed = servicer(SpeculationOptions(budget=16), BudgetPolicy(22, 64))._options(Spec())
     assert (fixed.adaptive, fixed.budget) == (False, 16)
+    # A default above what the target verifies is cut to it, for every mode (the bench's AR rows
+    # against a target of --max-tree-nodes 16 were refused); a request's own budget is not.
+    small = servicer(SpeculationOptions(budget=22), BudgetPolicy(22, 64), max_tree_nodes=16)
+    assert small._options(Spec(mode=Spec.OFF)).budget == 16 and small._options(Spec()).budget == 16
+    with pytest.raises(InvalidArgument, match="speculation.budget: 17 is outside"):
+        small._options(Spec(budget=17))
 
 
 class CapturingTarget(FakeTarget):
