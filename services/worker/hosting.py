@@ -154,8 +154,9 @@ class StepBatcher:
     back, or after a *gather window* (``GATHER_FRACTION`` of the last pass, at most
     ``max_gather_s``), whichever comes first. The window is long enough for a gateway to turn a
     pass's results into next steps (~0.2 ms of its CPU per sequence): one started sooner splits the
-    batch in two, and every sequence then waits for two passes a step. A lone sequence never waits: with one live sequence its steps run at
-    once (on the event loop's thread when short, see ``EngineHost.inline_now``).
+    batch in two, and every sequence then waits for two passes a step. A lone sequence never
+    waits: with one live sequence its steps run at once (on the event loop's thread when short,
+    see ``EngineHost.inline_now``).
     """
 
     def __init__(

@@ -221,7 +221,7 @@ def _logits_row_bytes(vocab: int, itemsize: int) -> int:
 
 def _prompt_attention_bytes(c, chunk: int, context: int, itemsize: int) -> int:
     """What one attention layer holds for a prompt chunk of ``chunk`` rows over ``context``
-    positions (``layers.Attention.attend_paged``'s gathered path): the keys and values gathered
+    positions (``layers.QKVProjection.attend_paged``'s gathered path): the keys and values gathered
     out of their blocks, the chunk's boolean mask, and the additive mask in the compute dtype that
     the fused kernel builds from it."""
     return 2 * context * c.num_kv_heads * c.head_dim * itemsize + chunk * context * (1 + itemsize)
