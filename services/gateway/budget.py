@@ -31,14 +31,8 @@ an H200, with 3% and no hold, the choice moved between 7 and 64 nodes several ti
 fixed budget's 30.
 
 **Budget 0 skips the draft.** While the choice is 0 the gateway's steps are target-only: they do
-not ask the draft (:meth:`BudgetPolicy.drafts` says no); the tap features of those steps are
-joined and sent with the next proposal. 0 is priced with ``t_plain``, the ``t_other`` of
-target-only rounds as measured, or ``t_other - t_draft`` before any was: that estimate keeps what
-a speculating round costs the gateway besides the draft (building and cutting trees, walking
-acceptance, for all its sequences on one event loop), and on the 2-core CPU it priced 0 at 77
-tok/s where AR ran 270. While another budget is chosen and 0's estimated rate is within
-``PROBE_RATIO`` of the best, the steps of one pass in every ``PROBE_PASSES`` are target-only, so
-``t_plain`` is measured and kept current.
+not ask the draft (:meth:`BudgetPolicy.drafts` says no), so they cost ``t_other - t_draft``, which
+is how 0 is priced; the tap features of those steps are joined and sent with the next proposal.
 Every ``EXPLORE_PASSES`` passes, steps of one pass draft again, each with the best tree of the
 other budgets (:meth:`BudgetPolicy.choose`), so that acceptance, the draft's mass and ``t_draft``
 stay observed and the choice can leave 0. On the 2-core CPU with the built-in pair, 8 clients got
@@ -65,8 +59,6 @@ DEFAULT_BUDGET = 22  # before the policy has cost data, and the chain length of 
 DEFAULT_MAX_BUDGET = 64
 HYSTERESIS = 0.10  # how much faster a budget must be to replace the current choice
 EXPLORE_PASSES = 20  # while the choice is 0 (no draft), the passes between passes whose steps draft
-PROBE_PASSES = 100  # while another budget is chosen, the passes between target-only passes (see PROBE_RATIO)
-PROBE_RATIO = 0.5  # 0's rate over the best at which those probes run: on an H200 AR is 0.2-0.3 of the best at 1 user
 
 
 def parse_budget(text: str) -> str | int:
@@ -130,10 +122,7 @@ class BudgetPolicy:
         self._other = _Ema(alpha)  # t_other, seconds
         self._passes_per_round = _Ema(alpha)  # q
         self._draft = _Ema(alpha)  # t_draft, seconds
-        self._plain = _Ema(alpha)  # t_plain: t_other of target-only rounds, seconds
         self._explored_at = 0.0  # _pass_weight when the last exploring pass began
-        self._probed_at = -float(PROBE_PASSES)  # _pass_weight when the last target-only probe began (the first: at once)
-        self._zero_close = False  # whether 0's rate was within PROBE_RATIO of the best at the last choice
         self._concurrency = _Ema(alpha)  # sequences per pass
         self._observed: list[_Ema] = []  # [depth] EMA of the steps' acceptance at that depth (index 0 unused)
         self._predicted: list[_Ema] = []  # [depth] EMA of the draft's probability mass at that depth
@@ -164,20 +153,14 @@ class BudgetPolicy:
         self._pass_weight += weight
 
     def observe_round(
-        self, seconds: float, verify_forward_s: float, verify_queue_s: float = 0.0, pass_sequences: int = 1, draft_s: float = 0.0,
-        drafted: bool = True,
+        self, seconds: float, verify_forward_s: float, verify_queue_s: float = 0.0, pass_sequences: int = 1, draft_s: float = 0.0
     ) -> None:
-        """A step took ``seconds`` from its start to its verify response, of which its verify pass of
-        ``pass_sequences`` sequences took ``verify_forward_s``, its wait in the target for that pass
-        ``verify_queue_s`` and its proposal ``draft_s``; the rest but the proposal is ``t_other``'s
-        other part. A target-only step (``drafted`` False: budget 0) measures ``t_plain`` instead.
-        Weighed as a pass's report (:meth:`observe_pass`)."""
+        """A speculating step took ``seconds`` from its proposal to its verify response, of which its
+        verify pass of ``pass_sequences`` sequences took ``verify_forward_s``, its wait in the
+        target for that pass ``verify_queue_s`` and its proposal ``draft_s``; the rest but the
+        proposal is ``t_other``'s other part. Weighed as a pass's report (:meth:`observe_pass`)."""
         weight = 1.0 / max(1, pass_sequences)
-        other = max(0.0, seconds - verify_forward_s - verify_queue_s)
-        if not drafted:
-            self._plain.add(other, weight)
-            return
-        self._other.add(other, weight)
+        self._other.add(max(0.0, seconds - verify_forward_s - verify_queue_s), weight)
         self._draft.add(min(draft_s, self._other.value), weight)
         if verify_forward_s > 0:
             self._passes_per_round.add((verify_forward_s + verify_queue_s) / verify_forward_s, weight)
@@ -215,11 +198,6 @@ class BudgetPolicy:
     @property
     def t_draft(self) -> float:
         return self._draft.value
-
-    @property
-    def t_plain(self) -> float:
-        """A target-only round's ``t_other``: measured, or ``t_other - t_draft`` before any was."""
-        return self._plain.value if self._plain.count else max(0.0, self.t_other - self.t_draft)
 
     @property
     def passes_per_round(self) -> float:
@@ -261,20 +239,14 @@ class BudgetPolicy:
         def round_cost(rows: np.ndarray) -> np.ndarray:
             return q * self.cost(rows)
 
-        other = np.where(candidates == 0, self.t_plain, self.t_other)  # [m]: 0 skips the draft
+        other = np.where(candidates == 0, max(0.0, self.t_other - self.t_draft), self.t_other)  # [m]: 0 skips the draft
         return candidates, budget_rates(expected_al, round_cost, other, self.concurrency, candidates)
 
     def drafts(self) -> bool:
         """Whether an adaptive step should ask the draft: yes unless the choice is 0, and then during
-        one pass in every ``EXPLORE_PASSES`` (the steps that keep the figures observed); while
-        another is chosen and 0 is close (``PROBE_RATIO``), no during one pass in every
-        ``PROBE_PASSES`` (the steps that measure ``t_plain``)."""
+        one pass in every ``EXPLORE_PASSES`` (the steps that keep the figures observed)."""
         if self.choice != 0:
-            if not self._zero_close:
-                return True
-            if self._pass_weight - self._probed_at >= PROBE_PASSES:
-                self._probed_at = self._pass_weight
-            return self._pass_weight - self._probed_at >= 1.0
+            return True
         if self._pass_weight - self._explored_at >= EXPLORE_PASSES:
             self._explored_at = self._pass_weight
         return self._pass_weight - self._explored_at < 1.0
@@ -293,15 +265,13 @@ class BudgetPolicy:
             return min(self.default_budget, most)
         candidates, rates = self.rates()
         best = int(np.argmax(rates))
-        self._zero_close = bool(candidates[0] == 0 and rates[0] >= PROBE_RATIO * rates[best])
         current = np.flatnonzero(candidates == self.choice)
         held = self._pass_weight - self._chosen_at < self.hold_passes
         if not len(current) or (not held and rates[best] > (1 + HYSTERESIS) * rates[current[0]]):
             logger.info(
                 "adaptive budget %s -> %d: %.0f tok/s expected at %.1f sequences a pass, %.2f passes a round, "
-                "t_other %.1f ms (draft %.1f, target-only rounds %.1f%s) (%s)",
+                "t_other %.1f ms (draft %.1f) (%s)",
                 self.choice, candidates[best], rates[best], self.concurrency, self.passes_per_round, 1e3 * self.t_other, 1e3 * self.t_draft,
-                1e3 * self.t_plain, "" if self._plain.count else ", estimated",
                 ", ".join(f"{b}: {r:.0f}" for b, r in zip(candidates, rates)),
             )
             self.choice, self._chosen_at = int(candidates[best]), self._pass_weight

@@ -209,7 +209,7 @@ class SpeculativeSequence:
                 yield self._committed([anchor], [prefilled.logprob])
                 continue
             accepted = len(verified.committed_tokens) - 1
-            self._observe(tree, budget is not None and not skipped, skipped, verified, accepted, time.perf_counter() - step_start)
+            self._observe(tree, budget is not None and not skipped, verified, accepted, time.perf_counter() - step_start)
             step = StepStats(tree.num_nodes, int(tree.depths.max(initial=0)), accepted, fallback, budget)
             self.stats.add(step)
             self.on_step(step)
@@ -219,9 +219,8 @@ class SpeculativeSequence:
             features = await self._behind(features, verified.features) if skipped else verified.features
             yield self._committed(new, verified.logprobs)
 
-    def _observe(self, tree: DraftTree, drafted: bool, skipped: bool, verified: Verified, accepted: int, step_s: float) -> None:
-        """Feed the budget policy a verified step; ``drafted``: the step proposed and built ``tree``;
-        ``skipped``: the policy's budget was 0, a target-only step."""
+    def _observe(self, tree: DraftTree, drafted: bool, verified: Verified, accepted: int, step_s: float) -> None:
+        """Feed the budget policy a verified step; ``drafted``: the step proposed and built ``tree``."""
         policy = self.budget_policy
         if policy is None:
             return
@@ -229,10 +228,10 @@ class SpeculativeSequence:
         if forward_s > 0:  # 0: the pass captured a CUDA graph; its time says nothing of a pass or a round
             # A target that does not batch reports no pass figures: its pass was this step's alone.
             policy.observe_pass(verified.pass_rows or tree.num_nodes + 1, verified.pass_sequences or 1, forward_s)
-            if drafted or skipped:
+            if drafted:
                 # The wait behind other sequences' passes is priced as passes (BudgetPolicy's q), not as
                 # t_other: as a constant it would argue for larger trees, which lengthen it.
-                policy.observe_round(step_s, forward_s, verified.queue_ns / 1e9, verified.pass_sequences or 1, self.draft_s, drafted)
+                policy.observe_round(step_s, forward_s, verified.queue_ns / 1e9, verified.pass_sequences or 1, self.draft_s)
         if drafted:
             policy.observe_acceptance(tree, accepted)
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
 
-from services.gateway.budget import EXPLORE_PASSES, HYSTERESIS, PROBE_PASSES, PROBE_RATIO, BudgetPolicy, parse_budget
+from services.gateway.budget import EXPLORE_PASSES, HYSTERESIS, BudgetPolicy, parse_budget
 from services.gateway.server import GatewayServicer, GatewayState
 from services.gateway.speculation import DraftShape, Mode, SpeculationOptions, SpeculativeSequence
 from services.gateway.workers import Prefilled, Verified
@@ -204,39 +204,6 @@ def test_budget_0_skips_the_draft_and_explores_every_few_passes():
     assert [i for i, a in enumerate(asked) if a] == list(range(EXPLORE_PASSES - 1, 3 * EXPLORE_PASSES, EXPLORE_PASSES)), asked
 
 
-def test_target_only_rounds_price_budget_0_and_are_probed_while_it_is_close():
-    """Budget 0 is priced with the t_other of target-only rounds once one was measured (before, with
-    t_other - t_draft, which keeps the gateway's tree work); while a drafting budget is chosen and 0
-    is within PROBE_RATIO of it, the steps of one pass in every PROBE_PASSES are target-only."""
-    policy = BudgetPolicy(22, 64, warmup_passes=1, hold_passes=0)
-    for _ in range(20):
-        policy.observe_pass(1, 1, 0.010)
-        policy.observe_round(0.060, 0.010, 0.0, 1, draft_s=0.040)  # t_other 50 ms, of which the draft 40
-    for _ in range(int(1 / policy.calibration_alpha)):
-        policy.observe_acceptance(TREE, 3)
-    assert policy.t_plain == pytest.approx(0.010)  # estimated: t_other - t_draft
-    assert policy.choose(TREE) > 0
-    candidates, rates = policy.rates()
-    assert PROBE_RATIO * rates.max() <= rates[candidates == 0][0] < rates.max()  # close, not the best
-    asked = []
-    for _ in range(2 * PROBE_PASSES + 1):
-        asked.append(policy.drafts())
-        policy.observe_pass(1, 1, 0.010)
-    assert [i for i, a in enumerate(asked) if not a] == [0, PROBE_PASSES, 2 * PROBE_PASSES], asked  # the first at once
-    policy.observe_round(0.011, 0.010, 0.0, 1, drafted=False)  # a target-only round: 1 ms besides its pass
-    assert policy.t_plain == pytest.approx(0.001) and policy.t_other == pytest.approx(0.050)  # the drafting rounds' stays
-    policy.choose(TREE)
-    assert policy.choice == 0  # measured, 0 wins: 1 / 11 ms against AL / 60 ms
-    far = BudgetPolicy(22, 64, warmup_passes=1)
-    for _ in range(20):
-        far.observe_pass(1, 1, 0.010)
-        far.observe_round(0.020, 0.010, 0.0, 1, draft_s=0.002)  # a cheap draft: 0 is far behind
-    for _ in range(int(1 / far.calibration_alpha)):
-        far.observe_acceptance(TREE, 3)
-    far.choose(TREE)
-    assert all(far.drafts() for _ in range(2 * PROBE_PASSES))  # no probe
-
-
 def test_adaptive_budgets_fill_the_targets_row_buckets():
     """Each adaptive budget's tree (b + 1 rows) is a row bucket of the target's fixed-shape passes,
     so adaptive steps make no CUDA graph shapes of their own; and the policy picks only those."""
@@ -395,8 +362,6 @@ def test_a_target_only_step_of_budget_0_does_not_ask_the_draft_and_keeps_its_fea
     assert [len(rows) for _, rows in draft.proposals] == [len(PROMPT), EXPLORE_PASSES, EXPLORE_PASSES]
     skipped = [len(tokens) == 0 for tokens, _ in target.trees]
     assert sum(not s for s in skipped) == 3 and policy._other.count == 3  # only drafted steps priced a round
-    # Target-only steps measured t_plain: all but the last, whose tree could hold no node (one token wanted).
-    assert policy._plain.count == sum(skipped) - 1
 
 
 def test_a_fixed_budget_wins_over_the_policy_and_still_teaches_it():
