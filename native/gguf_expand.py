@@ -78,9 +78,10 @@ def expand(raw: torch.Tensor, qtype: Q, levels: torch.Tensor, first: int, end: i
     first, K] (its dtype) -> that view of ``out``. ``levels``: IQ4_XS's level table (any tensor for
     the other types, never read)."""
     K = out.shape[1]
-    if K % CHUNK and qtype != Q.Q8_0 or K % GGML_QUANT_SIZES[qtype][0]:
-        raise ValueError(f"{qtype.name} rows of {K} values do not split into {CHUNK}-value chunks")
-    values = CHUNK if K % CHUNK == 0 else 32  # a program's values of a row: Q8_0 rows are multiples of 32 only
+    # A program's values of a row: CHUNK, or one block where K is no multiple of it (Q8_0's 32).
+    values = CHUNK if K % CHUNK == 0 else GGML_QUANT_SIZES[qtype][0]
+    if K % values:
+        raise ValueError(f"{qtype.name} rows of {K} values do not split into whole blocks")
     grid = (triton.cdiv(end - first, BLOCK_N), K // values)
     _expand_kernel[grid](raw, levels, out, first, end, raw.stride(0), out.stride(0),
                          QTYPE=TYPE_IDS[qtype], BLOCK_N=BLOCK_N, CHUNK=values, num_warps=4)

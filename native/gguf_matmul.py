@@ -318,8 +318,8 @@ def gguf_matmul(
         return x.new_empty(*lead, N)
     if tiling is None and gguf_mma.usable(x2, raw, qtype):
         return gguf_mma.matmul(x2, raw, qtype, N).reshape(*lead, N)
+    table = levels(x.device) if qtype == Q.IQ4_XS else raw  # the other types never read this pointer
     if tiling is None and gguf_expand.takes(x2, qtype):
-        table = levels(x.device) if qtype == Q.IQ4_XS else raw
         return gguf_expand.matmul(x2, raw, qtype, N, table).reshape(*lead, N)
     tiling = tiling or default_tiling(M, qtype)
     if tiling.gemv:
@@ -339,7 +339,6 @@ def gguf_matmul(
     grid = (triton.cdiv(N, block_n), split_k, triton.cdiv(M, block_m))
     common = dict(QTYPE=TYPE_IDS[qtype], BLOCK_N=block_n, CHUNK=chunk, CHUNKS_PER_SPLIT=chunks // split_k, num_warps=tiling.num_warps)
     strides = (x2.stride(0), y.stride(0) if split_k > 1 else 0, y.stride(-2), raw.stride(0))
-    table = levels(x.device) if qtype == Q.IQ4_XS else raw  # the other types never read this pointer
     if tiling.gemv:
         _gguf_gemv_kernel[grid](x2, raw, y, table, N, *strides, **common)
     else:
