@@ -82,7 +82,7 @@ def system(module_services, pair):
     gw_dflash = s.start("q-gw-dflash", "gateway", "--target", target, "--draft", dflash)
     gw_plain = s.start("plain-gw", "gateway", "--target", plain, "--draft", "")
     target_kept, draft_kept = kept_lines(pair)
-    assert target_kept in s.log("q-target") and "keep-quantized" not in s.log("plain-target")
+    assert target_kept in s.log("q-target") and "keep-quantized target:" not in s.log("plain-target")
     assert draft_kept in s.log("q-dflash")
 
     cases = _cases(read_target_config(model).vocab_size)

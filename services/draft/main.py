@@ -6,6 +6,7 @@ import argparse
 import logging
 import time
 
+from splitspec.models import keep_quantized
 from splitspec.transport import busypoll, rpc
 from splitspec.transport.security import ServerSecurity, add_server_arguments
 from splitspec.transport.stepwire import add_step_socket_argument, step_server_from_args
@@ -22,9 +23,8 @@ def add_arguments(p: argparse.ArgumentParser, model: bool = True) -> None:
     p.add_argument("--listen", default="127.0.0.1:50053", help="address to serve on (host:port or unix:PATH)")
     p.add_argument("--device", default="cpu", help="cpu, cuda:N or auto (cuda:0 when torch sees a GPU, else cpu)")
     p.add_argument("--dtype", default="auto", help="auto (bfloat16 on GPU, float32 on CPU), float32, float16, bfloat16")
-    p.add_argument(
-        "--keep-quantized", action="store_true",
-        help="a GGUF target's token embedding and LM head, and a GGUF draft's linear weights, stay in their GGUF blocks "
+    keep_quantized.add_argument(
+        p, "a GGUF target's token embedding and LM head, and a GGUF draft's linear weights, stay in their GGUF blocks "
         "(types with a matmul kernel for the linears and head, any block type for the embedding, whose lookup "
         "dequantizes only the rows it reads) instead of being dequantized to --dtype; other weights dequantize as usual",
     )
@@ -64,16 +64,31 @@ def load_engine(args: argparse.Namespace):
     dtype = resolve_dtype(args.dtype, device)
     t0 = time.perf_counter()
     target_config = read_target_config(args.target_model)
-    model, config = load_dflash_draft(args.model, device, dtype, num_target_layers=target_config.num_layers, keep_quantized=args.keep_quantized)
+    keep = keep_decision(args, device, dtype)
+    logger.info("draft weights with the target's embedding and LM head: %s", keep.reason)
+    model, config = load_dflash_draft(args.model, device, dtype, num_target_layers=target_config.num_layers, keep_quantized=keep.keep)
     check_draft_fits(config, target_config, str(args.model), str(args.target_model))
-    embed, head, target_config = load_target_head(args.target_model, device, dtype, keep_quantized=args.keep_quantized)
+    embed, head, target_config = load_target_head(args.target_model, device, dtype, keep_quantized=keep.keep)
     logger.info(
         "loaded draft %s: %d layers, block %d, taps %s, on %s in %.1f s",
         args.model, config.num_layers, config.block_size, list(config.target_layer_ids), device, time.perf_counter() - t0,
     )
-    if args.keep_quantized:
+    if keep.keep:
         logger.info("keep-quantized draft: %s; the target's %s", kept_summary(model), head_summary(embed, head))
     return draft_engine(args, model, embed, head, device), target_config, str(dtype).removeprefix("torch."), str(device)
+
+
+def keep_decision(args: argparse.Namespace, device, dtype) -> keep_quantized.KeepDecision:
+    """``--keep-quantized`` for what the draft worker loads: a GGUF draft's weights and a GGUF
+    target's embedding and LM head (the tensors the draft borrows)."""
+    from services.worker.memory_plan import cap_bytes
+    from splitspec.models.hub import resolve_model
+
+    parts = [keep_quantized.dequantized_bytes(resolve_model(args.model), dtype),
+             keep_quantized.dequantized_bytes(resolve_model(args.target_model), dtype, ("token_embd.weight", "output.weight"))]
+    known = [b for b in parts if b is not None]
+    dequantized = sum(known) if known else None
+    return keep_quantized.decide(args.keep_quantized, dequantized, keep_quantized.available_bytes(device, cap_bytes(args.memory_cap_gb)), dtype)
 
 
 def draft_engine(args: argparse.Namespace, model, embed, head, device):

@@ -7,6 +7,7 @@ import logging
 import time
 from dataclasses import replace
 
+from splitspec.models import keep_quantized
 from splitspec.spec.budget import ADAPTIVE_BUDGETS
 from splitspec.transport import busypoll, rpc
 from splitspec.transport.security import ServerSecurity, add_server_arguments
@@ -45,11 +46,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="hybrid (qwen35) targets: storage of recurrent states, per sequence and per tree node: "
         "auto (float32; float64 with --dtype float64), float32, bfloat16, float16",
     )
-    p.add_argument(
-        "--keep-quantized", action="store_true",
-        help="GGUF targets (llama, qwen2, qwen3 and the hybrid qwen35): keep linear weights of the types with a matmul kernel "
-        "(native.gguf_matmul.KERNEL_TYPES: Q8_0, Q4_K, Q6_K, ...) in their GGUF blocks and multiply with Triton kernels that "
-        "read the blocks (on the CPU each call dequantizes: slow, for tests), and a quantized token embedding too (a lookup "
+    keep_quantized.add_argument(
+        p, "GGUF targets (llama, qwen2, qwen3 and the hybrid qwen35): keep linear weights of the types with a matmul kernel "
+        "(native.gguf_matmul.KERNEL_TYPES: Q8_0, Q4_K, Q6_K, ...) in their GGUF blocks and multiply with kernels that "
+        "read the blocks (on the CPU each call dequantizes: slow), and a quantized token embedding too (a lookup "
         "dequantizes only the rows it reads); other weights dequantize as usual",
     )
     p.add_argument("--max-sequences", type=int, default=64, help="live sequences at most")
@@ -116,12 +116,18 @@ def kv_tokens(args: argparse.Namespace, model, config, device, dtype, plan_at=No
 
 def load_model(args: argparse.Namespace, device, dtype, state_dtype):
     """The target named by ``--model``: (model, config, end-of-sequence ids, tokenizer path)."""
+    from services.worker.memory_plan import cap_bytes
     from splitspec.models.hub import resolve_model
     from splitspec.models.loader import load_target
     from splitspec.text.tokenizer import Tokenizer
 
     path = resolve_model(args.model)
-    model, config = load_target(path, device, dtype, state_dtype, keep_quantized=args.keep_quantized)
+    keep = keep_quantized.decide(
+        args.keep_quantized, keep_quantized.dequantized_bytes(path, dtype),
+        keep_quantized.available_bytes(device, cap_bytes(args.memory_cap_gb)), dtype,
+    )
+    logger.info("target weights: %s", keep.reason)
+    model, config = load_target(path, device, dtype, state_dtype, keep_quantized=keep.keep)
     return model, config, list(Tokenizer.load(path).eos_token_ids), str(path)
 
 

@@ -80,14 +80,14 @@ LABELS = {
 }
 REMEDIES = {
     "target": {
-        "weights": "a smaller model or quantization, or --keep-quantized to keep GGUF Q8_0/Q4_K/Q6_K blocks as they are",
+        "weights": "a smaller model or quantization, or --keep-quantized on to keep GGUF Q8_0/Q4_K/Q6_K blocks as they are",
         "kv_cache": "lower --max-kv-tokens",
         "state_slots": "lower --max-sequences, or --state-dtype bfloat16",
         "tree_buffers": "lower --max-tree-nodes or --max-sequences, or --state-dtype bfloat16",
         "workspace": "lower --max-tree-nodes or --max-sequences, or --max-kv-tokens for shorter prompts' tap features",
     },
     "draft": {
-        "weights": "a smaller draft, a narrower --dtype, or --keep-quantized",
+        "weights": "a smaller draft, a narrower --dtype, or --keep-quantized on",
         "context_slots": "lower --graph-sequences or --graph-context",
         "workspace": "lower --max-sequences, or --graph-context for shorter prompts' tap features",
     },

@@ -7,8 +7,8 @@ around a model that only the benchmark and the tests use:
 - ``random-target --model random:SHAPE``: a target of random weights of a real shape
   (``splitspec.bench.random_weights``), drawn on the device; it has no tokenizer, so its gateway
   is given one with ``--tokenizer``. A ``*-q4km`` shape's linears are GGUF blocks: with
-  ``--keep-quantized`` they stay in them (``QuantLinear``), without it they are dequantized to
-  ``--dtype``, as ``splitspec target`` treats a Q4_K_M file.
+  ``--keep-quantized`` they stay in them (``QuantLinear``), without it (or with ``auto``, its
+  default: random weights have no file to size) they are dequantized to ``--dtype``.
 - ``random-draft --model random:SHAPE-dflash --target-model random:SHAPE``: a DFlash draft of
   random weights with the random target's embedding and LM head (a ``*-q4km`` target's Q4_K
   embedding and Q6_K head kept in their blocks with ``--keep-quantized``, as ``splitspec draft``
@@ -41,7 +41,7 @@ def random_target(args: argparse.Namespace, device, dtype, state_dtype):
     from splitspec.bench.random_weights import random_target as build
     from splitspec.models.quantized import kept_summary
 
-    model, config = build(args.model, device, dtype, state_dtype, keep_quantized=args.keep_quantized)
+    model, config = build(args.model, device, dtype, state_dtype, keep_quantized=args.keep_quantized == "on")
     logger.info("random target %s: %s", args.model, kept_summary(model))
     return model, config, [], ""
 
@@ -55,7 +55,7 @@ def random_draft(args: argparse.Namespace):
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     model, _ = build(args.model, device, dtype)
-    embed, head, target_config = random_target_head(args.target_model, device, dtype, keep_quantized=args.keep_quantized)
+    embed, head, target_config = random_target_head(args.target_model, device, dtype, keep_quantized=args.keep_quantized == "on")
     logger.info("random draft %s: the target's %s", args.model, head_summary(embed, head))
     engine = draft_main.draft_engine(args, model, embed, head, device)
     return engine, target_config, str(dtype).removeprefix("torch."), str(device)

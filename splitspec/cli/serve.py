@@ -44,6 +44,7 @@ from pathlib import Path
 import splitspec
 from services.gateway.budget import DEFAULT_BUDGET, parse_budget
 from services.gateway.workers import WIRES
+from splitspec.models import keep_quantized
 
 logger = logging.getLogger(__name__)
 
@@ -74,10 +75,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--draft-device", default="", help="draft device: auto, cpu or cuda:N (default: the same as --device)")
     p.add_argument("--dtype", default="auto", help="compute dtype of both workers")
-    p.add_argument(
-        "--keep-quantized", action="store_true",
-        help="both workers keep a GGUF model's quantized weights in their blocks (see splitspec target --help and splitspec draft --help)",
-    )
+    keep_quantized.add_argument(p, "both workers keep a GGUF model's quantized weights in their blocks (see splitspec target --help and splitspec draft --help)")
     p.add_argument("--mode", choices=["ddtree", "chain", "off"], default="ddtree", help="default speculation mode")
     p.add_argument(
         "--budget", type=parse_budget, default=DEFAULT_BUDGET,
@@ -442,7 +440,7 @@ def run(args: argparse.Namespace, log_args: list[str]) -> int:
     # alone); sharing the GPU with the draft, which may load later, it takes half, unless memory
     # caps split the device between them already.
     kv_share = ["--kv-memory-fraction", "0.5"] if shared and not target_cap else []
-    keep = ["--keep-quantized"] if args.keep_quantized else []
+    keep = ["--keep-quantized", args.keep_quantized]
     children = [Child("target", [
         *base, "target", *log_args, "--model", target_model, "--listen", target_addr, "--device", args.device, "--dtype", args.dtype, *threads,
         "--metrics-port", str(target_port), *kv_share, *keep, *target_cap,

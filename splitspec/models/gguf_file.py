@@ -132,6 +132,13 @@ class GGUFFile:
         # GGUF lists dims fastest-first; numpy wants them slowest-first.
         return tuple(int(d) for d in reversed(info.shape.tolist()))
 
+    def tensor_type(self, name: str) -> GGMLQuantizationType:
+        """A tensor's type (F32, Q4_K, ...), without reading its data."""
+        info = self._tensors.get(name)
+        if info is None:
+            raise ModelFileError(f"{self.path}: missing tensor {name!r}")
+        return info.tensor_type
+
     def raw(self, name: str, shape: tuple[int, ...] | None = None) -> tuple[np.ndarray, GGMLQuantizationType]:
         """A tensor's packed bytes (a read-only view of the memory map) and its type, checked
         against ``shape`` (row-major) and the supported types."""
