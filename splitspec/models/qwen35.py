@@ -45,6 +45,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from native import delta_inputs, use_triton
 from native.chunked_delta_rule import chunk_prefill
 from splitspec.models.delta_rule import (
     ancestor_table,
@@ -63,6 +64,7 @@ from splitspec.models.paged import KVBlockPool, PagedState, PassInputs
 from splitspec.spec.acceptance import compact_rows
 
 QWEN35_ARCHS = ("qwen35",)  # GGUF general.architecture values of this family
+L2_EPS = 1e-6  # q/k L2 norm epsilon (the FLA convention: delta_rule.l2_normalize)
 
 @dataclass(frozen=True)
 class Qwen35Config:
@@ -410,19 +412,30 @@ class GatedDeltaNet(nn.Module):
         """The delta rule's inputs of rows ``x`` [T, hidden] (normed), the conv reading ``history``
         [(S,) K-1, C] and the rows' ``ancestors`` [T, K]. q and k keep their key heads."""
         c, t = self.config, x.shape[0]
-        math = torch.promote_types(x.dtype, torch.float32)
         if self._in_proj is None:
             inputs, z, b, a = self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
         else:
             nv = c.linear_num_value_heads
             inputs, z, b, a = self._in_proj(x).split([c.conv_channels, c.value_dim, nv, nv], dim=-1)  # [T, C], ...
         mixed = conv_silu(history, inputs, ancestors, self.conv_weight)  # [T, C] compute dtype
-        q, k, v = mixed.split([c.key_dim, c.key_dim, c.value_dim], dim=-1)
-        q = l2_normalize(q.to(math).view(t, -1, c.linear_key_head_dim)) * c.linear_key_head_dim**-0.5
-        k = l2_normalize(k.to(math).view(t, -1, c.linear_key_head_dim))
+        q, k, beta, g = self.gates(mixed, b, a)
+        v = mixed[:, 2 * c.key_dim:]
+        return DeltaInputs(inputs, q, k, v.view(t, -1, c.linear_value_head_dim), g, beta, z)
+
+    def gates(self, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """From the conv output ``mixed`` [T, C] and the projections ``b``, ``a`` [T, Hv]: q and k
+        [T, Hk, Dk] L2-normalised (q scaled by Dk^-0.5), ``beta`` and the log-decay ``g`` [T, Hv], in
+        float32 (float64 for float64 inputs); by ``native.delta_inputs`` where it runs."""
+        c, t = self.config, mixed.shape[0]
+        if use_triton(mixed, "delta_inputs") and delta_inputs.supported(mixed, b, a):
+            return delta_inputs.delta_inputs(mixed, b, a, self.ssm_a, self.dt_bias, c.linear_num_key_heads, c.linear_key_head_dim, L2_EPS)
+        math = torch.promote_types(mixed.dtype, torch.float32)
+        q, k = mixed[:, : 2 * c.key_dim].to(math).view(t, 2, -1, c.linear_key_head_dim).unbind(1)
+        q = l2_normalize(q, L2_EPS) * c.linear_key_head_dim**-0.5
+        k = l2_normalize(k, L2_EPS)
         beta = torch.sigmoid(b.to(math))  # [T, Hv]
         g = self.ssm_a.to(math) * F.softplus(a.to(math) + self.dt_bias.to(math))  # [T, Hv]
-        return DeltaInputs(inputs, q, k, v.view(t, -1, c.linear_value_head_dim), g, beta, z)
+        return q, k, beta, g
 
     def heads(self, x: torch.Tensor) -> torch.Tensor:
         """``[T, Hk, D]`` -> ``[T, Hv, D]``: value head ``h`` reads key head ``h // group``."""
