@@ -73,14 +73,20 @@ def delta_inputs(
     key_heads: int,
     key_dim: int,
     eps: float,
+    into: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> q [T, Hk, Dk] (normalised, scaled by Dk^-0.5), k [T, Hk, Dk] (normalised), beta [T, Hv]
-    and g [T, Hv], all float32."""
+    and g [T, Hv], all float32. ``into``: contiguous float32 (k, g, beta) to write those three in."""
     t, hv = mixed.shape[0], b.shape[-1]
     q = torch.empty(t, key_heads, key_dim, dtype=torch.float32, device=mixed.device)
-    k = torch.empty_like(q)
-    beta = torch.empty(t, hv, dtype=torch.float32, device=mixed.device)
-    g = torch.empty_like(beta)
+    if into is None:
+        k = torch.empty_like(q)
+        g = torch.empty(t, hv, dtype=torch.float32, device=mixed.device)
+        beta = torch.empty_like(g)
+    else:
+        k, g, beta = into
+        if not all(x.is_contiguous() and x.dtype == torch.float32 for x in into):
+            raise ValueError("delta_inputs: `into` must be contiguous float32 tensors")
     if t:
         _delta_inputs_kernel[(t,)](
             mixed, mixed.stride(0), b, b.stride(0), a, a.stride(0), ssm_a, dt_bias, q, k, beta, g,

@@ -45,7 +45,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from native import delta_inputs, use_triton
+from native import delta_inputs, rms_norm, use_triton
 from native.chunked_delta_rule import chunk_prefill
 from splitspec.models.delta_rule import (
     ancestor_table,
@@ -248,13 +248,17 @@ class TreeRows:
         """Views of the first ``rows`` rows."""
         return TreeRows(*(x[:, :rows] for x in (self.conv_inputs, self.keys, self.values, self.decays, self.betas)))
 
+    def gate_buffers(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s keys, decays and betas: where ``GatedDeltaNet.gates`` may write them
+        straight away (``record`` then has nothing to copy)."""
+        return self.keys[layer], self.decays[layer], self.betas[layer]
+
     def record(self, layer: int, d: DeltaInputs) -> None:
-        """Keep DeltaNet layer ``layer``'s rows (copies: the buffers may be a captured pass's)."""
-        self.conv_inputs[layer].copy_(d.conv_inputs)
-        self.keys[layer].copy_(d.k)
-        self.values[layer].copy_(d.v)
-        self.decays[layer].copy_(d.g)
-        self.betas[layer].copy_(d.beta)
+        """Keep DeltaNet layer ``layer``'s rows (copies: the buffers may be a captured pass's),
+        but for those already written in place."""
+        for kept, row in ((self.conv_inputs, d.conv_inputs), (self.keys, d.k), (self.values, d.v), (self.decays, d.g), (self.betas, d.beta)):
+            if kept[layer].data_ptr() != row.data_ptr():
+                kept[layer].copy_(row)
 
 
 def tree_row_bytes(config: Qwen35Config, dtype: torch.dtype) -> int:
@@ -408,9 +412,12 @@ class GatedDeltaNet(nn.Module):
         """Value heads per key head."""
         return self.config.linear_num_value_heads // self.config.linear_num_key_heads
 
-    def project(self, x: torch.Tensor, history: torch.Tensor, ancestors: torch.Tensor) -> DeltaInputs:
+    def project(
+        self, x: torch.Tensor, history: torch.Tensor, ancestors: torch.Tensor, into: tuple[torch.Tensor, ...] | None = None,
+    ) -> DeltaInputs:
         """The delta rule's inputs of rows ``x`` [T, hidden] (normed), the conv reading ``history``
-        [(S,) K-1, C] and the rows' ``ancestors`` [T, K]. q and k keep their key heads."""
+        [(S,) K-1, C] and the rows' ``ancestors`` [T, K]. q and k keep their key heads. ``into``:
+        where ``gates`` writes k, g and beta (``TreeRows.gate_buffers``)."""
         c, t = self.config, x.shape[0]
         if self._in_proj is None:
             inputs, z, b, a = self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
@@ -418,23 +425,30 @@ class GatedDeltaNet(nn.Module):
             nv = c.linear_num_value_heads
             inputs, z, b, a = self._in_proj(x).split([c.conv_channels, c.value_dim, nv, nv], dim=-1)  # [T, C], ...
         mixed = conv_silu(history, inputs, ancestors, self.conv_weight)  # [T, C] compute dtype
-        q, k, beta, g = self.gates(mixed, b, a)
+        q, k, beta, g = self.gates(mixed, b, a, into)
         v = mixed[:, 2 * c.key_dim:]
         return DeltaInputs(inputs, q, k, v.view(t, -1, c.linear_value_head_dim), g, beta, z)
 
-    def gates(self, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def gates(
+        self, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, into: tuple[torch.Tensor, ...] | None = None,
+    ) -> tuple[torch.Tensor, ...]:
         """From the conv output ``mixed`` [T, C] and the projections ``b``, ``a`` [T, Hv]: q and k
         [T, Hk, Dk] L2-normalised (q scaled by Dk^-0.5), ``beta`` and the log-decay ``g`` [T, Hv], in
-        float32 (float64 for float64 inputs); by ``native.delta_inputs`` where it runs."""
+        float32 (float64 for float64 inputs); by ``native.delta_inputs`` where it runs. ``into``:
+        (k, g, beta) tensors of those shapes and dtype to hold the results."""
         c, t = self.config, mixed.shape[0]
-        if use_triton(mixed, "delta_inputs") and delta_inputs.supported(mixed, b, a):
-            return delta_inputs.delta_inputs(mixed, b, a, self.ssm_a, self.dt_bias, c.linear_num_key_heads, c.linear_key_head_dim, L2_EPS)
+        if use_triton(mixed, "delta_inputs") and delta_inputs.supported(mixed, b, a) and (into is None or into[0].dtype == torch.float32):
+            return delta_inputs.delta_inputs(
+                mixed, b, a, self.ssm_a, self.dt_bias, c.linear_num_key_heads, c.linear_key_head_dim, L2_EPS, into,
+            )
         math = torch.promote_types(mixed.dtype, torch.float32)
         q, k = mixed[:, : 2 * c.key_dim].to(math).view(t, 2, -1, c.linear_key_head_dim).unbind(1)
         q = l2_normalize(q, L2_EPS) * c.linear_key_head_dim**-0.5
         k = l2_normalize(k, L2_EPS)
         beta = torch.sigmoid(b.to(math))  # [T, Hv]
         g = self.ssm_a.to(math) * F.softplus(a.to(math) + self.dt_bias.to(math))  # [T, Hv]
+        if into is not None:
+            k, g, beta = (dst.copy_(x) for dst, x in zip(into, (k, g, beta)))
         return q, k, beta, g
 
     def heads(self, x: torch.Tensor) -> torch.Tensor:
@@ -445,7 +459,10 @@ class GatedDeltaNet(nn.Module):
         """The mixer output [T, hidden] of the delta rule's ``out`` [T, Hv, Dv]: gated norm, out_proj."""
         t = out.shape[0]
         z = d.z.view(t, -1, self.config.linear_value_head_dim)
-        y = self.norm(out.to(z.dtype)) * F.silu(z)  # [T, Hv, Dv]
+        if use_triton(out, "gated_rms_norm") and rms_norm.gated_supported(out, z, self.norm.weight):
+            y = rms_norm.gated_rms_norm(out, z, self.norm.weight, self.norm.eps)
+        else:  # the kernel's reference
+            y = self.norm(out.to(z.dtype)) * F.silu(z)  # [T, Hv, Dv]
         return self.out_proj(y.reshape(t, -1))
 
     def forward(
@@ -626,7 +643,8 @@ class Qwen35ForCausalLM(nn.Module):
             depths = torch.where(real, inputs.positions - inputs.starts[sequence], -1)
 
         def delta(layer: int, net: GatedDeltaNet, x: torch.Tensor) -> torch.Tensor:
-            d = net.project(x, slots.conv[layer].index_select(0, seq_slots), ancestors)  # histories [B, K-1, C]
+            # histories [B, K-1, C]; k, g and beta written straight into what the pass keeps
+            d = net.project(x, slots.conv[layer].index_select(0, seq_slots), ancestors, pending.gate_buffers(layer))
             out, _ = gated_delta(
                 net.heads(d.q), net.heads(d.k), d.v, d.g, d.beta, slots.recurrent[layer], inputs.parents,
                 slots.recurrent.dtype, inputs.offsets, state_index=seq_slots, keep=keep, depths=depths,

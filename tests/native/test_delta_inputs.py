@@ -88,3 +88,48 @@ def test_wide_dtypes_take_the_reference():
     x = torch.zeros(2, 8, dtype=torch.float64)
     assert not delta_inputs.supported(x, x[:, :2], x[:, 2:4])
     assert delta_inputs.supported(x.float(), x.float()[:, :2], x.float()[:, 2:4])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fused", [False, True])
+def test_gated_output_norm_matches_the_reference(dtype, fused, monkeypatch):
+    """``GatedDeltaNet.output``: ``norm(out) * silu(z)`` by ``rms_norm.gated_rms_norm`` (z strided
+    where it is a split of the fused projection) against the reference's four operations."""
+    from splitspec.models.qwen35 import DeltaInputs
+
+    c = config(3, 6, 12)
+    net = layer(c, dtype, fused)
+    x = torch.randn(4, c.hidden_size, dtype=dtype)
+    with torch.no_grad():
+        net.out_proj = torch.nn.Identity()  # compare the normed, gated rows themselves
+        z = net._in_proj(x).split([c.conv_channels, c.value_dim, 6, 6], dim=-1)[1] if fused else net.in_proj_z(x)
+        d = DeltaInputs(None, None, None, None, None, None, z)
+        out = torch.randn(4, 6, c.linear_value_head_dim)  # the delta rule's float32 output
+        results = {}
+        for native in ("1", "0"):
+            monkeypatch.setenv("SPLITSPEC_NATIVE_CPU", native)
+            results[native] = net.output(d, out)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2  # the interpreter rounds bf16 by truncation (3 roundings), a GPU to nearest
+    got, want = results["1"], results["0"]
+    assert got.dtype == want.dtype == dtype and torch.allclose(got.float(), want.float(), atol=tol, rtol=tol), (got - want).abs().max()
+
+
+@pytest.mark.parametrize("native", ["1", "0"])
+def test_gates_write_into_the_kept_rows(native, monkeypatch):
+    """A tree pass's k, g and beta land in ``TreeRows``' buffers, so ``record`` copies only the rest."""
+    from splitspec.models.qwen35 import TreeRows
+
+    c = config(2, 4, 16)
+    net = layer(c, torch.float32, True)
+    monkeypatch.setenv("SPLITSPEC_NATIVE_CPU", native)
+    kept = TreeRows.empty(c, 8, torch.device("cpu"), torch.float32).head(5)
+    x = torch.randn(5, c.hidden_size)
+    with torch.no_grad():
+        _, _, b, a = net._in_proj(x).split([c.conv_channels, c.value_dim, 4, 4], dim=-1)
+        mixed = torch.randn(5, c.conv_channels)
+        _, k, beta, g = net.gates(mixed, b, a, kept.gate_buffers(2))
+        fresh = net.gates(mixed, b, a)
+    assert k.data_ptr() == kept.keys[2].data_ptr() and g.data_ptr() == kept.decays[2].data_ptr()
+    assert beta.data_ptr() == kept.betas[2].data_ptr()
+    for got, want in zip((k, beta, g), fresh[1:]):
+        assert torch.equal(got, want)
