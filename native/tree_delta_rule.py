@@ -127,8 +127,8 @@ def tree_conv_silu(
 
 @triton.jit
 def _tree_delta_kernel(
-    q,  # [T, H, DK] normalised and scaled
-    k,  # [T, H, DK] normalised
+    q,  # [T, H / GROUP, DK] normalised and scaled: value head h reads key head h // GROUP
+    k,  # [T, H / GROUP, DK] normalised
     v,  # [T, H, DV]
     g,  # [T, H] log-decay
     beta,  # [T, H]
@@ -144,6 +144,7 @@ def _tree_delta_kernel(
     v_row,
     T,
     H,
+    GROUP,  # value heads per key head
     DK: tl.constexpr,
     DV: tl.constexpr,
     BK: tl.constexpr,
@@ -153,6 +154,7 @@ def _tree_delta_kernel(
     KEEP_ALL: tl.constexpr,  # store every row's state (else only where keep is set)
 ):
     head = tl.program_id(0)
+    key_head = head // GROUP
     cols = tl.program_id(1) * BV + tl.arange(0, BV)  # [BV] value dims of this tile
     sequence = tl.program_id(2)
     keys = tl.arange(0, BK)  # [BK]
@@ -180,8 +182,8 @@ def _tree_delta_kernel(
     # loop), so their latency hides behind a row of arithmetic. A starting state other than the
     # previous row's is the state before the block or an earlier row's, stored by then.
     s = tl.load(before + tile, mask=tile_ok, other=0.0).to(tl.float32)  # the first row's parent is -(s + 1)
-    qt = tl.load(q + first * q_row + head * DK + keys, mask=key_ok, other=0.0).to(tl.float32)  # [BK]
-    kt = tl.load(k + first * k_row + head * DK + keys, mask=key_ok, other=0.0).to(tl.float32)  # [BK]
+    qt = tl.load(q + first * q_row + key_head * DK + keys, mask=key_ok, other=0.0).to(tl.float32)  # [BK]
+    kt = tl.load(k + first * k_row + key_head * DK + keys, mask=key_ok, other=0.0).to(tl.float32)  # [BK]
     vt = tl.load(v + first * v_row + head * DV + cols, mask=col_ok, other=0.0).to(tl.float32)  # [BV]
     gt = tl.load(g + first * H + head).to(tl.float32)
     bt = tl.load(beta + first * H + head).to(tl.float32)
@@ -195,8 +197,8 @@ def _tree_delta_kernel(
         tl.debug_barrier()  # rows stored by earlier iterations are visible to every thread
         from_before = tl.load(before + tile, mask=tile_ok & reload & (pn < 0), other=0.0)
         from_row = tl.load(states + tl.maximum(pn, 0) * state_size + tile, mask=tile_ok & reload & (pn >= 0), other=0.0)
-        qn = tl.load(q + nt * q_row + head * DK + keys, mask=key_ok & more, other=0.0)
-        kn = tl.load(k + nt * k_row + head * DK + keys, mask=key_ok & more, other=0.0)
+        qn = tl.load(q + nt * q_row + key_head * DK + keys, mask=key_ok & more, other=0.0)
+        kn = tl.load(k + nt * k_row + key_head * DK + keys, mask=key_ok & more, other=0.0)
         vn = tl.load(v + nt * v_row + head * DV + cols, mask=col_ok & more, other=0.0)
         gn = tl.load(g + nth, mask=more, other=0.0)
         bn = tl.load(beta + nth, mask=more, other=0.0)
@@ -232,8 +234,8 @@ def _sequence_offsets(parents: torch.Tensor, num_seqs: int) -> torch.Tensor:
 
 
 def tree_gated_delta(
-    q: torch.Tensor,  # [T, H, Dk] normalised and scaled
-    k: torch.Tensor,  # [T, H, Dk] normalised
+    q: torch.Tensor,  # [T, H / G, Dk] normalised and scaled: value head h reads key head h // G
+    k: torch.Tensor,  # [T, H / G, Dk] normalised
     v: torch.Tensor,  # [T, H, Dv]
     g: torch.Tensor,  # [T, H] log-decay
     beta: torch.Tensor,  # [T, H]
@@ -262,15 +264,17 @@ def tree_gated_delta(
     for bfloat16 ones (674 us against 1056).
 
     Nothing here reads a tensor's values on the host: a pass calling it can be captured."""
-    num_rows, heads, dk = k.shape
-    dv = v.shape[-1]
+    num_rows, key_heads, dk = k.shape
+    heads, dv = v.shape[1], v.shape[-1]
+    if heads % key_heads:
+        raise ValueError(f"tree_gated_delta: {heads} value heads are not a multiple of {key_heads} key heads")
     if state_index is not None:
         num_seqs = state_index.shape[0]
         expected_state = (state.shape[0], heads, dk, dv)
     else:
         num_seqs = state.shape[0] if state.dim() == 4 else 1
         expected_state = (num_seqs, heads, dk, dv) if state.dim() == 4 else (heads, dk, dv)
-    expected = {"q": (num_rows, heads, dk), "v": (num_rows, heads, dv), "g": (num_rows, heads), "beta": (num_rows, heads),
+    expected = {"q": (num_rows, key_heads, dk), "v": (num_rows, heads, dv), "g": (num_rows, heads), "beta": (num_rows, heads),
                 "state": expected_state, "parents": (num_rows,), "offsets": (num_seqs + 1,), "keep": (num_rows,)}
     given = {"q": q, "v": v, "g": g, "beta": beta, "state": state, "parents": parents}
     if offsets is not None:
@@ -306,7 +310,7 @@ def tree_gated_delta(
             parents,
             offsets.long().contiguous() if ragged else unread,
             unread if keep is None else keep.to(torch.int8).contiguous(),
-            out, states, q.stride(0), k.stride(0), v.stride(0), num_rows, heads,
+            out, states, q.stride(0), k.stride(0), v.stride(0), num_rows, heads, heads // key_heads,
             DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV=block_v, RAGGED=ragged,
             INDEXED=state_index is not None, KEEP_ALL=keep is None, num_warps=num_warps,
         )

@@ -320,9 +320,11 @@ def gated_delta(
     levels: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`gated_delta_tree`, by a Triton kernel where :func:`native_kernels_for` says so.
-    ``offsets`` [S + 1] (the block's sequences) spare the kernel deriving them from ``parents``;
+    ``q`` and ``k`` may hold key heads ``[T, Hk, Dk]``, fewer than ``v``'s value heads: value head
+    ``h`` reads key head ``h // (Hv / Hk)`` (the kernel indexes them so; the torch path repeats
+    them). ``offsets`` [S + 1] (the block's sequences) spare the kernel deriving them from ``parents``;
     the torch path needs none. ``state_index`` [S]: ``state`` is a table and sequence ``s`` starts
-    from ``state[state_index[s]]`` (the kernel reads it in place). ``keep`` [T] bool
+    from ``state[state_index[s]]`` (the kernel reads it in place). ``keep`` [T] bool or int8
     (:func:`reloaded_rows`): the kernel stores only these rows' states, the others' are left
     undefined. ``depths`` and ``levels``: the torch path's fixed-shape walk (:func:`gated_delta_tree`)."""
     if native_kernels_for(v):
@@ -330,6 +332,9 @@ def gated_delta(
 
         options = {name: x for name, x in (("state_index", state_index), ("keep", keep)) if x is not None}
         return tree_gated_delta(q, k, v, g, beta, state, parents, store_dtype, offsets, **options)
+    group = v.shape[1] // q.shape[1]
+    if group > 1:
+        q, k = q.repeat_interleave(group, 1), k.repeat_interleave(group, 1)
     return gated_delta_tree(q, k, v, g, beta, state, parents, store_dtype, state_index, depths, levels)
 
 

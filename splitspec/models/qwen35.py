@@ -401,11 +401,15 @@ class GatedDeltaNet(nn.Module):
         self.norm = RMSNorm(c.linear_value_head_dim, c.rms_norm_eps)  # gated by SiLU(z)
         self.out_proj = nn.Linear(c.value_dim, c.hidden_size, bias=False)
         self._in_proj: FusedLinear | None = None
+        self._in_proj_zba: FusedLinear | None = None
 
     def fuse(self) -> None:
-        """The four input projections as one matmul (inference; see ``layers.fuse_linears``: a
-        kept-quantized ``in_proj_qkv`` of another block type than the rest stays unfused)."""
+        """The four input projections as one matmul (inference; see ``layers.fuse_linears``). A
+        kept-quantized ``in_proj_qkv`` of another block type than the rest (Q4_K_M gives it Q6_K in
+        some layers) stays alone, and z, b and a, alike, are one matmul."""
         self._in_proj = fuse_linears(self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
+        if self._in_proj is None:
+            self._in_proj_zba = fuse_linears(self.in_proj_z, self.in_proj_b, self.in_proj_a)
 
     @property
     def group(self) -> int:
@@ -419,11 +423,14 @@ class GatedDeltaNet(nn.Module):
         [(S,) K-1, C] and the rows' ``ancestors`` [T, K]. q and k keep their key heads. ``into``:
         where ``gates`` writes k, g and beta (``TreeRows.gate_buffers``)."""
         c, t = self.config, x.shape[0]
-        if self._in_proj is None:
-            inputs, z, b, a = self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
-        else:
-            nv = c.linear_num_value_heads
+        nv = c.linear_num_value_heads
+        if self._in_proj is not None:
             inputs, z, b, a = self._in_proj(x).split([c.conv_channels, c.value_dim, nv, nv], dim=-1)  # [T, C], ...
+        elif self._in_proj_zba is not None:
+            inputs = self.in_proj_qkv(x)
+            z, b, a = self._in_proj_zba(x).split([c.value_dim, nv, nv], dim=-1)
+        else:
+            inputs, z, b, a = self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
         mixed = conv_silu(history, inputs, ancestors, self.conv_weight)  # [T, C] compute dtype
         q, k, beta, g = self.gates(mixed, b, a, into)
         v = mixed[:, 2 * c.key_dim:]
@@ -635,7 +642,8 @@ class Qwen35ForCausalLM(nn.Module):
         kernel must store, and (fixed shapes, torch path) every row's depth."""
         n, _, block_rows, _ = inputs.shape
         seq_slots = inputs.state_slots  # [B]
-        keep = reloaded_rows(inputs.parents)  # [N] the states the kernel stores: the block alone reads them
+        # [N] the states the kernel stores (the block alone reads them), as the kernel's int8 flags once per pass
+        keep = reloaded_rows(inputs.parents).to(torch.int8)
         depths = None
         if inputs.static:  # the torch path's levels as a tensor: depth = position - start; -1 for padding
             sequence = inputs.out_index // block_rows  # [N]
@@ -645,8 +653,8 @@ class Qwen35ForCausalLM(nn.Module):
         def delta(layer: int, net: GatedDeltaNet, x: torch.Tensor) -> torch.Tensor:
             # histories [B, K-1, C]; k, g and beta written straight into what the pass keeps
             d = net.project(x, slots.conv[layer].index_select(0, seq_slots), ancestors, pending.gate_buffers(layer))
-            out, _ = gated_delta(
-                net.heads(d.q), net.heads(d.k), d.v, d.g, d.beta, slots.recurrent[layer], inputs.parents,
+            out, _ = gated_delta(  # q and k in key heads: the kernel reads each value head's
+                d.q, d.k, d.v, d.g, d.beta, slots.recurrent[layer], inputs.parents,
                 slots.recurrent.dtype, inputs.offsets, state_index=seq_slots, keep=keep, depths=depths,
                 levels=block_rows if inputs.static else 0,
             )
@@ -694,13 +702,16 @@ class Qwen35ForCausalLM(nn.Module):
         c = self.config
         h = self.embed_tokens(tokens)
         cos, sin = rope_cos_sin(positions, c.rotary_dim, c.rope_theta, h.dtype)
+        x = self.layers[0].input_layernorm(h)
         tapped: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
-            h = h + mix(i, layer, layer.input_layernorm(h), cos, sin)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            # Each residual add runs fused with the norm after it (RMSNorm.forward_add).
+            next_norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
+            x, h = layer.post_attention_layernorm.forward_add(mix(i, layer, x, cos, sin), h)
+            x, h = next_norm.forward_add(layer.mlp(x), h)
             if i in taps:
                 tapped[i] = h
         features = torch.cat([tapped[i] for i in taps], dim=-1) if taps else None
         if logit_rows is not None:
-            h = h[logit_rows]
-        return self.lm_head(self.norm(h)).float(), features
+            x = x[logit_rows]
+        return self.lm_head(x).float(), features

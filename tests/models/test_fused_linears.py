@@ -70,10 +70,13 @@ def test_hybrid_fused_projections_keep_the_logits():
         deltanets = [layer.linear_attn for layer in fused.layers if not layer.full_attention]
         alike = [getattr(net.in_proj_qkv, "qtype", None) == getattr(net.in_proj_z, "qtype", None) for net in deltanets]
         assert [net._in_proj is not None for net in deltanets] == alike and any(alike)  # Q4_K_M gives some in_proj_qkv Q6_K
+        # Where in_proj_qkv stays alone, z, b and a (one block type) are one matmul.
+        assert [net._in_proj_zba is not None for net in deltanets] == [not same for same in alike]
+        assert all(alike) == path.endswith("qwen35")  # the Q4_K_M layout has both kinds
         unfused, _ = random_target(path, "cpu", dtype)
         for layer in unfused.layers:
             layer.mlp._gate_up = None
             if not layer.full_attention:
-                layer.linear_attn._in_proj = None
+                layer.linear_attn._in_proj = layer.linear_attn._in_proj_zba = None
         ids = torch.randint(0, config.vocab_size, (12,), generator=torch.Generator().manual_seed(3))
         torch.testing.assert_close(_prefill_logits(fused, ids, dtype), _prefill_logits(unfused, ids, dtype), rtol=tol, atol=tol)

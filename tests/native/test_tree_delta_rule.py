@@ -130,6 +130,28 @@ def test_tree_delta_rule_matches_torch(kind, committed, store_dtype):
     assert_delta_close(out, states, ref_out, ref_states, store_dtype)
 
 
+def test_key_heads_are_read_by_their_value_heads():
+    """q and k in key heads (GatedDeltaNet's layout, value head h reading key head h // group): the
+    kernel equals itself on the repeated heads, and the dispatch's torch path repeats them."""
+    rng, gen = np.random.default_rng(5), torch.Generator().manual_seed(5)
+    n, group = 9, 3
+    parents = tree_parents("random", n, rng)
+    q, k, _, _, _ = delta_inputs(gen, n)  # H key heads
+    v = torch.randn(n, H * group, DV, generator=gen)
+    g, beta = -2 * torch.rand(n, H * group, generator=gen), torch.rand(n, H * group, generator=gen)
+    state = torch.randn(H * group, DK, DV, generator=gen)
+    grouped = native.tree_gated_delta(q, k, v, g, beta, state, parents, torch.float32, block_v=BLOCK_V)
+    repeated = native.tree_gated_delta(q.repeat_interleave(group, 1), k.repeat_interleave(group, 1), v, g, beta, state, parents,
+                                       torch.float32, block_v=BLOCK_V)
+    assert all(torch.equal(a, b) for a, b in zip(grouped, repeated))
+    reference = delta_rule.gated_delta(q, k, v, g, beta, state, parents, torch.float32)  # SPLITSPEC_NATIVE_CPU=1: the kernel
+    assert all(torch.equal(a, b) for a, b in zip(grouped, reference))
+    torch_path = gated_delta_tree(q.repeat_interleave(group, 1), k.repeat_interleave(group, 1), v, g, beta, state, parents, torch.float32)
+    assert_delta_close(*grouped, *torch_path, torch.float32)
+    with pytest.raises(ValueError, match="not a multiple"):
+        native.tree_gated_delta(q, k, v[:, :5], g[:, :5], beta[:, :5], state[:5], parents, torch.float32)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("width", [2, 4])
 @pytest.mark.parametrize("kind", ["chain", "wide", "random"])
