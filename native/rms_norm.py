@@ -44,9 +44,6 @@ if triton is not None:
         w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
         tl.store(y_ptr + row * N + cols, (xf * inv * w).to(y_ptr.dtype.element_ty), mask=ok)
 
-
-if triton is not None:
-
     @triton.jit
     def _gated_rms_norm_kernel(x_ptr, z_ptr, z_stride, heads, w_ptr, y_ptr, N, eps, BLOCK: tl.constexpr):
         row = tl.program_id(0)  # (token, head) of x [T, H, N]; z's tokens are z_stride apart

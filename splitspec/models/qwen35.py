@@ -653,7 +653,7 @@ class Qwen35ForCausalLM(nn.Module):
         def delta(layer: int, net: GatedDeltaNet, x: torch.Tensor) -> torch.Tensor:
             # histories [B, K-1, C]; k, g and beta written straight into what the pass keeps
             d = net.project(x, slots.conv[layer].index_select(0, seq_slots), ancestors, pending.gate_buffers(layer))
-            out, _ = gated_delta(  # q and k in key heads: the kernel reads each value head's
+            out, _ = gated_delta(  # q and k in key heads (the torch path repeats them per value head)
                 d.q, d.k, d.v, d.g, d.beta, slots.recurrent[layer], inputs.parents,
                 slots.recurrent.dtype, inputs.offsets, state_index=seq_slots, keep=keep, depths=depths,
                 levels=block_rows if inputs.static else 0,
