@@ -37,7 +37,7 @@ def add_argument(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument(
         "--keep-quantized", nargs="?", const="on", default="auto", choices=CHOICES,
         help=f"{what}. auto (the default) keeps them when, dequantized to --dtype, the weights would take more than "
-        f"{AUTO_SHARE:.0%} of the memory available (the GPU's free memory, or --memory-cap-gb), and dequantizes "
+        f"{AUTO_SHARE * 100:.0f}%% of the memory available (the GPU's free memory, or --memory-cap-gb), and dequantizes "
         "otherwise, where today's bfloat16 matmuls are faster; a bare --keep-quantized means on",
     )
 

@@ -106,3 +106,14 @@ def test_the_draft_weighs_the_target_head_it_borrows(q8_target, tmp_path):
     args.memory_cap_gb = head / GiB  # the head alone fills the cap
     decision = keep_decision(args, torch.device("cpu"), torch.float32)
     assert decision.keep and "stay quantized" in decision.reason
+
+
+@pytest.mark.parametrize("command", ["target", "draft", "serve"])
+def test_every_command_help_renders_the_flag(command, capsys):
+    """argparse formats help with %: the flag's help must render (it names a percentage)."""
+    from splitspec.cli.main import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([command, "--help"])
+    out = " ".join(capsys.readouterr().out.split())  # the help wraps its lines
+    assert "--keep-quantized" in out and "75% of the memory available" in out
