@@ -17,11 +17,15 @@ fixed ``(N, B, T, S)`` it can be captured once and replayed with new inputs:
 **When a shape is captured.** :meth:`PassRunner.warm_up` captures, at start, the shapes steps
 make: batches of any size whose sequences' blocks are all of one of the sizes the adaptive
 budget chooses (``WARM_BLOCKS``; the gateway's policy gives all its sequences one budget,
-``services.gateway.budget``). A shape first met while serving runs eagerly at its fixed shape
-(slower than a replay where launches, not kernels, take the time), and is captured at its
+``services.gateway.budget``), recording the features of the draft's taps (``--draft-taps``) so
+that a draft's steps replay them. A shape first met while serving is captured at its
 ``HOT_PASSES``-th pass: a capture stalls every sequence of the pass for two passes and the graph's
 instantiation (on an H200, 60-120 ms for the 8B once warm-up compiled the Triton kernels), worth
-it only for a shape that comes again. Graphs share one memory pool and write their logits and
+it only for a shape that comes again. Before that it replays a captured pass that covers it
+(:func:`stand_in`: more rows, sequences or keys, padded), or else runs eagerly at its fixed shape,
+far slower than a replay where launches, not kernels, take the time (on an H200, 75-200 ms for the
+27B hybrid against a 24 ms replay). A pass that wants no features replays a tapped graph of its
+shape for good. Graphs share one memory pool and write their logits and
 features into buffers of the runner, so a graph keeps no memory of its own beyond the pool. Without
 ``capture`` (a CPU) the fixed shapes run eagerly (how CI tests this path); with ``fixed_shapes``
 off every pass runs eagerly at its exact shape.
@@ -107,6 +111,19 @@ def bucket(value: int, buckets: tuple[int, ...]) -> int | None:
     return buckets[i] if i < len(buckets) else None
 
 
+def stand_in(key: tuple, captured) -> tuple | None:
+    """The captured pass that can run the pass of ``key`` ``(N, B, T, S, taps, prompt_chunk)``: of
+    the same kind, with at least its rows ``N``, sequences ``B``, block rows ``T`` and keys ``S``,
+    and its taps (any taps where it asks for none: their features are dropped); of those, the
+    fewest rows, then keys. None when no key of ``captured`` is such a pass."""
+    n, b, t, s, taps, prompt_chunk = key
+    fits = [
+        k for k in captured
+        if k[5] == prompt_chunk and (k[4] == taps or not taps) and k[0] >= n and k[1] >= b and k[2] >= t and k[3] >= s
+    ]
+    return min(fits, key=lambda k: (k[0], k[3], k[1], k[2], len(k[4])), default=None)
+
+
 @dataclass
 class _Pass:
     """One fixed shape: its input buffers, and once captured its graph and the outputs its replays rewrite."""
@@ -145,6 +162,7 @@ class PassRunner:
         # the logits buffer at the size the memory plan counts.
         self.capture_rows = max_rows
         self.graphs = 0  # CUDA graphs captured so far
+        self.stand_in_passes = 0  # passes run in a captured pass of another shape (stand_in)
 
     def run(
         self, layout: PassLayout, taps: tuple[int, ...], prompt_chunk: bool = False
@@ -162,19 +180,31 @@ class PassRunner:
         if p is None:
             staged = StagedInputs.allocate(PassInputs.nbytes(*shape, block_size), self.device)
             p = self._passes[key] = _Pass(staged, PassInputs.on(staged.on_device, *shape, block_size, static=True))
+        p.passes += 1
+        run, features_wanted = p, True
+        if p.graph is None and not self._warming:
+            other = stand_in(key, self._captured())
+            # A stand-in of the same shape (its taps' features dropped) serves for good; a larger one
+            # until this shape's own capture: either replays in a fraction of an eager pass's time.
+            if other not in (None, key) and (other[:4] == shape or p.passes < self.hot_passes):
+                run, features_wanted = self._passes[other], bool(taps)
+                self.stand_in_passes += 1
         # The chunk's last real row is read inside the pass: one graph serves every chunk length.
-        p.inputs.fill(layout, p.staged.writable(), layout.num_rows - 1)
-        p.staged.upload()
-        logits, features = self._run(p, taps, prompt_chunk)
+        run.inputs.fill(layout, run.staged.writable(), layout.num_rows - 1)
+        run.staged.upload()
+        logits, features = self._run(run, taps, prompt_chunk)
         n = layout.num_rows
-        return (logits if prompt_chunk else logits[:n]), (None if features is None else features[:n])
+        return (logits if prompt_chunk else logits[:n]), (None if features is None or not features_wanted else features[:n])
 
-    def warm_up(self, max_sequences: int, blocks: tuple[int, ...] = WARM_BLOCKS, spans: tuple[int, ...] = WARM_SPANS) -> int:
+    def warm_up(
+        self, max_sequences: int, blocks: tuple[int, ...] = WARM_BLOCKS, spans: tuple[int, ...] = WARM_SPANS, taps: tuple[int, ...] = ()
+    ) -> int:
         """Capture the passes of every batch of up to ``max_sequences`` sequences (one per shape), each
         sequence's block ``blocks`` rows (a decode step; the adaptive budgets' trees, the default
-        budget's among them), at key ``spans``, with no taps: their graphs, and the Triton kernels of
-        those shapes, are made now, not mid-stream, where a new shape would stall every sequence of
-        its pass (py-spy on an H200: 42% of the engine thread in captures during a timed run, before
+        budget's among them), at key ``spans``, recording the features of ``taps`` (a draft's: its
+        verify steps replay these graphs, and steps that want no features replay them too). Their
+        graphs, and the Triton kernels of those shapes, are made now, not mid-stream, where a new
+        shape would stall every sequence of its pass (py-spy on an H200: 42% of the engine thread in captures during a timed run, before
         shapes met while serving ran eagerly first). The pad sequences read and write only the pad
         block (and a recurrent family's pad state slot 0, which tree passes only read). Returns the
         passes made (none when passes run at exact shapes)."""
@@ -191,11 +221,15 @@ class PassRunner:
                 tree = np.tril(np.ones((rows, rows), dtype=bool))
                 layout = pass_layout(self.state.kv, [[0] * rows] * n, [np.arange(-1, rows - 1)] * n, [start] * n, [table] * n, [tree] * n)
                 before = len(self._passes)
-                self.run(layout, ())
+                self.run(layout, taps)
                 made += len(self._passes) - before
         finally:
             self._warming = False
         return made
+
+    def _captured(self) -> list[tuple]:
+        """The keys of the passes captured as graphs (those a stand-in is chosen from)."""
+        return [key for key, p in self._passes.items() if p.graph is not None]
 
     def _shape(self, layout: PassLayout, prompt_chunk: bool) -> tuple[int, int, int, int] | None:
         """``(N, B, T, S)`` of the padded pass, or None when no bucket fits."""
@@ -231,7 +265,6 @@ class PassRunner:
             return self.model.forward_paged(p.inputs, self.state, taps, logit_rows=last, chain=prompt_chunk)
 
         slots = self.state.slots
-        p.passes += 1
         if p.graph is not None:
             p.graph.replay()
             if slots is not None:  # the replay rewrote this pass's kept rows; no Python said so

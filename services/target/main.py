@@ -84,6 +84,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         f"tree, {','.join(str(b + 1) for b in ADAPTIVE_BUDGETS)}); a shape left out runs eagerly until its third pass, "
         "then is captured. Fewer start sooner",
     )
+    p.add_argument(
+        "--draft-taps", default="", metavar="IDS|DRAFT",
+        help="the target layers whose outputs the served draft reads (its target_layer_ids): comma-separated layer ids, "
+        "or the draft model's path (its config names them). The passes captured at start record their features, so a "
+        "draft's verify steps replay graphs from the first step; without it the first steps of each new shape run "
+        "eagerly (on the 27B hybrid 75-200 ms a step against a 24 ms replay). splitspec serve sets it (default: none)",
+    )
     p.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0 = torch's default)")
     p.add_argument("--sequence-ttl", type=float, default=600.0, help="release sequences idle this many seconds")
     p.add_argument("--metrics-port", type=int, default=9452, help="Prometheus /metrics port on the --listen host (0 = off)")
@@ -91,6 +98,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_step_socket_argument(p)
     busypoll.add_busy_poll_argument(p)
     add_server_arguments(p)
+
+
+def draft_taps(value: str, num_layers: int) -> tuple[int, ...]:
+    """``--draft-taps``: layer ids, or a draft model's taps (its default ones for a target of
+    ``num_layers`` layers, where its file lists none); each must be a layer of the target."""
+    if not value.strip():
+        return ()
+    try:
+        taps = tuple(int(x) for x in value.split(",") if x.strip())
+    except ValueError:
+        from splitspec.models.loader import read_draft_config
+
+        taps = tuple(read_draft_config(value, num_layers).target_layer_ids)
+    wrong = [t for t in taps if not 0 <= t < num_layers]
+    if wrong:
+        raise ValueError(f"--draft-taps {value}: layers {wrong} are outside the target's {num_layers}")
+    return taps
 
 
 def kv_tokens(args: argparse.Namespace, model, config, device, dtype, plan_at=None) -> int:
@@ -178,6 +202,7 @@ async def run(args: argparse.Namespace, build=load_model) -> None:
                 "(conv and delta-rule inputs: the commit recomputes the accepted path's state)",
                 config.num_linear_layers, config.num_full_layers, tree_row_bytes(config, dtype) / 1e6,
             )
+        taps = draft_taps(args.draft_taps, config.num_layers)
         fixed = args.fixed_shapes == "on" or (args.fixed_shapes == "auto" and device.type == "cuda")
         capture = fixed and device.type == "cuda" and not args.no_cuda_graphs
         warm_up = min(args.max_sequences, WARM_UP_SEQUENCES) if capture else 0
@@ -202,8 +227,11 @@ async def run(args: argparse.Namespace, build=load_model) -> None:
         if engine.runner.capture:
             t1 = time.perf_counter()
             try:
-                made = engine.runner.warm_up(warm_up, warm_blocks)
-                logger.info("captured %d passes of up to %d sequences in %.1f s", made, warm_up, time.perf_counter() - t1)
+                made = engine.runner.warm_up(warm_up, warm_blocks, taps=taps)
+                logger.info(
+                    "captured %d passes of up to %d sequences in %.1f s, %s", made, warm_up, time.perf_counter() - t1,
+                    f"recording the features of the draft's taps {list(taps)}" if taps else "without features (no --draft-taps)",
+                )
             except Exception:  # a pass not made now is made on first use: serve anyway
                 logger.exception("capturing the batch passes at start failed; they will be captured on first use")
         if device.type == "cuda":  # the measure of the plan's estimates (its workspace above all)

@@ -354,10 +354,12 @@ def run_system(
     ``target_flags`` and ``draft_flags`` go to the random target and the random DFlash draft's
     worker (``--keep-quantized``, ``--memory-cap-gb``: :func:`worker_flags`); the OracleDrafter holds no
     model and gets none. The workers' logs are ``target.log`` and ``draft-dflash.log`` in ``log_dir``."""
-    from splitspec.bench.random_weights import random_target_config
+    from splitspec.bench.random_weights import random_draft_config, random_target_config
 
     target_model = f"random:{shape}"
     config = random_target_config(target_model)
+    # The target records the DFlash draft's taps in the passes it captures at start (the oracle's steps want none).
+    taps = ",".join(str(t) for t in random_draft_config(f"{target_model}-dflash").target_layer_ids)
     tokenizer = synthetic_tokenizer(config.vocab_size, work_dir / "tokenizer.json")
     table = work_dir / "oracle.jsonl"
     table.write_text("")
@@ -380,7 +382,7 @@ def run_system(
     with Cluster(log_dir, busy_poll_us) as c:
         target = c.start(
             "target", "random-target", "--model", target_model, "--device", device, "--dtype", dtype,
-            "--max-kv-tokens", str(kv_tokens), *sized, *threads, *target_flags,
+            "--max-kv-tokens", str(kv_tokens), *sized, *threads, "--draft-taps", taps, *target_flags,
         )
         drafts = {oracle_label(p): ("oracle-draft", "--table", str(table), "--corruption", str(p)) for p in corruptions}
         # The draft's contexts sized to the run like the target's: one slot per live sequence, as long as

@@ -443,7 +443,7 @@ def run(args: argparse.Namespace, log_args: list[str]) -> int:
     keep = ["--keep-quantized", args.keep_quantized]
     children = [Child("target", [
         *base, "target", *log_args, "--model", target_model, "--listen", target_addr, "--device", args.device, "--dtype", args.dtype, *threads,
-        "--metrics-port", str(target_port), *kv_share, *keep, *target_cap,
+        "--metrics-port", str(target_port), *kv_share, *keep, *target_cap, *(["--draft-taps", draft_model] if use_draft else []),
     ], target_addr)]
     if use_draft:
         children.append(Child("draft", [

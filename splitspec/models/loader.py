@@ -396,6 +396,19 @@ def _kept_head(
 
 # ------------------------------------------------------------------------------------------- drafts
 
+def read_draft_config(path: str | os.PathLike, num_target_layers: int | None = None) -> DFlashConfig:
+    """A DFlash draft's config (its taps among them), without its weights; ``num_target_layers``
+    picks the default taps when the file does not list them (as :func:`load_dflash_draft`)."""
+    local = resolve_model(path)
+    if local.is_dir():
+        d = HFDirectory(local)
+        try:
+            return DFlashConfig.from_dict(d.config, source=str(d.config_path))
+        except ValueError as exc:
+            raise ModelFileError(str(exc)) from exc
+    return dflash_config_from_gguf(GGUFFile(local), num_target_layers)
+
+
 def load_dflash_draft(
     path: str | os.PathLike,
     device: torch.device | str = "cpu",
@@ -408,19 +421,15 @@ def load_dflash_draft(
     ``keep_quantized``: a GGUF draft's linears whose weights have a kernel type stay in their
     blocks (``QuantLinear``), as the target's do."""
     local = resolve_model(path)
+    config = read_draft_config(local, num_target_layers)
     if local.is_dir():
         d = HFDirectory(local)
-        try:
-            config = DFlashConfig.from_dict(d.config, source=str(d.config_path))
-        except ValueError as exc:
-            raise ModelFileError(str(exc)) from exc
         names = {name: name for name in _draft_param_names(config)}
         read = d.tensor
         where, available = d.path, d.tensor_names()
         types = {}  # safetensors: no blocks to keep
     else:
         f = GGUFFile(local)
-        config = dflash_config_from_gguf(f, num_target_layers)
         names = {name: gguf_name(name, GGUF_DRAFT_GLOBAL_NAMES) for name in _draft_param_names(config)}
 
         def read(name, shape):

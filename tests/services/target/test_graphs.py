@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from services.target import graphs
 from services.target.engine import TargetEngine, TargetLimits, VerifyStep
 from services.target.graphs import PREFILL_BUCKETS, ROW_BUCKETS, WARM_BLOCKS, WARM_SPANS, bucket, warm_up_passes, warm_up_start
 from services.worker.cuda_graphs import attention_span
@@ -159,3 +160,51 @@ def test_warm_up_makes_the_batch_shapes_and_touches_no_sequence(model):
         e, f = eager.verify("s", [], [], True), fixed.verify("s", [], [], True)
         assert (e.committed_tokens, e.next_token) == (f.committed_tokens, f.next_token)
         assert torch.allclose(e.features, f.features, atol=1e-9)
+
+
+def test_a_stand_in_covers_the_shape_with_the_fewest_rows():
+    """``stand_in``: same kind, no fewer rows, sequences, block rows or keys, the same taps (any taps
+    for a pass that wants none); the fewest rows, then keys."""
+    taps = (1, 3)
+    captured = [(24, 1, 24, 1024, taps, False), (8, 1, 8, 512, taps, False), (8, 1, 8, 1024, taps, False),
+                (32, 2, 16, 512, (), False), (64, 1, 64, 512, taps, True)]
+    assert graphs.stand_in((2, 1, 2, 512, taps, False), captured) == (8, 1, 8, 512, taps, False)
+    assert graphs.stand_in((8, 1, 8, 1024, (), False), captured) == (8, 1, 8, 1024, taps, False)  # features dropped
+    assert graphs.stand_in((16, 1, 16, 512, taps, False), captured) == (24, 1, 24, 1024, taps, False)
+    assert graphs.stand_in((16, 2, 8, 512, (), False), captured) == (32, 2, 16, 512, (), False)
+    assert graphs.stand_in((16, 2, 8, 512, taps, False), captured) is None  # no tapped pass of two sequences
+    assert graphs.stand_in((8, 1, 8, 2048, taps, False), captured) is None  # more keys than any
+    assert graphs.stand_in((2, 1, 2, 512, (1,), False), captured) is None  # other taps
+    assert graphs.stand_in((64, 1, 64, 256, taps, True), captured) == (64, 1, 64, 512, taps, True)  # prompt chunks only
+    assert graphs.stand_in((4, 1, 4, 256, taps, False), []) is None
+
+
+def test_passes_run_in_their_stand_ins_give_what_the_exact_passes_give(model, monkeypatch):
+    """A step whose shape has no graph yet runs in a larger warmed pass (more rows, sequences or
+    keys) or, wanting no features, in a tapped pass of its shape, and commits what the eager engine
+    does. On the CPU no pass is captured; here every warmed pass counts as captured, so the stand-in
+    runs eagerly at its shape, as its graph would replay it."""
+    eager, fixed = engines(model)
+    taps = (0, 2)
+    fixed.runner.warm_up(2, blocks=(8, 24), spans=(256, 512), taps=taps)
+    warmed = list(fixed.runner._passes)
+    monkeypatch.setattr(fixed.runner, "_captured", lambda: warmed)
+    rng = np.random.default_rng(5)
+    vocab = model.config.vocab_size
+    for sid, length in (("a", 30), ("b", 7)):
+        prompt = rng.integers(0, vocab, length).tolist()
+        for engine in (eager, fixed):
+            engine.prefill(sid, prompt, GREEDY, taps=taps if sid == "a" else (), reserve_tokens=300)
+    for budget in (3, 0, 5, 22, 1):
+        steps = [VerifyStep(sid, *(t.tolist() for t in (tree.tokens, tree.parents)), sid == "a")
+                 for sid in ("a", "b") for tree in [random_tree(rng, vocab, budget)]]
+        for e, f in zip(eager.verify_batch(steps), fixed.verify_batch(steps), strict=True):
+            assert (e.committed_tokens, e.next_token, e.committed_length) == (f.committed_tokens, f.next_token, f.committed_length)
+            assert (e.features is None) == (f.features is None)
+            if e.features is not None:
+                assert torch.allclose(e.features, f.features, atol=1e-9)
+    e, f = eager.verify("b", [3], [0]), fixed.verify("b", [3], [0])  # no features: a tapped pass, its features dropped
+    assert (e.committed_tokens, e.next_token, e.features, f.features) == (f.committed_tokens, f.next_token, None, None)
+    # Budgets 0, 1 and 3 ran in the pass of two 8-row blocks, b's step in that of one; 5 and 22
+    # (tapped: one sequence wants features) in their own warmed passes.
+    assert fixed.runner.stand_in_passes == 4
