@@ -45,7 +45,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from native import delta_inputs, rms_norm, use_triton
+from native import delta_inputs, qkv_rope, rms_norm, use_triton
 from native.chunked_delta_rule import chunk_prefill
 from splitspec.models.delta_rule import (
     ancestor_table,
@@ -60,7 +60,7 @@ from splitspec.models.delta_rule import (
     reloaded_rows,
 )
 from splitspec.models.layers import FusedLinear, QKVProjection, RMSNorm, SwiGLU, apply_rope, fuse_linears, rope_cos_sin
-from splitspec.models.paged import KVBlockPool, PagedState, PassInputs
+from splitspec.models.paged import KVBlockPool, PagedState, PassAttention, PassInputs
 from splitspec.spec.acceptance import compact_rows
 
 QWEN35_ARCHS = ("qwen35",)  # GGUF general.architecture values of this family
@@ -378,10 +378,41 @@ class GatedAttention(QKVProjection):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> RoPE'd queries [H, T, D] and the output gate [T, H * D]."""
-        t = x.shape[0]
-        packed = self.q_proj(x).view(t, self.num_heads, 2 * self.head_dim)
-        q = self.q_norm(packed[..., : self.head_dim])
-        return apply_rope(q.transpose(0, 1), cos, sin), packed[..., self.head_dim :].reshape(t, -1)
+        return self._heads_q_gate(self.q_proj(x), cos, sin)
+
+    def _heads_q_gate(self, packed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``q_proj``'s output [T, H * 2D] -> RoPE'd queries [H, T, D] and the gate [T, H * D]."""
+        q = self.q_norm(self._halves(packed)[..., : self.head_dim])
+        return apply_rope(q.transpose(0, 1), cos, sin), self._gate(packed)
+
+    def _halves(self, packed: torch.Tensor) -> torch.Tensor:
+        return packed.unflatten(-1, (self.num_heads, 2 * self.head_dim))  # [T, H, 2D]: [q_h | gate_h]
+
+    def _gate(self, packed: torch.Tensor) -> torch.Tensor:
+        return self._halves(packed)[..., self.head_dim :].reshape(packed.shape[0], -1)  # [T, H * D], a copy
+
+    def project_attend_paged(
+        self,
+        x: torch.Tensor,  # [N, hidden] normed input of the pass's rows
+        cos: torch.Tensor,  # [N, R] (R = rotary_dim)
+        sin: torch.Tensor,
+        k_pool: torch.Tensor,  # [H_kv, slots, D] this layer's paged keys
+        v_pool: torch.Tensor,
+        at: PassAttention,
+    ) -> torch.Tensor:
+        """Project, write the rows' K/V to their pool slots, attend, gate: :meth:`query_and_gate` +
+        :meth:`key_value` + :meth:`write_and_attend_paged`, with the q/k norms, partial RoPE and
+        pool writes as one ``qkv_rope`` launch where the native kernels run (the norms and RoPE
+        alone are ~20 small kernels a layer). Returns ``[N, hidden]``."""
+        if self._qkv is None:
+            packed, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        else:  # strided views of one matmul's output
+            packed, k, v = self._qkv(x).split([self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features], -1)
+        if not use_triton(x, "qkv_rope"):  # the kernel's reference
+            q, gate = self._heads_q_gate(packed, cos, sin)
+            return self.write_and_attend_paged(q, *self._heads_kv(k, v, cos, sin), k_pool, v_pool, at, gate)
+        q = qkv_rope.gated_qkv_rope(packed, k, v, cos, sin, *self._norm_args(), k_pool, v_pool, at.write_slots)
+        return self.attend_paged(q, k_pool, v_pool, at, self._gate(packed))
 
 
 class GatedDeltaNet(nn.Module):
@@ -525,11 +556,14 @@ class Qwen35ForCausalLM(nn.Module):
         self.slots = [sum(1 for k in kinds[:i] if k == kinds[i]) for i in range(len(kinds))]
 
     def fuse_projections(self) -> None:
-        """Inference: gate/up and each DeltaNet layer's input projections become one matmul each
-        (fewer, fuller kernels per step; see ``layers.fuse_linears``)."""
+        """Inference: gate/up, each DeltaNet layer's input projections and each attention layer's
+        q/k/v (where their block types agree) become one matmul each (fewer, fuller kernels per
+        step; see ``layers.fuse_linears``)."""
         for layer in self.layers:
             layer.mlp.fuse()
-            if not layer.full_attention:
+            if layer.full_attention:
+                layer.self_attn.fuse()
+            else:
                 layer.linear_attn.fuse()
 
     def recurrent_dtype(self, dtype: torch.dtype) -> torch.dtype:
@@ -626,10 +660,7 @@ class Qwen35ForCausalLM(nn.Module):
         def mix(i: int, layer: Qwen35DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
             slot = self.slots[i]
             if layer.full_attention:
-                attn = layer.self_attn
-                q, gate = attn.query_and_gate(x, cos, sin)
-                k, v = attn.key_value(x, cos, sin)
-                return attn.write_and_attend_paged(q, k, v, state.kv.k[slot], state.kv.v[slot], at, gate)
+                return layer.self_attn.project_attend_paged(x, cos, sin, state.kv.k[slot], state.kv.v[slot], at)
             return delta(slot, layer.linear_attn, x)
 
         result = self._decode(inputs.tokens, inputs.positions, mix, taps, logit_rows)
