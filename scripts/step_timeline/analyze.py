@@ -26,7 +26,8 @@ def read(path: str) -> list[list[str]]:
 def worker_steps(folder: str, command: str) -> list[tuple[int, int, int, int, int, int]]:
     """(step t0, step t1, host t0, host t1, engine t0, engine t1) of every step, sorted."""
     out = []
-    for path in glob.glob(os.path.join(folder, f"{command}-*.log")):
+    # The bench's workers are random-target, random-draft and oracle-draft; serve's are target and draft.
+    for path in glob.glob(os.path.join(folder, f"{command}-*.log")) + glob.glob(os.path.join(folder, f"*-{command}-*.log")):
         records = read(path)
         hosts = sorted((int(r[2]), int(r[3])) for r in records if r[0] == "host")
         engines = sorted((int(r[2]), int(r[3])) for r in records if r[0] == "engine")
