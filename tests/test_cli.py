@@ -329,3 +329,14 @@ def test_gateway_waiting_for_a_worker_logs_once_then_every_10_s(services):
     assert log.count("still waiting for the target worker after 10 s (not reachable: UNAVAILABLE)") == 1
     assert "target worker: not reachable: UNAVAILABLE after 12 s (--worker-wait)" in log.strip().splitlines()[-1]
     assert "Traceback" not in log
+
+
+def test_draft_taps_the_target_cannot_read_are_a_warning_and_bad_layers_an_error(services, tiny_pair, tmp_path):
+    """``--draft-taps``: a draft path the target cannot read (a deployment without its draft) leaves
+    the warmed passes without features and serves; a layer the target lacks is a clear error."""
+    services.start("target", "target", "--model", str(tiny_pair.target), "--draft-taps", str(tmp_path / "missing"))
+    assert "--draft-taps" in services.log("target") and "record no features" in services.log("target")
+    services.start("bad", "target", "--model", str(tiny_pair.target), "--draft-taps", "1,99", wait=False)
+    assert services.procs["bad"].wait(timeout=60) != 0
+    out = services.log("bad")
+    assert "layers [99] are outside the target's" in out and "Traceback" not in out

@@ -8,6 +8,7 @@ import time
 from dataclasses import replace
 
 from splitspec.models import keep_quantized
+from splitspec.models.gguf_file import ModelFileError
 from splitspec.spec.budget import ADAPTIVE_BUDGETS
 from splitspec.transport import busypoll, rpc
 from splitspec.transport.security import ServerSecurity, add_server_arguments
@@ -202,7 +203,11 @@ async def run(args: argparse.Namespace, build=load_model) -> None:
                 "(conv and delta-rule inputs: the commit recomputes the accepted path's state)",
                 config.num_linear_layers, config.num_full_layers, tree_row_bytes(config, dtype) / 1e6,
             )
-        taps = draft_taps(args.draft_taps, config.num_layers)
+        try:
+            taps = draft_taps(args.draft_taps, config.num_layers)
+        except ModelFileError as exc:  # a deployment without its draft still serves target-only steps
+            logger.warning("--draft-taps: %s; the passes captured at start record no features", exc)
+            taps = ()
         fixed = args.fixed_shapes == "on" or (args.fixed_shapes == "auto" and device.type == "cuda")
         capture = fixed and device.type == "cuda" and not args.no_cuda_graphs
         warm_up = min(args.max_sequences, WARM_UP_SEQUENCES) if capture else 0
