@@ -45,6 +45,7 @@ from pathlib import Path
 import grpc
 
 from splitspec.errors import InvalidArgument, ResourceExhausted, Unauthenticated
+from splitspec.transport.bulkreader import BulkReader, BulkWriter
 from splitspec.transport.interceptors import status_of
 from splitspec.transport.rpc import MAX_MESSAGE_BYTES, deadline_exceeded, rpc_error, sequence_stream
 
@@ -55,8 +56,8 @@ HELLO, REQUEST, RESPONSE, ERROR, OPEN = range(5)
 MAX_FRAME_BYTES = MAX_MESSAGE_BYTES  # a long prompt's tap features, as on gRPC
 # Frames go out without waiting for the reader; a write waits only past this much unsent data.
 WRITE_HIGH_WATER = 64 * 1024 * 1024
-# A reader pauses its socket past twice this much unread data; a prompt's features fit in one go
-# (at 1 MiB, reading a 21 MB frame paused and resumed the socket after every 256 KiB past 2 MiB).
+# A reader pauses its socket past twice this much unread data (a frame's payload of BULK_BYTES or
+# more is received into its own buffer, outside this count).
 READ_LIMIT = 32 * 1024 * 1024
 ERROR_LINGER_S = 5.0  # how long a worker waits for the client to hang up after an ERROR frame
 # A client refused at its hello is waited for that long too, but only while it sends at most this
@@ -70,13 +71,13 @@ def frame(kind: int, payload: bytes) -> bytes:
     return HEADER.pack(len(payload), kind) + payload
 
 
-def write_frame(writer: asyncio.StreamWriter, kind: int, payload: bytes) -> None:
+def write_frame(writer: BulkWriter | asyncio.StreamWriter, kind: int, payload: bytes) -> None:
     """``frame`` without joining the header to the payload: a prompt's features are tens of MB."""
     writer.write(HEADER.pack(len(payload), kind))
     writer.write(payload)
 
 
-async def read_header(reader: asyncio.StreamReader) -> tuple[int, int] | None:
+async def read_header(reader: BulkReader | asyncio.StreamReader) -> tuple[int, int] | None:
     """The next frame's (payload bytes, kind), or None when the peer closed the connection between frames."""
     try:
         return HEADER.unpack(await reader.readexactly(HEADER.size))
@@ -86,8 +87,9 @@ async def read_header(reader: asyncio.StreamReader) -> tuple[int, int] | None:
         return None
 
 
-async def read_frame(reader: asyncio.StreamReader) -> tuple[int, bytes] | None:
-    """The next frame, or None when the peer closed the connection between frames."""
+async def read_frame(reader: BulkReader | asyncio.StreamReader) -> tuple[int, bytes] | None:
+    """The next frame, or None when the peer closed the connection between frames (a large
+    payload from a ``BulkReader`` is a ``bytearray``)."""
     header = await read_header(reader)
     if header is None:
         return None
@@ -150,24 +152,6 @@ class _Call:
     opens: bool = False  # the opening RPC: given up when the client hangs up while it runs
 
 
-class _ServerProtocol(asyncio.StreamReaderProtocol):
-    """A stream protocol that also tells when its client hung up (its end of file, or a lost
-    connection): a worker busy with the client's call reads nothing meanwhile, so its reader alone
-    would not notice."""
-
-    def __init__(self, reader: asyncio.StreamReader, connected, loop: asyncio.AbstractEventLoop) -> None:
-        super().__init__(reader, connected, loop=loop)
-        self.hung_up = asyncio.Event()
-
-    def eof_received(self):
-        self.hung_up.set()
-        return super().eof_received()
-
-    def connection_lost(self, exc) -> None:
-        self.hung_up.set()
-        super().connection_lost(exc)
-
-
 class StepSocketServer:
     """Serves ``step(request, context)`` (a servicer's unary step method, given ``context=None``)
     for requests of ``request_type`` on the Unix socket ``path``; errors get the status code and
@@ -202,13 +186,10 @@ class StepSocketServer:
         try:
             loop = asyncio.get_running_loop()
 
-            def protocol() -> _ServerProtocol:
-                made = _ServerProtocol(
-                    asyncio.StreamReader(limit=READ_LIMIT, loop=loop), lambda r, w: self._serve(r, w, made.hung_up), loop
-                )
-                return made
+            def connected(reader: BulkReader, writer: BulkWriter) -> None:
+                self._connections.add(loop.create_task(self._serve(reader, writer)))
 
-            self._server = await loop.create_unix_server(protocol, self.path)
+            self._server = await loop.create_unix_server(lambda: BulkReader(READ_LIMIT, connected), self.path)
         except OSError as exc:
             if self.required:
                 raise OSError(f"--step-socket {self.path}: {exc}") from exc
@@ -227,19 +208,18 @@ class StepSocketServer:
             os.unlink(self.path)
         self._server = None
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, hung_up: asyncio.Event) -> None:
+    async def _serve(self, reader: BulkReader, writer: BulkWriter) -> None:
         task = asyncio.current_task()
-        self._connections.add(task)
         writer.transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)
         try:
-            await self._answer(reader, writer, hung_up)
+            await self._answer(reader, writer, reader.hung_up)
         except (ConnectionError, asyncio.IncompleteReadError):
             pass  # the gateway went away mid-frame: nothing to answer
         finally:
             self._connections.discard(task)
             writer.close()
 
-    async def _authenticate(self, reader: asyncio.StreamReader) -> bool:
+    async def _authenticate(self, reader: BulkReader) -> bool:
         """Read and check the hello; False when the client closed the connection before sending one.
         Refuses on the header alone a first frame that is not a hello or is too large to be one."""
         refused = Unauthenticated("missing or wrong bearer token in the step socket's hello")
@@ -258,7 +238,7 @@ class StepSocketServer:
             raise refused
         return True
 
-    async def _answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, hung_up: asyncio.Event) -> None:
+    async def _answer(self, reader: BulkReader, writer: BulkWriter, hung_up: asyncio.Event) -> None:
         method = [self.method]  # the RPC of the frame being answered: an error's status names it
         authenticated = False
         try:
@@ -308,7 +288,7 @@ class StepSocketServer:
             raise ConnectionResetError("the client hung up before the answer")
         return answer.result()
 
-    async def _requests(self, reader: asyncio.StreamReader, current: list[str]) -> AsyncIterator[_Call]:
+    async def _requests(self, reader: BulkReader, current: list[str]) -> AsyncIterator[_Call]:
         while (received := await read_frame(reader)) is not None:
             kind, payload = received
             if kind == REQUEST:
@@ -334,8 +314,8 @@ class StepSocket:
     def __init__(self, path: str, response_type: type, token: str = "") -> None:
         self.path, self.response_type = path, response_type
         self._hello = frame(HELLO, token.encode())
-        self._reader: asyncio.StreamReader | None = None
-        self._writer: asyncio.StreamWriter | None = None
+        self._reader: BulkReader | None = None
+        self._writer: BulkWriter | None = None
 
     async def step(self, request, timeout: float | None, kind: int = REQUEST, response_type: type | None = None):
         """One exchange: the step RPC's request (``REQUEST``), or the opening RPC's (``OPEN``, whose
@@ -344,7 +324,8 @@ class StepSocket:
             async with asyncio.timeout(timeout):
                 if self._writer is None or self._reader.at_eof():  # a worker that restarted closed it
                     self.close()
-                    self._reader, self._writer = await asyncio.open_unix_connection(self.path, limit=READ_LIMIT)
+                    _, self._reader = await asyncio.get_running_loop().create_unix_connection(lambda: BulkReader(READ_LIMIT), self.path)
+                    self._writer = self._reader.writer
                     self._writer.transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)
                     self._writer.write(self._hello)
                 write_frame(self._writer, kind, request.SerializeToString())
