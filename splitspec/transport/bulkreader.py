@@ -151,7 +151,7 @@ class BulkReader(asyncio.BufferedProtocol):
 
 class BulkWriter:
     """The writing end of a :class:`BulkReader`'s connection: ``write``, ``write_eof``, ``drain``
-    (waits while the transport's buffer is above its high-water mark), ``close``."""
+    (waits while the transport's buffer is above its high-water mark), ``close``, ``is_closing``."""
 
     def __init__(self, transport: asyncio.Transport) -> None:
         self.transport = transport
@@ -175,6 +175,9 @@ class BulkWriter:
 
     def close(self) -> None:
         self.transport.close()
+
+    def is_closing(self) -> bool:
+        return self.transport.is_closing()
 
     def pause(self) -> None:
         self._paused = True
