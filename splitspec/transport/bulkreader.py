@@ -57,6 +57,8 @@ class BulkReader(asyncio.BufferedProtocol):
     def buffer_updated(self, nbytes: int) -> None:
         if self._bulk is not None:
             self._bulk_filled += nbytes
+            if self._bulk_filled == len(self._bulk):  # whole: what comes next goes to the scratch buffer
+                self._bulk = None
         else:
             self._buffer += memoryview(self._scratch)[:nbytes]
             if len(self._buffer) > 2 * self._limit and not self._paused:
@@ -114,7 +116,7 @@ class BulkReader(asyncio.BufferedProtocol):
         self._take(have)
         self._bulk, self._bulk_filled = target, have
         try:
-            while self._bulk_filled < n:
+            while self._bulk is not None:  # buffer_updated lets go of it once it is whole
                 if self._eof:
                     self._raise_incomplete(bytes(target[: self._bulk_filled]), n)
                 await self._wait()
