@@ -20,7 +20,7 @@ import asyncio
 from collections.abc import Callable
 
 BULK_BYTES = 1 << 20  # a readexactly of at least this many bytes is received into its own buffer
-SCRATCH_BYTES = 1 << 18  # one receive of small reads (the transport's own read size)
+SCRATCH_BYTES = 1 << 16  # one receive of small reads; a connection (one a sequence and worker) keeps one
 
 
 class BulkReader(asyncio.BufferedProtocol):
