@@ -212,7 +212,7 @@ class StepSocketServer:
         task = asyncio.current_task()
         writer.transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)
         try:
-            await self._answer(reader, writer, reader.hung_up)
+            await self._answer(reader, writer)
         except (ConnectionError, asyncio.IncompleteReadError):
             pass  # the gateway went away mid-frame: nothing to answer
         finally:
@@ -238,14 +238,14 @@ class StepSocketServer:
             raise refused
         return True
 
-    async def _answer(self, reader: BulkReader, writer: BulkWriter, hung_up: asyncio.Event) -> None:
+    async def _answer(self, reader: BulkReader, writer: BulkWriter) -> None:
         method = [self.method]  # the RPC of the frame being answered: an error's status names it
         authenticated = False
         try:
             if not await self._authenticate(reader):
                 return
             authenticated = True
-            async for response in sequence_stream(self._requests(reader, method), None, lambda call, _: self._call(call, hung_up)):
+            async for response in sequence_stream(self._requests(reader, method), None, lambda call, _: self._call(call, reader.hung_up)):
                 write_frame(writer, RESPONSE, response.SerializeToString())
                 await writer.drain()
         except (ConnectionError, asyncio.IncompleteReadError):
