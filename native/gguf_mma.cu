@@ -1,7 +1,8 @@
-// y = x @ W^T for bf16 x [M, K] (M <= 64) and W [N, K] kept in its GGUF blocks (Q4_K, Q6_K, IQ4_XS), on
-// tensor cores: each thread expands its share of a super-block to float32 in registers, rounds
-// it to bf16 and feeds it as the B operand of mma.sync m16n8k16 (x is the A operand). Built at
-// first use by native/gguf_mma.py, which documents the design; this file is the device code.
+// y = x @ W^T for bf16 x [M, K] (M <= 64) and W [N, K] kept in its GGUF blocks (Q6_K, IQ4_XS; Q4_K
+// has its own kernel in native/gguf_q4k.cu), on tensor cores: each thread expands its share of a
+// super-block to float32 in registers, rounds it to bf16 and feeds it as the B operand of
+// mma.sync m16n8k16 (x is the A operand). Built at first use by native/gguf_mma.py, which
+// documents the design; this file is the device code.
 //
 // Layout of one warp's work: 8 * NT output features (NT n-tiles of 8), all M rows (MT m-tiles of
 // 16), one super-block (256 values) per loop step. Lane t = 4 g + c holds, for each n-tile, the
@@ -18,9 +19,18 @@
 
 #include <cstdint>
 
+#include "gguf_mma.cuh"
+
+// native/gguf_q4k.cu
+void q4k_mma(torch::Tensor x, torch::Tensor w, torch::Tensor out, torch::Tensor partial, torch::Tensor counters,
+             int64_t splits);
+
 namespace {
 
-constexpr int kWarps = 4;  // warps per block, each with its own 8 * NT features
+using mma_common::add_splits;
+using mma_common::kWarps;  // each warp with its own 8 * NT features
+using mma_common::load16;
+using mma_common::word_of;
 #ifndef MIN_BLOCKS  // blocks a multiprocessor must hold (caps registers); benchmarks try others
 #define MIN_BLOCKS 1
 #endif
@@ -43,14 +53,6 @@ __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint3
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-__device__ __forceinline__ uint4 load16(const uint8_t* p) {  // p 16-byte aligned
-  return __ldg(reinterpret_cast<const uint4*>(p));
-}
-
-__device__ __forceinline__ uint32_t word_of(const uint4& v, int i) {  // i a compile-time constant after unrolling
-  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
-}
-
 __device__ __forceinline__ uint32_t byte_at(const uint4& v, int i) {  // i run-time, 0..15
   const uint32_t w = i < 4 ? v.x : i < 8 ? v.y : i < 12 ? v.z : v.w;
   return (w >> (8 * (i & 3))) & 0xFF;
@@ -61,55 +63,6 @@ __device__ __forceinline__ uint32_t byte_at(const uint4& v, int i) {  // i run-t
 // decodes its scales once they arrived, fragment(s), the B operand of k step s (0..15), and
 // k_of(c, s), the real k (in the super-block) of slots 2c, 2c + 1 of step s; slots 2c + 8, 2c + 9
 // are 32 further.
-
-// ---------------------------------------------------------------------------------------- Q4_K
-// Super-block (144 bytes): f16 d, f16 dmin, 12 bytes of eight 6-bit (scale, min), then 4 groups of
-// 32 bytes; byte l of group j holds value 64 j + l (sub-block 2 j) in its low nibble and
-// 64 j + 32 + l (sub-block 2 j + 1) in its high one; value = d * scale * q - dmin * min.
-// Lane c reads bytes 16 + 16 c .. (half c % 2 of group c / 2) and 80 + 16 c .. (the same half of
-// group 2 + c / 2): the four lanes of a feature read 64 contiguous bytes per load. Steps 0-7 take
-// the first run's bytes 2s, 2s + 1, steps 8-15 the second's.
-struct Q4K {
-  static constexpr int kBytes = 144;
-  uint4 head, q0, q1;
-  float scale[4], minimum[4];  // d * scale, dmin * min of sub-blocks t, t + 1, t + 4, t + 5 (t = 2 (c / 2))
-
-  __device__ __forceinline__ void load(const uint8_t* block, int c) {
-    head = load16(block);
-    q0 = load16(block + 16 + 16 * c);
-    q1 = load16(block + 80 + 16 * c);
-  }
-
-  __device__ __forceinline__ void prepare(int c) {
-    const float d = __half2float(__ushort_as_half(static_cast<unsigned short>(head.x & 0xFFFF)));
-    const float dmin = __half2float(__ushort_as_half(static_cast<unsigned short>(head.x >> 16)));
-    // Scale bytes b[i] = head byte 4 + i. Sub-block t < 4: scale b[t] & 63, min b[t + 4] & 63;
-    // sub-block t + 4: scale b[t + 8] & 15 | (b[t] >> 6) << 4, min b[t + 8] >> 4 | (b[t + 4] >> 6) << 4.
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int shift = 8 * (2 * (c >> 1) + h);
-      const uint32_t b0 = (head.y >> shift) & 0xFF, b4 = (head.z >> shift) & 0xFF, b8 = (head.w >> shift) & 0xFF;
-      scale[h] = d * static_cast<float>(b0 & 63);
-      minimum[h] = dmin * static_cast<float>(b4 & 63);
-      scale[2 + h] = d * static_cast<float>((b8 & 15) | ((b0 >> 6) << 4));
-      minimum[2 + h] = dmin * static_cast<float>((b8 >> 4) | ((b4 >> 6) << 4));
-    }
-  }
-
-  __device__ __forceinline__ void fragment(int s, uint32_t& b0, uint32_t& b1) const {
-    const uint32_t word = word_of(s < 8 ? q0 : q1, (s & 7) >> 1);
-    const uint32_t lo = word & 0x0F0F0F0Fu, hi = (word >> 4) & 0x0F0F0F0Fu;
-    const int at = 2 * (s & 1), t = s < 8 ? 0 : 2;
-    // The products are exact in float32 (a 4-bit q times a 17-bit scale): one rounding, as the
-    // dequantizer's (d * scale) * q - dmin * min has.
-    b0 = pack_bf16(fmaf(byte_f32(lo, at), scale[t], -minimum[t]), fmaf(byte_f32(lo, at + 1), scale[t], -minimum[t]));
-    b1 = pack_bf16(fmaf(byte_f32(hi, at), scale[t + 1], -minimum[t + 1]), fmaf(byte_f32(hi, at + 1), scale[t + 1], -minimum[t + 1]));
-  }
-
-  __host__ __device__ __forceinline__ static int k_of(int c, int s) {
-    return (s < 8 ? 0 : 128) + 64 * (c >> 1) + 16 * (c & 1) + 2 * (s & 7);
-  }
-};
 
 // ---------------------------------------------------------------------------------------- Q6_K
 // Super-block (210 bytes, so only 2-byte aligned): 128 bytes of low nibbles, 64 of high 2-bit
@@ -335,22 +288,7 @@ __global__ void __launch_bounds__(kWarps * 32, MIN_BLOCKS) gguf_mma_kernel(
         if (m < M && n < N) mine[static_cast<int64_t>(m) * N + n] = acc[mt][i][2 * h];
         if (m < M && n + 1 < N) mine[static_cast<int64_t>(m) * N + n + 1] = acc[mt][i][2 * h + 1];
       }
-  __threadfence();  // this block's partial sums are visible before its arrival is counted
-  __syncthreads();
-  __shared__ bool last;
-  if (threadIdx.x == 0) last = atomicAdd(counters + blockIdx.x, 1) == splits - 1;
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
-  const int tile = kWarps * 8 * NT, first = blockIdx.x * tile;
-  for (int idx = threadIdx.x; idx < M * tile; idx += blockDim.x) {
-    const int m = idx / tile, n = first + idx % tile;
-    if (n >= N) continue;
-    float sum = 0.0f;
-    for (int sp = 0; sp < splits; ++sp) sum += __ldcg(partial + (static_cast<int64_t>(sp) * M + m) * N + n);
-    out[static_cast<int64_t>(m) * N + n] = __float2bfloat16_rn(sum);
-  }
-  if (threadIdx.x == 0) counters[blockIdx.x] = 0;  // ready for the next launch (and graph replay)
+  add_splits(partial, out, counters, M, N, blockIdx.x * kWarps * 8 * NT, kWarps * 8 * NT, splits);
 }
 
 template <typename Block, int MT, int NT, int R>
@@ -382,7 +320,8 @@ void by_rows(const torch::Tensor& x, const torch::Tensor& w, torch::Tensor& out,
 }  // namespace
 
 // qtype: 12 (Q4_K), 14 (Q6_K) or 23 (IQ4_XS), gguf's GGMLQuantizationType values. `partial` [splits, M, N]
-// float32 and `counters` [>= tiles] int32 zeros are the caller's (unused when splits == 1).
+// float32 and `counters` [>= tiles] int32 zeros are the caller's (unused when splits == 1). n_tiles
+// (1 or 2) is the Q6_K and IQ4_XS kernel's; the Q4_K kernel has one shape.
 void gguf_mma(torch::Tensor x, torch::Tensor w, torch::Tensor out, torch::Tensor partial, torch::Tensor counters,
               int64_t qtype, int64_t splits, int64_t n_tiles) {
   TORCH_CHECK(x.is_cuda() && x.scalar_type() == torch::kBFloat16 && x.dim() == 2 && x.stride(1) == 1, "x: bf16 [M, K], rows contiguous");
@@ -395,8 +334,8 @@ void gguf_mma(torch::Tensor x, torch::Tensor w, torch::Tensor out, torch::Tensor
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   if (qtype == 12) {
     TORCH_CHECK(reinterpret_cast<uintptr_t>(w.data_ptr()) % 16 == 0 && w.stride(0) % 16 == 0, "Q4_K rows must be 16-byte aligned");
-    if (n_tiles == 1) by_rows<Q4K, 1>(x, w, out, partial, counters, splits, stream);
-    else by_rows<Q4K, 2>(x, w, out, partial, counters, splits, stream);
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 && x.stride(0) % 8 == 0, "x rows must be 16-byte aligned for Q4_K");
+    q4k_mma(x, w, out, partial, counters, splits);
   } else if (qtype == 14) {
     TORCH_CHECK(reinterpret_cast<uintptr_t>(w.data_ptr()) % 2 == 0 && w.stride(0) % 2 == 0, "Q6_K rows must be 2-byte aligned");
     if (n_tiles == 1) by_rows<Q6K, 1>(x, w, out, partial, counters, splits, stream);

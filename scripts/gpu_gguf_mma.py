@@ -1,15 +1,19 @@
-"""GPU check and timing of ``native.gguf_mma`` (Q4_K/Q6_K on tensor cores) against the Triton
-``gguf_matmul`` kernels and cuBLAS on a bf16 copy.
+"""GPU check and timing of ``native.gguf_mma`` (Q4_K, Q6_K and IQ4_XS on tensor cores) against the
+Triton ``gguf_matmul`` kernels and cuBLAS on a bf16 copy.
 
 1. Correctness, per type: odd shapes (N not a multiple of the program's features, K of 1-68
-   super-blocks), M = 1, 2, 5, 16, 17, 23, 33, 64, splits 1, 3 and the default. Each result is
-   compared with x @ W^T for W dequantized and rounded to bf16, in float32 (the kernel's only
-   other rounding is the bf16 output and the order of float32 sums: the bound is 2^-8 of the row's
-   largest magnitude); every run twice, bitwise equal; row 0 of every M bitwise equal to M = 1's.
-2. Timing (a CUDA graph of 20 calls, best of 5): per 8B/27B layer shape and M, microseconds and
-   bandwidth on the packed bytes for ``n_tiles`` 1 and 2 (default splits; ``--min-blocks`` adds
-   register-capped builds), the Triton kernels
-   (``default_tiling``) and cuBLAS bf16; "x1" is the time over the same variant's M = 1 time.
+   super-blocks), M = 1, 2, 5, 16, 17, 23, 33, 64, splits 1, 3 and the default, x of four kinds
+   (normal, times 3e5, times 1e-7, and spread over 1e-4..1e4 along K). Each result is compared
+   with x @ W^T in float32 for W dequantized (Q4_K, whose kernel keeps its weights exact) or
+   dequantized and rounded to bf16 (the others, as their kernel does); the kernels' other
+   roundings are the bf16 output and the order of float32 sums (and Q4_K's x as scaled fp16): the
+   bound is 2^-8 of the row's largest magnitude. Every run twice, bitwise equal; row 0 of every M
+   bitwise equal to M = 1's.
+2. Timing (a CUDA graph of 20 calls, best of 5, the calls reading copies of the weight in turn so
+   that L2 holds none of it): per 8B/27B layer shape and M, microseconds and bandwidth on the
+   packed bytes for ``n_tiles`` 1 and 2 (default splits; ``--min-blocks`` adds register-capped
+   builds; Q4_K's kernel has one shape, so its two columns time the same kernel), the Triton
+   kernels (``default_tiling``) and cuBLAS bf16; "x1" is the time over the same variant's M = 1 time.
 
 Weights are random GGUF blocks (benchmark only). Prints PASS/FAIL and writes ``$OUT/gpu_gguf_mma.json``.
 Usage: python scripts/gpu_gguf_mma.py [--shapes 27b.gate_up,...] [--rows 1,2,4,8,16,23,32,64]
@@ -18,6 +22,7 @@ Usage: python scripts/gpu_gguf_mma.py [--shapes 27b.gate_up,...] [--rows 1,2,4,8
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -40,29 +45,48 @@ CHECK_SHAPES = ((1000, 512), (72, 256), (4100, 17408), (33, 2560))  # (N, K)
 CHECK_ROWS = (1, 2, 5, 16, 17, 23, 33, 64)
 
 
+def x_kinds(k: int, device) -> dict[str, torch.Tensor]:
+    """Rows of x as models make them and at the ends of bf16's range (Q4_K takes x as fp16 scaled
+    per 256 values: these check that scaling)."""
+    base = torch.randn(max(CHECK_ROWS), k, device=device)
+    kinds = {"randn": base, "large": base * 3e5, "small": base * 1e-7,
+             "mixed": base * torch.logspace(-4, 4, k, device=device)}
+    kinds["randn"][3] = 0  # a row of zeros
+    return {name: v.to(torch.bfloat16) for name, v in kinds.items()}
+
+
 def check(device: torch.device) -> bool:
     ok = True
     for qtype in gguf_mma.MMA_TYPES:
         for n, k in CHECK_SHAPES:
             raw = random_blocks(qtype, n, k, device)
-            w = dequantize(raw, qtype, (n, k)).to(torch.bfloat16).float()
-            x_all = torch.randn(max(CHECK_ROWS), k, device=device, dtype=torch.bfloat16)
-            for splits in (1, 3, 0):
-                first_row = None
-                for m in CHECK_ROWS:
-                    x = x_all[:m]
-                    ref = x.float() @ w.T
-                    y = gguf_mma.matmul(x, raw, qtype, n, splits=splits)
-                    again = gguf_mma.matmul(x, raw, qtype, n, splits=splits)
-                    err = ((y.float() - ref).abs().amax(1) / ref.abs().amax(1).clamp(min=1e-30)).max().item()
-                    same = torch.equal(y, again)
-                    first_row = y[0].clone() if m == 1 else first_row
-                    row_free = torch.equal(y[0], first_row)
-                    good = err <= 2**-8 and same and row_free
-                    ok &= good
-                    if not good or m in (1, 23):
-                        print(f"check {qtype.name} N={n} K={k} M={m} splits={splits or 'default'}: err {err:.1e} "
-                              f"deterministic {same} row-independent {row_free} {'ok' if good else 'FAIL'}", flush=True)
+            if qtype == Q.Q4_K:  # d and dmin of each block drawn (random_blocks gives all one value)
+                d = (torch.rand(n, k // 256, 2, device=device) * 4e-3 + 1e-4).half()
+                raw.view(n, k // 256, -1)[..., :4] = d.view(torch.uint8).view(n, k // 256, 4)
+            w = dequantize(raw, qtype, (n, k)).float()
+            if qtype != Q.Q4_K:  # Q4_K's kernel keeps its weights exact; the others round them to bf16
+                w = w.to(torch.bfloat16).float()
+            for kind, x_all in x_kinds(k, device).items():
+                worst = 0.0
+                for splits in (1, 3, 0):
+                    first_row = None
+                    for m in CHECK_ROWS:
+                        x = x_all[:m]
+                        ref = x.float() @ w.T
+                        y = gguf_mma.matmul(x, raw, qtype, n, splits=splits)
+                        again = gguf_mma.matmul(x, raw, qtype, n, splits=splits)
+                        err = ((y.float() - ref).abs().amax(1) / ref.abs().amax(1).clamp(min=1e-30)).max().item()
+                        same = torch.equal(y, again)
+                        first_row = y[0].clone() if m == 1 else first_row
+                        row_free = torch.equal(y[0], first_row)
+                        good = err <= 2**-8 and same and row_free
+                        ok &= good
+                        worst = max(worst, err)
+                        if not good:
+                            print(f"check {qtype.name} N={n} K={k} x={kind} M={m} splits={splits or 'default'}: err {err:.1e} "
+                                  f"deterministic {same} row-independent {row_free} FAIL", flush=True)
+                print(f"check {qtype.name} N={n} K={k} x={kind}: largest error {worst:.1e} of a row's largest "
+                      f"(M {CHECK_ROWS}, splits 1, 3, default)", flush=True)
     return ok
 
 
@@ -88,13 +112,17 @@ def main() -> None:
             n, k = SHAPES[name]
             raw = random_blocks(qtype, n, k, device)
             w16 = dequantize(raw, qtype, (n, k)).to(torch.bfloat16)
+            # Copies the timed calls take in turn, 400 MB at least, so that L2 (50 MB) holds none
+            # of the weights a call reads, as in a model's step.
+            copies = [raw] + [raw.clone() for _ in range(max(3, -(-400_000_000 // raw.numel())) - 1)]
+            turn = itertools.cycle(copies)
             one = {}
             for m in rows:
                 x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
-                variants = {f"mma{t}": (lambda t=t: gguf_mma.matmul(x, raw, qtype, n, n_tiles=t)) for t in (1, 2)}
+                variants = {f"mma{t}": (lambda t=t: gguf_mma.matmul(x, next(turn), qtype, n, n_tiles=t)) for t in (1, 2)}
                 for mb in args.min_blocks:
-                    variants[f"mma_mb{mb}"] = lambda mb=mb: gguf_mma.matmul(x, raw, qtype, n, min_blocks=mb)
-                variants["triton"] = lambda: gguf_matmul(x, raw, qtype, n, tiling=default_tiling(m, qtype))
+                    variants[f"mma_mb{mb}"] = lambda mb=mb: gguf_mma.matmul(x, next(turn), qtype, n, min_blocks=mb)
+                variants["triton"] = lambda: gguf_matmul(x, next(turn), qtype, n, tiling=default_tiling(m, qtype))
                 variants["bf16"] = lambda: F.linear(x, w16)
                 row = {"type": qtype.name, "shape": name, "N": n, "K": k, "M": m, "bytes": raw.numel()}
                 for var, fn in variants.items():
@@ -105,7 +133,7 @@ def main() -> None:
                     f"{var} {row[var]:6.1f} ({(raw.numel() if var != 'bf16' else 2 * n * k) / row[var] / 1e6:4.2f} TB/s, x1 {row[var] / one[var]:4.2f})"
                     for var in variants)
                 print(f"{qtype.name} {name:13s} M={m:2d}  {text}", flush=True)
-            raw = w16 = None
+            raw = w16 = copies = turn = None
             torch.cuda.empty_cache()
     dest = Path(os.environ.get("OUT", "out"))
     dest.mkdir(parents=True, exist_ok=True)

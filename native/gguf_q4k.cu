@@ -1,0 +1,340 @@
+// y = x @ W^T for bf16 x [M, K] (M <= 64) and W [N, K] in GGUF Q4_K blocks, on tensor cores with
+// the weights as the A operand of mma.sync m16n8k16 (fp16) and x as B. Built with gguf_mma.cu by
+// native/gguf_mma.py, which documents the design and its numerics.
+//
+// One warp: 16 output features (A rows g and g + 8 of lane (g, c)), the x rows as the 8 columns
+// of each B tile (n-tile nb: rows 8 nb .. 8 nb + 7), one super-block (256 values) a loop step.
+// The weights enter the tensor cores as exact fp16 integers sc * q (at most 63 * 15 = 945): a
+// lane ORs two nibbles into 0x6400 (the fp16 1024 + q) and one packed fused multiply-add,
+// (1024 + q) * sc - 1024 * sc, leaves sc * q exactly. The super-block's d and the sub-blocks'
+// minimums are applied in float32 after each super-block: y += d * sum_k sc_k q_k x_k
+// - dmin * sum_j m_j X_j, X_j being the sum of sub-block j's 32 x values, which a second mma
+// takes (as fp16 high and low halves) against the minimums. x enters as fp16 scaled by a power
+// of two per row and super-block (prepare_x_kernel), undone in the same float32 step.
+//
+// k map of step s (0..15) for lane c (t = 2 (c / 2) + 4 (s / 8), l0 = 16 (c % 2) + 4 ((s % 8) / 2) + s % 2):
+// slots 2c, 2c + 1 take values l0, l0 + 2 of sub-block t, slots 2c + 8, 2c + 9 the same positions
+// of sub-block t + 1: the byte pair (l0, l0 + 2) of a word is what one mask selects into the two
+// halves of a register, low nibbles (sub-block t) and high ones (t + 1).
+
+#include <ATen/cuda/CUDAContext.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <torch/extension.h>
+
+#include <cstdint>
+
+#include "gguf_mma.cuh"
+
+namespace {
+
+using mma_common::add_splits;
+using mma_common::kWarps;
+using mma_common::load16;
+using mma_common::word_of;
+
+__device__ __forceinline__ __half2 h2_bits(uint32_t bits) { return *reinterpret_cast<const __half2*>(&bits); }
+
+__device__ __forceinline__ uint32_t hfma2_bits(uint32_t a, uint32_t b, uint32_t c) {
+  const __half2 v = __hfma2(*reinterpret_cast<const __half2*>(&a), *reinterpret_cast<const __half2*>(&b),
+                            *reinterpret_cast<const __half2*>(&c));
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+__device__ __forceinline__ void mma_f16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// One feature's super-block for lane c: the 16-byte head and two 16-byte runs of its nibbles,
+// bytes 16 + 16c .. (half c % 2 of group c / 2) and 80 + 16c .. (the same half of group 2 + c / 2):
+// the four lanes of a feature read 64 contiguous bytes a load. Group j (32 bytes) holds sub-block
+// 2j in its low nibbles and 2j + 1 in its high ones; value = d * sc * q - dmin * m.
+struct Q4K {
+  static constexpr int kBytes = 144;
+  uint4 head, q0, q1;
+  uint32_t scale[4], offset[4];  // fp16 multiplier and addend of sub-blocks t, t + 1, t + 4, t + 5 (see fragment)
+  uint32_t mins;                 // fp16 {m_u, m_u + 1}, u = 2 (c / 2) + 4 (c % 2): this lane's share of the minimums
+  float d, dmin;
+
+  __device__ __forceinline__ void load(const uint8_t* block, int c) {
+    head = load16(block);
+    q0 = load16(block + 16 + 16 * c);
+    q1 = load16(block + 80 + 16 * c);
+  }
+
+  // `pick` (byte selectors, see q4k_kernel) places this lane's 6-bit values in fp16 1024 + v.
+  __device__ __forceinline__ void prepare(int c, uint32_t pick_t, uint32_t pick_u, uint32_t magic) {
+    d = __half2float(__ushort_as_half(static_cast<unsigned short>(head.x & 0xFFFF)));
+    dmin = __half2float(__ushort_as_half(static_cast<unsigned short>(head.x >> 16)));
+    // Scale bytes b[i] = head byte 4 + i. Sub-block j < 4: scale b[j] & 63, min b[j + 4] & 63;
+    // j >= 4: scale b[j + 4] & 15 | (b[j - 4] >> 6) << 4, min b[j + 4] >> 4 | (b[j] >> 6) << 4.
+    // Four at a time, a byte each:
+    const uint32_t sc_low = head.y & 0x3F3F3F3Fu, mn_low = head.z & 0x3F3F3F3Fu;
+    const uint32_t sc_high = (head.w & 0x0F0F0F0Fu) | ((head.y >> 2) & 0x30303030u);
+    const uint32_t mn_high = ((head.w >> 4) & 0x0F0F0F0Fu) | ((head.z >> 2) & 0x30303030u);
+    const __half2 bias = h2_bits(0x64006400u);
+    const __half2 minus_1024 = h2_bits(0xE400E400u), sixteenth = h2_bits(0x2C002C00u),
+                  minus_64 = h2_bits(0xD400D400u);
+    // pick_t: bytes t, t (even) or t + 1, t + 1 of a word, each under 0x64; t = 2 (c / 2).
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const uint32_t sel = h ? pick_t >> 16 : pick_t & 0xFFFF;
+      const uint32_t lo_bits = __byte_perm(sc_low, magic, sel), hi_bits = __byte_perm(sc_high, magic, sel);
+      const __half2 lo = __hsub2(*reinterpret_cast<const __half2*>(&lo_bits), bias);  // {sc, sc} of sub-block t + h
+      const __half2 hi = __hsub2(*reinterpret_cast<const __half2*>(&hi_bits), bias);  // of sub-block t + 4 + h
+      // Sub-blocks t and t + 4 feed low nibbles (h = 0), t + 1 and t + 5 high ones.
+      const __half2 sc_a = h ? __hmul2(lo, sixteenth) : lo, off_a = __hmul2(lo, h ? minus_64 : minus_1024);
+      const __half2 sc_b = h ? __hmul2(hi, sixteenth) : hi, off_b = __hmul2(hi, h ? minus_64 : minus_1024);
+      scale[h] = *reinterpret_cast<const uint32_t*>(&sc_a);
+      offset[h] = *reinterpret_cast<const uint32_t*>(&off_a);
+      scale[2 + h] = *reinterpret_cast<const uint32_t*>(&sc_b);
+      offset[2 + h] = *reinterpret_cast<const uint32_t*>(&off_b);
+    }
+    const uint32_t min_bits = __byte_perm((c & 1) ? mn_high : mn_low, magic, pick_u);
+    const __half2 m = __hsub2(*reinterpret_cast<const __half2*>(&min_bits), bias);  // {m_u, m_u+1}
+    mins = *reinterpret_cast<const uint32_t*>(&m);
+  }
+
+  // Registers a (slots 2c, 2c + 1) and b (slots 2c + 8, 2c + 9) of k step s: fp16 sc * q. The high
+  // nibbles are taken in place (fp16 1024 + 16 q) against {sc / 16, -64 sc}, which saves a shift;
+  // `low`, `high` and `magic` are 0x000F000F, 0x00F000F0 and 0x64006400 in registers the compiler
+  // does not fold back into immediates (a LOP3 takes one).
+  __device__ __forceinline__ void fragment(int s, uint32_t low, uint32_t high, uint32_t magic, uint32_t& a, uint32_t& b) const {
+    const uint32_t word = word_of(s < 8 ? q0 : q1, (s & 7) >> 1) >> (8 * (s & 1));
+    const int t = s < 8 ? 0 : 2;
+    a = hfma2_bits((word & low) | magic, scale[t], offset[t]);
+    b = hfma2_bits((word & high) | magic, scale[t + 1], offset[t + 1]);
+  }
+
+  __host__ __device__ __forceinline__ static int k_of(int c, int s) {  // the real k of slot 2c of step s (2c + 1: k + 2)
+    return 32 * (2 * (c >> 1) + 4 * (s >> 3)) + 16 * (c & 1) + 4 * ((s & 7) >> 1) + (s & 1);
+  }
+};
+
+// x for the kernel below, per row r and super-block sb (one warp each): e = the power of two that
+// brings the super-block's largest |x| into [2^9, 2^10) (so fp16 holds every value and every
+// 32-value sum; bf16's 8-bit significands fit fp16's 11 bits), scale[sb][r] = 2^e, xq[sb][i][r][c]
+// the B registers of k steps 2i and 2i + 1 for lane c (fp16 pairs of x 2^-e at the slots' k),
+// xs[sb][r][c] the fp16 {high, low} parts of the sums X_u, X_u + 1 of this lane's minimum slots
+// (u as in Q4K::mins). r runs to `rows_padded` (8 per n-tile); a padded row only gets scale 1.
+__global__ void prepare_x_kernel(const __nv_bfloat16* __restrict__ x, uint2* __restrict__ xq, uint2* __restrict__ xs,
+                                 float* __restrict__ scale, int M, int rows_padded, int64_t stride_xm, int super_blocks) {
+  __shared__ __half staged[kWarps][256];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int64_t item = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
+  if (item >= static_cast<int64_t>(super_blocks) * rows_padded) return;
+  const int r = item % rows_padded, sb = item / rows_padded;
+  if (r >= M) {  // a padded row: its B registers are zeros, its scale must be finite
+    if (lane == 0) scale[static_cast<int64_t>(sb) * rows_padded + r] = 1.0f;
+    return;
+  }
+  const __nv_bfloat16* row = x + r * stride_xm + 256 * static_cast<int64_t>(sb) + 8 * lane;
+  const uint4 raw = *reinterpret_cast<const uint4*>(row);  // x rows are 16-byte aligned (the launcher checks)
+  const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+  float v[8];
+  float largest = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    v[i] = __uint_as_float((i & 1) ? words[i >> 1] & 0xFFFF0000u : words[i >> 1] << 16);  // bf16 -> float: exact
+    largest = fmaxf(largest, fabsf(v[i]));
+  }
+#pragma unroll
+  for (int o = 16; o; o >>= 1) largest = fmaxf(largest, __shfl_xor_sync(0xFFFFFFFFu, largest, o));
+  // largest in [2^(E-127), 2^(E-126)) for its biased exponent E: e = E - 136 (kept where 2^-e and
+  // 2^e are normal floats; inf or NaN leave e = 0 and flow through as they are).
+  const int biased = static_cast<int>(__float_as_uint(largest) >> 23);
+  const int e = biased == 255 ? 0 : max(-126, min(126, biased - 136));
+  const float down = __uint_as_float(static_cast<uint32_t>(127 - e) << 23);
+  float sum = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const __half h = __float2half_rn(v[i] * down);
+    staged[warp][8 * lane + i] = h;
+    sum += __half2float(h);
+  }
+  // Sub-block j = lanes 4j .. 4j + 3: add their sums in a fixed order.
+  sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 1);
+  sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 2);
+  __syncwarp();
+  if (lane == 0) scale[static_cast<int64_t>(sb) * rows_padded + r] = __uint_as_float(static_cast<uint32_t>(127 + e) << 23);
+  const __half* h = staged[warp];
+  for (int idx = lane; idx < 64; idx += 32) {
+    const int s = idx >> 2, c = idx & 3;
+    const int k = Q4K::k_of(c, s);
+    const __half2 lo = __halves2half2(h[k], h[k + 2]), hi = __halves2half2(h[k + 32], h[k + 34]);
+    xq[((static_cast<int64_t>(sb) * 8 + (s >> 1)) * rows_padded + r) * 8 + 2 * c + (s & 1)] =
+        make_uint2(*reinterpret_cast<const uint32_t*>(&lo), *reinterpret_cast<const uint32_t*>(&hi));
+  }
+  // Lanes 4j .. 4j + 3 hold sub-block j's sum; lane c of the kernel takes u = 2 (c / 2) + 4 (c % 2), u + 1.
+  const int u = 2 * ((lane >> 1) & 1) + 4 * (lane & 1);
+  const float su = __shfl_sync(0xFFFFFFFFu, sum, 4 * u), sv = __shfl_sync(0xFFFFFFFFu, sum, 4 * u + 4);
+  if (lane < 4) {
+    const __half uh = __float2half_rn(su), vh = __float2half_rn(sv);
+    const __half2 high = __halves2half2(uh, vh);
+    const __half2 low = __halves2half2(__float2half_rn(su - __half2float(uh)), __float2half_rn(sv - __half2float(vh)));
+    xs[(static_cast<int64_t>(sb) * rows_padded + r) * 4 + lane] =
+        make_uint2(*reinterpret_cast<const uint32_t*>(&high), *reinterpret_cast<const uint32_t*>(&low));
+  }
+}
+
+// One super-block of a warp's 16 features into acc: the mma over its 16 k steps, the minimums' mma,
+// and the float32 step that applies d, dmin and x's scale.
+template <int NB>
+__device__ __forceinline__ void accumulate(float (&acc)[NB][4], Q4K (&f)[2], int sb, const uint2* __restrict__ xq,
+                                           const uint2* __restrict__ xs, const float* __restrict__ xscale, int M, int g,
+                                           int c, uint32_t low, uint32_t high, uint32_t magic, uint32_t pick_t, uint32_t pick_u) {
+  constexpr int kRowsPadded = 8 * NB;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) f[i].prepare(c, pick_t, pick_u, magic);
+  float part[NB][4], by_min[NB][4];
+#pragma unroll
+  for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) part[nb][e] = by_min[nb][e] = 0.0f;
+  // xq[sb][i][r][c]: lane (g, c)'s B registers of steps 2i and 2i + 1 for row r (a uint4), the
+  // warp's loads of one i and n-tile contiguous.
+  const uint4* x_sb = reinterpret_cast<const uint4*>(xq) + (static_cast<int64_t>(sb) * 8 * kRowsPadded + g) * 4 + c;
+#pragma unroll
+  for (int s = 0; s < 16; s += 2) {
+    uint32_t a[4], a2[4];
+    f[0].fragment(s, low, high, magic, a[0], a[2]);
+    f[1].fragment(s, low, high, magic, a[1], a[3]);
+    f[0].fragment(s + 1, low, high, magic, a2[0], a2[2]);
+    f[1].fragment(s + 1, low, high, magic, a2[1], a2[3]);
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb) {
+      const uint4 b = 8 * nb + g < M ? __ldg(x_sb + (s / 2 * kRowsPadded + 8 * nb) * 4) : make_uint4(0u, 0u, 0u, 0u);
+      mma_f16(part[nb], a, b.x, b.y);
+      mma_f16(part[nb], a2, b.z, b.w);
+    }
+  }
+  const uint32_t m[4] = {f[0].mins, f[1].mins, f[0].mins, f[1].mins};
+#pragma unroll
+  for (int nb = 0; nb < NB; ++nb) {
+    const int r = 8 * nb + g;
+    const uint2 b = r < M ? __ldg(xs + (static_cast<int64_t>(sb) * kRowsPadded + r) * 4 + c) : make_uint2(0u, 0u);
+    mma_f16(by_min[nb], m, b.x, b.y);
+    const float2 sx = __ldg(reinterpret_cast<const float2*>(xscale + static_cast<int64_t>(sb) * kRowsPadded + 8 * nb + 2 * c));
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const Q4K& h = f[e >> 1];
+      const float t = fmaf(h.d, part[nb][e], -h.dmin * by_min[nb][e]);
+      acc[nb][e] = fmaf(t, (e & 1) ? sx.y : sx.x, acc[nb][e]);
+    }
+  }
+}
+
+// One program: kWarps warps x 16 features, K super-blocks [split's range), NB n-tiles of 8 x rows.
+// With splits > 1 each writes float32 partial sums and the last of a tile adds them (add_splits).
+// At one n-tile the compiler's own register choice (about 130) ran fastest on an H200; from two
+// on, a cap of 168 (3 blocks a multiprocessor) did (scripts/gpu_gguf_mma.py, BENCHMARKS.md).
+template <int NB>
+__global__ void __launch_bounds__(kWarps * 32, NB == 1 ? 1 : 3) q4k_kernel(
+    const uint2* __restrict__ xq, const uint2* __restrict__ xs, const float* __restrict__ xscale,
+    const uint8_t* __restrict__ w, __nv_bfloat16* __restrict__ out, float* __restrict__ partial,
+    int* __restrict__ counters, int M, int N, int64_t row_bytes, int super_blocks, int splits) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, c = lane & 3;
+  const int n0 = (blockIdx.x * kWarps + warp) * 16;
+  const int split = blockIdx.y;
+  const int sb_begin = static_cast<int>(static_cast<int64_t>(super_blocks) * split / splits);
+  const int sb_end = static_cast<int>(static_cast<int64_t>(super_blocks) * (split + 1) / splits);
+  const uint8_t* rows[2] = {w + static_cast<int64_t>(min(n0 + g, N - 1)) * row_bytes,  // this lane's two features
+                            w + static_cast<int64_t>(min(n0 + 8 + g, N - 1)) * row_bytes};
+
+  float acc[NB][4];
+#pragma unroll
+  for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[nb][e] = 0.0f;
+
+  // (splits >> 31 is 0: it only hides the values from the compiler, which would rebuild each
+  // constant before every use rather than keep it in a register.)
+  const uint32_t hidden = static_cast<uint32_t>(splits) >> 31;
+  const uint32_t low = 0x000F000Fu | hidden, high = 0x00F000F0u | hidden, magic = 0x64006400u | hidden;
+  // __byte_perm selectors over (word, magic), magic's byte 1 (selector 5) being 0x64: bytes
+  // {t, 0x64, t, 0x64} and {t + 1, 0x64, t + 1, 0x64} in the low and high 16 bits of pick_t
+  // (t = 2 (c / 2)), {t, 0x64, t + 1, 0x64} in pick_u.
+  const uint32_t t = 2 * (c >> 1);
+  const uint32_t pick_t = (0x5050u | t | (t << 8)) | ((0x5050u | (t + 1) | ((t + 1) << 8)) << 16);
+  const uint32_t pick_u = 0x5050u | t | ((t + 1) << 8);
+  // Two super-blocks in hand: the next one's bytes are in flight while this one is computed. (This
+  // loop form ran 10-25% faster on an H200 than an even/odd pair of steps written out.)
+  constexpr int kStages = 2;
+  Q4K buf[kStages][2];
+  if (sb_begin < sb_end) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) buf[0][i].load(rows[i] + static_cast<int64_t>(sb_begin) * Q4K::kBytes, c);
+  }
+  for (int sb0 = sb_begin; sb0 < sb_end; sb0 += kStages) {
+#pragma unroll
+    for (int st = 0; st < kStages; ++st) {
+      const int sb = sb0 + st;
+      if (sb >= sb_end) break;
+      if (sb + 1 < sb_end) {
+#pragma unroll
+        for (int i = 0; i < 2; ++i) buf[(st + 1) % kStages][i].load(rows[i] + static_cast<int64_t>(sb + 1) * Q4K::kBytes, c);
+      }
+      accumulate<NB>(acc, buf[st], sb, xq, xs, xscale, M, g, c, low, high, magic, pick_t, pick_u);
+    }
+  }
+
+  // C of lane (g, c) in n-tile nb: features g (e < 2), g + 8 (e >= 2); rows 8 nb + 2c + e % 2.
+  float* mine = splits == 1 ? nullptr : partial + static_cast<int64_t>(split) * M * N;
+#pragma unroll
+  for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int m = 8 * nb + 2 * c + (e & 1), n = n0 + g + 8 * (e >> 1);
+      if (m >= M || n >= N) continue;
+      if (splits == 1) out[static_cast<int64_t>(m) * N + n] = __float2bfloat16_rn(acc[nb][e]);
+      else mine[static_cast<int64_t>(m) * N + n] = acc[nb][e];
+    }
+  if (splits > 1) add_splits(partial, out, counters, M, N, blockIdx.x * kWarps * 16, kWarps * 16, splits);
+}
+
+template <int NB>
+void launch(const torch::Tensor& x, const torch::Tensor& w, torch::Tensor& out, torch::Tensor& partial,
+            torch::Tensor& counters, int splits, cudaStream_t stream) {
+  const int M = x.size(0), N = out.size(1), K = x.size(1), sbs = K / 256;
+  const int rows_padded = 8 * NB;
+  auto opts = x.options().dtype(torch::kInt32);
+  torch::Tensor xq = torch::empty({static_cast<int64_t>(sbs) * rows_padded * 64 * 2}, opts);
+  torch::Tensor xs = torch::empty({static_cast<int64_t>(sbs) * rows_padded * 4 * 2}, opts);
+  torch::Tensor xscale = torch::empty({static_cast<int64_t>(sbs) * rows_padded}, x.options().dtype(torch::kFloat32));
+  const int64_t items = static_cast<int64_t>(sbs) * rows_padded;
+  prepare_x_kernel<<<(items + kWarps - 1) / kWarps, kWarps * 32, 0, stream>>>(
+      reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()), reinterpret_cast<uint2*>(xq.data_ptr()),
+      reinterpret_cast<uint2*>(xs.data_ptr()), xscale.data_ptr<float>(), M, rows_padded, x.stride(0), sbs);
+  const int tiles = (N + kWarps * 16 - 1) / (kWarps * 16);
+  dim3 grid(tiles, splits);
+  q4k_kernel<NB><<<grid, kWarps * 32, 0, stream>>>(
+      reinterpret_cast<const uint2*>(xq.data_ptr()), reinterpret_cast<const uint2*>(xs.data_ptr()), xscale.data_ptr<float>(),
+      w.data_ptr<uint8_t>(), reinterpret_cast<__nv_bfloat16*>(out.data_ptr()), splits > 1 ? partial.data_ptr<float>() : nullptr,
+      splits > 1 ? counters.data_ptr<int>() : nullptr, M, N, w.stride(0), sbs, splits);
+}
+
+}  // namespace
+
+// Called by gguf_mma() (native/gguf_mma.cu), which checks shapes and alignment: x [M, K] bf16 rows
+// 16-byte aligned, w [N, K / 256 * 144] uint8, out [M, N] bf16; partial [splits, >= 32, N] float32
+// and counters as there.
+void q4k_mma(torch::Tensor x, torch::Tensor w, torch::Tensor out, torch::Tensor partial, torch::Tensor counters,
+             int64_t splits) {
+  cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const int M = x.size(0);
+  for (int r0 = 0; r0 < M; r0 += 32) {  // a row's result does not depend on the others: 32 at a time
+    torch::Tensor xc = x.narrow(0, r0, std::min(32, M - r0));
+    torch::Tensor oc = out.narrow(0, r0, xc.size(0));
+    const int m = xc.size(0);
+    if (m <= 8) launch<1>(xc, w, oc, partial, counters, splits, stream);
+    else if (m <= 16) launch<2>(xc, w, oc, partial, counters, splits, stream);
+    else if (m <= 24) launch<3>(xc, w, oc, partial, counters, splits, stream);
+    else launch<4>(xc, w, oc, partial, counters, splits, stream);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
