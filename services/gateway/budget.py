@@ -38,17 +38,6 @@ other budgets (:meth:`BudgetPolicy.choose`), so that acceptance, the draft's mas
 stay observed and the choice can leave 0. On the 2-core CPU with the built-in pair, 8 clients got
 0.77 of AR's tok/s when budget 0 still paid the draft.
 
-**0 against speculating, measured.** The model prices a target-only pass with the cost curve its
-speculating passes taught it. Where the draft and the target share the compute (the 2-core CPU),
-those passes ran beside the draft's, so the curve, and with it 0's rate, is too dear: at 8 clients
-the policy kept speculating at two thirds of AR's tok/s. So the policy also measures what each
-stint of one choice commits: the steps' tokens over their seconds (:meth:`BudgetPolicy.observe_step`),
-times the concurrency. A stint at 0 gives 0's rate; a stint at a budget gives the ratio of its
-measured rate to its modelled one, which then scales the modelled rates of every budget. Where the
-model rates 0 at ``TRIAL_SHARE`` of the best or more but 0 was never measured at this load (or
-``MEASURE_STALE`` holds ago), the policy tries it for one hold. Measurements count at a
-concurrency within 25% of theirs and for ``MEASURE_STALE`` holds.
-
 Its methods never await, so on the gateway's one event loop each runs whole between steps of
 other sequences; no lock is needed.
 """
@@ -70,8 +59,6 @@ DEFAULT_BUDGET = 22  # before the policy has cost data, and the chain length of 
 DEFAULT_MAX_BUDGET = 64
 HYSTERESIS = 0.10  # how much faster a budget must be to replace the current choice
 EXPLORE_PASSES = 20  # while the choice is 0 (no draft), the passes between passes whose steps draft
-TRIAL_SHARE = 0.5  # 0, unmeasured at this load, is tried when modelled at this share of the best rate
-MEASURE_STALE = 20  # holds (hold_passes) a measured rate counts for
 
 
 def parse_budget(text: str) -> str | int:
@@ -145,12 +132,6 @@ class BudgetPolicy:
         self.hold_passes = 1.0 / alpha if hold_passes is None else hold_passes
         self._pass_weight = 0.0  # passes observed, each counted once (its reports weigh 1 / its sequences)
         self._chosen_at = 0.0  # _pass_weight at the last change
-        self._stint_tokens, self._stint_seconds = _Ema(alpha), _Ema(alpha)  # the current choice's steps
-        # Measured, as (figure, concurrency, _pass_weight when measured): 0's tok/s, and a
-        # speculating choice's measured over modelled tok/s.
-        self._zero: tuple[float, float, float] | None = None
-        self._speculating: tuple[float, float, float] | None = None
-        self._reviewed_at = 0.0  # _pass_weight at the last choose
 
     def observe_pass(self, rows: int, pass_sequences: int, forward_s: float) -> None:
         """A verify pass of ``rows`` rows over ``pass_sequences`` sequences took ``forward_s`` seconds.
@@ -183,17 +164,6 @@ class BudgetPolicy:
         self._draft.add(min(draft_s, self._other.value), weight)
         if verify_forward_s > 0:
             self._passes_per_round.add((verify_forward_s + verify_queue_s) / verify_forward_s, weight)
-
-    def observe_step(self, tokens: int, seconds: float, pass_sequences: int = 1, drafted: bool = True) -> None:
-        """A step of an adaptive sequence committed ``tokens`` in ``seconds`` (from its start to its
-        verify response) in a pass of ``pass_sequences`` sequences; ``drafted``: it asked the draft.
-        Measures the current choice: steps that drafted while it is a budget, steps that did not
-        while it is 0 (an exploring step, or a last token's step, is no measure of it)."""
-        if self.choice is None or seconds <= 0 or drafted != (self.choice != 0):
-            return
-        weight = 1.0 / max(1, pass_sequences)
-        self._stint_tokens.add(tokens, weight)
-        self._stint_seconds.add(seconds, weight)
 
     def observe_acceptance(self, tree: DraftTree, accepted_depth: int) -> None:
         """A step verified ``tree`` (with its scores) and accepted ``accepted_depth`` nodes: update the
@@ -257,45 +227,8 @@ class BudgetPolicy:
     def rates(self) -> tuple[np.ndarray, np.ndarray]:
         """The budgets the policy chooses among (``[m]``: ``ADAPTIVE_BUDGETS`` below ``max_budget``,
         and ``max_budget``; 0 once ``1 / calibration_alpha`` verified trees have calibrated the
-        draft's acceptance) and the committed tokens per second it expects of each (``[m]``): the
-        model's, scaled by the measured over modelled ratio of speculating, and 0's as measured,
-        where those were measured recently at this load; needs :attr:`ready` and a tree seen by
-        :meth:`choose`."""
-        candidates, rates = self.modelled_rates()
-        if self._fresh(self._speculating):
-            rates = np.where(candidates > 0, rates * self._speculating[0], rates)
-        if self._fresh(self._zero):
-            rates = np.where(candidates == 0, self._zero[0], rates)
-        return candidates, rates
-
-    def _fresh(self, measured: tuple[float, float, float] | None) -> bool:
-        """Whether a measurement counts now: taken ``MEASURE_STALE`` holds ago at most, at a
-        concurrency within 25% of the current one."""
-        if measured is None:
-            return False
-        _, concurrency, at = measured
-        return self._pass_weight - at <= MEASURE_STALE * max(1.0, self.hold_passes) and abs(concurrency - self.concurrency) <= 0.25 * self.concurrency
-
-    def _measure(self) -> None:
-        """Store what the current choice's stint measured, once held for ``hold_passes`` passes."""
-        if self.choice is None or self._stint_seconds.count == 0 or self._pass_weight - self._chosen_at < self.hold_passes:
-            return
-        measured = self.concurrency * self._stint_tokens.value / self._stint_seconds.value
-        if self.choice == 0:
-            self._zero = (measured, self.concurrency, self._pass_weight)
-            return
-        candidates, modelled = self.modelled_rates()
-        current = np.flatnonzero(candidates == self.choice)
-        if len(current) and modelled[current[0]] > 0:
-            self._speculating = (measured / modelled[current[0]], self.concurrency, self._pass_weight)
-
-    def _set_choice(self, budget: int) -> None:
-        self.choice, self._chosen_at = budget, self._pass_weight
-        self._explored_at = self._pass_weight - 1.0  # a choice of 0 explores EXPLORE_PASSES from now
-        self._stint_tokens, self._stint_seconds = _Ema(self.alpha), _Ema(self.alpha)
-
-    def modelled_rates(self) -> tuple[np.ndarray, np.ndarray]:
-        """:meth:`rates` as the model alone gives them."""
+        draft's acceptance) and the committed tokens per second it expects of each (``[m]``); needs
+        :attr:`ready` and a tree seen by :meth:`choose`."""
         # 0 stops the drafting that teaches the calibration: it waits for ~1 / calibration_alpha steps of
         # it. (The built-in pair's draft under-reports its acceptance; trusted at once, it chose 0.)
         known = self.verified_trees >= 1.0 / self.calibration_alpha
@@ -311,11 +244,8 @@ class BudgetPolicy:
 
     def drafts(self) -> bool:
         """Whether an adaptive step should ask the draft: yes unless the choice is 0, and then during
-        one pass in every ``EXPLORE_PASSES`` (the steps that keep the figures observed), and once 0
-        was held ``hold_passes`` passes, until :meth:`choose` has measured it and decided again."""
+        one pass in every ``EXPLORE_PASSES`` (the steps that keep the figures observed)."""
         if self.choice != 0:
-            return True
-        if self._pass_weight - self._chosen_at >= self.hold_passes and self._reviewed_at < self._chosen_at + self.hold_passes:
             return True
         if self._pass_weight - self._explored_at >= EXPLORE_PASSES:
             self._explored_at = self._pass_weight
@@ -333,26 +263,19 @@ class BudgetPolicy:
             self._mass = mass if self._mass is None else self._mass + self.alpha * (mass - self._mass)
         if not self.ready or self._mass is None:
             return min(self.default_budget, most)
-        self._measure()
-        self._reviewed_at = self._pass_weight
         candidates, rates = self.rates()
         best = int(np.argmax(rates))
         current = np.flatnonzero(candidates == self.choice)
         held = self._pass_weight - self._chosen_at < self.hold_passes
-        zero = np.flatnonzero(candidates == 0)
-        if (len(current) and not held and self.choice != 0 and len(zero) and not self._fresh(self._zero)
-                and rates[zero[0]] >= TRIAL_SHARE * rates[best]):
-            logger.info("adaptive budget %d -> 0 for %.0f passes, to measure it (modelled %.0f tok/s against %.0f)",
-                        self.choice, self.hold_passes, rates[zero[0]], rates[best])
-            self._set_choice(0)
-        elif not len(current) or (not held and rates[best] > (1 + HYSTERESIS) * rates[current[0]]):
+        if not len(current) or (not held and rates[best] > (1 + HYSTERESIS) * rates[current[0]]):
             logger.info(
                 "adaptive budget %s -> %d: %.0f tok/s expected at %.1f sequences a pass, %.2f passes a round, "
                 "t_other %.1f ms (draft %.1f) (%s)",
                 self.choice, candidates[best], rates[best], self.concurrency, self.passes_per_round, 1e3 * self.t_other, 1e3 * self.t_draft,
                 ", ".join(f"{b}: {r:.0f}" for b, r in zip(candidates, rates)),
             )
-            self._set_choice(int(candidates[best]))
+            self.choice, self._chosen_at = int(candidates[best]), self._pass_weight
+            self._explored_at = self._pass_weight - 1.0  # a choice of 0 explores EXPLORE_PASSES from now
         if self.choice == 0:  # a step that drafts while 0 is chosen explores: the best of the others
             others = candidates > 0
             return min(int(candidates[others][np.argmax(rates[others])]), most)

@@ -209,8 +209,7 @@ class SpeculativeSequence:
                 yield self._committed([anchor], [prefilled.logprob])
                 continue
             accepted = len(verified.committed_tokens) - 1
-            self._observe(tree, budget is not None and not skipped, verified, accepted, time.perf_counter() - step_start,
-                          adaptive=self.options.adaptive and budget is not None)
+            self._observe(tree, budget is not None and not skipped, verified, accepted, time.perf_counter() - step_start)
             step = StepStats(tree.num_nodes, int(tree.depths.max(initial=0)), accepted, fallback, budget)
             self.stats.add(step)
             self.on_step(step)
@@ -220,9 +219,8 @@ class SpeculativeSequence:
             features = await self._behind(features, verified.features) if skipped else verified.features
             yield self._committed(new, verified.logprobs)
 
-    def _observe(self, tree: DraftTree, drafted: bool, verified: Verified, accepted: int, step_s: float, adaptive: bool) -> None:
-        """Feed the budget policy a verified step; ``drafted``: the step proposed and built ``tree``;
-        ``adaptive``: its budget was the policy's (or the policy's 0 skipped the draft)."""
+    def _observe(self, tree: DraftTree, drafted: bool, verified: Verified, accepted: int, step_s: float) -> None:
+        """Feed the budget policy a verified step; ``drafted``: the step proposed and built ``tree``."""
         policy = self.budget_policy
         if policy is None:
             return
@@ -234,8 +232,6 @@ class SpeculativeSequence:
                 # The wait behind other sequences' passes is priced as passes (BudgetPolicy's q), not as
                 # t_other: as a constant it would argue for larger trees, which lengthen it.
                 policy.observe_round(step_s, forward_s, verified.queue_ns / 1e9, verified.pass_sequences or 1, self.draft_s)
-            if adaptive:  # what the policy's choice commits: accepted nodes and the bonus token
-                policy.observe_step(accepted + 1, step_s, verified.pass_sequences or 1, drafted)
         if drafted:
             policy.observe_acceptance(tree, accepted)
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
 
-from services.gateway.budget import EXPLORE_PASSES, HYSTERESIS, MEASURE_STALE, BudgetPolicy, parse_budget
+from services.gateway.budget import EXPLORE_PASSES, HYSTERESIS, BudgetPolicy, parse_budget
 from services.gateway.server import GatewayServicer, GatewayState
 from services.gateway.speculation import DraftShape, Mode, SpeculationOptions, SpeculativeSequence
 from services.gateway.workers import Prefilled, Verified
@@ -182,8 +182,7 @@ def test_a_new_choice_holds_for_the_passes_that_show_its_cost():
 def test_budget_0_skips_the_draft_and_explores_every_few_passes():
     """Where the draft's proposal costs more than its trees save, 0 wins once the draft's
     acceptance is calibrated: priced without the draft (its steps do not ask it), and while 0 is
-    chosen the steps of one pass in EXPLORE_PASSES draft, with the best tree of the other budgets,
-    and those of the pass after its hold, whose choice measures it and decides again."""
+    chosen the steps of one pass in EXPLORE_PASSES draft, with the best tree of the other budgets."""
     policy = BudgetPolicy(22, 64, warmup_passes=1)
     for _ in range(20):
         policy.observe_pass(1, 1, 0.010)
@@ -201,86 +200,8 @@ def test_budget_0_skips_the_draft_and_explores_every_few_passes():
     asked = []
     for _ in range(3 * EXPLORE_PASSES):
         asked.append(policy.drafts())
-        if asked[-1]:
-            assert policy.choose(TREE) > 0 and policy.choice == 0
         policy.observe_pass(1, 1, 0.010)  # a target-only step's pass
-    hold = int(policy.hold_passes)
-    explored = list(range(EXPLORE_PASSES - 1, 3 * EXPLORE_PASSES, EXPLORE_PASSES))
-    assert [i for i, a in enumerate(asked) if a] == sorted([hold, *explored]), asked
-
-
-def serve(policy: BudgetPolicy, sequences: int, passes: int, speculating_s, target_only_s: float, draft_s: float = 0.008) -> list[int]:
-    """``passes`` passes of ``sequences`` sequences as the gateway runs them under the policy: a
-    speculating pass costs ``flat_then_linear`` and each of its steps ``draft_s`` + 2 ms more; the
-    truth the steps measure is ``speculating_s(budget)`` seconds a speculating step (the draft's
-    acceptance as it predicts) and ``target_only_s`` a target-only one. Returns each pass's choice."""
-    chosen = []
-    rng = np.random.default_rng(11)
-    for _ in range(passes):
-        drafts = policy.drafts()
-        budget = policy.choose(TREE) if drafts else 0
-        chosen.append(policy.choice)
-        rows = sequences * (budget + 1)
-        forward = flat_then_linear(rows)
-        tree = TREE.prefix(budget)
-        for _ in range(sequences):
-            policy.observe_pass(rows, sequences, forward)
-            if drafts:
-                reach = depth_mass(tree.scores, tree.depths, DEPTHS)
-                accepted = int(np.sum(rng.random() < reach[1 : int(tree.depths.max(initial=0)) + 1]))
-                policy.observe_round(forward + draft_s + 0.002, forward, 0.0, sequences, draft_s=draft_s)
-                policy.observe_acceptance(tree, accepted)
-                policy.observe_step(accepted + 1, speculating_s(budget), sequences, drafted=True)
-            else:
-                policy.observe_step(1, target_only_s, sequences, drafted=False)
-    return chosen
-
-
-def test_budget_0_is_measured_where_the_model_misprices_it():
-    """The draft and the target share the compute: speculating steps take three times what the
-    model prices, target-only ones 12 ms. Once the measured over modelled ratio of speculating
-    scales the model's rates, 0 wins, and its own measured rate keeps it chosen, but for a stint of
-    speculating every MEASURE_STALE holds that measures that ratio again."""
-    policy = BudgetPolicy(22, 64, warmup_passes=1)
-
-    def slow(budget: int) -> float:
-        return 3 * (flat_then_linear(8 * (budget + 1)) + 0.010)
-
-    chosen = serve(policy, 8, 600, slow, 0.012)
-    assert chosen[1] != 0 and 0 in chosen[:50]  # it speculates first, and not for long
-    later = chosen[-int(MEASURE_STALE * policy.hold_passes):]
-    assert later.count(0) >= 0.8 * len(later), later
-    candidates, rates = policy.rates()
-    assert rates[candidates == 0][0] == pytest.approx(8 / 0.012, rel=0.01)  # measured: 8 sequences x 1 token / 12 ms
-
-
-def test_budget_0_is_tried_where_the_model_rates_it_near_and_left_where_it_measures_slower():
-    """32 sequences: the model rates 0 at over half the best budget's rate, so 0 is tried for a
-    hold; its steps measure slower than speculating ones, so the choice goes back, and 0 is not
-    tried again while that measurement counts."""
-    policy = BudgetPolicy(22, 64, warmup_passes=1)
-
-    def as_modelled(budget: int) -> float:
-        return flat_then_linear(32 * (budget + 1)) + 0.010
-
-    chosen = serve(policy, 32, 400, as_modelled, 0.040)
-    hold = int(policy.hold_passes)
-    trials = [i for i in range(1, len(chosen)) if chosen[i] == 0 and chosen[i - 1] != 0]
-    assert trials, chosen
-    first = trials[0]
-    back = first + chosen[first:].index(next(c for c in chosen[first:] if c != 0))  # the first pass after the trial
-    assert back - first in (hold, hold + 1), chosen  # one hold, measured, and left
-    assert 0 not in chosen[back : back + (MEASURE_STALE - 2) * hold], chosen
-
-
-def test_budget_0_is_not_tried_where_the_model_rates_it_far_below():
-    """One sequence and a draft whose trees pay: 0 is never tried."""
-    policy = BudgetPolicy(22, 64, warmup_passes=1)
-
-    def as_modelled(budget: int) -> float:
-        return flat_then_linear(budget + 1) + 0.010
-
-    assert 0 not in serve(policy, 1, 400, as_modelled, 0.022)
+    assert [i for i, a in enumerate(asked) if a] == list(range(EXPLORE_PASSES - 1, 3 * EXPLORE_PASSES, EXPLORE_PASSES)), asked
 
 
 def test_adaptive_budgets_fill_the_targets_row_buckets():
