@@ -29,7 +29,6 @@ namespace {
 
 using mma_common::add_splits;
 using mma_common::kWarps;  // each warp with its own 8 * NT features
-using mma_common::load16;
 using mma_common::word_of;
 #ifndef MIN_BLOCKS  // blocks a multiprocessor must hold (caps registers); benchmarks try others
 #define MIN_BLOCKS 1

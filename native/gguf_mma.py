@@ -61,11 +61,12 @@ SOURCES = [Path(__file__).with_name("gguf_mma.cu"), Path(__file__).with_name("gg
 
 
 def default_n_tiles(m: int, qtype: Q = Q.Q4_K) -> int:
-    """8-feature tiles per warp of the Q6_K and IQ4_XS kernel for ``m`` rows of ``qtype``: 1 up to 16 rows, 2 above, where the
-    tensor-core work per loaded byte grows (``scripts/gpu_gguf_mma.py`` on an H200, BENCHMARKS.md:
-    at 1-16 rows one tile is up to 13% faster on the 27B and 8B layers, at 23-32 rows two are 22%
-    faster on the 27B LM head and within 10% elsewhere). IQ4_XS, whose level lookups make
-    expanding dearer, keeps one tile up to 32 rows (2-16% faster there on the 27B and 8B layers)."""
+    """8-feature tiles per warp of the Q6_K and IQ4_XS kernel for ``m`` rows of ``qtype``: 1 up to
+    16 rows, 2 above, where the tensor-core work per loaded byte grows (``scripts/gpu_gguf_mma.py``
+    on an H200, BENCHMARKS.md: at 1-16 rows one tile is up to 13% faster on the 27B and 8B layers,
+    at 23-32 rows two are 22% faster on the 27B LM head and within 10% elsewhere). IQ4_XS, whose
+    level lookups make expanding dearer, keeps one tile up to 32 rows (2-16% faster there on the
+    27B and 8B layers). The Q4_K kernel has one shape."""
     return 1 if m <= (32 if qtype == Q.IQ4_XS else 16) else 2
 
 
@@ -149,7 +150,7 @@ def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: Q, out_features: int, n_ti
     if qtype == Q.Q4_K:
         splits = splits or q4k_splits(-(-out_features // Q4K_FEATURES), K // 256, sm_count(x.device))
         if x.data_ptr() % 16 or x.stride(0) % 8:
-            x = x.clone()  # the kernel reads x 16 bytes at a time; a fresh copy is aligned
+            x = x.clone(memory_format=torch.contiguous_format)  # the kernel reads x 16 bytes at a time; a fresh copy is aligned
         partial_rows = min(M, 32)  # the kernel takes 32 rows at a time
     else:
         splits = splits or default_splits(one_tile_programs, K // 256, sm_count(x.device))

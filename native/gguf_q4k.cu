@@ -230,7 +230,7 @@ __device__ __forceinline__ void accumulate(float (&acc)[NB][4], Q4K (&f)[2], int
 // One program: kWarps warps x 16 features, K super-blocks [split's range), NB n-tiles of 8 x rows.
 // With splits > 1 each writes float32 partial sums and the last of a tile adds them (add_splits).
 // At one n-tile the compiler's own register choice (about 130) ran fastest on an H200; from two
-// on, a cap of 168 (3 blocks a multiprocessor) did (scripts/gpu_gguf_mma.py, BENCHMARKS.md).
+// on, a cap of 168 (3 blocks a multiprocessor) did (BENCHMARKS.md, the ninth session's probes).
 template <int NB>
 __global__ void __launch_bounds__(kWarps * 32, NB == 1 ? 1 : 3) q4k_kernel(
     const uint2* __restrict__ xq, const uint2* __restrict__ xs, const float* __restrict__ xscale,
@@ -262,7 +262,7 @@ __global__ void __launch_bounds__(kWarps * 32, NB == 1 ? 1 : 3) q4k_kernel(
   const uint32_t pick_t = (0x5050u | t | (t << 8)) | ((0x5050u | (t + 1) | ((t + 1) << 8)) << 16);
   const uint32_t pick_u = 0x5050u | t | ((t + 1) << 8);
   // Two super-blocks in hand: the next one's bytes are in flight while this one is computed. (This
-  // loop form ran 10-25% faster on an H200 than an even/odd pair of steps written out.)
+  // loop form ran up to 24% faster on an H200 than an even/odd pair of steps written out.)
   constexpr int kStages = 2;
   Q4K buf[kStages][2];
   if (sb_begin < sb_end) {
