@@ -205,9 +205,10 @@ class PassRunner:
         verify steps replay these graphs, and steps that want no features replay them too). Their
         graphs, and the Triton kernels of those shapes, are made now, not mid-stream, where a new
         shape would stall every sequence of its pass (py-spy on an H200: 42% of the engine thread
-        in captures during a timed run, before shapes met while serving ran eagerly first). The pad sequences read and write only the pad
-        block (and a recurrent family's pad state slot 0, which tree passes only read). Returns the
-        passes made (none when passes run at exact shapes)."""
+        in captures during a timed run, before shapes met while serving ran eagerly first). The pad
+        sequences read and write only the pad block (and a recurrent family's pad state slot 0,
+        which tree passes only read). Returns the passes made (none when passes run at exact
+        shapes)."""
         if not self.fixed_shapes:
             return 0
         made = 0
