@@ -26,6 +26,10 @@
 
 #include "gguf_mma.cuh"
 
+#ifndef Q4K_PDL  // 0: launch the matmul after prepare_x has finished (benchmarks compare)
+#define Q4K_PDL 1
+#endif
+
 namespace {
 
 using mma_common::add_splits;
@@ -114,6 +118,22 @@ struct Q4K {
   }
 };
 
+// Programmatic dependent launch (sm_90 on): the matmul is launched while prepare_x_kernel runs, so
+// its blocks become resident and load their first weights (which do not depend on x) meanwhile,
+// and wait for x at wait_for_x(). griddepcontrol.wait returns once the prerequisite grid has
+// finished and its writes are visible, so prepare_x may let it start at once.
+__device__ __forceinline__ void let_dependents_start() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void wait_for_x() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 // x for the kernel below, per row r and super-block sb (one warp each): e = the power of two that
 // brings the super-block's largest |x| into [2^9, 2^10) (so fp16 holds every value and every
 // 32-value sum; bf16's 8-bit significands fit fp16's 11 bits), scale[sb][r] = 2^e, xq[sb][i][r][c]
@@ -123,6 +143,7 @@ struct Q4K {
 __global__ void prepare_x_kernel(const __nv_bfloat16* __restrict__ x, uint2* __restrict__ xq, uint2* __restrict__ xs,
                                  float* __restrict__ scale, int M, int rows_padded, int64_t stride_xm, int super_blocks) {
   __shared__ __half staged[kWarps][256];
+  let_dependents_start();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int64_t item = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
   if (item >= static_cast<int64_t>(super_blocks) * rows_padded) return;
@@ -261,22 +282,28 @@ __global__ void __launch_bounds__(kWarps * 32, NB == 1 ? 1 : 3) q4k_kernel(
   const uint32_t t = 2 * (c >> 1);
   const uint32_t pick_t = (0x5050u | t | (t << 8)) | ((0x5050u | (t + 1) | ((t + 1) << 8)) << 16);
   const uint32_t pick_u = 0x5050u | t | ((t + 1) << 8);
-  // Two super-blocks in hand: the next one's bytes are in flight while this one is computed. (This
-  // loop form ran up to 24% faster on an H200 than an even/odd pair of steps written out.)
+  // kStages super-blocks in hand: the next kStages - 1 ones' bytes are in flight while one is
+  // computed. (This loop form ran up to 24% faster on an H200 than an even/odd pair of steps
+  // written out; 3 stages ran 4-41% slower than 2.)
   constexpr int kStages = 2;
   Q4K buf[kStages][2];
-  if (sb_begin < sb_end) {
 #pragma unroll
-    for (int i = 0; i < 2; ++i) buf[0][i].load(rows[i] + static_cast<int64_t>(sb_begin) * Q4K::kBytes, c);
+  for (int st = 0; st + 1 < kStages; ++st) {
+    if (sb_begin + st < sb_end) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) buf[st][i].load(rows[i] + static_cast<int64_t>(sb_begin + st) * Q4K::kBytes, c);
+    }
   }
+  wait_for_x();
   for (int sb0 = sb_begin; sb0 < sb_end; sb0 += kStages) {
 #pragma unroll
     for (int st = 0; st < kStages; ++st) {
       const int sb = sb0 + st;
       if (sb >= sb_end) break;
-      if (sb + 1 < sb_end) {
+      if (sb + kStages - 1 < sb_end) {
 #pragma unroll
-        for (int i = 0; i < 2; ++i) buf[(st + 1) % kStages][i].load(rows[i] + static_cast<int64_t>(sb + 1) * Q4K::kBytes, c);
+        for (int i = 0; i < 2; ++i)
+          buf[(st + kStages - 1) % kStages][i].load(rows[i] + static_cast<int64_t>(sb + kStages - 1) * Q4K::kBytes, c);
       }
       accumulate<NB>(acc, buf[st], sb, xq, xs, xscale, M, g, c, low, high, magic, pick_t, pick_u);
     }
@@ -310,11 +337,20 @@ void launch(const torch::Tensor& x, const torch::Tensor& w, torch::Tensor& out, 
       reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()), reinterpret_cast<uint2*>(xq.data_ptr()),
       reinterpret_cast<uint2*>(xs.data_ptr()), xscale.data_ptr<float>(), M, rows_padded, x.stride(0), sbs);
   const int tiles = (N + kWarps * 16 - 1) / (kWarps * 16);
-  dim3 grid(tiles, splits);
-  q4k_kernel<NB><<<grid, kWarps * 32, 0, stream>>>(
-      reinterpret_cast<const uint2*>(xq.data_ptr()), reinterpret_cast<const uint2*>(xs.data_ptr()), xscale.data_ptr<float>(),
-      w.data_ptr<uint8_t>(), reinterpret_cast<__nv_bfloat16*>(out.data_ptr()), splits > 1 ? partial.data_ptr<float>() : nullptr,
-      splits > 1 ? counters.data_ptr<int>() : nullptr, M, N, w.stride(0), sbs, splits);
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(tiles, splits);
+  config.blockDim = dim3(kWarps * 32);
+  config.stream = stream;
+  cudaLaunchAttribute overlap;
+  overlap.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  overlap.val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = &overlap;
+  config.numAttrs = Q4K_PDL && at::cuda::getCurrentDeviceProperties()->major >= 9 ? 1 : 0;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(
+      &config, q4k_kernel<NB>, reinterpret_cast<const uint2*>(xq.data_ptr()), reinterpret_cast<const uint2*>(xs.data_ptr()),
+      static_cast<const float*>(xscale.data_ptr<float>()), static_cast<const uint8_t*>(w.data_ptr<uint8_t>()),
+      reinterpret_cast<__nv_bfloat16*>(out.data_ptr()), splits > 1 ? partial.data_ptr<float>() : nullptr,
+      splits > 1 ? counters.data_ptr<int>() : nullptr, M, N, static_cast<int64_t>(w.stride(0)), sbs, splits));
 }
 
 }  // namespace
