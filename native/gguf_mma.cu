@@ -1,6 +1,6 @@
-// y = x @ W^T for bf16 x [M, K] (M <= 64) and W [N, K] kept in its GGUF blocks (Q6_K, IQ4_XS; Q4_K
-// has its own kernel in native/gguf_q4k.cu), on tensor cores: each thread expands its share of a
-// super-block to float32 in registers, rounds it to bf16 and feeds it as the B operand of
+// y = x @ W^T for bf16 x [M, K] (M <= 64) and W [N, K] kept in its GGUF blocks (IQ4_XS here; Q4_K
+// and Q6_K have their own kernels, native/gguf_q4k.cu and gguf_q6k.cu), on tensor cores: each
+// thread expands its share of a super-block to float32 in registers, rounds it to bf16 and feeds it as the B operand of
 // mma.sync m16n8k16 (x is the A operand). Built at first use by native/gguf_mma.py, which
 // documents the design; this file is the device code.
 //
@@ -21,8 +21,10 @@
 
 #include "gguf_mma.cuh"
 
-// native/gguf_q4k.cu
+// native/gguf_q4k.cu and native/gguf_q6k.cu
 void q4k_mma(torch::Tensor x, torch::Tensor w, torch::Tensor out, torch::Tensor partial, torch::Tensor counters,
+             int64_t splits);
+void q6k_mma(torch::Tensor x, torch::Tensor w, torch::Tensor out, torch::Tensor partial, torch::Tensor counters,
              int64_t splits);
 
 namespace {
@@ -52,83 +54,11 @@ __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint3
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-__device__ __forceinline__ uint32_t byte_at(const uint4& v, int i) {  // i run-time, 0..15
-  const uint32_t w = i < 4 ? v.x : i < 8 ? v.y : i < 12 ? v.z : v.w;
-  return (w >> (8 * (i & 3))) & 0xFF;
-}
-
 // Each block type has load(), which only issues the loads of one super-block's bytes for this
 // lane (so the next super-block's can be in flight while this one is computed), prepare(), which
 // decodes its scales once they arrived, fragment(s), the B operand of k step s (0..15), and
 // k_of(c, s), the real k (in the super-block) of slots 2c, 2c + 1 of step s; slots 2c + 8, 2c + 9
 // are 32 further.
-
-// ---------------------------------------------------------------------------------------- Q6_K
-// Super-block (210 bytes, so only 2-byte aligned): 128 bytes of low nibbles, 64 of high 2-bit
-// pairs, sixteen int8 scales, f16 d. Value v = 128 h + 32 r + l (h < 2, r < 4, l < 32): low bits
-// nibble r / 2 of byte 64 h + 32 (r % 2) + l, high bits 2r of byte 128 + 32 h + l, scale v / 16;
-// value = d * scale * (q - 32). Lane c takes h = c / 2 and l in 16 (c % 2) + 0 .. 15: step s
-// takes r = 2 (s / 8) for slots 2c, 2c + 1 and r + 1 for 2c + 8, 2c + 9, at
-// l = 16 (c % 2) + 2 (s % 8) + {0, 1}. Runs of 16 bytes at 2-byte aligned addresses are loaded
-// as five aligned words (the fifth only when shifted: an aligned run may end the tensor) and
-// funnel-shifted in prepare().
-struct Q6K {
-  static constexpr int kBytes = 210;
-  uint32_t raw[4][5];  // runs at 64h + l0, 64h + 32 + l0, 128 + 32h + l0, 192 (scales)
-  unsigned short d_bits;
-  uint32_t shift;
-  uint4 low0, low1, high;
-  float scale[4];  // d * scale of (r, this lane's half) for r = 0..3
-
-  __device__ __forceinline__ void load(const uint8_t* block, int c) {
-    const int h = c >> 1, l0 = 16 * (c & 1);
-    const int at[4] = {64 * h + l0, 64 * h + 32 + l0, 128 + 32 * h + l0, 192};
-    const uintptr_t addr = reinterpret_cast<uintptr_t>(block);
-    shift = (addr & 3) * 8;  // the same for all four runs: their offsets are multiples of 4
-    const uint32_t* words = reinterpret_cast<const uint32_t*>(addr & ~uintptr_t(3));
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) raw[r][i] = __ldg(words + at[r] / 4 + i);
-      raw[r][4] = shift ? __ldg(words + at[r] / 4 + 4) : 0u;
-    }
-    d_bits = __ldg(reinterpret_cast<const unsigned short*>(block + 208));
-  }
-
-  __device__ __forceinline__ static uint4 run(const uint32_t (&w)[5], uint32_t shift) {
-    return make_uint4(__funnelshift_r(w[0], w[1], shift), __funnelshift_r(w[1], w[2], shift),
-                      __funnelshift_r(w[2], w[3], shift), __funnelshift_r(w[3], w[4], shift));
-  }
-
-  __device__ __forceinline__ void prepare(int c) {
-    low0 = run(raw[0], shift);
-    low1 = run(raw[1], shift);
-    high = run(raw[2], shift);
-    const uint4 scales = run(raw[3], shift);
-    const float d = __half2float(__ushort_as_half(d_bits));
-    const int h = c >> 1;
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const int8_t s = static_cast<int8_t>(byte_at(scales, 8 * h + 2 * r + (c & 1)));
-      scale[r] = d * static_cast<float>(s);
-    }
-  }
-
-  __device__ __forceinline__ void fragment(int s, uint32_t& b0, uint32_t& b1) const {
-    const int rp = s >> 3, word = (s & 7) >> 1, at = 2 * (s & 1);
-    const uint32_t hw = word_of(high, word);
-    // q bytes (0..63) of r = 2 rp (from low0) and 2 rp + 1 (from low1), four lanes each.
-    const uint32_t q_a = ((word_of(low0, word) >> (4 * rp)) & 0x0F0F0F0Fu) | (((hw >> (4 * rp)) & 0x03030303u) << 4);
-    const uint32_t q_b = ((word_of(low1, word) >> (4 * rp)) & 0x0F0F0F0Fu) | (((hw >> (4 * rp + 2)) & 0x03030303u) << 4);
-    const float sa = scale[2 * rp], sb = scale[2 * rp + 1];
-    b0 = pack_bf16(byte_f32(q_a, at, 32.0f) * sa, byte_f32(q_a, at + 1, 32.0f) * sa);
-    b1 = pack_bf16(byte_f32(q_b, at, 32.0f) * sb, byte_f32(q_b, at + 1, 32.0f) * sb);
-  }
-
-  __host__ __device__ __forceinline__ static int k_of(int c, int s) {
-    return 128 * (c >> 1) + 64 * (s >> 3) + 16 * (c & 1) + 2 * (s & 7);
-  }
-};
 
 // ---------------------------------------------------------------------------------------- IQ4_XS
 // Super-block (136 bytes, 8-byte aligned): f16 d, a uint16 of the high two bits of each 6-bit
@@ -320,7 +250,7 @@ void by_rows(const torch::Tensor& x, const torch::Tensor& w, torch::Tensor& out,
 
 // qtype: 12 (Q4_K), 14 (Q6_K) or 23 (IQ4_XS), gguf's GGMLQuantizationType values. `partial` [splits, M, N]
 // float32 and `counters` [>= tiles] int32 zeros are the caller's (unused when splits == 1). n_tiles
-// (1 or 2) is the Q6_K and IQ4_XS kernel's; the Q4_K kernel has one shape.
+// (1 or 2) is the IQ4_XS kernel's; the Q4_K and Q6_K kernels have one shape.
 void gguf_mma(torch::Tensor x, torch::Tensor w, torch::Tensor out, torch::Tensor partial, torch::Tensor counters,
               int64_t qtype, int64_t splits, int64_t n_tiles) {
   TORCH_CHECK(x.is_cuda() && x.scalar_type() == torch::kBFloat16 && x.dim() == 2 && x.stride(1) == 1, "x: bf16 [M, K], rows contiguous");
@@ -337,8 +267,8 @@ void gguf_mma(torch::Tensor x, torch::Tensor w, torch::Tensor out, torch::Tensor
     q4k_mma(x, w, out, partial, counters, splits);
   } else if (qtype == 14) {
     TORCH_CHECK(reinterpret_cast<uintptr_t>(w.data_ptr()) % 2 == 0 && w.stride(0) % 2 == 0, "Q6_K rows must be 2-byte aligned");
-    if (n_tiles == 1) by_rows<Q6K, 1>(x, w, out, partial, counters, splits, stream);
-    else by_rows<Q6K, 2>(x, w, out, partial, counters, splits, stream);
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 && x.stride(0) % 8 == 0, "x rows must be 16-byte aligned for Q6_K");
+    q6k_mma(x, w, out, partial, counters, splits);
   } else if (qtype == 23) {
     TORCH_CHECK(reinterpret_cast<uintptr_t>(w.data_ptr()) % 8 == 0 && w.stride(0) % 8 == 0, "IQ4_XS rows must be 8-byte aligned");
     if (n_tiles == 1) by_rows<IQ4XS, 1>(x, w, out, partial, counters, splits, stream);

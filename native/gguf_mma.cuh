@@ -1,11 +1,21 @@
-// What native/gguf_mma.cu (Q6_K, IQ4_XS) and native/gguf_q4k.cu (Q4_K) share: the block shape,
-// 16-byte weight loads, and how split programs of one tile add their partial sums.
+// What native/gguf_mma.cu (IQ4_XS), native/gguf_q4k.cu (Q4_K) and native/gguf_q6k.cu (Q6_K) share:
+// the block shape, 16-byte weight loads, how split programs of one tile add their partial sums,
+// and (the last two) fp16 mma, x staged as fp16 scaled by a power of two, and the launch of the
+// matmul as its x preparation's programmatic dependent.
 
 #pragma once
 
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 
 #include <cstdint>
+#include <utility>
+
+#ifndef MMA_PDL  // 0: launch each matmul after its x preparation has finished (benchmarks compare)
+#define MMA_PDL 1
+#endif
 
 namespace mma_common {
 
@@ -17,6 +27,79 @@ __device__ __forceinline__ uint4 load16(const uint8_t* p) {  // p 16-byte aligne
 
 __device__ __forceinline__ uint32_t word_of(const uint4& v, int i) {  // i a compile-time constant after unrolling
   return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+__device__ __forceinline__ __half2 h2_bits(uint32_t bits) { return *reinterpret_cast<const __half2*>(&bits); }
+__device__ __forceinline__ uint32_t bits_h2(__half2 v) { return *reinterpret_cast<const uint32_t*>(&v); }
+
+// D = A B + D, m16n8k16, fp16 operands, float32 accumulators.
+__device__ __forceinline__ void mma_f16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// One warp stages 256 values of a bf16 row (`row`, 16-byte aligned, 8 a lane) in `staged` as fp16
+// times 2^-e, e being the power of two that brings their largest |x| into [2^9, 2^10): bf16's 8-bit
+// significands then fit fp16's 11 bits and every 32-value sum fits fp16's range. Returns 2^e; `sum`
+// gets this lane's eight staged values added in float32. (e is kept where 2^-e and 2^e are normal
+// floats; inf or NaN leave e = 0 and flow through as they are.)
+__device__ __forceinline__ float stage_scaled(const __nv_bfloat16* __restrict__ row, __half* staged, int lane, float& sum) {
+  const uint4 raw = *reinterpret_cast<const uint4*>(row + 8 * lane);
+  const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+  float v[8];
+  float largest = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    v[i] = __uint_as_float((i & 1) ? words[i >> 1] & 0xFFFF0000u : words[i >> 1] << 16);  // bf16 -> float: exact
+    largest = fmaxf(largest, fabsf(v[i]));
+  }
+#pragma unroll
+  for (int o = 16; o; o >>= 1) largest = fmaxf(largest, __shfl_xor_sync(0xFFFFFFFFu, largest, o));
+  // largest in [2^(E-127), 2^(E-126)) for its biased exponent E: e = E - 136.
+  const int biased = static_cast<int>(__float_as_uint(largest) >> 23);
+  const int e = biased == 255 ? 0 : max(-126, min(126, biased - 136));
+  const float down = __uint_as_float(static_cast<uint32_t>(127 - e) << 23);
+  sum = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const __half h = __float2half_rn(v[i] * down);
+    staged[8 * lane + i] = h;
+    sum += __half2float(h);
+  }
+  __syncwarp();
+  return __uint_as_float(static_cast<uint32_t>(127 + e) << 23);
+}
+
+// Programmatic dependent launch (sm_90 on): a matmul is launched while its x preparation runs, so
+// its blocks become resident and load their first weights (which do not depend on x) meanwhile,
+// and wait for x at wait_for_x(). griddepcontrol.wait returns once the prerequisite grid has
+// finished and its writes are visible, so the preparation may let it start at once.
+__device__ __forceinline__ void let_dependents_start() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void wait_for_x() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+template <typename... Params, typename... Args>
+void launch_dependent(void (*kernel)(Params...), dim3 grid, int threads, cudaStream_t stream, Args&&... args) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = dim3(threads);
+  config.stream = stream;
+  cudaLaunchAttribute overlap;
+  overlap.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  overlap.val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = &overlap;
+  config.numAttrs = MMA_PDL && at::cuda::getCurrentDeviceProperties()->major >= 9 ? 1 : 0;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
 }
 
 // Called by every thread of a block after it wrote its float32 partial sums of features

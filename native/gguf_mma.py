@@ -8,29 +8,32 @@ BENCHMARKS.md). Both kernels here take the weights as the file's bytes (nothing 
 load) into registers and feed ``mma.sync.m16n8k16`` without shared memory or a tile of expanded
 weights, so the tensor cores take 8 or 16 rows of x for the price of one.
 
-**Q4_K** (``gguf_q4k.cu``, most of a Q4_K_M file's bytes): the weights are the A operand, 16
-features a warp, x the B operand, 8 rows an n-tile. A lane turns two 4-bit values into the fp16
-integers sc * q exactly with one OR into fp16 1024 + q and one packed fused multiply-add, about
-1.4 instructions a value; the super-block's d, the sub-blocks' minimums (through a second mma
-against x's 32-value sums) and x's scale are applied in float32 once a super-block. A launch
-before it writes x as fp16 scaled by a power of two per row and 256 values (so fp16's range
-holds every value and sum) in the operand's order; on sm_90 the matmul is launched as that
-launch's programmatic dependent, so its blocks start and load their first weights while x is
-prepared (about 4% of the 27B decode step on an H100, BENCHMARKS.md).
+**Q4_K and Q6_K** (``gguf_q4k.cu``, ``gguf_q6k.cu``: nearly all of a Q4_K_M file's bytes): the
+weights are the A operand, 16 features a warp, x the B operand, 8 rows an n-tile. Q4_K: a lane
+turns two 4-bit values into the fp16 integers sc * q exactly with one OR into fp16 1024 + q and
+one packed fused multiply-add, about 1.4 instructions a value; the sub-blocks' minimums go
+through a second mma against x's 32-value sums. Q6_K: a byte permute puts two 4-bit low parts
+under their 2-bit high parts, one LOP3 makes fp16 1024 + 16 q and one packed fused multiply-add
+sc (q - 32), about two instructions a value; its 2-byte aligned blocks are loaded as aligned
+words and funnel-shifted. In both, the super-block's d and x's scale are applied in float32 once
+a super-block. A launch before the matmul writes x as fp16 scaled by a power of two per row and
+256 values (so fp16's range holds every value and sum) in the operand's order; on sm_90 the
+matmul is launched as that launch's programmatic dependent, so its blocks start and load their
+first weights while x is prepared (about 4% of the 27B decode step on an H100, BENCHMARKS.md).
 
-**Q6_K and IQ4_XS** (``gguf_mma.cu``): each lane expands its bytes to float32 in registers (a
-byte permute, a subtract and one fused multiply-add a value, exact as the dequantizer's
-arithmetic) and rounds them to bf16 straight into the B operand, x (permuted once per call into
-the A operand's order) being the A operand. IQ4_XS's 4-bit values index sixteen non-linear
-levels: a lane looks four of them up at once with three byte permutes of the level table held
-in registers.
+**IQ4_XS** (``gguf_mma.cu``): each lane expands its bytes to float32 in registers (a byte
+permute, a subtract and one fused multiply-add a value, exact as the dequantizer's arithmetic)
+and rounds them to bf16 straight into the B operand, x (permuted once per call into the A
+operand's order) being the A operand. Its 4-bit values index sixteen non-linear levels: a lane
+looks four of them up at once with three byte permutes of the level table held in registers.
 
-Numerics. Q4_K: every weight is exact (d * sc * q - dmin * m with the products in float32, not
-rounded to bf16), x exact wherever its value lies within 2^-24 of its 256-value block's largest
-(fp16 then holds bf16's 8 bits), products exact, sums in float32: closer to the float64 product
-than a bf16 copy of the weights gets. Q6_K and IQ4_XS: each weight is the dequantizer's float32
-value rounded to bf16 (as a bf16 model holds it, and as ``gguf_matmul``'s ``tl.dot`` path rounds
-it), products accumulate in float32. A row's result does not depend on the other rows (M) nor on
+Numerics. x is exact wherever its value lies within 2^-24 of its 256-value block's largest (fp16
+then holds bf16's 8 bits), products are exact and sums float32. Q4_K: every weight is exact (d *
+sc * q - dmin * m with the products in float32, not rounded to bf16). Q6_K: d * fp16(sc (q - 32)),
+the integer product rounded to fp16 (exact up to 2048 in magnitude, 11 significant bits above, of
+at most 4096), d applied in float32: 8x closer than a bf16 copy. IQ4_XS: each weight is the
+dequantizer's float32 value rounded to bf16 (as a bf16 model holds it, and as ``gguf_matmul``'s
+``tl.dot`` path rounds it), products accumulate in float32. A row's result does not depend on the other rows (M) nor on
 the run: K is split over programs by the shape only, and split partial sums are added in split
 order by whichever program finishes last; so a verify pass's logits equal a decode step's bit
 for bit.
@@ -57,25 +60,23 @@ MMA_TYPES = {Q.Q4_K: 12, Q.Q6_K: 14, Q.IQ4_XS: 23}  # gguf's type numbers, as th
 ALIGNMENT = {Q.Q4_K: 16, Q.Q6_K: 2, Q.IQ4_XS: 8}  # bytes: the kernel's loads of a row's blocks
 MAX_ROWS = 64
 WARPS = 4  # warps per program (kWarps in gguf_mma.cuh)
-Q4K_FEATURES = 16 * WARPS  # features a Q4_K program computes
+A_OPERAND_TYPES = (Q.Q4_K, Q.Q6_K)  # their kernels take the weights as the A operand, 32 rows of x a launch
+A_OPERAND_FEATURES = 16 * WARPS  # features a program of those kernels computes
 MAX_TILES = 1 << 15  # programs along N that the split counters cover (a 248K vocabulary at 1 tile: 7,760)
-SOURCES = [Path(__file__).with_name("gguf_mma.cu"), Path(__file__).with_name("gguf_q4k.cu")]
+SOURCES = [Path(__file__).with_name(name) for name in ("gguf_mma.cu", "gguf_q4k.cu", "gguf_q6k.cu")]
 
 
-def default_n_tiles(m: int, qtype: Q = Q.Q4_K) -> int:
-    """8-feature tiles per warp of the Q6_K and IQ4_XS kernel for ``m`` rows of ``qtype``: 1 up to
-    16 rows, 2 above, where the tensor-core work per loaded byte grows (``scripts/gpu_gguf_mma.py``
-    on an H200, BENCHMARKS.md: at 1-16 rows one tile is up to 13% faster on the 27B and 8B layers,
-    at 23-32 rows two are 22% faster on the 27B LM head and within 10% elsewhere). IQ4_XS, whose
-    level lookups make expanding dearer, keeps one tile up to 32 rows (2-16% faster there on the
-    27B and 8B layers). The Q4_K kernel has one shape."""
-    return 1 if m <= (32 if qtype == Q.IQ4_XS else 16) else 2
+def default_n_tiles(m: int) -> int:
+    """8-feature tiles per warp of the IQ4_XS kernel for ``m`` rows: 1 up to 32 rows (2-16% faster
+    there on the 27B and 8B layers of an H200, ``scripts/gpu_gguf_mma.py``, BENCHMARKS.md), 2
+    above, where the tensor-core work per loaded byte grows. The Q4_K and Q6_K kernels have one shape."""
+    return 1 if m <= 32 else 2
 
 
 @functools.cache
 def _extension(min_blocks: int = 0):
     """The compiled extension, or None (logged once) where it cannot be built. ``min_blocks`` > 0
-    builds a variant whose Q6_K/IQ4_XS kernel must fit that many blocks a multiprocessor (benchmarks)."""
+    builds a variant whose IQ4_XS kernel must fit that many blocks a multiprocessor (benchmarks)."""
     name = "splitspec_gguf_mma" + (f"_mb{min_blocks}" if min_blocks else "")
     try:
         from torch.utils.cpp_extension import _get_build_directory, load
@@ -104,23 +105,24 @@ def usable(x: torch.Tensor, raw: torch.Tensor, qtype: Q) -> bool:
     aligned = ALIGNMENT[qtype]
     if raw.data_ptr() % aligned or raw.stride(0) % aligned:
         return False
-    if qtype != Q.Q4_K and (x.data_ptr() % 4 or x.stride(0) % 2):  # Q4_K: ``matmul`` aligns x itself
+    if qtype not in A_OPERAND_TYPES and (x.data_ptr() % 4 or x.stride(0) % 2):  # the others: ``matmul`` aligns x itself
         return False
     return _extension() is not None
 
 
 def default_splits(n_programs: int, super_blocks: int, sms: int) -> int:
     """How many programs share one tile's K range, for ``n_programs`` tiles of one n-tile a warp
-    (Q6_K, IQ4_XS): enough for about four programs a multiprocessor (so the last wave leaves
+    (IQ4_XS): enough for about four programs a multiprocessor (so the last wave leaves
     little idle), each keeping two super-blocks at least."""
     wanted = -(-4 * sms // n_programs)  # ceil
     return max(1, min(wanted, super_blocks // 2, 32))
 
 
-def q4k_splits(n_programs: int, super_blocks: int, sms: int) -> int:
-    """The same for the Q4_K kernel's ``n_programs`` tiles of 64 features: about 2.5 programs a
-    multiprocessor, the best of 1, 2 and 4 splits at 1 and 23 rows on the 27B and 8B layer
-    shapes of an H200 (BENCHMARKS.md); its programs hold three to four times the registers."""
+def a_operand_splits(n_programs: int, super_blocks: int, sms: int) -> int:
+    """The same for the Q4_K and Q6_K kernels' ``n_programs`` tiles of 64 features: about 2.5
+    programs a multiprocessor, the best of 1, 2 and 4 splits (or within 7% of it) at 1 and 23 rows
+    on the 27B and 8B layer shapes (Q4_K on an H200, Q6_K on an H100: BENCHMARKS.md); their
+    programs hold three to four times the registers."""
     wanted = round(2.5 * sms / n_programs)
     return max(1, min(wanted, super_blocks // 2, 32))
 
@@ -142,22 +144,22 @@ def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: Q, out_features: int, n_ti
            splits: int = 0, min_blocks: int = 0) -> torch.Tensor:
     """x [M, K] bf16 @ W^T for W [out_features, K] in ``raw`` blocks -> [M, out_features] bf16
     (``usable`` must hold). ``n_tiles`` (1 or 2; 0: ``default_n_tiles``), ``splits`` (0:
-    ``default_splits``/``q4k_splits``) and ``min_blocks`` (``_extension``) are for benchmarks."""
+    ``default_splits``/``a_operand_splits``) and ``min_blocks`` (``_extension``) are for benchmarks."""
     M, K = x.shape
     one_tile_programs = -(-out_features // (WARPS * 8))
     if one_tile_programs > MAX_TILES:
         raise ValueError(f"{out_features} features need {one_tile_programs} programs, more than the {MAX_TILES} counters")
     # Splits follow the shape alone, not M or n_tiles: a row's sums then run in the same order
     # whatever else is in the batch, so a verify pass's logits equal a decode step's bit for bit.
-    if qtype == Q.Q4_K:
-        splits = splits or q4k_splits(-(-out_features // Q4K_FEATURES), K // 256, sm_count(x.device))
+    if qtype in A_OPERAND_TYPES:
+        splits = splits or a_operand_splits(-(-out_features // A_OPERAND_FEATURES), K // 256, sm_count(x.device))
         if x.data_ptr() % 16 or x.stride(0) % 8:
             x = x.clone(memory_format=torch.contiguous_format)  # the kernel reads x 16 bytes at a time; a fresh copy is aligned
         partial_rows = min(M, 32)  # the kernel takes 32 rows at a time
     else:
         splits = splits or default_splits(one_tile_programs, K // 256, sm_count(x.device))
         partial_rows = M
-    n_tiles = n_tiles or default_n_tiles(M, qtype)
+    n_tiles = n_tiles or default_n_tiles(M)
     out = torch.empty(M, out_features, dtype=torch.bfloat16, device=x.device)
     partial = torch.empty(splits, partial_rows, out_features, dtype=torch.float32, device=x.device) if splits > 1 else out
     counters = _counters(x.device)  # made at the first call, whatever its splits: before any capture

@@ -26,30 +26,20 @@
 
 #include "gguf_mma.cuh"
 
-#ifndef Q4K_PDL  // 0: launch the matmul after prepare_x has finished (benchmarks compare)
-#define Q4K_PDL 1
-#endif
 
 namespace {
 
 using mma_common::add_splits;
+using mma_common::h2_bits;
 using mma_common::kWarps;
 using mma_common::load16;
+using mma_common::mma_f16;
 using mma_common::word_of;
-
-__device__ __forceinline__ __half2 h2_bits(uint32_t bits) { return *reinterpret_cast<const __half2*>(&bits); }
 
 __device__ __forceinline__ uint32_t hfma2_bits(uint32_t a, uint32_t b, uint32_t c) {
   const __half2 v = __hfma2(*reinterpret_cast<const __half2*>(&a), *reinterpret_cast<const __half2*>(&b),
                             *reinterpret_cast<const __half2*>(&c));
   return *reinterpret_cast<const uint32_t*>(&v);
-}
-
-__device__ __forceinline__ void mma_f16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
 // One feature's super-block for lane c: the 16-byte head and two 16-byte runs of its nibbles,
@@ -118,32 +108,15 @@ struct Q4K {
   }
 };
 
-// Programmatic dependent launch (sm_90 on): the matmul is launched while prepare_x_kernel runs, so
-// its blocks become resident and load their first weights (which do not depend on x) meanwhile,
-// and wait for x at wait_for_x(). griddepcontrol.wait returns once the prerequisite grid has
-// finished and its writes are visible, so prepare_x may let it start at once.
-__device__ __forceinline__ void let_dependents_start() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ void wait_for_x() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-
-// x for the kernel below, per row r and super-block sb (one warp each): e = the power of two that
-// brings the super-block's largest |x| into [2^9, 2^10) (so fp16 holds every value and every
-// 32-value sum; bf16's 8-bit significands fit fp16's 11 bits), scale[sb][r] = 2^e, xq[sb][i][r][c]
+// x for the kernel below, per row r and super-block sb (one warp each), staged as fp16 x 2^-e by
+// mma_common::stage_scaled (so fp16 holds every value and every 32-value sum): scale[sb][r] = 2^e, xq[sb][i][r][c]
 // the B registers of k steps 2i and 2i + 1 for lane c (fp16 pairs of x 2^-e at the slots' k),
 // xs[sb][r][c] the fp16 {high, low} parts of the sums X_u, X_u + 1 of this lane's minimum slots
 // (u as in Q4K::mins). r runs to `rows_padded` (8 per n-tile); a padded row only gets scale 1.
 __global__ void prepare_x_kernel(const __nv_bfloat16* __restrict__ x, uint2* __restrict__ xq, uint2* __restrict__ xs,
                                  float* __restrict__ scale, int M, int rows_padded, int64_t stride_xm, int super_blocks) {
   __shared__ __half staged[kWarps][256];
-  let_dependents_start();
+  mma_common::let_dependents_start();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int64_t item = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
   if (item >= static_cast<int64_t>(super_blocks) * rows_padded) return;
@@ -152,35 +125,12 @@ __global__ void prepare_x_kernel(const __nv_bfloat16* __restrict__ x, uint2* __r
     if (lane == 0) scale[static_cast<int64_t>(sb) * rows_padded + r] = 1.0f;
     return;
   }
-  const __nv_bfloat16* row = x + r * stride_xm + 256 * static_cast<int64_t>(sb) + 8 * lane;
-  const uint4 raw = *reinterpret_cast<const uint4*>(row);  // x rows are 16-byte aligned (the launcher checks)
-  const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
-  float v[8];
-  float largest = 0.0f;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    v[i] = __uint_as_float((i & 1) ? words[i >> 1] & 0xFFFF0000u : words[i >> 1] << 16);  // bf16 -> float: exact
-    largest = fmaxf(largest, fabsf(v[i]));
-  }
-#pragma unroll
-  for (int o = 16; o; o >>= 1) largest = fmaxf(largest, __shfl_xor_sync(0xFFFFFFFFu, largest, o));
-  // largest in [2^(E-127), 2^(E-126)) for its biased exponent E: e = E - 136 (kept where 2^-e and
-  // 2^e are normal floats; inf or NaN leave e = 0 and flow through as they are).
-  const int biased = static_cast<int>(__float_as_uint(largest) >> 23);
-  const int e = biased == 255 ? 0 : max(-126, min(126, biased - 136));
-  const float down = __uint_as_float(static_cast<uint32_t>(127 - e) << 23);
-  float sum = 0.0f;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const __half h = __float2half_rn(v[i] * down);
-    staged[warp][8 * lane + i] = h;
-    sum += __half2float(h);
-  }
+  float sum;
+  const float up = mma_common::stage_scaled(x + r * stride_xm + 256 * static_cast<int64_t>(sb), staged[warp], lane, sum);
   // Sub-block j = lanes 4j .. 4j + 3: add their sums in a fixed order.
   sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 1);
   sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 2);
-  __syncwarp();
-  if (lane == 0) scale[static_cast<int64_t>(sb) * rows_padded + r] = __uint_as_float(static_cast<uint32_t>(127 + e) << 23);
+  if (lane == 0) scale[static_cast<int64_t>(sb) * rows_padded + r] = up;
   const __half* h = staged[warp];
   for (int idx = lane; idx < 64; idx += 32) {
     const int s = idx >> 2, c = idx & 3;
@@ -294,7 +244,7 @@ __global__ void __launch_bounds__(kWarps * 32, NB == 1 ? 1 : 3) q4k_kernel(
       for (int i = 0; i < 2; ++i) buf[st][i].load(rows[i] + static_cast<int64_t>(sb_begin + st) * Q4K::kBytes, c);
     }
   }
-  wait_for_x();
+  mma_common::wait_for_x();
   for (int sb0 = sb_begin; sb0 < sb_end; sb0 += kStages) {
 #pragma unroll
     for (int st = 0; st < kStages; ++st) {
@@ -337,20 +287,12 @@ void launch(const torch::Tensor& x, const torch::Tensor& w, torch::Tensor& out, 
       reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()), reinterpret_cast<uint2*>(xq.data_ptr()),
       reinterpret_cast<uint2*>(xs.data_ptr()), xscale.data_ptr<float>(), M, rows_padded, x.stride(0), sbs);
   const int tiles = (N + kWarps * 16 - 1) / (kWarps * 16);
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(tiles, splits);
-  config.blockDim = dim3(kWarps * 32);
-  config.stream = stream;
-  cudaLaunchAttribute overlap;
-  overlap.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  overlap.val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = &overlap;
-  config.numAttrs = Q4K_PDL && at::cuda::getCurrentDeviceProperties()->major >= 9 ? 1 : 0;
-  C10_CUDA_CHECK(cudaLaunchKernelEx(
-      &config, q4k_kernel<NB>, reinterpret_cast<const uint2*>(xq.data_ptr()), reinterpret_cast<const uint2*>(xs.data_ptr()),
-      static_cast<const float*>(xscale.data_ptr<float>()), static_cast<const uint8_t*>(w.data_ptr<uint8_t>()),
-      reinterpret_cast<__nv_bfloat16*>(out.data_ptr()), splits > 1 ? partial.data_ptr<float>() : nullptr,
-      splits > 1 ? counters.data_ptr<int>() : nullptr, M, N, static_cast<int64_t>(w.stride(0)), sbs, splits));
+  mma_common::launch_dependent(
+      q4k_kernel<NB>, dim3(tiles, splits), kWarps * 32, stream, reinterpret_cast<const uint2*>(xq.data_ptr()),
+      reinterpret_cast<const uint2*>(xs.data_ptr()), static_cast<const float*>(xscale.data_ptr<float>()),
+      static_cast<const uint8_t*>(w.data_ptr<uint8_t>()), reinterpret_cast<__nv_bfloat16*>(out.data_ptr()),
+      splits > 1 ? partial.data_ptr<float>() : nullptr, splits > 1 ? counters.data_ptr<int>() : nullptr, M, N,
+      static_cast<int64_t>(w.stride(0)), sbs, splits);
 }
 
 }  // namespace

@@ -4,15 +4,15 @@ Triton ``gguf_matmul`` kernels and cuBLAS on a bf16 copy.
 1. Correctness, per type: odd shapes (N not a multiple of the program's features, K of 1-68
    super-blocks), M = 1, 2, 5, 16, 17, 23, 33, 64, splits 1, 3 and the default, x of four kinds
    (normal, times 3e5, times 1e-7, and spread over 1e-4..1e4 along K). Each result is compared
-   with x @ W^T in float32 for W dequantized (Q4_K, whose kernel keeps its weights exact) or
-   dequantized and rounded to bf16 (the others, as their kernel does); the kernels' other
-   roundings are the bf16 output and the order of float32 sums (and Q4_K's x as scaled fp16): the
-   bound is 2^-8 of the row's largest magnitude. Every run twice, bitwise equal; row 0 of every M
+   with x @ W^T in float32 for W as its kernel holds it (``kernel_weights``): dequantized (Q4_K,
+   exact), d times sc (q - 32) rounded to fp16 (Q6_K), dequantized and rounded to bf16 (IQ4_XS);
+   the kernels' other roundings are the bf16 output and the order of float32 sums (and x as
+   scaled fp16 for Q4_K and Q6_K): the bound is 2^-8 of the row's largest magnitude. Every run twice, bitwise equal; row 0 of every M
    bitwise equal to M = 1's.
 2. Timing (a CUDA graph of 20 calls, best of 5, the calls reading copies of the weight in turn so
    that L2 holds none of it): per 8B/27B layer shape and M, microseconds and bandwidth on the
    packed bytes for ``n_tiles`` 1 and 2 (default splits; ``--min-blocks`` adds register-capped
-   builds; Q4_K's kernel has one shape, so its two columns time the same kernel), the Triton
+   builds; the Q4_K and Q6_K kernels have one shape, so their two columns time the same kernel), the Triton
    kernels (``default_tiling``) and cuBLAS bf16; "x1" is the time over the same variant's M = 1 time.
 
 Weights are random GGUF blocks (benchmark only). Prints PASS/FAIL and writes ``$OUT/gpu_gguf_mma.json``.
@@ -55,6 +55,17 @@ def x_kinds(k: int, device) -> dict[str, torch.Tensor]:
     return {name: v.to(torch.bfloat16) for name, v in kinds.items()}
 
 
+def kernel_weights(raw: torch.Tensor, qtype: Q, n: int, k: int) -> torch.Tensor:
+    """W [n, k] float32 as the type's kernel multiplies it (see the module docstring)."""
+    w = dequantize(raw, qtype, (n, k)).float()
+    if qtype == Q.Q6_K:  # d * sc (q - 32): the integer product (exact in float32) rounded to fp16
+        d = raw.view(n, k // 256, 210)[..., 208:].contiguous().view(torch.float16).float()  # [n, k / 256, 1]
+        d = d.expand(n, k // 256, 256).reshape(n, k)
+        products = torch.where(d != 0, w / d, 0.0)
+        return products.half().float() * d
+    return w if qtype == Q.Q4_K else w.to(torch.bfloat16).float()
+
+
 def check(device: torch.device) -> bool:
     ok = True
     for qtype in gguf_mma.MMA_TYPES:
@@ -63,9 +74,7 @@ def check(device: torch.device) -> bool:
             if qtype == Q.Q4_K:  # d and dmin of each block drawn (random_blocks gives all one value)
                 d = (torch.rand(n, k // 256, 2, device=device) * 4e-3 + 1e-4).half()
                 raw.view(n, k // 256, -1)[..., :4] = d.view(torch.uint8).view(n, k // 256, 4)
-            w = dequantize(raw, qtype, (n, k)).float()
-            if qtype != Q.Q4_K:  # Q4_K's kernel keeps its weights exact; the others round them to bf16
-                w = w.to(torch.bfloat16).float()
+            w = kernel_weights(raw, qtype, n, k)
             for kind, x_all in x_kinds(k, device).items():
                 worst = 0.0
                 for splits in (1, 3, 0):

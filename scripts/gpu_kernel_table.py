@@ -30,7 +30,7 @@ from splitspec.bench.random_weights import random_target
 from splitspec.spec.sampling import SamplingParams
 
 KINDS = [  # (kind, pattern of the kernel's name), first match wins
-    ("quantized matmul (gguf_mma)", r"gguf_mma|permute_x|q4k_kernel|prepare_x"),
+    ("quantized matmul (gguf_mma)", r"gguf_mma|permute_x|q4k_kernel|q6k_kernel|prepare_x"),
     ("quantized matmul (Triton)", r"gguf|_q4_k|_q6_k|_q5_k|_q8_0|iq4"),
     ("bf16 matmul (cuBLAS)", r"gemm|gemv|cutlass|xmma|splitKreduce"),
     ("delta rule", r"delta"),

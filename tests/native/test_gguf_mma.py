@@ -39,22 +39,22 @@ def test_default_splits(programs, super_blocks):
 
 
 def test_n_tiles_by_rows():
-    assert [gguf_mma.default_n_tiles(m) for m in (1, 8, 16, 17, 23, 64)] == [1, 1, 1, 2, 2, 2]
-    assert [gguf_mma.default_n_tiles(m, Q.IQ4_XS) for m in (1, 16, 23, 32, 33, 64)] == [1, 1, 1, 1, 2, 2]
+    assert [gguf_mma.default_n_tiles(m) for m in (1, 16, 23, 32, 33, 64)] == [1, 1, 1, 1, 2, 2]
 
 
 @pytest.mark.parametrize("shape, splits", [
     ((34816, 5120), 1), ((5120, 17408), 4), ((10240, 5120), 2), ((5120, 6144), 4),  # 27B gate/up, down, q/k/v, o
     ((24576, 4096), 1), ((6144, 4096), 3),  # 8B gate/up, q/k/v
+    ((248320, 5120), 1), ((4096, 12288), 5),  # Q6_K: 27B LM head, 8B down
 ])
-def test_q4k_splits_of_the_measured_shapes(shape, splits):
-    # The split counts the H200 runs found best (or within a few percent) at 1 and 23 rows.
+def test_a_operand_splits_of_the_measured_shapes(shape, splits):
+    # The split counts the H200 (Q4_K) and H100 (Q6_K) runs found best, or within 7%, at 1 and 23 rows.
     n, k = shape
-    assert gguf_mma.q4k_splits(-(-n // gguf_mma.Q4K_FEATURES), k // 256, sms=132) == splits
+    assert gguf_mma.a_operand_splits(-(-n // gguf_mma.A_OPERAND_FEATURES), k // 256, sms=132) == splits
 
 
 @pytest.mark.parametrize("programs", [1, 80, 3880])
 @pytest.mark.parametrize("super_blocks", [1, 2, 68, 1000])
-def test_q4k_splits_bounds(programs, super_blocks):
-    splits = gguf_mma.q4k_splits(programs, super_blocks, sms=132)
+def test_a_operand_splits_bounds(programs, super_blocks):
+    splits = gguf_mma.a_operand_splits(programs, super_blocks, sms=132)
     assert 1 <= splits <= max(1, min(super_blocks // 2, 32))

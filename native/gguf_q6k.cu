@@ -1,0 +1,299 @@
+// y = x @ W^T for bf16 x [M, K] (M <= 64) and W [N, K] in GGUF Q6_K blocks, on tensor cores with
+// the weights as the A operand of mma.sync m16n8k16 (fp16) and x as B: the design of
+// native/gguf_q4k.cu (read that first), for a block of 210 bytes that is only 2-byte aligned.
+//
+// One warp: 16 output features (A rows g and g + 8 of lane (g, c)), the x rows as the 8 columns
+// of each B tile (n-tile nb: rows 8 nb .. 8 nb + 7), one super-block (256 values) a loop step.
+// A super-block: ql[128] low nibbles, qh[64] high bit pairs, scales[16] int8, f16 d at byte 208.
+// Value v = 128 h + 32 r + l (h < 2, r < 4, l < 32): low bits nibble r / 2 of ql byte
+// 64 h + 32 (r % 2) + l, high bits 2r, 2r + 1 of qh byte 32 h + l, scale sc = scales[v / 16];
+// value = d * sc * (q - 32).
+//
+// A register (two values) takes a byte permute, which puts a ql byte (its nibble at bits 4..7)
+// under a qh byte (its pair at bits 0..1) in each half, one LOP3 that keeps bits 4..9 and ORs in
+// 0x6400 (the fp16 1024 + 16 q), and one packed fused multiply-add, (1024 + 16 q) * sc / 16
+// - 96 sc (-1056 sc, with q in bits 0..5, would overflow fp16). One word of each of the three
+// runs below serves eight registers after three funnel shifts (alignment) and five shifts: four
+// instructions a register. The weights reach the tensor cores as sc * (q - 32) rounded once to
+// fp16 (|.| <= 4096: exact up to 2048, an 11-bit significand above, where bf16 would keep 8
+// bits). d and x's per-row power-of-two scale (prepare_x_kernel) are applied in float32 after
+// each super-block; products are exact and sums float32, as in gguf_q4k.cu.
+//
+// k map: lane c takes half h = c / 2 and l in 16 j + 0 .. 15 (j = c % 2), so its 64 values use
+// four scales, and reads three 16-byte runs of each feature's block (ql at 64 h + 16 j and
+// 64 h + 32 + 16 j, qh at 128 + 32 h + 16 j; word i of each run holds l0 = 16 j + 4 i .. + 3).
+// Step s (0..15): word i = s / 4, rho = (s / 2) % 2, parity p = s % 2; slots 2c, 2c + 1 take
+// r = rho at l0 + p, l0 + p + 2, slots 2c + 8, 2c + 9 take r = rho + 2 at the same l: bytes p and
+// p + 2 of the ql word of r % 2 = rho (its low nibbles, then its high ones) and of the qh word.
+
+#include <ATen/cuda/CUDAContext.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <torch/extension.h>
+
+#include <cstdint>
+
+#include "gguf_mma.cuh"
+
+namespace {
+
+using mma_common::add_splits;
+using mma_common::bits_h2;
+using mma_common::h2_bits;
+using mma_common::kWarps;
+using mma_common::mma_f16;
+
+// One feature's super-block for lane c. Its runs start at multiples of 4 in the block, so one
+// funnel shift by 0 or 16 bits (the block's address mod 4) realigns all of them: a run is loaded
+// as the aligned words from its first byte's word on (2 bytes before the block when shifted),
+// five for 16 bytes (the fifth, needed only when shifted, still lies inside the block). The
+// scales' third word is loaded only when shifted: unshifted it would pass the end of the block,
+// which may end the tensor.
+struct Q6K {
+  static constexpr int kBytes = 210;
+  uint32_t low[2][5], high[5], sc[3];  // ql runs of r % 2 = 0, 1; the qh run; scales 8 h .. 8 h + 7
+  unsigned short d_bits;
+  uint32_t scale[2], offset[2];  // fp16 {sc_r / 16, sc_r+1 / 16} and -1536 times that, r = 0 and 2
+  float d;
+
+  __device__ __forceinline__ void load(const uint8_t* block, int c) {
+    const uintptr_t addr = reinterpret_cast<uintptr_t>(block);
+    const uint32_t* words = reinterpret_cast<const uint32_t*>(addr & ~uintptr_t(3));
+    const int h = c >> 1, j = c & 1;
+#pragma unroll
+    for (int t = 0; t < 5; ++t) {
+      low[0][t] = __ldg(words + 16 * h + 4 * j + t);
+      low[1][t] = __ldg(words + 16 * h + 8 + 4 * j + t);
+      high[t] = __ldg(words + 32 + 8 * h + 4 * j + t);
+    }
+    sc[0] = __ldg(words + 48 + 2 * h);
+    sc[1] = __ldg(words + 49 + 2 * h);
+    sc[2] = (addr & 2) ? __ldg(words + 50 + 2 * h) : 0u;
+    d_bits = __ldg(reinterpret_cast<const unsigned short*>(block + 208));
+  }
+
+  // Scales r of this lane: byte j + 2 r of scales 8 h ... Flipping an int8's sign bit gives the
+  // byte sc + 128, which a byte permute puts under 0x54 (fp16 64 + byte / 16, `magic_scale`
+  // 0x54005400, `pick_scale` bytes j, j + 2 of a word); less 72: sc / 16, exactly.
+  __device__ __forceinline__ void prepare(uint32_t shift, uint32_t pick_scale, uint32_t magic_scale) {
+    d = __half2float(__ushort_as_half(d_bits));
+#pragma unroll
+    for (int p = 0; p < 2; ++p) {
+      const uint32_t w = __funnelshift_r(sc[p], sc[p + 1], shift) ^ 0x80808080u;
+      const __half2 s = __hsub2(h2_bits(__byte_perm(w, magic_scale, pick_scale)), h2_bits(0x54805480u));
+      scale[p] = bits_h2(s);
+      offset[p] = bits_h2(__hmul2(s, h2_bits(0xE600E600u)));  // -96 sc
+    }
+  }
+
+  // Registers a (slots 2c, 2c + 1: r = rho) and b (slots 2c + 8, 2c + 9: r = rho + 2) of k step s.
+  // Each half of a permuted word: a ql byte (its low nibble moved up by `<< 4` for r = rho, its
+  // high nibble in place for rho + 2) under the qh byte shifted right by 2r (pair r at bits 8, 9);
+  // the scales' halves are taken broadcast (HFMA2 operand swizzles, no extra instruction).
+  // `magic` is 0x64006400 in a register the compiler does not fold into an immediate (a LOP3
+  // takes one).
+  __device__ __forceinline__ void fragment(int s, uint32_t shift, uint32_t magic, uint32_t& a, uint32_t& b) const {
+    const int i = s >> 2, rho = (s >> 1) & 1;
+    const uint32_t pick = (s & 1) ? 0x7351u : 0x6240u;  // bytes {p, p + 4, p + 2, p + 6} of (ql, qh)
+    const uint32_t ql = __funnelshift_r(low[rho][i], low[rho][i + 1], shift);
+    const uint32_t qh = __funnelshift_r(high[i], high[i + 1], shift) >> (2 * rho);
+    const uint32_t lo = (__byte_perm(ql << 4, qh, pick) & 0x03F003F0u) | magic;
+    const uint32_t hi = (__byte_perm(ql, qh >> 4, pick) & 0x03F003F0u) | magic;
+    const auto half = [rho](uint32_t v) { return rho ? __high2half2(h2_bits(v)) : __low2half2(h2_bits(v)); };
+    a = bits_h2(__hfma2(h2_bits(lo), half(scale[0]), half(offset[0])));
+    b = bits_h2(__hfma2(h2_bits(hi), half(scale[1]), half(offset[1])));
+  }
+
+  // The real k of slot 2c of step s (2c + 1: k + 2; 2c + 8, 2c + 9: k + 64, k + 66).
+  __host__ __device__ __forceinline__ static int k_of(int c, int s) {
+    return 128 * (c >> 1) + 16 * (c & 1) + 4 * (s >> 2) + 32 * ((s >> 1) & 1) + (s & 1);
+  }
+};
+
+// x for the kernel below, per row r and super-block sb (one warp each), staged as fp16 x 2^-e by
+// mma_common::stage_scaled: scale[sb][r] = 2^e, xq[sb][i][r][c] the B registers of k steps 2i and 2i + 1
+// for lane c (fp16 pairs of x 2^-e at the slots' k: b0, b1 of step 2i, then of 2i + 1). r runs to
+// `rows_padded` (8 per n-tile); a padded row gets zeros and scale 1.
+__global__ void prepare_x_kernel(const __nv_bfloat16* __restrict__ x, uint4* __restrict__ xq, float* __restrict__ scale,
+                                 int M, int rows_padded, int64_t stride_xm, int super_blocks) {
+  __shared__ __half staged[kWarps][256];
+  mma_common::let_dependents_start();
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int64_t item = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
+  if (item >= static_cast<int64_t>(super_blocks) * rows_padded) return;
+  const int r = item % rows_padded, sb = item / rows_padded;
+  if (r >= M) {  // a padded row: zeros (so the kernel loads every row unconditionally), scale 1
+    if (lane == 0) scale[static_cast<int64_t>(sb) * rows_padded + r] = 1.0f;
+    xq[((static_cast<int64_t>(sb) * 8 + (lane >> 2)) * rows_padded + r) * 4 + (lane & 3)] = make_uint4(0u, 0u, 0u, 0u);
+    return;
+  }
+  float sum;  // unused: Q6_K has no minimums
+  const float up = mma_common::stage_scaled(x + r * stride_xm + 256 * static_cast<int64_t>(sb), staged[warp], lane, sum);
+  if (lane == 0) scale[static_cast<int64_t>(sb) * rows_padded + r] = up;
+  const __half* h = staged[warp];
+  const int c = lane & 3, i = lane >> 2;
+  uint32_t b[4];
+#pragma unroll
+  for (int t = 0; t < 2; ++t) {
+    const int k = Q6K::k_of(c, 2 * i + t);
+    b[2 * t] = bits_h2(__halves2half2(h[k], h[k + 2]));
+    b[2 * t + 1] = bits_h2(__halves2half2(h[k + 64], h[k + 66]));
+  }
+  xq[((static_cast<int64_t>(sb) * 8 + i) * rows_padded + r) * 4 + c] = make_uint4(b[0], b[1], b[2], b[3]);
+}
+
+// One super-block of a warp's 16 features into acc: the mma over its 16 k steps and the float32
+// step that applies d and x's scale.
+template <int NB>
+__device__ __forceinline__ void accumulate(float (&acc)[NB][4], Q6K (&f)[2], const uint32_t (&shift)[2], int sb,
+                                           const uint4* __restrict__ xq, const float* __restrict__ xscale, int g, int c,
+                                           uint32_t magic, uint32_t pick_scale, uint32_t magic_scale) {
+  constexpr int kRowsPadded = 8 * NB;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) f[i].prepare(shift[i], pick_scale, magic_scale);
+  float part[NB][4];
+#pragma unroll
+  for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) part[nb][e] = 0.0f;
+  // xq[sb][i][r][c]: lane (g, c)'s B registers of steps 2i and 2i + 1 for row r, the warp's loads
+  // of one i and n-tile contiguous.
+  const uint4* x_sb = xq + (static_cast<int64_t>(sb) * 8 * kRowsPadded + g) * 4 + c;
+#pragma unroll
+  for (int s = 0; s < 16; s += 2) {
+    uint32_t a[4], a2[4];
+    f[0].fragment(s, shift[0], magic, a[0], a[2]);
+    f[1].fragment(s, shift[1], magic, a[1], a[3]);
+    f[0].fragment(s + 1, shift[0], magic, a2[0], a2[2]);
+    f[1].fragment(s + 1, shift[1], magic, a2[1], a2[3]);
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb) {
+      const uint4 b = __ldg(x_sb + (s / 2 * kRowsPadded + 8 * nb) * 4);
+      mma_f16(part[nb], a, b.x, b.y);
+      mma_f16(part[nb], a2, b.z, b.w);
+    }
+  }
+#pragma unroll
+  for (int nb = 0; nb < NB; ++nb) {
+    const float2 sx =
+        __ldg(reinterpret_cast<const float2*>(xscale + static_cast<int64_t>(sb) * kRowsPadded + 8 * nb + 2 * c));
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[nb][e] = fmaf(f[e >> 1].d * part[nb][e], (e & 1) ? sx.y : sx.x, acc[nb][e]);
+  }
+}
+
+// One program: kWarps warps x 16 features, K super-blocks [split's range), NB n-tiles of 8 x rows.
+// With splits > 1 each writes float32 partial sums and the last of a tile adds them (add_splits).
+// Launch bounds as q4k_kernel's: the compiler's choice at one n-tile, 3 blocks (168 registers)
+// a multiprocessor from two.
+template <int NB>
+__global__ void __launch_bounds__(kWarps * 32, NB == 1 ? 1 : 3) q6k_kernel(
+    const uint4* __restrict__ xq, const float* __restrict__ xscale, const uint8_t* __restrict__ w,
+    __nv_bfloat16* __restrict__ out, float* __restrict__ partial, int* __restrict__ counters, int M, int N,
+    int64_t row_bytes, int super_blocks, int splits) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, c = lane & 3;
+  const int n0 = (blockIdx.x * kWarps + warp) * 16;
+  const int split = blockIdx.y;
+  const int sb_begin = static_cast<int>(static_cast<int64_t>(super_blocks) * split / splits);
+  const int sb_end = static_cast<int>(static_cast<int64_t>(super_blocks) * (split + 1) / splits);
+  const uint8_t* rows[2] = {w + static_cast<int64_t>(min(n0 + g, N - 1)) * row_bytes,  // this lane's two features
+                            w + static_cast<int64_t>(min(n0 + 8 + g, N - 1)) * row_bytes};
+
+  float acc[NB][4];
+#pragma unroll
+  for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[nb][e] = 0.0f;
+
+  // (splits >> 31 is 0: it only hides the values from the compiler, which would rebuild each
+  // constant before every use rather than keep it in a register.)
+  const uint32_t hidden = static_cast<uint32_t>(splits) >> 31;
+  const uint32_t magic = 0x64006400u | hidden, magic_scale = 0x54005400u | hidden;
+  const uint32_t pick_scale = (c & 1) ? 0x5351u : 0x5250u;  // bytes {j, 0x54, j + 2, 0x54} of (scales, magic_scale)
+  // kStages super-blocks in hand, as in q4k_kernel: the next one's bytes are in flight while one is
+  // computed.
+  constexpr int kStages = 2;
+  Q6K buf[kStages][2];
+#pragma unroll
+  for (int st = 0; st + 1 < kStages; ++st) {
+    if (sb_begin + st < sb_end) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) buf[st][i].load(rows[i] + static_cast<int64_t>(sb_begin + st) * Q6K::kBytes, c);
+    }
+  }
+  mma_common::wait_for_x();
+  for (int sb0 = sb_begin; sb0 < sb_end; sb0 += kStages) {
+#pragma unroll
+    for (int st = 0; st < kStages; ++st) {
+      const int sb = sb0 + st;
+      if (sb >= sb_end) break;
+      if (sb + kStages - 1 < sb_end) {
+#pragma unroll
+        for (int i = 0; i < 2; ++i)
+          buf[(st + kStages - 1) % kStages][i].load(rows[i] + static_cast<int64_t>(sb + kStages - 1) * Q6K::kBytes, c);
+      }
+      // The blocks' address mod 4 (0 or 2 bytes) as the funnel shift that realigns their runs
+      // (recomputed here rather than kept per stage: registers are short).
+      uint32_t shift[2];
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const uintptr_t block = reinterpret_cast<uintptr_t>(rows[i] + static_cast<int64_t>(sb) * Q6K::kBytes);
+        shift[i] = static_cast<uint32_t>(block & 2) * 8;
+      }
+      accumulate<NB>(acc, buf[st], shift, sb, xq, xscale, g, c, magic, pick_scale, magic_scale);
+    }
+  }
+
+  // C of lane (g, c) in n-tile nb: features g (e < 2), g + 8 (e >= 2); rows 8 nb + 2c + e % 2.
+  float* mine = splits == 1 ? nullptr : partial + static_cast<int64_t>(split) * M * N;
+#pragma unroll
+  for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int m = 8 * nb + 2 * c + (e & 1), n = n0 + g + 8 * (e >> 1);
+      if (m >= M || n >= N) continue;
+      if (splits == 1) out[static_cast<int64_t>(m) * N + n] = __float2bfloat16_rn(acc[nb][e]);
+      else mine[static_cast<int64_t>(m) * N + n] = acc[nb][e];
+    }
+  if (splits > 1) add_splits(partial, out, counters, M, N, blockIdx.x * kWarps * 16, kWarps * 16, splits);
+}
+
+template <int NB>
+void launch(const torch::Tensor& x, const torch::Tensor& w, torch::Tensor& out, torch::Tensor& partial,
+            torch::Tensor& counters, int splits, cudaStream_t stream) {
+  const int M = x.size(0), N = out.size(1), K = x.size(1), sbs = K / 256;
+  const int rows_padded = 8 * NB;
+  torch::Tensor xq = torch::empty({static_cast<int64_t>(sbs) * rows_padded * 32 * 4}, x.options().dtype(torch::kInt32));
+  torch::Tensor xscale = torch::empty({static_cast<int64_t>(sbs) * rows_padded}, x.options().dtype(torch::kFloat32));
+  const int64_t items = static_cast<int64_t>(sbs) * rows_padded;
+  prepare_x_kernel<<<(items + kWarps - 1) / kWarps, kWarps * 32, 0, stream>>>(
+      reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()), reinterpret_cast<uint4*>(xq.data_ptr()),
+      xscale.data_ptr<float>(), M, rows_padded, x.stride(0), sbs);
+  const int tiles = (N + kWarps * 16 - 1) / (kWarps * 16);
+  mma_common::launch_dependent(
+      q6k_kernel<NB>, dim3(tiles, splits), kWarps * 32, stream, reinterpret_cast<const uint4*>(xq.data_ptr()),
+      static_cast<const float*>(xscale.data_ptr<float>()), static_cast<const uint8_t*>(w.data_ptr<uint8_t>()),
+      reinterpret_cast<__nv_bfloat16*>(out.data_ptr()), splits > 1 ? partial.data_ptr<float>() : nullptr,
+      splits > 1 ? counters.data_ptr<int>() : nullptr, M, N, static_cast<int64_t>(w.stride(0)), sbs, splits);
+}
+
+}  // namespace
+
+// x [M, K] bf16 rows 16-byte aligned, w [N, K / 256 * 210] uint8 rows 2-byte aligned, out [M, N]
+// bf16; partial [splits, >= min(M, 32), N] float32 and counters as q4k_mma's.
+void q6k_mma(torch::Tensor x, torch::Tensor w, torch::Tensor out, torch::Tensor partial, torch::Tensor counters,
+             int64_t splits) {
+  cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const int M = x.size(0);
+  for (int r0 = 0; r0 < M; r0 += 32) {  // a row's result does not depend on the others: 32 at a time
+    torch::Tensor xc = x.narrow(0, r0, std::min(32, M - r0));
+    torch::Tensor oc = out.narrow(0, r0, xc.size(0));
+    const int m = xc.size(0);
+    if (m <= 8) launch<1>(xc, w, oc, partial, counters, splits, stream);
+    else if (m <= 16) launch<2>(xc, w, oc, partial, counters, splits, stream);
+    else if (m <= 24) launch<3>(xc, w, oc, partial, counters, splits, stream);
+    else launch<4>(xc, w, oc, partial, counters, splits, stream);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
