@@ -29,7 +29,6 @@
 
 namespace {
 
-using mma_common::add_splits;
 using mma_common::h2_bits;
 using mma_common::kWarps;
 using mma_common::load16;
@@ -259,18 +258,7 @@ __global__ void __launch_bounds__(kWarps * 32, NB == 1 ? 1 : 3) q4k_kernel(
     }
   }
 
-  // C of lane (g, c) in n-tile nb: features g (e < 2), g + 8 (e >= 2); rows 8 nb + 2c + e % 2.
-  float* mine = splits == 1 ? nullptr : partial + static_cast<int64_t>(split) * M * N;
-#pragma unroll
-  for (int nb = 0; nb < NB; ++nb)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int m = 8 * nb + 2 * c + (e & 1), n = n0 + g + 8 * (e >> 1);
-      if (m >= M || n >= N) continue;
-      if (splits == 1) out[static_cast<int64_t>(m) * N + n] = __float2bfloat16_rn(acc[nb][e]);
-      else mine[static_cast<int64_t>(m) * N + n] = acc[nb][e];
-    }
-  if (splits > 1) add_splits(partial, out, counters, M, N, blockIdx.x * kWarps * 16, kWarps * 16, splits);
+  mma_common::store_c<NB>(acc, out, partial, counters, M, N, n0, g, c, split, splits);
 }
 
 template <int NB>
