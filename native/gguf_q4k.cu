@@ -26,9 +26,9 @@
 
 #include "gguf_mma.cuh"
 
-
 namespace {
 
+using mma_common::bits_h2;
 using mma_common::h2_bits;
 using mma_common::kWarps;
 using mma_common::load16;
@@ -36,9 +36,7 @@ using mma_common::mma_f16;
 using mma_common::word_of;
 
 __device__ __forceinline__ uint32_t hfma2_bits(uint32_t a, uint32_t b, uint32_t c) {
-  const __half2 v = __hfma2(*reinterpret_cast<const __half2*>(&a), *reinterpret_cast<const __half2*>(&b),
-                            *reinterpret_cast<const __half2*>(&c));
-  return *reinterpret_cast<const uint32_t*>(&v);
+  return bits_h2(__hfma2(h2_bits(a), h2_bits(b), h2_bits(c)));
 }
 
 // One feature's super-block for lane c: the 16-byte head and two 16-byte runs of its nibbles,
@@ -76,19 +74,19 @@ struct Q4K {
     for (int h = 0; h < 2; ++h) {
       const uint32_t sel = h ? pick_t >> 16 : pick_t & 0xFFFF;
       const uint32_t lo_bits = __byte_perm(sc_low, magic, sel), hi_bits = __byte_perm(sc_high, magic, sel);
-      const __half2 lo = __hsub2(*reinterpret_cast<const __half2*>(&lo_bits), bias);  // {sc, sc} of sub-block t + h
-      const __half2 hi = __hsub2(*reinterpret_cast<const __half2*>(&hi_bits), bias);  // of sub-block t + 4 + h
+      const __half2 lo = __hsub2(h2_bits(lo_bits), bias);  // {sc, sc} of sub-block t + h
+      const __half2 hi = __hsub2(h2_bits(hi_bits), bias);  // of sub-block t + 4 + h
       // Sub-blocks t and t + 4 feed low nibbles (h = 0), t + 1 and t + 5 high ones.
       const __half2 sc_a = h ? __hmul2(lo, sixteenth) : lo, off_a = __hmul2(lo, h ? minus_64 : minus_1024);
       const __half2 sc_b = h ? __hmul2(hi, sixteenth) : hi, off_b = __hmul2(hi, h ? minus_64 : minus_1024);
-      scale[h] = *reinterpret_cast<const uint32_t*>(&sc_a);
-      offset[h] = *reinterpret_cast<const uint32_t*>(&off_a);
-      scale[2 + h] = *reinterpret_cast<const uint32_t*>(&sc_b);
-      offset[2 + h] = *reinterpret_cast<const uint32_t*>(&off_b);
+      scale[h] = bits_h2(sc_a);
+      offset[h] = bits_h2(off_a);
+      scale[2 + h] = bits_h2(sc_b);
+      offset[2 + h] = bits_h2(off_b);
     }
     const uint32_t min_bits = __byte_perm((c & 1) ? mn_high : mn_low, magic, pick_u);
-    const __half2 m = __hsub2(*reinterpret_cast<const __half2*>(&min_bits), bias);  // {m_u, m_u+1}
-    mins = *reinterpret_cast<const uint32_t*>(&m);
+    const __half2 m = __hsub2(h2_bits(min_bits), bias);  // {m_u, m_u+1}
+    mins = bits_h2(m);
   }
 
   // Registers a (slots 2c, 2c + 1) and b (slots 2c + 8, 2c + 9) of k step s: fp16 sc * q. The high
@@ -108,8 +106,8 @@ struct Q4K {
 };
 
 // x for the kernel below, per row r and super-block sb (one warp each), staged as fp16 x 2^-e by
-// mma_common::stage_scaled (so fp16 holds every value and every 32-value sum): scale[sb][r] = 2^e, xq[sb][i][r][c]
-// the B registers of k steps 2i and 2i + 1 for lane c (fp16 pairs of x 2^-e at the slots' k),
+// mma_common::stage_scaled (so fp16 holds every value and every 32-value sum): scale[sb][r] = 2^e,
+// xq[sb][i][r][c] the B registers of k steps 2i and 2i + 1 for lane c (fp16 pairs of x 2^-e at the slots' k),
 // xs[sb][r][c] the fp16 {high, low} parts of the sums X_u, X_u + 1 of this lane's minimum slots
 // (u as in Q4K::mins). r runs to `rows_padded` (8 per n-tile); a padded row only gets scale 1.
 __global__ void prepare_x_kernel(const __nv_bfloat16* __restrict__ x, uint2* __restrict__ xq, uint2* __restrict__ xs,
@@ -136,7 +134,7 @@ __global__ void prepare_x_kernel(const __nv_bfloat16* __restrict__ x, uint2* __r
     const int k = Q4K::k_of(c, s);
     const __half2 lo = __halves2half2(h[k], h[k + 2]), hi = __halves2half2(h[k + 32], h[k + 34]);
     xq[((static_cast<int64_t>(sb) * 8 + (s >> 1)) * rows_padded + r) * 8 + 2 * c + (s & 1)] =
-        make_uint2(*reinterpret_cast<const uint32_t*>(&lo), *reinterpret_cast<const uint32_t*>(&hi));
+        make_uint2(bits_h2(lo), bits_h2(hi));
   }
   // Lanes 4j .. 4j + 3 hold sub-block j's sum; lane c of the kernel takes u = 2 (c / 2) + 4 (c % 2), u + 1.
   const int u = 2 * ((lane >> 1) & 1) + 4 * (lane & 1);
@@ -146,7 +144,7 @@ __global__ void prepare_x_kernel(const __nv_bfloat16* __restrict__ x, uint2* __r
     const __half2 high = __halves2half2(uh, vh);
     const __half2 low = __halves2half2(__float2half_rn(su - __half2float(uh)), __float2half_rn(sv - __half2float(vh)));
     xs[(static_cast<int64_t>(sb) * rows_padded + r) * 4 + lane] =
-        make_uint2(*reinterpret_cast<const uint32_t*>(&high), *reinterpret_cast<const uint32_t*>(&low));
+        make_uint2(bits_h2(high), bits_h2(low));
   }
 }
 
