@@ -11,9 +11,9 @@ Triton ``gguf_matmul`` kernels and cuBLAS on a bf16 copy.
    bitwise equal to M = 1's.
 2. Timing (a CUDA graph of 20 calls, best of 5, the calls reading copies of the weight in turn so
    that L2 holds none of it): per 8B/27B layer shape and M, microseconds and bandwidth on the
-   packed bytes for ``n_tiles`` 1 and 2 (default splits; ``--min-blocks`` adds register-capped
-   builds; the Q4_K and Q6_K kernels have one shape, so their two columns time the same kernel), the Triton
-   kernels (``default_tiling``) and cuBLAS bf16; "x1" is the time over the same variant's M = 1 time.
+   packed bytes for ``n_tiles`` 1 and 2 (default splits; ``--min-blocks`` adds builds whose IQ4_XS
+   kernel is register-capped; the Q4_K and Q6_K kernels have one shape, so their two columns time
+   the same kernel), the Triton kernels (``default_tiling``) and cuBLAS bf16; "x1" is the time over the same variant's M = 1 time.
 
 Weights are random GGUF blocks (benchmark only). Prints PASS/FAIL and writes ``$OUT/gpu_gguf_mma.json``.
 Usage: python scripts/gpu_gguf_mma.py [--shapes 27b.gate_up,...] [--rows 1,2,4,8,16,23,32,64]
@@ -106,7 +106,7 @@ def main() -> None:
     ap.add_argument("--types", default="Q4_K,Q6_K")
     ap.add_argument("--skip-check", action="store_true")
     ap.add_argument("--min-blocks", type=lambda t: [int(v) for v in t.split(",") if v], default=[],
-                    help="also time builds whose kernel must fit this many blocks a multiprocessor (e.g. 3,4)")
+                    help="also time builds whose IQ4_XS kernel must fit this many blocks a multiprocessor (e.g. 3,4)")
     ap.add_argument("--json", default="gpu_gguf_mma.json", help="file name under $OUT")
     args = ap.parse_args()
     device = torch.device("cuda")
