@@ -93,6 +93,20 @@ def test_every_module_imports_from_the_checkout_as_it_does_installed(wheel_dir, 
         assert Path(from_wheel[name]).relative_to(wheel_dir) == checkout[name].relative_to(ROOT), name
 
 
+def test_the_wheel_ships_the_cuda_sources(wheel_dir):
+    # native.gguf_mma builds its extension at first use on a GPU from the installed package's files:
+    # each source it lists and each header they include must be in the wheel.
+    import re
+
+    from native import gguf_mma
+
+    needed = {path.name for path in gguf_mma.SOURCES}
+    needed |= {name for path in gguf_mma.SOURCES for name in re.findall(r'#include "([^"]+)"', path.read_text())}
+    assert "gguf_mma.cuh" in needed
+    missing = sorted(name for name in needed if not (wheel_dir / "native" / name).is_file())
+    assert not missing, f"not in the wheel: {missing}"
+
+
 def _depends(module: str, prefix: str) -> bool:
     return module == prefix or module.startswith(prefix + ".")
 
