@@ -4,7 +4,7 @@ Decode and tree verify multiply a few rows by every weight once, so their time i
 bytes over the card's bandwidth, provided that expanding the bytes costs fewer instructions than
 the memory system takes to deliver them. ``native.gguf_matmul``'s Triton kernels reach 27-32% of
 copy bandwidth at one row and take 2.3-4.0x that time at 23 rows on ``tl.dot`` tiles (27B shapes,
-BENCHMARKS.md). Both kernels here take the weights as the file's bytes (nothing is repacked at
+BENCHMARKS.md). The kernels here take the weights as the file's bytes (nothing is repacked at
 load) into registers and feed ``mma.sync.m16n8k16`` without shared memory or a tile of expanded
 weights, so the tensor cores take 8 or 16 rows of x for the price of one.
 
@@ -33,10 +33,10 @@ sc * q - dmin * m with the products in float32, not rounded to bf16). Q6_K: d * 
 the integer product rounded to fp16 (exact up to 2048 in magnitude, 11 significant bits above, of
 at most 4096), d applied in float32: 8x closer than a bf16 copy. IQ4_XS: each weight is the
 dequantizer's float32 value rounded to bf16 (as a bf16 model holds it, and as ``gguf_matmul``'s
-``tl.dot`` path rounds it), products accumulate in float32. A row's result does not depend on the other rows (M) nor on
-the run: K is split over programs by the shape only, and split partial sums are added in split
-order by whichever program finishes last; so a verify pass's logits equal a decode step's bit
-for bit.
+``tl.dot`` path rounds it), products accumulate in float32. A row's result does not depend on the
+other rows (M) nor on the run: K is split over programs by the shape only, and split partial sums
+are added in split order by whichever program finishes last; so a verify pass's logits equal a
+decode step's bit for bit.
 
 Built at first use with ``torch.utils.cpp_extension`` (nvcc, for the GPU at hand; cached under
 ``TORCH_EXTENSIONS_DIR``); where it cannot be built or the GPU predates bf16 tensor cores (sm_80),
