@@ -125,6 +125,39 @@ __device__ __forceinline__ void add_splits(const float* __restrict__ partial, __
   if (threadIdx.x == 0) counters[blockIdx.x] = 0;
 }
 
+// The A-operand kernels' main loop over super-blocks [begin, end) of a lane's two features (`rows`:
+// each feature's first byte): two super-blocks in hand, the next one's bytes in flight while one
+// is computed by compute(blocks, sb). Block::load(bytes, c) only issues the loads; x is read only
+// after wait_for_x(), so the first loads overlap x's preparation. (This loop form ran up to 24%
+// faster on an H200 than an even/odd pair of steps written out; three stages ran 4-41% slower.)
+template <typename Block, typename Compute>
+__device__ __forceinline__ void over_super_blocks(const uint8_t* const (&rows)[2], int c, int begin, int end,
+                                                  Compute&& compute) {
+  constexpr int kStages = 2;
+  Block buf[kStages][2];
+#pragma unroll
+  for (int st = 0; st + 1 < kStages; ++st) {
+    if (begin + st < end) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) buf[st][i].load(rows[i] + static_cast<int64_t>(begin + st) * Block::kBytes, c);
+    }
+  }
+  wait_for_x();
+  for (int sb0 = begin; sb0 < end; sb0 += kStages) {
+#pragma unroll
+    for (int st = 0; st < kStages; ++st) {
+      const int sb = sb0 + st;
+      if (sb >= end) break;
+      if (sb + kStages - 1 < end) {
+#pragma unroll
+        for (int i = 0; i < 2; ++i)
+          buf[(st + kStages - 1) % kStages][i].load(rows[i] + static_cast<int64_t>(sb + kStages - 1) * Block::kBytes, c);
+      }
+      compute(buf[st], sb);
+    }
+  }
+}
+
 // The end of a program of the A-operand kernels (gguf_q4k.cu, gguf_q6k.cu): lane (g, c)'s
 // accumulators of NB n-tiles of its warp's 16 features from n0 (C of n-tile nb: features g for
 // e < 2, g + 8 for e >= 2; rows 8 nb + 2c + e % 2) into `out`, or with splits > 1 into

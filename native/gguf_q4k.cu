@@ -229,32 +229,9 @@ __global__ void __launch_bounds__(kWarps * 32, NB == 1 ? 1 : 3) q4k_kernel(
   const uint32_t t = 2 * (c >> 1);
   const uint32_t pick_t = (0x5050u | t | (t << 8)) | ((0x5050u | (t + 1) | ((t + 1) << 8)) << 16);
   const uint32_t pick_u = 0x5050u | t | ((t + 1) << 8);
-  // kStages super-blocks in hand: the next kStages - 1 ones' bytes are in flight while one is
-  // computed. (This loop form ran up to 24% faster on an H200 than an even/odd pair of steps
-  // written out; 3 stages ran 4-41% slower than 2.)
-  constexpr int kStages = 2;
-  Q4K buf[kStages][2];
-#pragma unroll
-  for (int st = 0; st + 1 < kStages; ++st) {
-    if (sb_begin + st < sb_end) {
-#pragma unroll
-      for (int i = 0; i < 2; ++i) buf[st][i].load(rows[i] + static_cast<int64_t>(sb_begin + st) * Q4K::kBytes, c);
-    }
-  }
-  mma_common::wait_for_x();
-  for (int sb0 = sb_begin; sb0 < sb_end; sb0 += kStages) {
-#pragma unroll
-    for (int st = 0; st < kStages; ++st) {
-      const int sb = sb0 + st;
-      if (sb >= sb_end) break;
-      if (sb + kStages - 1 < sb_end) {
-#pragma unroll
-        for (int i = 0; i < 2; ++i)
-          buf[(st + kStages - 1) % kStages][i].load(rows[i] + static_cast<int64_t>(sb + kStages - 1) * Q4K::kBytes, c);
-      }
-      accumulate<NB>(acc, buf[st], sb, xq, xs, xscale, M, g, c, low, high, magic, pick_t, pick_u);
-    }
-  }
+  mma_common::over_super_blocks<Q4K>(rows, c, sb_begin, sb_end, [&](Q4K(&blocks)[2], int sb) {
+    accumulate<NB>(acc, blocks, sb, xq, xs, xscale, M, g, c, low, high, magic, pick_t, pick_u);
+  });
 
   mma_common::store_c<NB>(acc, out, partial, counters, M, N, n0, g, c, split, splits);
 }

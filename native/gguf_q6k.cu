@@ -210,39 +210,17 @@ __global__ void __launch_bounds__(kWarps * 32, NB == 1 ? 1 : 3) q6k_kernel(
   const uint32_t hidden = static_cast<uint32_t>(splits) >> 31;
   const uint32_t magic = 0x64006400u | hidden, magic_scale = 0x54005400u | hidden;
   const uint32_t pick_scale = (c & 1) ? 0x5351u : 0x5250u;  // bytes {j, 0x54, j + 2, 0x54} of (scales, magic_scale)
-  // kStages super-blocks in hand, as in q4k_kernel: the next one's bytes are in flight while one is
-  // computed.
-  constexpr int kStages = 2;
-  Q6K buf[kStages][2];
+  mma_common::over_super_blocks<Q6K>(rows, c, sb_begin, sb_end, [&](Q6K(&blocks)[2], int sb) {
+    // The blocks' address mod 4 (0 or 2 bytes) as the funnel shift that realigns their runs
+    // (recomputed here rather than kept per stage: registers are short).
+    uint32_t shift[2];
 #pragma unroll
-  for (int st = 0; st + 1 < kStages; ++st) {
-    if (sb_begin + st < sb_end) {
-#pragma unroll
-      for (int i = 0; i < 2; ++i) buf[st][i].load(rows[i] + static_cast<int64_t>(sb_begin + st) * Q6K::kBytes, c);
+    for (int i = 0; i < 2; ++i) {
+      const uintptr_t block = reinterpret_cast<uintptr_t>(rows[i] + static_cast<int64_t>(sb) * Q6K::kBytes);
+      shift[i] = static_cast<uint32_t>(block & 2) * 8;
     }
-  }
-  mma_common::wait_for_x();
-  for (int sb0 = sb_begin; sb0 < sb_end; sb0 += kStages) {
-#pragma unroll
-    for (int st = 0; st < kStages; ++st) {
-      const int sb = sb0 + st;
-      if (sb >= sb_end) break;
-      if (sb + kStages - 1 < sb_end) {
-#pragma unroll
-        for (int i = 0; i < 2; ++i)
-          buf[(st + kStages - 1) % kStages][i].load(rows[i] + static_cast<int64_t>(sb + kStages - 1) * Q6K::kBytes, c);
-      }
-      // The blocks' address mod 4 (0 or 2 bytes) as the funnel shift that realigns their runs
-      // (recomputed here rather than kept per stage: registers are short).
-      uint32_t shift[2];
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        const uintptr_t block = reinterpret_cast<uintptr_t>(rows[i] + static_cast<int64_t>(sb) * Q6K::kBytes);
-        shift[i] = static_cast<uint32_t>(block & 2) * 8;
-      }
-      accumulate<NB>(acc, buf[st], shift, sb, xq, xscale, g, c, magic, pick_scale, magic_scale);
-    }
-  }
+    accumulate<NB>(acc, blocks, shift, sb, xq, xscale, g, c, magic, pick_scale, magic_scale);
+  });
 
   mma_common::store_c<NB>(acc, out, partial, counters, M, N, n0, g, c, split, splits);
 }
