@@ -10,7 +10,9 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <utility>
 
 #ifndef MMA_PDL  // 0: launch each matmul after its x preparation has finished (benchmarks compare)
@@ -156,6 +158,24 @@ __device__ __forceinline__ void over_super_blocks(const uint8_t* const (&rows)[2
       compute(buf[st], sb);
     }
   }
+}
+
+// Host side of the A-operand kernels: x's rows 32 at a time (a row's result does not depend on the
+// others), each chunk by launch(nb, x rows, out rows) with nb a std::integral_constant of its
+// n-tiles of 8 rows, 1 to 4.
+template <typename Launch>
+void by_32_rows(const at::Tensor& x, const at::Tensor& out, Launch&& launch) {
+  const int M = x.size(0);
+  for (int r0 = 0; r0 < M; r0 += 32) {
+    const at::Tensor xc = x.narrow(0, r0, std::min(32, M - r0));
+    at::Tensor oc = out.narrow(0, r0, xc.size(0));
+    const int m = xc.size(0);
+    if (m <= 8) launch(std::integral_constant<int, 1>{}, xc, oc);
+    else if (m <= 16) launch(std::integral_constant<int, 2>{}, xc, oc);
+    else if (m <= 24) launch(std::integral_constant<int, 3>{}, xc, oc);
+    else launch(std::integral_constant<int, 4>{}, xc, oc);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 // The end of a program of the A-operand kernels (gguf_q4k.cu, gguf_q6k.cu): lane (g, c)'s

@@ -251,15 +251,7 @@ void launch(const torch::Tensor& x, const torch::Tensor& w, torch::Tensor& out, 
 void q6k_mma(torch::Tensor x, torch::Tensor w, torch::Tensor out, torch::Tensor partial, torch::Tensor counters,
              int64_t splits) {
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  const int M = x.size(0);
-  for (int r0 = 0; r0 < M; r0 += 32) {  // a row's result does not depend on the others: 32 at a time
-    torch::Tensor xc = x.narrow(0, r0, std::min(32, M - r0));
-    torch::Tensor oc = out.narrow(0, r0, xc.size(0));
-    const int m = xc.size(0);
-    if (m <= 8) launch<1>(xc, w, oc, partial, counters, splits, stream);
-    else if (m <= 16) launch<2>(xc, w, oc, partial, counters, splits, stream);
-    else if (m <= 24) launch<3>(xc, w, oc, partial, counters, splits, stream);
-    else launch<4>(xc, w, oc, partial, counters, splits, stream);
-  }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  mma_common::by_32_rows(x, out, [&](auto nb, const torch::Tensor& xc, torch::Tensor& oc) {
+    launch<decltype(nb)::value>(xc, w, oc, partial, counters, splits, stream);
+  });
 }
