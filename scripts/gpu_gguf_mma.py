@@ -7,13 +7,14 @@ Triton ``gguf_matmul`` kernels and cuBLAS on a bf16 copy.
    with x @ W^T in float32 for W as its kernel holds it (``kernel_weights``): dequantized (Q4_K,
    exact), d times sc (q - 32) rounded to fp16 (Q6_K), dequantized and rounded to bf16 (IQ4_XS);
    the kernels' other roundings are the bf16 output and the order of float32 sums (and x as
-   scaled fp16 for Q4_K and Q6_K): the bound is 2^-8 of the row's largest magnitude. Every run twice, bitwise equal; row 0 of every M
-   bitwise equal to M = 1's.
+   scaled fp16 for Q4_K and Q6_K): the bound is 2^-8 of the row's largest magnitude. Every run
+   twice, bitwise equal; row 0 of every M bitwise equal to M = 1's.
 2. Timing (a CUDA graph of 20 calls, best of 5, the calls reading copies of the weight in turn so
    that L2 holds none of it): per 8B/27B layer shape and M, microseconds and bandwidth on the
    packed bytes for ``n_tiles`` 1 and 2 (default splits; ``--min-blocks`` adds builds whose IQ4_XS
    kernel is register-capped; the Q4_K and Q6_K kernels have one shape, so their two columns time
-   the same kernel), the Triton kernels (``default_tiling``) and cuBLAS bf16; "x1" is the time over the same variant's M = 1 time.
+   the same kernel), the Triton kernels (``default_tiling``) and cuBLAS bf16; "x1" is the time over
+   the same variant's M = 1 time.
 
 Weights are random GGUF blocks (benchmark only). Prints PASS/FAIL and writes ``$OUT/gpu_gguf_mma.json``.
 Usage: python scripts/gpu_gguf_mma.py [--shapes 27b.gate_up,...] [--rows 1,2,4,8,16,23,32,64]
@@ -46,8 +47,8 @@ CHECK_ROWS = (1, 2, 5, 16, 17, 23, 33, 64)
 
 
 def x_kinds(k: int, device) -> dict[str, torch.Tensor]:
-    """Rows of x as models make them and at the ends of bf16's range (Q4_K takes x as fp16 scaled
-    per 256 values: these check that scaling)."""
+    """Rows of x as models make them and at the ends of bf16's range (Q4_K and Q6_K take x as fp16
+    scaled per 256 values: these check that scaling)."""
     base = torch.randn(max(CHECK_ROWS), k, device=device)
     kinds = {"randn": base, "large": base * 3e5, "small": base * 1e-7,
              "mixed": base * torch.logspace(-4, 4, k, device=device)}

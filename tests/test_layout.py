@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -96,8 +97,6 @@ def test_every_module_imports_from_the_checkout_as_it_does_installed(wheel_dir, 
 def test_the_wheel_ships_the_cuda_sources(wheel_dir):
     # native.gguf_mma builds its extension at first use on a GPU from the installed package's files:
     # each source it lists and each header they include must be in the wheel.
-    import re
-
     from native import gguf_mma
 
     needed = {path.name for path in gguf_mma.SOURCES}
