@@ -211,14 +211,14 @@ def test_an_unauthenticated_client_cannot_make_the_step_socket_buffer_a_large_fr
 
 
 def test_a_target_with_slow_steps_answers_health_checks_and_stays_up(module_services, tmp_path_factory):
-    """A target whose every step takes about a third of a second on this CPU (a model far larger
+    """A target whose every step takes a fifth to two fifths of a second on these CPUs (a model far larger
     than the tiny one, in float64 on one thread: as a 1.5B model on a CPU) decodes for the gateway
     while a probe checks its health every 0.2 s: every check is answered at once (within 0.3 s),
     and the gateway, checking every 0.2 s too, never takes it for down."""
     from splitspec.fixtures.tiny import TinySpec, make_tiny
 
     s = module_services
-    spec = TinySpec(hidden_size=1024, intermediate_size=4096, num_heads=16, num_kv_heads=4, head_dim=64, target_layers=36, seed=3)
+    spec = TinySpec(hidden_size=1024, intermediate_size=4096, num_heads=16, num_kv_heads=4, head_dim=64, target_layers=44, seed=3)
     target_model, _ = make_tiny(tmp_path_factory.mktemp("slow"), spec, weight_type="f16")
     target = s.start("ab-slow", "target", "--model", str(target_model), "--dtype", "float64", "--threads", "1")
     gateway = s.start("ab-slow-gw", "gateway", "--target", target, "--draft", "", "--health-interval", "0.2")
@@ -257,7 +257,9 @@ def test_a_target_with_slow_steps_answers_health_checks_and_stays_up(module_serv
             if prober.is_alive():
                 prober.join()
     step_s = (arrivals[-1][0] - arrivals[0][0]) / sum(n for _, n in arrivals[1:])  # one token a step
-    assert step_s >= 0.2, f"steps of {step_s:.3f} s are not slow enough for this test"
+    # A check must be able to land inside a step: steps of most of the probe's 0.2 s at least (CI's
+    # machine ran this model's steps at 0.19 s with 36 layers where this one ran them at 0.33 s).
+    assert step_s >= 0.15, f"steps of {step_s:.3f} s are not slow enough for this test"
     assert len(after.tokens) == 2
     serving = health_pb2.HealthCheckResponse.SERVING
     assert len(checks) >= 10 and all(status == serving for _, status in checks), checks
