@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from splitspec.models.layers import QKVProjection, RMSNorm, SwiGLU, rope_cos_sin
+from splitspec.models.layers import QKVProjection, RMSNorm, SwiGLU, embedding, rope_cos_sin
 from splitspec.models.paged import KVBlockPool, PagedState, PassInputs
 from splitspec.spec.acceptance import compact_rows
 
@@ -114,7 +114,7 @@ class DenseForCausalLM(nn.Module):
     def __init__(self, config: DenseConfig) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DenseDecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)

@@ -26,6 +26,16 @@ SMALL_ATTENTION = 1 << 20  # query rows x key slots up to which attention runs a
 TREE_ATTENTION_ROWS = 2048  # query rows (heads x tokens) up to which the native kernel runs: decode and verify
 
 
+def embedding(num_embeddings: int, dim: int) -> nn.Embedding:
+    """``nn.Embedding(num_embeddings, dim)``, left uninitialised when built on the meta device, as the
+    loaders build models before filling in the file's weights: there its N(0, 1) initialisation runs
+    in torch's Python reference kernels, whose first call imports ``torch._dynamo`` (1.1 s of a
+    worker's start on a CPU, half the built-in target's load)."""
+    if torch.get_default_device().type == "meta":
+        return nn.Embedding(num_embeddings, dim, _weight=torch.empty(num_embeddings, dim))
+    return nn.Embedding(num_embeddings, dim)
+
+
 class RMSNorm(nn.Module):
     """``x * rsqrt(mean(x^2) + eps) * w`` with a plain weight (Qwen3/Llama convention)."""
 

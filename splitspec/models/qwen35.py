@@ -59,7 +59,7 @@ from splitspec.models.delta_rule import (
     path_gated_delta,
     reloaded_rows,
 )
-from splitspec.models.layers import FusedLinear, QKVProjection, RMSNorm, SwiGLU, apply_rope, fuse_linears, rope_cos_sin
+from splitspec.models.layers import FusedLinear, QKVProjection, RMSNorm, SwiGLU, apply_rope, embedding, fuse_linears, rope_cos_sin
 from splitspec.models.paged import KVBlockPool, PagedState, PassAttention, PassInputs
 from splitspec.spec.acceptance import compact_rows
 
@@ -547,7 +547,7 @@ class Qwen35ForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.state_dtype = state_dtype
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(Qwen35DecoderLayer(config, config.is_full_attention(i)) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
