@@ -16,9 +16,7 @@ It also writes byte-level metadata, for tiny test and demo models.
 from __future__ import annotations
 
 import json
-import mmap
 import os
-import struct
 import threading
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -30,7 +28,7 @@ import gguf
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 
-from splitspec.models.gguf_file import split_parts
+from splitspec.models.gguf_file import read_metadata, split_parts
 
 __all__ = ["ByteLevelVocab", "Tokenizer", "byte_level_backend", "byte_level_vocab", "write_gguf_tokenizer"]
 
@@ -236,7 +234,7 @@ class Tokenizer:
         which holds the metadata.
         """
         path = split_parts(path)[0]
-        metadata = _read_gguf_metadata(path)
+        metadata = read_metadata(path)
 
         def get(key: str, required: bool = False):
             value = metadata.get(key)
@@ -390,67 +388,6 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         """Id of a token as spelled in the vocabulary (or an added token's text), else None."""
         return self._backend.token_to_id(token)
-
-
-_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-_GGUF_STRING, _GGUF_ARRAY = 8, 9
-
-
-def _read_gguf_metadata(path: str | os.PathLike) -> dict:
-    """A GGUF file's metadata as ``{key: value}`` (strings, numbers, bools, lists of them).
-
-    Reads only the key-value section, in one pass: ``gguf.GGUFReader`` also maps every tensor and
-    builds an array per element of every list, which takes tens of seconds for a 250k-token
-    vocabulary and its merges. Files it does not read (big-endian ones) go to ``GGUFReader``.
-    """
-    with open(path, "rb") as f:
-        head = f.read(24)
-        if len(head) < 24 or head[:4] != b"GGUF" or struct.unpack_from("<I", head, 4)[0] not in (2, 3):
-            return _read_gguf_metadata_slow(path)
-        (n_kv,) = struct.unpack_from("<Q", head, 16)
-        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:  # only the pages read are loaded
-            return _parse_gguf_metadata(data, n_kv)
-
-
-def _parse_gguf_metadata(data: mmap.mmap, n_kv: int) -> dict:
-    pos = 24
-
-    def string() -> str:
-        nonlocal pos
-        (n,) = struct.unpack_from("<Q", data, pos)
-        pos += 8 + n
-        return data[pos - n : pos].decode("utf-8")
-
-    def value(kind: int):
-        nonlocal pos
-        if kind == _GGUF_STRING:
-            return string()
-        if kind == _GGUF_ARRAY:
-            inner, count = struct.unpack_from("<IQ", data, pos)
-            pos += 12
-            if inner in _GGUF_SCALARS:
-                fmt = f"<{count}{_GGUF_SCALARS[inner]}"
-                items = list(struct.unpack_from(fmt, data, pos))
-                pos += struct.calcsize(fmt)
-                return items
-            return [value(inner) for _ in range(count)]
-        fmt = "<" + _GGUF_SCALARS[kind]
-        (item,) = struct.unpack_from(fmt, data, pos)
-        pos += struct.calcsize(fmt)
-        return item
-
-    metadata = {}
-    for _ in range(n_kv):
-        key = string()
-        (kind,) = struct.unpack_from("<I", data, pos)
-        pos += 4
-        metadata[key] = value(kind)
-    return metadata
-
-
-def _read_gguf_metadata_slow(path: str | os.PathLike) -> dict:
-    reader = gguf.GGUFReader(path)
-    return {name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")}
 
 
 def _prepend_never(pre_tokenizer: dict | None) -> bool:
