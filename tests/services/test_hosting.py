@@ -173,6 +173,19 @@ def test_a_pass_waits_briefly_for_the_sequences_of_the_last_pass():
     assert passes[-1] == ["s0", "s1", "s2"]
 
 
+def test_a_pass_does_not_wait_for_a_sequence_of_the_last_pass_that_was_released():
+    async def scenario(batcher):
+        await asyncio.gather(*(batcher.submit((f"s{i}", "a")) for i in range(3)))  # a pass of three of the four
+        batcher.host.engine.sequences.pop("s2")  # its client left
+        steps = [asyncio.ensure_future(batcher.submit((f"s{i}", "b"))) for i in range(2)]
+        await asyncio.sleep(0)  # both steps have arrived
+        started = batcher._running  # at once: no gather window for s2
+        return started, await asyncio.gather(*steps)
+
+    (started, results), passes = batched(4, scenario, seconds=0.05, max_gather_s=1.0)
+    assert started and results == ["s0:b", "s1:b"] and passes[-1] == ["s0", "s1"]
+
+
 def test_a_failing_step_fails_alone_and_one_sequence_has_one_step_a_pass():
     async def scenario(batcher):
         first = asyncio.ensure_future(batcher.submit(("s0", "a")))
