@@ -1,0 +1,245 @@
+"""Variants of the Q4_K and Q6_K A-operand kernels (``native/gguf_q4k.cu``, ``gguf_q6k.cu``), timed
+against the kernels as they are, and a sweep of K splits (GPU, nvcc; benchmark-only weights).
+
+Each variant is the committed source with one text patch behind a macro (``patch``): the weights
+loaded with an ``L2::256B`` prefetch hint (``l2hint``), the super-block ``PROBE_PREFETCH`` ahead
+prefetched into L2 with ``cp.async.bulk.prefetch`` (``pf2``, ``pf4``), the k steps' two mma
+chains accumulated apart (``chains2``: the sums' order changes, so its outputs differ from the
+others' in the last bits), one n-tile capped at four blocks a multiprocessor (``mb4``: 128
+registers), Q6_K's four n-tiles at two (``q6nb4mb2``: 246 registers and no spills, where three
+blocks spill), and two combinations. The variants build in parallel, each an extension of the
+two kernel files and a binding; one process then times every variant on each shape (27B and 8B
+layer shapes, the 27B LM head) at 1, 8, 23 and 32 rows, the current kernels also at 1-8 splits,
+as ``gpu_gguf_mma.py`` times (a CUDA graph of 20 calls over weight copies L2 cannot hold, best of
+5), beside a read of the same bytes by ``torch.amax``, and prints each variant's largest
+difference from the current kernel's output at the same splits. Writes ``$OUT/gpu_mma_variants.json``.
+
+Usage: python3 scripts/gpu_mma_variants.py   (``VARIANTS=base,l2hint`` builds only those)
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+SRC = Path(os.environ.get("TMPDIR", "/tmp")) / "splitspec_mma_variants"
+
+VARIANTS = {
+    "base": {},
+    "l2hint": {"PROBE_L2HINT": 1},
+    "pf2": {"PROBE_PREFETCH": 2},
+    "pf4": {"PROBE_PREFETCH": 4},
+    "chains2": {"PROBE_CHAINS2": 1},
+    "mb4": {"PROBE_MB1": 4},
+    "l2h_ch2": {"PROBE_L2HINT": 1, "PROBE_CHAINS2": 1},
+    "pf4_ch2": {"PROBE_PREFETCH": 4, "PROBE_CHAINS2": 1},
+    "q6nb4mb2": {"PROBE_Q6_MB4": 2},  # Q6_K at 4 n-tiles (25-32 rows) capped at 2 blocks (246 registers, no spills), not 3
+}
+
+BIND = r"""
+#include <torch/extension.h>
+void q4k_mma(torch::Tensor x, torch::Tensor w, torch::Tensor out, torch::Tensor partial, torch::Tensor counters, int64_t splits);
+void q6k_mma(torch::Tensor x, torch::Tensor w, torch::Tensor out, torch::Tensor partial, torch::Tensor counters, int64_t splits);
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("q4k_mma", &q4k_mma); m.def("q6k_mma", &q6k_mma); }
+"""
+
+
+def sub(text: str, old: str, new: str, count: int = 1) -> str:
+    n = text.count(old)
+    assert n == count, (old, n)
+    return text.replace(old, new)
+
+
+def patch() -> None:
+    SRC.mkdir(exist_ok=True)
+    h = (ROOT / "native/gguf_mma.cuh").read_text()
+    h = sub(h, "namespace mma_common {", """#ifndef PROBE_L2HINT
+#define PROBE_L2HINT 0
+#endif
+#ifndef PROBE_PREFETCH
+#define PROBE_PREFETCH 0
+#endif
+#ifndef PROBE_CHAINS2
+#define PROBE_CHAINS2 0
+#endif
+#ifndef PROBE_MB1
+#define PROBE_MB1 1
+#endif
+#ifndef PROBE_Q6_MB4
+#define PROBE_Q6_MB4 3
+#endif
+namespace mma_common {""")
+    h = sub(h, """  return __ldg(reinterpret_cast<const uint4*>(p));
+}""", """#if PROBE_L2HINT
+  uint4 v;
+  asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+#else
+  return __ldg(reinterpret_cast<const uint4*>(p));
+#endif
+}
+__device__ __forceinline__ uint32_t load4(const uint32_t* p) {
+#if PROBE_L2HINT
+  uint32_t v;
+  asm("ld.global.nc.L1::no_allocate.L2::256B.u32 %0, [%1];" : "=r"(v) : "l"(p));
+  return v;
+#else
+  return __ldg(p);
+#endif
+}
+__device__ __forceinline__ void bulk_prefetch(const uint8_t* p, int bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p) & ~uintptr_t(15);
+  const uint32_t size = static_cast<uint32_t>(((reinterpret_cast<uintptr_t>(p) + bytes + 15) & ~uintptr_t(15)) - a);
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(a), "r"(size) : "memory");
+#endif
+}""")
+    h = sub(h, """      compute(buf[st], sb);""", """#if PROBE_PREFETCH
+      if (c < 2 && sb + PROBE_PREFETCH < end) bulk_prefetch((c ? rows[1] : rows[0]) + static_cast<int64_t>(sb + PROBE_PREFETCH) * Block::kBytes, Block::kBytes);
+#endif
+      compute(buf[st], sb);""")
+    (SRC / "gguf_mma.cuh").write_text(h)
+
+    q4 = (ROOT / "native/gguf_q4k.cu").read_text()
+    q4 = sub(q4, "float part[NB][4], by_min[NB][4];", "float part[NB][4], by_min[NB][4], part2[NB][4];")
+    q4 = sub(q4, "part[nb][e] = by_min[nb][e] = 0.0f;", "part[nb][e] = by_min[nb][e] = part2[nb][e] = 0.0f;")
+    q4 = sub(q4, "mma_f16(part[nb], a2, b.z, b.w);", "mma_f16((PROBE_CHAINS2 ? part2 : part)[nb], a2, b.z, b.w);")
+    q4 = sub(q4, "  const uint32_t m[4] = {f[0].mins", """  if (PROBE_CHAINS2)
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) part[nb][e] += part2[nb][e];
+  const uint32_t m[4] = {f[0].mins""")
+    q4 = sub(q4, "NB == 1 ? 1 : 3", "NB == 1 ? PROBE_MB1 : 3")
+    (SRC / "gguf_q4k.cu").write_text(q4)
+
+    q6 = (ROOT / "native/gguf_q6k.cu").read_text()
+    q6 = sub(q6, "  float part[NB][4];\n", "  float part[NB][4], part2[NB][4];\n")
+    q6 = sub(q6, "    for (int e = 0; e < 4; ++e) part[nb][e] = 0.0f;", "    for (int e = 0; e < 4; ++e) part[nb][e] = part2[nb][e] = 0.0f;")
+    q6 = sub(q6, "mma_f16(part[nb], a2, b.z, b.w);", "mma_f16((PROBE_CHAINS2 ? part2 : part)[nb], a2, b.z, b.w);")
+    q6 = sub(q6, """#pragma unroll
+  for (int nb = 0; nb < NB; ++nb) {
+    const float2 sx =""", """  if (PROBE_CHAINS2)
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) part[nb][e] += part2[nb][e];
+#pragma unroll
+  for (int nb = 0; nb < NB; ++nb) {
+    const float2 sx =""")
+    q6 = re.sub(r"__ldg\(words \+", "mma_common::load4(words +", q6)
+    q6 = sub(q6, "NB == 1 ? 1 : 3", "NB == 1 ? PROBE_MB1 : NB == 4 ? PROBE_Q6_MB4 : 3")
+    (SRC / "gguf_q6k.cu").write_text(q6)
+    (SRC / "bind.cpp").write_text(BIND)
+
+
+def flags_of(name: str) -> list[str]:
+    return ["-O3"] + [f"-D{k}={v}" for k, v in VARIANTS[name].items()]
+
+
+def build(name: str):
+    from torch.utils.cpp_extension import load
+
+    flags = flags_of(name)
+    t0 = time.time()
+    try:
+        load(name=f"mma_variant_{name}", sources=[str(SRC / "gguf_q4k.cu"), str(SRC / "gguf_q6k.cu"), str(SRC / "bind.cpp")],
+             extra_cuda_cflags=flags, verbose=False)
+    except Exception as exc:  # noqa: BLE001 - one variant's failure must not cost the others
+        print(f"build {name} FAILED: {str(exc)[-2000:]}", flush=True)
+        return name, None
+    return name, time.time() - t0
+
+
+def cycling(tensors: list[torch.Tensor]):
+    """A function returning the next of ``tensors`` at each call (a graph's calls read them in turn)."""
+    it = iter(range(1 << 62))
+    return lambda: tensors[next(it) % len(tensors)]
+
+
+def build_all(names: list[str]) -> list[str]:
+    """Build ``names`` in parallel; the ones that built (a failure is printed and skipped)."""
+    os.environ.setdefault("MAX_JOBS", "4")
+    built = []
+    with ProcessPoolExecutor(len(names)) as pool:
+        for name, seconds in pool.map(build, names):
+            if seconds is not None:
+                built.append(name)
+                print(f"built {name} in {seconds:.0f} s", flush=True)
+    if "base" not in built:
+        raise SystemExit("the current kernels (base) did not build")
+    return built
+
+
+def time_shape(exts, names, qtype, shape, counters, sms, results) -> None:
+    """Every variant on one layer shape at 1, 8, 23 and 32 rows (the current kernels at 1-8 splits too)."""
+    from gguf import GGMLQuantizationType as Q
+    from gpu_quant_libraries import SHAPES, random_blocks, timed
+
+    dev = counters.device
+    n, k = SHAPES[shape]
+    first = random_blocks(qtype, n, k, dev)
+    copies = [first] + [random_blocks(qtype, n, k, dev) for _ in range(max(1, -(-400_000_000 // first.numel())) - 1)]
+    mb = first.numel() / 1e6
+    default = max(1, min(round(2.5 * sms / -(-n // 64)), k // 256 // 2, 32))  # gguf_mma.a_operand_splits
+    next_ints = cycling([c.view(torch.int32) for c in copies])
+    read_us = timed(lambda: torch.amax(next_ints()), reps=20)
+    print(f"\n{qtype.name} {shape} N={n} K={k} {mb:.1f} MB, default splits {default}; amax read {read_us:.1f} us "
+          f"({mb / read_us:.2f} TB/s)", flush=True)
+    for m in (1, 8, 23, 32):
+        x = torch.randn(m, k, device=dev).to(torch.bfloat16)
+        base_out = {}
+        for name in names:
+            fn = getattr(exts[name], "q4k_mma" if qtype == Q.Q4_K else "q6k_mma")
+            for splits in sorted({1, 2, 3, 4, 6, 8, default}) if name == "base" else (default,):
+                out = torch.empty(m, n, dtype=torch.bfloat16, device=dev)
+                partial = torch.empty(splits, min(m, 32), n, dtype=torch.float32, device=dev)
+                fn(x, first, out, partial, counters, splits)
+                torch.cuda.synchronize()
+                if name == "base":
+                    base_out[splits] = out.clone()
+                ref = base_out[splits].float()
+                err = ((out.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+                next_raw = cycling(copies)
+                us = timed(lambda: fn(x, next_raw(), out, partial, counters, splits), reps=20)  # noqa: B023 - timed now
+                results.append(dict(type=qtype.name, shape=shape, m=m, variant=name, splits=splits, us=us, err=err))
+                mark = "*" if splits == default else " "
+                print(f"  m={m:2d} {name:8s} splits {splits}{mark} {us:8.1f} us {mb / us:5.2f} TB/s  vs base {err:.1e}", flush=True)
+
+
+def main() -> None:
+    from gguf import GGMLQuantizationType as Q
+    from gpu_quant_libraries import copy_bandwidth
+    from torch.utils.cpp_extension import load
+
+    patch()
+    t0 = time.time()
+    wanted = os.environ.get("VARIANTS", ",".join(VARIANTS)).split(",")
+    names = build_all([n for n in VARIANTS if n in wanted])
+    print(f"builds {time.time() - t0:.0f} s", flush=True)
+    exts = {n: load(name=f"mma_variant_{n}", sources=[str(SRC / f) for f in ("gguf_q4k.cu", "gguf_q6k.cu", "bind.cpp")],
+                    extra_cuda_cflags=flags_of(n)) for n in names}
+    dev = torch.device("cuda")
+    print(torch.cuda.get_device_name(), f"copy {copy_bandwidth(dev):.2f} TB/s", flush=True)
+    counters = torch.zeros(1 << 15, dtype=torch.int32, device=dev)
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    results: list[dict] = []
+    for qtype, shape in [(Q.Q4_K, "27b.gate_up"), (Q.Q4_K, "27b.down"), (Q.Q4_K, "27b.attn_qkv"), (Q.Q4_K, "8b.gate_up"),
+                         (Q.Q6_K, "27b.down"), (Q.Q6_K, "27b.attn_qkv"), (Q.Q6_K, "27b.lm_head")]:
+        time_shape(exts, names, qtype, shape, counters, sms, results)
+        torch.cuda.empty_cache()
+    out_dir = Path(os.environ.get("OUT", "/tmp"))
+    (out_dir / "gpu_mma_variants.json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
