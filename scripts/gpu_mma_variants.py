@@ -5,7 +5,7 @@ Each variant is the committed source with one text patch behind a macro (``patch
 loaded with an ``L2::256B`` prefetch hint (``l2hint``), the super-block ``PROBE_PREFETCH`` ahead
 prefetched into L2 with ``cp.async.bulk.prefetch`` (``pf2``, ``pf4``), the k steps' two mma
 chains accumulated apart (``chains2``: the sums' order changes, so its outputs differ from the
-others' in the last bits), one n-tile capped at four blocks a multiprocessor (``mb4``: 128
+others' in the last bits), one n-tile capped at four blocks a multiprocessor (``mb4``: 121
 registers), Q6_K's four n-tiles at two (``q6nb4mb2``: 246 registers and no spills, where three
 blocks spill), and two combinations. The variants build in parallel, each an extension of the
 two kernel files and a binding; one process then times every variant on each shape (27B and 8B
