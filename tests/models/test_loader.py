@@ -48,6 +48,19 @@ def test_truncated_gguf(tmp_path):
         load_target(path)
 
 
+@pytest.mark.parametrize("arch", ["qwen3", "qwen35"])
+def test_loading_a_target_does_not_import_torch_dynamo(tmp_path, arch):
+    # The models are built on the meta device before the file's weights fill them; a random
+    # initialisation there runs in torch's Python reference kernels, whose first call imports
+    # torch._dynamo: 1.1 s of every worker's start (BENCHMARKS.md, run [U2]).
+    from splitspec.fixtures.tiny import make_tiny
+
+    target, _ = make_tiny(tmp_path, TinySpec(architecture=arch, target_layers=2, seed=1))
+    code = "import sys; from splitspec.models.loader import load_target; load_target(sys.argv[1]); print(sorted(m for m in sys.modules if m.startswith('torch._dynamo')))"
+    done = subprocess.run([sys.executable, "-c", code, str(target)], capture_output=True, text=True, timeout=300, check=True)
+    assert done.stdout.strip() == "[]", done.stdout
+
+
 def test_unknown_architecture(tmp_path):
     path = _target(tmp_path)
     data = path.read_bytes().replace(b"qwen3", b"bert5")  # architecture value and its metadata keys alike
