@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -53,9 +52,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("q4k_mma", &q4k_mma); m.def("q6
 """
 
 
-def sub(text: str, old: str, new: str, count: int = 1) -> str:
-    n = text.count(old)
-    assert n == count, (old, n)
+def sub(text: str, old: str, new: str) -> str:
+    """``text`` with its one ``old`` replaced (a source that no longer holds it exactly once fails here)."""
+    assert text.count(old) == 1, old
     return text.replace(old, new)
 
 
@@ -136,24 +135,25 @@ __device__ __forceinline__ void bulk_prefetch(const uint8_t* p, int bytes) {
 #pragma unroll
   for (int nb = 0; nb < NB; ++nb) {
     const float2 sx =""")
-    q6 = re.sub(r"__ldg\(words \+", "mma_common::load4(words +", q6)
+    assert "__ldg(words +" in q6
+    q6 = q6.replace("__ldg(words +", "mma_common::load4(words +")
     q6 = sub(q6, "NB == 1 ? 1 : 3", "NB == 1 ? PROBE_MB1 : NB == 4 ? PROBE_Q6_MB4 : 3")
     (SRC / "gguf_q6k.cu").write_text(q6)
     (SRC / "bind.cpp").write_text(BIND)
 
 
-def flags_of(name: str) -> list[str]:
-    return ["-O3"] + [f"-D{k}={v}" for k, v in VARIANTS[name].items()]
+def extension(name: str):
+    """Variant ``name``'s extension of the patched sources (built once, then loaded from torch's cache)."""
+    from torch.utils.cpp_extension import load
+
+    return load(name=f"mma_variant_{name}", sources=[str(SRC / f) for f in ("gguf_q4k.cu", "gguf_q6k.cu", "bind.cpp")],
+                extra_cuda_cflags=["-O3"] + [f"-D{k}={v}" for k, v in VARIANTS[name].items()], verbose=False)
 
 
 def build(name: str):
-    from torch.utils.cpp_extension import load
-
-    flags = flags_of(name)
     t0 = time.time()
     try:
-        load(name=f"mma_variant_{name}", sources=[str(SRC / "gguf_q4k.cu"), str(SRC / "gguf_q6k.cu"), str(SRC / "bind.cpp")],
-             extra_cuda_cflags=flags, verbose=False)
+        extension(name)
     except Exception as exc:  # noqa: BLE001 - one variant's failure must not cost the others
         print(f"build {name} FAILED: {str(exc)[-2000:]}", flush=True)
         return name, None
@@ -219,15 +219,12 @@ def time_shape(exts, names, qtype, shape, counters, sms, results) -> None:
 def main() -> None:
     from gguf import GGMLQuantizationType as Q
     from gpu_quant_libraries import copy_bandwidth
-    from torch.utils.cpp_extension import load
-
     patch()
     t0 = time.time()
     wanted = os.environ.get("VARIANTS", ",".join(VARIANTS)).split(",")
     names = build_all([n for n in VARIANTS if n in wanted])
     print(f"builds {time.time() - t0:.0f} s", flush=True)
-    exts = {n: load(name=f"mma_variant_{n}", sources=[str(SRC / f) for f in ("gguf_q4k.cu", "gguf_q6k.cu", "bind.cpp")],
-                    extra_cuda_cflags=flags_of(n)) for n in names}
+    exts = {n: extension(n) for n in names}
     dev = torch.device("cuda")
     print(torch.cuda.get_device_name(), f"copy {copy_bandwidth(dev):.2f} TB/s", flush=True)
     counters = torch.zeros(1 << 15, dtype=torch.int32, device=dev)
