@@ -183,10 +183,11 @@ __device__ __forceinline__ void accumulate(float (&acc)[NB][4], Q6K (&f)[2], con
 
 // One program: kWarps warps x 16 features, K super-blocks [split's range), NB n-tiles of 8 x rows.
 // With splits > 1 each writes float32 partial sums and the last of a tile adds them (add_splits).
-// Launch bounds as q4k_kernel's: the compiler's choice at one n-tile, 3 blocks (168 registers)
-// a multiprocessor from two.
+// Launch bounds: the compiler's choice at one n-tile; 3 blocks (168 registers) a multiprocessor at
+// two and three n-tiles; 2 blocks at four (25-32 rows), where 3 would spill: 246 registers and no
+// spills made the 27B LM head 1.58x faster at 32 rows on an H100 (BENCHMARKS.md, [V1]).
 template <int NB>
-__global__ void __launch_bounds__(kWarps * 32, NB == 1 ? 1 : 3) q6k_kernel(
+__global__ void __launch_bounds__(kWarps * 32, NB == 1 ? 1 : NB == 4 ? 2 : 3) q6k_kernel(
     const uint4* __restrict__ xq, const float* __restrict__ xscale, const uint8_t* __restrict__ w,
     __nv_bfloat16* __restrict__ out, float* __restrict__ partial, int* __restrict__ counters, int M, int N,
     int64_t row_bytes, int super_blocks, int splits) {

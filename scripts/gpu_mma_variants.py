@@ -1,20 +1,22 @@
 """Variants of the Q4_K and Q6_K A-operand kernels (``native/gguf_q4k.cu``, ``gguf_q6k.cu``), timed
 against the kernels as they are, and a sweep of K splits (GPU, nvcc; benchmark-only weights).
 
-Each variant is the committed source with one text patch behind a macro (``patch``): the weights
-loaded with an ``L2::256B`` prefetch hint (``l2hint``), the super-block ``PROBE_PREFETCH`` ahead
-prefetched into L2 with ``cp.async.bulk.prefetch`` (``pf2``, ``pf4``), the k steps' two mma
-chains accumulated apart (``chains2``: the sums' order changes, so its outputs differ from the
-others' in the last bits), one n-tile capped at four blocks a multiprocessor (``mb4``: 121
-registers), Q6_K's four n-tiles at two (``q6nb4mb2``: 246 registers and no spills, where three
-blocks spill), and two combinations. The variants build in parallel, each an extension of the
-two kernel files and a binding; one process then times every variant on each shape (27B and 8B
-layer shapes, the 27B LM head) at 1, 8, 23 and 32 rows, the current kernels also at 1-8 splits,
-as ``gpu_gguf_mma.py`` times (a CUDA graph of 20 calls over weight copies L2 cannot hold, best of
-5), beside a read of the same bytes by ``torch.amax``, and prints each variant's largest
-difference from the current kernel's output at the same splits. Writes ``$OUT/gpu_mma_variants.json``.
+Each variant is the committed source with one text patch behind a macro (``patch``): Q4_K's weights
+by plain ``__ldg`` (``q4ldg``, the kernels before BENCHMARKS.md's [V1]) or with a 128-byte L2 hint
+(``q4l2h128``; the kernels' own hint is 256 bytes); Q6_K's words with a 128-byte L2 hint
+(``q6l2h128``) or only not allocated in L1 (``q6noalloc``; the 256-byte hint lost in [V1]); the
+super-block two ahead prefetched into L2 with ``cp.async.bulk.prefetch`` (``pf2``); the k steps' two
+mma chains accumulated apart (``chains2``: the sums' order changes, so its outputs differ from the
+others' in the last bits); one n-tile capped at four blocks a multiprocessor (``mb4``: 121
+registers); Q6_K's four n-tiles at three blocks (``q6nb4mb3``: spills; the kernels before [V1]).
+The variants build in parallel, each an extension of the two kernel files and a binding; one
+process then times every variant on each shape (27B and 8B layer shapes, the 27B LM head) at 1, 8,
+23 and 32 rows, the current kernels also at 1-8 splits, as ``gpu_gguf_mma.py`` times (a CUDA graph
+of 20 calls over weight copies L2 cannot hold, best of 5), beside a read of the same bytes by
+``torch.amax``, and prints each variant's largest difference from the current kernel's output at
+the same splits. Writes ``$OUT/gpu_mma_variants.json``.
 
-Usage: python3 scripts/gpu_mma_variants.py   (``VARIANTS=base,l2hint`` builds only those)
+Usage: python3 scripts/gpu_mma_variants.py   (``VARIANTS=base,q4ldg`` builds only those)
 """
 from __future__ import annotations
 
@@ -34,14 +36,14 @@ SRC = Path(os.environ.get("TMPDIR", "/tmp")) / "splitspec_mma_variants"
 
 VARIANTS = {
     "base": {},
-    "l2hint": {"PROBE_L2HINT": 1},
+    "q4ldg": {"PROBE_Q4_LOAD": 0},  # Q4_K's weights by plain __ldg (the kernels before [V1])
+    "q4l2h128": {"PROBE_Q4_LOAD": 2},  # Q4_K's weights with a 128-byte L2 hint
+    "q6l2h128": {"PROBE_Q6_LOAD": 2},  # Q6_K's words with a 128-byte L2 hint
+    "q6noalloc": {"PROBE_Q6_LOAD": 3},  # Q6_K's words not allocated in L1, no L2 hint
     "pf2": {"PROBE_PREFETCH": 2},
-    "pf4": {"PROBE_PREFETCH": 4},
     "chains2": {"PROBE_CHAINS2": 1},
-    "mb4": {"PROBE_MB1": 4},
-    "l2h_ch2": {"PROBE_L2HINT": 1, "PROBE_CHAINS2": 1},
-    "pf4_ch2": {"PROBE_PREFETCH": 4, "PROBE_CHAINS2": 1},
-    "q6nb4mb2": {"PROBE_Q6_MB4": 2},  # Q6_K at 4 n-tiles (25-32 rows) capped at 2 blocks (246 registers, no spills), not 3
+    "mb4": {"PROBE_MB1": 4},  # one n-tile capped at 4 blocks (121 registers)
+    "q6nb4mb3": {"PROBE_Q6_MB4": 3},  # Q6_K at 4 n-tiles (25-32 rows) at 3 blocks (spills; the kernels before [V1])
 }
 
 BIND = r"""
@@ -61,8 +63,11 @@ def sub(text: str, old: str, new: str) -> str:
 def patch() -> None:
     SRC.mkdir(exist_ok=True)
     h = (ROOT / "native/gguf_mma.cuh").read_text()
-    h = sub(h, "namespace mma_common {", """#ifndef PROBE_L2HINT
-#define PROBE_L2HINT 0
+    h = sub(h, "namespace mma_common {", """#ifndef PROBE_Q4_LOAD
+#define PROBE_Q4_LOAD 1
+#endif
+#ifndef PROBE_Q6_LOAD
+#define PROBE_Q6_LOAD 0
 #endif
 #ifndef PROBE_PREFETCH
 #define PROBE_PREFETCH 0
@@ -74,25 +79,33 @@ def patch() -> None:
 #define PROBE_MB1 1
 #endif
 #ifndef PROBE_Q6_MB4
-#define PROBE_Q6_MB4 3
+#define PROBE_Q6_MB4 2
 #endif
 namespace mma_common {""")
-    h = sub(h, """  return __ldg(reinterpret_cast<const uint4*>(p));
-}""", """#if PROBE_L2HINT
-  uint4 v;
-  asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-  return v;
-#else
+    start = h.index("__device__ __forceinline__ uint4 load16(")
+    end = h.index("\n}\n", start) + 3
+    h = h[:start] + """#define PROBE_HINT_1 ".L1::no_allocate.L2::256B"
+#define PROBE_HINT_2 ".L1::no_allocate.L2::128B"
+#define PROBE_HINT_3 ".L1::no_allocate"
+#define PROBE_HINT_(kind) PROBE_HINT_##kind
+#define PROBE_HINT(kind) PROBE_HINT_(kind)
+__device__ __forceinline__ uint4 load16(const uint8_t* p) {
+#if PROBE_Q4_LOAD == 0
   return __ldg(reinterpret_cast<const uint4*>(p));
+#else
+  uint4 v;
+  asm("ld.global.nc" PROBE_HINT(PROBE_Q4_LOAD) ".v4.u32 {%0,%1,%2,%3}, [%4];"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
 #endif
 }
 __device__ __forceinline__ uint32_t load4(const uint32_t* p) {
-#if PROBE_L2HINT
-  uint32_t v;
-  asm("ld.global.nc.L1::no_allocate.L2::256B.u32 %0, [%1];" : "=r"(v) : "l"(p));
-  return v;
-#else
+#if PROBE_Q6_LOAD == 0
   return __ldg(p);
+#else
+  uint32_t v;
+  asm("ld.global.nc" PROBE_HINT(PROBE_Q6_LOAD) ".u32 %0, [%1];" : "=r"(v) : "l"(p));
+  return v;
 #endif
 }
 __device__ __forceinline__ void bulk_prefetch(const uint8_t* p, int bytes) {
@@ -101,7 +114,8 @@ __device__ __forceinline__ void bulk_prefetch(const uint8_t* p, int bytes) {
   const uint32_t size = static_cast<uint32_t>(((reinterpret_cast<uintptr_t>(p) + bytes + 15) & ~uintptr_t(15)) - a);
   asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(a), "r"(size) : "memory");
 #endif
-}""")
+}
+""" + h[end:]
     h = sub(h, """      compute(buf[st], sb);""", """#if PROBE_PREFETCH
       if (c < 2 && sb + PROBE_PREFETCH < end) bulk_prefetch((c ? rows[1] : rows[0]) + static_cast<int64_t>(sb + PROBE_PREFETCH) * Block::kBytes, Block::kBytes);
 #endif
@@ -137,7 +151,7 @@ __device__ __forceinline__ void bulk_prefetch(const uint8_t* p, int bytes) {
     const float2 sx =""")
     assert "__ldg(words +" in q6
     q6 = q6.replace("__ldg(words +", "mma_common::load4(words +")
-    q6 = sub(q6, "NB == 1 ? 1 : 3", "NB == 1 ? PROBE_MB1 : NB == 4 ? PROBE_Q6_MB4 : 3")
+    q6 = sub(q6, "NB == 1 ? 1 : NB == 4 ? 2 : 3", "NB == 1 ? PROBE_MB1 : NB == 4 ? PROBE_Q6_MB4 : 3")
     (SRC / "gguf_q6k.cu").write_text(q6)
     (SRC / "bind.cpp").write_text(BIND)
 
@@ -213,7 +227,7 @@ def time_shape(exts, names, qtype, shape, counters, sms, results) -> None:
                 us = timed(lambda: fn(x, next_raw(), out, partial, counters, splits), reps=20)  # noqa: B023 - timed now
                 results.append(dict(type=qtype.name, shape=shape, m=m, variant=name, splits=splits, us=us, err=err))
                 mark = "*" if splits == default else " "
-                print(f"  m={m:2d} {name:8s} splits {splits}{mark} {us:8.1f} us {mb / us:5.2f} TB/s  vs base {err:.1e}", flush=True)
+                print(f"  m={m:2d} {name:9s} splits {splits}{mark} {us:8.1f} us {mb / us:5.2f} TB/s  vs base {err:.1e}", flush=True)
 
 
 def main() -> None:
