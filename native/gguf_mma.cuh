@@ -23,20 +23,10 @@ namespace mma_common {
 
 constexpr int kWarps = 4;  // warps per block
 
-// A weight load (p 16-byte aligned) that skips L1 and has L2 fetch the whole 256-byte sector group:
-// each Q4_K block is 144 bytes read in three 16-byte pieces per lane, so the rest of its bytes are
-// in L2 by the time they are asked for. On an H100 this made the Q4_K kernels 1.02-1.29x faster at
-// 1-32 rows (BENCHMARKS.md, [V1]); Q6_K's word loads were 0.68-0.93x with it, so they keep __ldg.
+// A plain read-only load (p 16-byte aligned). An L2::256B prefetch hint made the Q4_K kernel
+// 1.02-1.29x faster called alone, and its calls in the 27B AR step 7% slower (BENCHMARKS.md, [V1]).
 __device__ __forceinline__ uint4 load16(const uint8_t* p) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  uint4 v;
-  asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];"
-      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-      : "l"(p));
-  return v;
-#else
   return __ldg(reinterpret_cast<const uint4*>(p));
-#endif
 }
 
 __device__ __forceinline__ uint32_t word_of(const uint4& v, int i) {  // i a compile-time constant after unrolling

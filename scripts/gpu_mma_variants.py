@@ -2,8 +2,8 @@
 against the kernels as they are, and a sweep of K splits (GPU, nvcc; benchmark-only weights).
 
 Each variant is the committed source with one text patch behind a macro (``patch``): Q4_K's weights
-by plain ``__ldg`` (``q4ldg``, the kernels before BENCHMARKS.md's [V1]) or with a 128-byte L2 hint
-(``q4l2h128``; the kernels' own hint is 256 bytes); Q6_K's words with a 128-byte L2 hint
+with a 256-byte or 128-byte L2 hint (``q4l2h``, ``q4l2h128``: the first won here and lost in the
+27B step, BENCHMARKS.md's [V1], so time a winner in the step too); Q6_K's words with a 128-byte L2 hint
 (``q6l2h128``) or only not allocated in L1 (``q6noalloc``; the 256-byte hint lost in [V1]); the
 super-block two ahead prefetched into L2 with ``cp.async.bulk.prefetch`` (``pf2``); the k steps' two
 mma chains accumulated apart (``chains2``: the sums' order changes, so its outputs differ from the
@@ -16,7 +16,7 @@ of 20 calls over weight copies L2 cannot hold, best of 5), beside a read of the 
 ``torch.amax``, and prints each variant's largest difference from the current kernel's output at
 the same splits. Writes ``$OUT/gpu_mma_variants.json``.
 
-Usage: python3 scripts/gpu_mma_variants.py   (``VARIANTS=base,q4ldg`` builds only those)
+Usage: python3 scripts/gpu_mma_variants.py   (``VARIANTS=base,q4l2h`` builds only those)
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ SRC = Path(os.environ.get("TMPDIR", "/tmp")) / "splitspec_mma_variants"
 
 VARIANTS = {
     "base": {},
-    "q4ldg": {"PROBE_Q4_LOAD": 0},  # Q4_K's weights by plain __ldg (the kernels before [V1])
+    "q4l2h": {"PROBE_Q4_LOAD": 1},  # Q4_K's weights with a 256-byte L2 hint
     "q4l2h128": {"PROBE_Q4_LOAD": 2},  # Q4_K's weights with a 128-byte L2 hint
     "q6l2h128": {"PROBE_Q6_LOAD": 2},  # Q6_K's words with a 128-byte L2 hint
     "q6noalloc": {"PROBE_Q6_LOAD": 3},  # Q6_K's words not allocated in L1, no L2 hint
@@ -64,7 +64,7 @@ def patch() -> None:
     SRC.mkdir(exist_ok=True)
     h = (ROOT / "native/gguf_mma.cuh").read_text()
     h = sub(h, "namespace mma_common {", """#ifndef PROBE_Q4_LOAD
-#define PROBE_Q4_LOAD 1
+#define PROBE_Q4_LOAD 0
 #endif
 #ifndef PROBE_Q6_LOAD
 #define PROBE_Q6_LOAD 0
