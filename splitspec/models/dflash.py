@@ -165,8 +165,8 @@ class DFlashLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`forward_cached` of S blocks, each over its own context in the pool."""
         attn = self.self_attn
-        q = _project_write(attn, x, cos, sin, k_pool, v_pool, at.write_slots)  # [H, S * B, D]
-        x, h = self.post_attention_layernorm.forward_add(_attend_pooled(attn, q, k_pool, v_pool, at), h)
+        q = project_write(attn, x, cos, sin, k_pool, v_pool, at.write_slots)  # [H, S * B, D]
+        x, h = self.post_attention_layernorm.forward_add(attend_pooled(attn, q, k_pool, v_pool, at), h)
         return next_norm.forward_add(self.mlp(x), h)
 
 
@@ -292,7 +292,7 @@ class DFlashDraft(nn.Module):
         """
         c = self.config
         s, b = positions.shape
-        context, lengths = _pad_contexts(contexts)  # per layer (k, v) [S, H_kv, L, D]; [S] n_s
+        context, lengths = pad_contexts(contexts)  # per layer (k, v) [S, H_kv, L, D]; [S] n_s
         width = context[0][0].shape[2]  # L
         cols = torch.arange(width + b, device=noise.device)  # [L + B]
         visible = (cols < lengths[:, None]) | (cols >= width)  # [S, L + B]: own context, own block
@@ -352,7 +352,7 @@ class PooledAttention:
         return self._gather
 
 
-def _project_write(
+def project_write(
     attn: QKVProjection, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
 ) -> torch.Tensor:
@@ -367,7 +367,7 @@ def _project_write(
     return q
 
 
-def _attend_pooled(attn: QKVProjection, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, at: PooledAttention) -> torch.Tensor:
+def attend_pooled(attn: QKVProjection, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, at: PooledAttention) -> torch.Tensor:
     """Attention of S blocks ``q`` [H, S * B, D], each over its own region of the pool, then
     ``o_proj`` -> [S * B, hidden]. The native paged kernel reads the keys in place (a region is
     one page of ``region`` slots: block table ``[regions[s]]``, prefix ``ends[s]``), and only up
@@ -386,7 +386,7 @@ def _attend_pooled(attn: QKVProjection, q: torch.Tensor, k_pool: torch.Tensor, v
     return attn.o_proj(out.flatten(0, 1))
 
 
-def _pad_contexts(
+def pad_contexts(
     contexts: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]]],  # per sequence, per layer (k, v) [H_kv, n_s, D]
 ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
     """Per layer (k, v) [S, H_kv, L, D] with sequence s in columns ``0 .. n_s - 1`` and zeros after

@@ -34,6 +34,7 @@ from native.gguf_matmul import KERNEL_TYPES, QuantLinear
 from splitspec.models import qwen35_loader
 from splitspec.models.dense import DenseConfig, DenseForCausalLM
 from splitspec.models.dflash import DFlashConfig, DFlashDraft, default_target_layer_ids
+from splitspec.models.dflash2 import DFlash2Config, DFlash2Draft
 from splitspec.models.gguf_file import GGUFFile, ModelFileError, skip_other_tensors
 from splitspec.models.hf_dir import HFDirectory
 from splitspec.models.hub import resolve_model
@@ -402,8 +403,9 @@ def read_draft_config(path: str | os.PathLike, num_target_layers: int | None = N
     local = resolve_model(path)
     if local.is_dir():
         d = HFDirectory(local)
+        kind = DFlash2Config if is_dflash2(d.config) else DFlashConfig
         try:
-            return DFlashConfig.from_dict(d.config, source=str(d.config_path))
+            return kind.from_dict(d.config, source=str(d.config_path))
         except ValueError as exc:
             raise ModelFileError(str(exc)) from exc
     return dflash_config_from_gguf(GGUFFile(local), num_target_layers)
@@ -441,7 +443,7 @@ def load_dflash_draft(
         where, available = f.path, f.tensor_names()
         types = {name: f.raw(src)[1] for name, src in names.items()} if keep_quantized else {}
     with torch.device("meta"):
-        model = DFlashDraft(config)
+        model = draft_model(config)
     expected = {name: tuple(p.shape) for name, p in model.named_parameters()}
     unexpected = sorted(set(available) - set(names.values()))
     if unexpected:
@@ -462,9 +464,19 @@ def load_dflash_draft(
     return model.eval(), config
 
 
+def is_dflash2(raw: dict) -> bool:
+    """Whether a draft's ``config.json`` is a DFlash2 one (its architecture, or a candidate selector)."""
+    return "DFlash2DraftModel" in (raw.get("architectures") or []) or bool((raw.get("dflash_config") or {}).get("selector_top_k"))
+
+
+def draft_model(config: DFlashConfig) -> DFlashDraft:
+    """The draft module of a config: DFlash2 for a ``DFlash2Config``, else DFlash."""
+    return DFlash2Draft(config) if isinstance(config, DFlash2Config) else DFlashDraft(config)
+
+
 def _draft_param_names(config: DFlashConfig) -> list[str]:
     with torch.device("meta"):
-        return [name for name, _ in DFlashDraft(config).named_parameters()]
+        return [name for name, _ in draft_model(config).named_parameters()]
 
 
 def dflash_config_from_gguf(f: GGUFFile, num_target_layers: int | None) -> DFlashConfig:

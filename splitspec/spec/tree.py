@@ -48,6 +48,8 @@ import numpy as np
 
 __all__ = [
     "DraftTree",
+    "check_top_ids",
+    "grow_best_first",
     "build_chain",
     "build_ddtree",
     "node_depths",
@@ -100,7 +102,7 @@ def _from_lists(tokens: list[int], parents: list[int], depths: list[int], scores
     )
 
 
-def _check_top_ids(top_ids: np.ndarray) -> np.ndarray:
+def check_top_ids(top_ids: np.ndarray) -> np.ndarray:
     top_ids = np.asarray(top_ids)
     if top_ids.ndim != 2 or top_ids.shape[0] < 1 or top_ids.shape[1] < 1:
         raise ValueError(f"top_ids must have shape [L, K] with L, K >= 1, got {top_ids.shape}")
@@ -134,7 +136,7 @@ def build_ddtree(
     drift), so equal paths tie exactly. The tree carries each node's path score (``DraftTree.scores``:
     non-increasing in node order, the spine aside).
     """
-    top_ids = _check_top_ids(top_ids)
+    top_ids = check_top_ids(top_ids)
     top_logprobs = np.asarray(top_logprobs)
     if top_logprobs.shape != top_ids.shape:
         raise ValueError(f"top_logprobs shape {top_logprobs.shape} != top_ids shape {top_ids.shape}")
@@ -146,32 +148,47 @@ def build_ddtree(
         raise ValueError("top_ids rows must hold distinct token ids")
     if budget < 0:
         raise ValueError(f"budget must be >= 0, got {budget}")
-    num_depths, k = top_ids.shape
-    if max_depth is None:
-        max_depth = num_depths
-    elif max_depth < 0:
+    if max_depth is not None and max_depth < 0:
         raise ValueError(f"max_depth must be >= 0, got {max_depth}")
-    max_depth = min(max_depth, num_depths)
+    return grow_best_first(top_ids.tolist(), top_logprobs.astype(np.float64).tolist(), None, budget, chain_seed, max_depth)
+
+
+def grow_best_first(ids: list, lps: list, cands: list | None, budget: int, chain_seed: bool, max_depth: int | None) -> DraftTree:
+    """Best-first growth (module docstring) over per-parent rankings.
+
+    ``lps[d-1][a][r]`` is the log-prob of the rank-``r`` child at depth ``d`` of a parent whose
+    candidate index at depth ``d - 1`` is ``a`` (the root: ``a = 0``); ``cands[d-1][a][r]`` that
+    child's candidate index, ``ids`` its token (``[d-1][r]`` when ``cands`` is None: one ranking per
+    depth for every parent, the candidate index then being the rank)."""
+    num_depths = len(lps)
+    max_depth = num_depths if max_depth is None else min(max_depth, num_depths)
     if budget == 0 or max_depth == 0:
         return DraftTree.empty()
-
-    ids = top_ids.tolist()  # [L][K]
-    lps = top_logprobs.astype(np.float64).tolist()  # [L][K]
+    k = len(ids[0]) if cands is None else len(ids[0][0])
     tokens: list[int] = []
     parents: list[int] = []
     depths: list[int] = []
+    rows = [0]  # [1 + num_nodes] each row's candidate index at its depth (the root's: 0)
     scores = [0.0]  # [1 + num_nodes] path score of each row, root first
     heap: list[tuple[float, int, int, int, int]] = []  # (-score, push counter, parent, depth, rank)
     counter = 0
 
+    def edge(parent: int, depth: int, rank: int) -> float:
+        return lps[depth - 1][rank] if cands is None else lps[depth - 1][rows[parent]][rank]
+
     def push(parent: int, depth: int, rank: int) -> None:
         nonlocal counter
-        heapq.heappush(heap, (-(scores[parent] + lps[depth - 1][rank]), counter, parent, depth, rank))
+        heapq.heappush(heap, (-(scores[parent] + edge(parent, depth, rank)), counter, parent, depth, rank))
         counter += 1
 
     def insert(parent: int, depth: int, rank: int, score: float) -> int:
         """Append a node and push its next sibling; return its node index."""
-        tokens.append(ids[depth - 1][rank])
+        if cands is None:
+            tokens.append(ids[depth - 1][rank])
+            rows.append(rank)
+        else:
+            tokens.append(ids[depth - 1][rows[parent]][rank])
+            rows.append(cands[depth - 1][rows[parent]][rank])
         parents.append(parent)
         depths.append(depth)
         scores.append(score)
@@ -184,7 +201,7 @@ def build_ddtree(
         # pushed; the last spine node is either at max_depth or has used up the whole budget.
         node = 0
         for depth in range(1, min(budget, max_depth) + 1):
-            node = insert(node, depth, 0, scores[node] + lps[depth - 1][0])
+            node = insert(node, depth, 0, scores[node] + edge(node, depth, 0))
     else:
         push(0, 1, 0)
 
@@ -201,7 +218,7 @@ def build_chain(top_ids: np.ndarray, depth: int) -> DraftTree:
 
     ``top_ids`` is ``[L, K]`` as for :func:`build_ddtree`.
     """
-    top_ids = _check_top_ids(top_ids)
+    top_ids = check_top_ids(top_ids)
     if depth < 0:
         raise ValueError(f"depth must be >= 0, got {depth}")
     n = min(depth, top_ids.shape[0])
