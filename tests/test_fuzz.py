@@ -33,7 +33,7 @@ def _valid(draw) -> dict:
         fields.update(temperature=draw(st.floats(0, 2)), top_p=draw(st.floats(0.01, 1)), top_k=draw(st.integers(0, 50)))
     fields["stop"] = draw(st.lists(st.text(min_size=1, max_size=4), max_size=3))
     fields["stop_token_ids"] = draw(st.lists(st.integers(0, VOCAB - 1), max_size=3))
-    spec = gateway_pb2.Speculation(mode=draw(st.integers(0, 3)), budget=draw(st.integers(0, 64)))
+    spec = gateway_pb2.Speculation(mode=draw(st.integers(0, 3)), budget=draw(st.integers(0, 64)), scores=draw(st.integers(0, 2)))
     if draw(st.booleans()):
         spec.chain_seed = draw(st.booleans())
     fields["speculation"] = spec
@@ -52,7 +52,9 @@ def _wild_prompt(draw, fields):
 
 
 def _wild_speculation(draw, fields):
-    fields["speculation"] = gateway_pb2.Speculation(mode=draw(st.integers(-1, 9)), budget=draw(st.integers(-3, 300) | big_ints))
+    fields["speculation"] = gateway_pb2.Speculation(
+        mode=draw(st.integers(-1, 9)), budget=draw(st.integers(-3, 300) | big_ints), scores=draw(st.integers(-2, 5)),
+    )
 
 
 # Each corrupts one field with values from anywhere in its type's range.
@@ -168,6 +170,7 @@ def test_raw_bytes_are_invalid_argument_not_internal(gateway):
         (dict(text="a", max_tokens=2, speculation=gateway_pb2.Speculation(mode=7)), "speculation.mode"),
         (dict(text="a", max_tokens=2, speculation=gateway_pb2.Speculation(budget=-2)), "speculation.budget"),
         (dict(text="a", max_tokens=2, speculation=gateway_pb2.Speculation(budget=100000)), "speculation.budget"),
+        (dict(text="a", max_tokens=2, speculation=gateway_pb2.Speculation(scores=9)), "speculation.scores"),
     ],
 )
 def test_each_bad_field_is_named(gateway, fields, field_name):

@@ -36,14 +36,16 @@ MODES = [
 ]
 
 
-def _cases(vocab: int) -> list[dict]:
-    rng = np.random.default_rng(2026)
+def lossless_cases(vocab: int, prompts: int = 10, seed: int = 2026, longest: int = 40) -> list[dict]:
+    """Each prompt (random tokens, 1 to ``longest - 1``) greedy and seeded at temperature 1 (the
+    last also with top-p 0.9 and top-k 20), 40 new tokens each."""
+    rng = np.random.default_rng(seed)
     cases = []
-    for i in range(10):
-        prompt = rng.integers(0, vocab, int(rng.integers(1, 40))).tolist()
+    for i in range(prompts):
+        prompt = rng.integers(0, vocab, int(rng.integers(1, longest))).tolist()
         for temperature in (0.0, 1.0):
             sampling = {"temperature": temperature, "seed": int(rng.integers(2**63))}
-            if i == 9 and temperature:
+            if i == prompts - 1 and temperature:
                 sampling.update(top_p=0.9, top_k=20)
             cases.append({"tokens": gateway_pb2.TokenIds(ids=prompt), "max_tokens": 40, "ignore_eos": True, **sampling})
     return cases
@@ -72,7 +74,7 @@ def system(request, module_services, tiny_pair, tiny_qwen35_pair, tmp_path_facto
     for name, wire in (("gw-oracle", "socket"), ("gw-dflash", "socket"), ("gw-stream", "stream"), ("gw-unary", "unary")):
         assert f"on the {wire} wire, draft" in s.log(f"{arch}-{name}")
 
-    cases = _cases(read_target_config(model).vocab_size)
+    cases = lossless_cases(read_target_config(model).vocab_size)
     references = [generate(gw_oracle, speculation=Spec(mode=Spec.OFF), **case) for case in cases]
     with table.open("w") as f:
         for case, ref in zip(cases, references):

@@ -4,7 +4,8 @@ Each sequence keeps, per draft layer, the RoPE'd keys and values of its projecte
 (``fc`` + ``hidden_norm`` of the target's tap features) for positions ``[ctx_start, ctx_end)``.
 A proposal appends the new features (positions ``ctx_end .. anchor_position - 1``), runs one
 non-causal pass over ``[anchor, MASK × (B-1)]`` at positions ``anchor_position + 0..B-1``, applies
-the target's LM head to rows 1..B-1, and returns per-depth top-K ids and log-probs.
+the target's LM head to rows 1..B-1, and returns per-depth top-K ids and log-probs (a DFlash2
+draft: and its selector's pair scores of those candidates, ``splitspec.models.dflash2``).
 
 Propose steps of several sequences (``ProposeStep``) run together (``propose_batch``): those in
 context slots (``BlockGraphs``) as one CUDA graph replay over a padded batch size, the others
@@ -110,6 +111,12 @@ class Proposal:
     top_logprobs: torch.Tensor  # [B-1, K] float32, on the host
     forward_ns: int  # the whole pass's time (appends, block pass, host copies), shared by its sequences
     pass_sequences: int = 1  # sequences in the pass that computed this proposal
+    pair_scores: torch.Tensor | None = None  # [B-1, K, K] float32 on the host: a DFlash2 draft's selector
+
+    @classmethod
+    def of(cls, host: tuple[torch.Tensor, ...], forward_ns: int, pass_sequences: int = 1) -> Proposal:
+        """From a pass's host tensors: ids and log-probs, then (DFlash2) pair scores."""
+        return cls(host[0], host[1], forward_ns, pass_sequences, host[2] if len(host) > 2 else None)
 
 
 class DraftEngine:
@@ -146,6 +153,11 @@ class DraftEngine:
     @property
     def num_layers(self) -> int:
         return self.config.num_layers
+
+    @property
+    def selector_top_k(self) -> int:
+        """A DFlash2 draft's selector top-K (its proposals carry pair scores); 0 for DFlash."""
+        return getattr(self.config, "selector_top_k", 0)
 
     @property
     def context_bytes(self) -> int:
@@ -234,6 +246,9 @@ class DraftEngine:
             raise InvalidArgument(f"features: shape {tuple(features.shape)} is not [rows, {width}]")
         if earlier:
             raise FailedPrecondition(f"sequence_id {step.sequence_id!r} has more than one step in this batch")
+        sliding = getattr(c, "sliding_window", 0)
+        if sliding:  # a DFlash2 draft's rows see at most sliding_window - 1 context rows (the anchor's row sees that many)
+            step.window = min(step.window or sliding - 1, sliding - 1)
 
         def new_context() -> DraftSequence:
             if len(self.sequences) >= self.max_sequences and step.sequence_id not in self.sequences:
@@ -322,8 +337,8 @@ class DraftEngine:
             block[0] = step.anchor_token
             positions = torch.arange(step.anchor_position, step.anchor_position + c.block_size, device=dev)
             out = top_k_proposal(self.model, self.embed, self.lm_head, block, positions, seq.cache.layers(window), step.top_k)
-        [(ids, logprobs)] = _to_host([out])
-        return Proposal(ids, logprobs, time.perf_counter_ns() - t0)
+        [host] = _to_host([out])
+        return Proposal.of(host, time.perf_counter_ns() - t0)
 
     def _propose_many(self, admitted: list[tuple[ProposeStep, DraftSequence]], graphed: bool = False) -> list[Proposal | BaseException]:
         """Several sequences' pass: with ``graphed`` (every context fits its slot) one batched graph
@@ -346,7 +361,7 @@ class DraftEngine:
         except Exception as exc:  # every step of the pass fails with it
             return [exc] * len(admitted)
         forward_ns = time.perf_counter_ns() - t0
-        return [Proposal(ids, logprobs, forward_ns, len(admitted)) for ids, logprobs in outs]
+        return [Proposal.of(host, forward_ns, len(admitted)) for host in outs]
 
     def _graphed_pass(self, admitted: list[tuple[ProposeStep, DraftSequence]]) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
         """Host (ids, log-probs) of the sequences' blocks by one ``BlockGraphs.run_batch``: new rows
@@ -373,8 +388,8 @@ class DraftEngine:
         return [(host[k][0][n], host[k][1][n]) for k, n in where]
 
 
-def _to_host(outs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Host copies of (ids, log-probs) pairs, made here: a graph's outputs live in the graphs'
+def _to_host(outs: list[tuple[torch.Tensor, ...]]) -> list[tuple[torch.Tensor, ...]]:
+    """Host copies of (ids, log-probs[, pair scores]) tuples, made here: a graph's outputs live in the graphs'
     shared pool, where another slot's replay may write before the servicer has sent them. All
     copies, then one wait."""
     host = [tuple(t.to("cpu", non_blocking=True) for t in out) for out in outs]

@@ -89,8 +89,8 @@ class BlockPass:
     feature_dtype: torch.dtype | None  # of the appended rows; None: a block-only pass
     width: int  # of a feature row: taps * hidden
     graph: torch.cuda.CUDAGraph | None = None
-    top_ids: torch.Tensor | None = None  # [B-1, K] int32
-    top_logprobs: torch.Tensor | None = None  # [B-1, K] float32
+    # top-K ids [B-1, K] int32, log-probs [B-1, K] float32, then (DFlash2) pair scores [B-1, K, K]
+    outputs: tuple[torch.Tensor, ...] = ()
 
     @staticmethod
     def allocate(device: torch.device, rows: int, width: int, feature_dtype: torch.dtype | None) -> BlockPass:
@@ -141,36 +141,55 @@ def top_k_of(hidden: torch.Tensor, lm_head: torch.Tensor, top_k: int) -> tuple[t
 def top_k_proposal(
     model: DFlashDraft, embed: torch.Tensor, lm_head: torch.Tensor, block: torch.Tensor, positions: torch.Tensor,
     context: list[tuple[torch.Tensor, torch.Tensor]], top_k: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One eager block pass over ``context`` (per layer (k, v) [H_kv, S, D])."""
-    return top_k_of(model(embedding_rows(embed, block).to(model.norm.weight.dtype), positions, context), lm_head, top_k)
+) -> tuple[torch.Tensor, ...]:
+    """One eager block pass over ``context`` (per layer (k, v) [H_kv, S, D]): top-K ids [B-1, K]
+    int32 and log-probs [B-1, K] float32, then for a DFlash2 draft its pair scores [B-1, K, K]."""
+    hidden = model(embedding_rows(embed, block).to(model.norm.weight.dtype), positions, context)  # [B, hidden]
+    return proposals_of(model, hidden[None, 1:], lm_head, block[:1], [top_k])[0]
 
 
 def top_k_proposals(
     model: DFlashDraft, embed: torch.Tensor, lm_head: torch.Tensor, anchors: torch.Tensor, anchor_positions: torch.Tensor,
     contexts: list[list[tuple[torch.Tensor, torch.Tensor]]], top_ks: list[int],
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
+) -> list[tuple[torch.Tensor, ...]]:
     """:func:`top_k_proposal` of S sequences in one eager pass (``DFlashDraft.forward_batch``):
     ``anchors`` and ``anchor_positions`` [S] int64, ``contexts`` per sequence, per layer (k, v)
-    [H_kv, n_s, D]. Returns per sequence top-K ids [B-1, K_s] int32 and log-probs [B-1, K_s] float32.
-
-    The top-K runs once per distinct K over the rows of the sequences asking for it, not once
-    with the largest K sliced: ``torch.topk`` orders tied values differently for different K, and
-    each row must come out as :func:`top_k_of` gives it alone."""
+    [H_kv, n_s, D]. Returns per sequence what :func:`top_k_proposal` returns."""
     c = model.config
     rows = torch.arange(c.block_size, device=anchors.device)  # [B]
     blocks = torch.where(rows == 0, anchors[:, None], c.mask_token_id)  # [S, B]: anchor, MASK × (B-1)
     hidden = model.forward_batch(embedding_rows(embed, blocks).to(model.norm.weight.dtype), anchor_positions[:, None] + rows, contexts)  # [S, B, hidden]
+    return proposals_of(model, hidden[:, 1:], lm_head, anchors, top_ks)
+
+
+@torch.inference_mode()
+def proposals_of(
+    model: DFlashDraft, rows: torch.Tensor, lm_head: torch.Tensor, anchors: torch.Tensor, top_ks: list[int],
+) -> list[tuple[torch.Tensor, ...]]:
+    """S blocks' draft rows [S, B-1, hidden] -> per block its top-K ids [B-1, K_s] int32 and
+    log-probs [B-1, K_s] float32, and a DFlash2 draft's pair scores [B-1, K_s, K_s] float32 of
+    those candidates after ``anchors`` [S] (``CandidateSelector.pair_scores``).
+
+    The top-K runs once per distinct K over the rows of the sequences asking for it, not once
+    with the largest K sliced: ``torch.topk`` orders tied values differently for different K, and
+    each row must come out as it would alone."""
     # One [S * (B-1), hidden] matmul: a 3-D operand would run as a batched matmul over the
     # broadcast LM head (H200, S=32, vocab 152k: 9 ms against well under one).
-    logits = head_logits(hidden[:, 1:].flatten(0, 1), lm_head).unflatten(0, (len(top_ks), -1))  # [S, B-1, vocab]
-    out: list[tuple[torch.Tensor, torch.Tensor]] = [None] * len(top_ks)  # type: ignore[list-item]
+    logits = head_logits(rows.flatten(0, 1), lm_head).unflatten(0, rows.shape[:2])  # [S, B-1, vocab]
+    selector = getattr(model, "candidate_selector", None)
+    if selector is not None:
+        logits = model.draft_logits(logits)
+    out: list[tuple[torch.Tensor, ...]] = [None] * len(top_ks)  # type: ignore[list-item]
     for k in sorted(set(top_ks)):
         members = [s for s, ks in enumerate(top_ks) if ks == k]
-        chosen = logits if len(members) == len(top_ks) else logits[members]  # [S_k, B-1, vocab]
-        ids, logprobs = top_k_log_softmax(chosen.flatten(0, 1), k)  # [S_k * (B-1), K]
-        for s, ids_s, logprobs_s in zip(members, ids.unflatten(0, chosen.shape[:2]), logprobs.unflatten(0, chosen.shape[:2])):
-            out[s] = (ids_s, logprobs_s)
+        everyone = len(members) == len(top_ks)
+        chosen = logits if everyone else logits[members]  # [S_k, B-1, vocab]
+        ids, logprobs = (t.unflatten(0, chosen.shape[:2]) for t in top_k_log_softmax(chosen.flatten(0, 1), k))  # [S_k, B-1, K]
+        parts: tuple[torch.Tensor, ...] = (ids, logprobs)
+        if selector is not None:
+            parts += (selector.pair_scores(rows if everyone else rows[members], logprobs, ids, anchors if everyone else anchors[members]),)
+        for j, s in enumerate(members):
+            out[s] = tuple(part[j] for part in parts)
     return out
 
 
@@ -290,8 +309,8 @@ class BlockGraphs:
     def run(
         self, cache, anchor_token: int, anchor_position: int, first: int, top_k: int,
         features: torch.Tensor | None = None, feature_position: int = 0,
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Top-K ids and log-probs of one block, appending ``features`` [m, taps * hidden] (m <= B,
+    ) -> tuple[torch.Tensor, ...] | None:
+        """Top-K ids and log-probs of one block (a DFlash2 draft's pair scores after them), appending ``features`` [m, taps * hidden] (m <= B,
         positions ``feature_position ..``) to ``cache`` first; None when the pass cannot run here
         (no slot, the cache outgrew it, or capture failed): the caller runs it eagerly and
         appends nothing itself before asking again."""
@@ -315,11 +334,11 @@ class BlockGraphs:
             outs = self._capture(compute, f"slot {cache.slot}: span {span}, top-{top_k}, {'appending' if features is not None else 'block only'}")
             if outs is None:
                 return None
-            p.graph, (p.top_ids, p.top_logprobs) = outs
+            p.graph, p.outputs = outs
             self._passes[key] = p
         else:
             p.graph.replay()
-        return p.top_ids, p.top_logprobs
+        return p.outputs
 
     def _capture(self, compute, what: str):
         """(graph, outputs) of ``compute`` captured, or None (logged; every later pass runs
@@ -339,7 +358,7 @@ class BlockGraphs:
         return graph, outputs
 
     @torch.inference_mode()  # the slots are views of the pool: autograd may not track writes to them
-    def _compute(self, cache, head: torch.Tensor, features: torch.Tensor | None, span: int, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _compute(self, cache, head: torch.Tensor, features: torch.Tensor | None, span: int, top_k: int) -> tuple[torch.Tensor, ...]:
         c = self.model.config
         rows = self._rows  # [B]
         caches = list(zip(cache.k, cache.v))
@@ -347,9 +366,15 @@ class BlockGraphs:
             self.model.append_cached(features, head[5] + rows, caches, head[4] + rows)
         block = torch.where(rows == 0, head[0], c.mask_token_id)  # [B]: anchor, MASK × (B-1)
         cols = self._cols[:span]
-        visible = (cols >= head[2]) & (cols < head[3] + c.block_size)  # [span]: the window, then the block
-        mask = visible[None, :].expand(c.block_size, -1)
+        first = head[2]
+        sliding = getattr(c, "sliding_window", 0)
+        if sliding:  # DFlash2: row t sees the context columns >= end - window + 1 + t (and the whole block)
+            first = torch.maximum(first, head[3] - sliding + 1 + rows[:, None])  # [B, 1]
+        mask = (cols >= first) & (cols < head[3] + c.block_size)  # [B, span] (or [span]): the window, then the block
+        mask = mask.expand(c.block_size, -1)
         hidden = self.model.forward_cached(embedding_rows(self.embed, block).to(self.model.norm.weight.dtype), head[1] + rows, caches, head[3] + rows, mask)
+        if getattr(self.model, "candidate_selector", None) is not None:
+            return proposals_of(self.model, hidden[None, 1:], self.lm_head, block[:1], [top_k])[0]
         return top_k_of(hidden, self.lm_head, top_k)
 
     def run_batch(self, items: list[BatchItem]) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[tuple[int, int]]] | None:
@@ -359,10 +384,11 @@ class BlockGraphs:
         pool: read them before the next pass) and, per item, (output, row) of its proposal; None
         when capture failed (nothing was appended: the caller runs the pass eagerly).
 
-        Every item must :meth:`fits` its rows, and there are at most ``sequences`` of them."""
+        Every item must :meth:`fits` its rows, and there are at most ``sequences`` of them. A
+        DFlash2 draft's batched passes are not built yet: None (the engine runs them eagerly)."""
         c = self.model.config
         b = c.block_size
-        if self.failed:
+        if self.failed or hasattr(self.model, "candidate_selector"):
             return None
         assert 1 <= len(items) <= self.sequences and all(it.cache.slot is not None for it in items)
         s = max(2, 1 << (len(items) - 1).bit_length())
@@ -445,7 +471,7 @@ class BlockGraphs:
         )
         dtype = self.model.norm.weight.dtype
         hidden = self.model.forward_pooled(embedding_rows(self.embed, block.flatten()).to(dtype), positions.flatten(), self.pool, at)  # [S * B, hidden]
-        # One [S * (B-1), hidden] matmul (see top_k_proposals).
+        # One [S * (B-1), hidden] matmul (see proposals_of).
         logits = head_logits(hidden.view(s, b, -1)[:, 1:].flatten(0, 1), self.lm_head)  # [S * (B-1), vocab]
         out = []
         for k in ks:

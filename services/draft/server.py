@@ -41,6 +41,7 @@ class DraftServicer(draft_pb2_grpc.DraftWorkerServicer):
             max_top_k=e.max_top_k,
             context_bytes=e.context_bytes,
             step_socket=self.step_server.offered if self.step_server else "",
+            selector_top_k=e.selector_top_k,
         )
 
     async def Propose(self, request, context):
@@ -61,6 +62,7 @@ class DraftServicer(draft_pb2_grpc.DraftWorkerServicer):
             top_logprobs=tensor_to_pb(proposal.top_logprobs),
             forward_ns=proposal.forward_ns,
             pass_sequences=proposal.pass_sequences,
+            pair_scores=None if proposal.pair_scores is None else tensor_to_pb(proposal.pair_scores),
         )
 
     async def ProposeStream(self, requests, context):

@@ -39,7 +39,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="seed DDTree with the full top-1 chain before best-first growth (off by default: with the built-in pair at "
         "budget 22 it lowered AL, greedy 3.41 -> 3.14 and sampled 1.89 -> 1.79 on 40 HumanEval prompts)",
     )
-    p.add_argument("--top-k", type=int, default=8, help="candidates per depth asked of the draft (capped by the budget)")
+    p.add_argument(
+        "--top-k", type=int, default=8,
+        help="candidates per depth asked of the draft (capped by the budget; a DFlash2 draft scored by its lattice is "
+        "asked for at least the top-K its selector was trained at)",
+    )
+    p.add_argument(
+        "--tree-scores", choices=["lattice", "independent"], default="lattice",
+        help="a DFlash2 draft's candidates: chained by its selector's walk and grown into trees by its pair scores "
+        "(lattice), or by each depth's log-probabilities alone, as a DFlash draft's (independent); a request's "
+        "speculation.scores wins",
+    )
     p.add_argument("--draft-window", type=int, default=0, help="context positions the draft attends to (0 = all)")
     p.add_argument("--feature-dtype", choices=["", "float32", "float16", "bfloat16"], default="", help="wire dtype of tap features ('' = target compute dtype)")
     p.add_argument("--draft-timeout", type=float, default=5.0, help="seconds a Propose may take before the step falls back to target-only")
@@ -184,7 +194,7 @@ async def run(args: argparse.Namespace) -> None:
         logger.warning("chat requests will be refused: %s", chat_problem)
     defaults = SpeculationOptions(
         mode=Mode(args.mode), budget=fixed_budget, adaptive=adaptive, chain_seed=args.chain_seed, top_k=args.top_k,
-        draft_window=args.draft_window, feature_dtype=args.feature_dtype, draft_timeout_s=args.draft_timeout,
+        lattice=args.tree_scores == "lattice", draft_window=args.draft_window, feature_dtype=args.feature_dtype, draft_timeout_s=args.draft_timeout,
     )
     health_holder = {}
 

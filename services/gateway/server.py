@@ -36,6 +36,8 @@ _MODES = {
     gateway_pb2.Speculation.OFF: Mode.OFF,
 }
 _MODE_PB = {mode: pb for pb, mode in _MODES.items()}
+# speculation.scores -> SpeculationOptions.lattice (unspecified: the gateway's default)
+_SCORES = {gateway_pb2.Speculation.SCORES_UNSPECIFIED: None, gateway_pb2.Speculation.LATTICE: True, gateway_pb2.Speculation.INDEPENDENT: False}
 MAX_BUDGET = 256
 MAX_STOP_STRINGS, MAX_STOP_LENGTH, MAX_STOP_TOKENS = 16, 256, 64
 MAX_TOP_LOGPROBS = 20  # as OpenAI's API and the target worker allow
@@ -150,12 +152,20 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             raise InvalidArgument(f"speculation.budget: {spec.budget} is outside [1, {self.max_budget}]")
         adaptive = not spec.budget and self.defaults.adaptive and mode is Mode.DDTREE
         budget = min(self.budget_policy.max_budget, self.max_budget) if adaptive else spec.budget or min(self.defaults.budget, self.max_budget)
+        if spec.scores not in _SCORES:
+            raise InvalidArgument(f"speculation.scores: unknown value {spec.scores} (use LATTICE or INDEPENDENT)")
+        lattice = _SCORES[spec.scores] if spec.scores else self.defaults.lattice
+        top_k = min(self.defaults.top_k, budget)
+        selector = self.state.draft_info.selector_top_k if self.state.draft_info is not None else 0
+        if lattice and selector:  # the selector's walk and pair scores range over the candidates it was trained at
+            top_k = max(top_k, selector)
         return SpeculationOptions(
             mode=mode,
             budget=budget,
             adaptive=adaptive,
             chain_seed=spec.chain_seed if spec.HasField("chain_seed") else self.defaults.chain_seed,
-            top_k=min(self.defaults.top_k, budget),
+            lattice=lattice,
+            top_k=top_k,
             draft_window=self.defaults.draft_window,
             feature_dtype=self.defaults.feature_dtype,
             draft_timeout_s=self.defaults.draft_timeout_s,

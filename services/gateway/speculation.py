@@ -2,7 +2,9 @@
 
 Per step the gateway sends the draft the *anchor* (the target's pending token), the token ids and
 tap features of the positions committed since the last call, builds a DDTree (or a chain, or
-nothing) from the returned per-depth top-K, and has the target verify it. Each step commits the
+nothing) from the returned per-depth top-K (a DFlash2 draft's pair scores, unless the request asks
+for independent scores: the selector's walk for a chain, a tree over its candidate lattice;
+``splitspec.spec.lattice``), and has the target verify it. Each step commits the
 root plus the accepted nodes and yields the *new* tokens: the accepted nodes' tokens and the bonus
 (the root itself was yielded the step before, as that step's bonus).
 
@@ -32,11 +34,13 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import grpc
+import numpy as np
 
 from services.gateway.budget import BudgetPolicy
 from services.gateway.stats import SequenceStats, StepStats
 from services.gateway.workers import DraftClient, Prefilled, TargetClient, Verified
 from splitspec.errors import UpstreamError
+from splitspec.spec.lattice import build_lattice_tree, check_lattice, path_chain, sampled_path, selector_path
 from splitspec.spec.tree import DraftTree, build_chain, build_ddtree
 from splitspec.transport.tensors import concat_rows, last_rows
 from splitspec.v1 import common_pb2, target_pb2
@@ -68,6 +72,9 @@ class SpeculationOptions:
     budget: int = 22
     adaptive: bool = False  # DDTree only: each step's budget is the BudgetPolicy's choice, at most `budget`
     chain_seed: bool = True
+    # A DFlash2 draft's candidates: chained by the selector's walk and grown into trees by its pair
+    # scores (splitspec.spec.lattice), or by each depth's log-probabilities alone (False).
+    lattice: bool = True
     top_k: int = 8  # candidates per depth asked of the draft
     draft_window: int = 0  # context positions the draft attends to (0 = all)
     feature_dtype: str = ""  # wire dtype of tap features ("" = the target's compute dtype)
@@ -135,6 +142,8 @@ class SpeculativeSequence:
         self.resumes = 0
         self.draft_s = 0.0  # the last proposal's time, as the gateway waited for it
         self.generated: list[int] = []  # every token yielded so far
+        # Draws the selector walks of chain mode under sampling (seeded requests repeat their drafts).
+        self.walk_rng = np.random.default_rng([sampling.seed, 0x5E1EC7] if sampling.seed else None)
 
     def _tokens(self, begin: int, end: int) -> list[int]:
         """Token ids of positions [begin, end) (prompt, then generated) without joining the lists."""
@@ -296,7 +305,7 @@ class SpeculativeSequence:
         timeout = self._timeout(opts.draft_timeout_s)
         asked = time.perf_counter()
         try:
-            top_ids, top_logprobs = await self.draft.propose(
+            proposed = await self.draft.propose(
                 self.sequence_id, anchor, start, history, features, opts.top_k, opts.draft_window,
                 timeout=timeout, context=self.draft_context,
             )
@@ -315,11 +324,20 @@ class SpeculativeSequence:
             await self._forget_draft()
             return DraftTree.empty(), exc.code().name.lower(), None
         budget = min(opts.budget, max_nodes)
+        top_ids, pairs = proposed.top_ids, proposed.pair_scores if opts.lattice else None
         try:
             if opts.mode is Mode.CHAIN:
                 budget = min(budget, max_depth)
-                return build_chain(top_ids, budget), "", budget
-            tree = build_ddtree(top_ids, top_logprobs, budget, chain_seed=opts.chain_seed, max_depth=max_depth)
+                if pairs is None:
+                    return build_chain(top_ids, budget), "", budget
+                top_ids, pairs = check_lattice(top_ids, pairs)
+                t = self.sampling.temperature
+                path = sampled_path(pairs, budget, t, self.walk_rng) if t > 0 else selector_path(pairs, budget)
+                return path_chain(top_ids, path), "", budget
+            if pairs is None:
+                tree = build_ddtree(top_ids, proposed.top_logprobs, budget, chain_seed=opts.chain_seed, max_depth=max_depth)
+            else:
+                tree = build_lattice_tree(top_ids, pairs, budget, chain_seed=opts.chain_seed, max_depth=max_depth)
         except ValueError as exc:  # the draft's answer is input too: a broken one costs this step's speculation only
             logger.warning("sequence %s: malformed draft proposal (%s); continuing target-only", self.sequence_id, exc)
             await self._forget_draft()

@@ -39,6 +39,13 @@ WIRES = ("auto", "socket", "stream", "unary")
 
 
 @dataclass
+class Proposed:
+    top_ids: np.ndarray  # [B-1, K] candidates per depth, best first
+    top_logprobs: np.ndarray  # [B-1, K] their log-probabilities
+    pair_scores: np.ndarray | None = None  # [B-1, K, K] a DFlash2 draft's selector (draft.proto)
+
+
+@dataclass
 class Prefilled:
     next_token: int
     features: common_pb2.Tensor | None
@@ -223,8 +230,8 @@ class DraftClient(WorkerClient):
         window: int,
         timeout: float | None,
         context: int = 0,
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """Returns top_ids [B-1, K] and top_logprobs [B-1, K]. ``context`` numbers the draft
+    ) -> Proposed:
+        """The draft's candidates for the block after the anchor. ``context`` numbers the draft
         context this step belongs to (``ProposeRequest.context``; 0 = unnumbered)."""
         r = await self._step(
             draft_pb2.ProposeRequest(
@@ -239,4 +246,5 @@ class DraftClient(WorkerClient):
             ),
             timeout,
         )
-        return array_from_pb(r.top_ids), array_from_pb(r.top_logprobs)
+        pairs = array_from_pb(r.pair_scores) if r.HasField("pair_scores") else None
+        return Proposed(array_from_pb(r.top_ids), array_from_pb(r.top_logprobs), pairs)

@@ -9,6 +9,12 @@ length, and exercises acceptance, rejection and branching deterministically. It 
 asks the target for no tap features, so its rounds are cheaper than a real draft's: a benchmark
 times a real-shaped DFlash draft beside it for the true round (splitspec/bench/system.py).
 
+With ``selector`` it answers as a DFlash2 draft (``splitspec.models.dflash2``): pair scores are the
+depth's log-probabilities plus ``SELECTOR_BONUS`` on each edge from the true token to the true token
+of the next depth (from the anchor at depth 1), so a lattice walk finds a corrupted depth's true
+token wherever it is still a candidate and a tree grown by pair scores differs from one grown by
+log-probabilities alone.
+
 The table is re-read when its file changes, so a harness can record references first and then
 serve them without restarting the worker.
 """
@@ -51,6 +57,9 @@ class OracleTable:
         return []
 
 
+SELECTOR_BONUS = 3.0  # added to a true-to-true edge's pair score (``selector``)
+
+
 class OracleDrafter:
     """Same interface as ``DraftEngine``; needs token ids, not tap features."""
 
@@ -60,13 +69,14 @@ class OracleDrafter:
 
     def __init__(
         self, table: OracleTable, vocab_size: int, block_size: int = 16, corruption: float = 0.0, max_top_k: int = 64,
-        delay_s: float = 0.0,
+        delay_s: float = 0.0, selector: bool = False,
     ) -> None:
         if not 0.0 <= corruption <= 1.0:
             raise ValueError(f"--corruption {corruption} must be in [0, 1]")
         self.table, self.vocab_size, self.block_size = table, vocab_size, block_size
         self.corruption, self.max_top_k = corruption, max_top_k
         self.delay_s = delay_s  # a slow drafter, for deadline tests
+        self.selector_top_k = 8 if selector else 0  # as DraftEngine's: a DFlash2 draft's advertised top-K
         self.sequences = SequenceTable()  # of token histories
 
     @property
@@ -126,7 +136,12 @@ class OracleDrafter:
             ranked += [int(t) for t in others if t not in ranked][: top_k - len(ranked)]
             ids[d] = ranked[:top_k]
         logprobs = np.tile(self._rank_logprobs(top_k), (depth, 1))  # [depth, K]
-        return Proposal(torch.from_numpy(ids), torch.from_numpy(logprobs), 0)
+        pairs = None
+        if self.selector_top_k:
+            on_path = ids == true[:, None]  # [depth, K]: the true token among each depth's candidates
+            after = np.concatenate([np.ones((1, top_k), bool), on_path[:-1]])  # [depth, K]: predecessor a on the path
+            pairs = torch.from_numpy((logprobs[:, None, :] + SELECTOR_BONUS * (after[:, :, None] & on_path[:, None, :])).astype(np.float32))
+        return Proposal(torch.from_numpy(ids), torch.from_numpy(logprobs), 0, pair_scores=pairs)
 
     def _rank_logprobs(self, top_k: int) -> np.ndarray:
         """``[K]`` float32: the probability that the true token sits at each rank, as the corruption

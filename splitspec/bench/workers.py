@@ -67,8 +67,8 @@ def oracle_draft(args: argparse.Namespace):
     from splitspec.models.loader import read_target_config
 
     target = random_target_config(args.target_model) if is_random(args.target_model) else read_target_config(args.target_model)
-    engine = OracleDrafter(OracleTable(args.model), target.vocab_size, corruption=args.corruption, delay_s=args.delay)
-    logger.warning("ORACLE drafter (benchmark/test only): %s, corruption %.2f", args.model, args.corruption)
+    engine = OracleDrafter(OracleTable(args.model), target.vocab_size, corruption=args.corruption, delay_s=args.delay, selector=args.selector)
+    logger.warning("ORACLE drafter (benchmark/test only): %s, corruption %.2f%s", args.model, args.corruption, ", with selector pair scores" if args.selector else "")
     return engine, target, "n/a", "cpu"
 
 
@@ -84,6 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
     oracle.add_argument("--table", required=True, dest="model", help='JSONL file of recorded sequences ({"tokens": [...]} per line)')
     oracle.add_argument("--corruption", type=float, default=0.0, help="per-depth probability that the true token loses rank 0")
     oracle.add_argument("--delay", type=float, default=0.0, help="seconds each proposal takes (a slow drafter, for deadline tests)")
+    oracle.add_argument(
+        "--selector", action="store_true",
+        help="answer as a DFlash2 draft: pair scores whose transitions favour the recorded path (a selector that finds "
+        "a corrupted depth's true token wherever it is a candidate)",
+    )
     for p, service in ((target, "target"), (draft, "draft"), (oracle, "draft")):
         p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
         p.add_argument("--log-json", action="store_true")

@@ -36,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
         "gateway": (gateway_main.add_arguments, "run the gateway (public API, speculation loop)"),
         "serve": (serve.add_arguments, "run all three services locally, stopped together"),
         "generate": (generate.add_arguments, "stream a completion from a gateway"),
-        "make-tiny": (_make_tiny_arguments, "write a tiny random target GGUF (qwen3, qwen2, llama or the qwen35 hybrid) and a matching DFlash draft"),
+        "make-tiny": (_make_tiny_arguments, "write a tiny random target GGUF (qwen3, qwen2, llama or the qwen35 hybrid) and a matching DFlash or DFlash2 draft"),
         "health": (health.add_arguments, "check a service's gRPC health (exit 0 when serving)"),
         "bench": (bench_main.add_arguments, "time the components and the whole system on random weights of a real shape"),
         "train-draft": (train_main.add_arguments, "train a DFlash draft for a target on your text (the target stays frozen)"),
@@ -56,6 +56,7 @@ def _make_tiny_arguments(p: argparse.ArgumentParser) -> None:
     weight_types = ["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"]
     p.add_argument("--weight-type", choices=weight_types, default="f32", help="GGUF type of the target's matrices")
     p.add_argument("--architecture", choices=["qwen3", "qwen2", "llama", "qwen35"], default="qwen3", help="architecture of the target")
+    p.add_argument("--draft-arch", choices=["dflash", "dflash2"], default="dflash", help="the draft's architecture")
     p.add_argument("--seed", type=int, default=0, help="random seed of the weights")
 
 
@@ -93,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "make-tiny":
             from splitspec.fixtures.tiny import TinySpec, make_tiny
 
-            target, draft = make_tiny(args.out_dir, TinySpec(architecture=args.architecture, seed=args.seed), weight_type=args.weight_type)
+            target, draft = make_tiny(args.out_dir, TinySpec(architecture=args.architecture, seed=args.seed, draft_arch=args.draft_arch), weight_type=args.weight_type)
             print(f"wrote {target} and {draft}")
             return 0
         module = {"target": "target", "draft": "draft", "gateway": "gateway"}[args.command]

@@ -14,6 +14,21 @@ import numpy as np
 from splitspec.spec.tree import DraftTree, check_top_ids, grow_best_first
 
 
+def check_lattice(top_ids: np.ndarray, pair_scores: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``top_ids`` and ``pair_scores`` (float64) of a proposal, checked: ValueError names what is wrong
+    (a draft's answer is input too)."""
+    top_ids = check_top_ids(top_ids)
+    pair_scores = np.asarray(pair_scores, dtype=np.float64)
+    num_depths, k = top_ids.shape
+    if pair_scores.shape != (num_depths, k, k):
+        raise ValueError(f"pair_scores shape {pair_scores.shape} is not [L, K, K] = {(num_depths, k, k)}")
+    if not np.isfinite(pair_scores).all():
+        raise ValueError("pair_scores holds a NaN or an infinity")
+    if (np.diff(np.sort(top_ids, axis=1), axis=1) == 0).any():
+        raise ValueError("top_ids rows must hold distinct token ids")
+    return top_ids, pair_scores
+
+
 def edge_logprobs(pair_scores: np.ndarray) -> np.ndarray:
     """``log_softmax`` over the last axis of ``pair_scores`` ``[L, K, K]`` (float64)."""
     s = np.asarray(pair_scores, dtype=np.float64)
@@ -80,15 +95,7 @@ def build_lattice_tree(
     instead of one ranking per depth. :func:`build_ddtree` is the case where every row of a
     depth is the same.
     """
-    top_ids = check_top_ids(top_ids)
-    pair_scores = np.asarray(pair_scores, dtype=np.float64)
-    num_depths, k = top_ids.shape
-    if pair_scores.shape != (num_depths, k, k):
-        raise ValueError(f"pair_scores shape {pair_scores.shape} is not [L, K, K] = {(num_depths, k, k)}")
-    if not np.isfinite(pair_scores).all():
-        raise ValueError("pair_scores holds a NaN or an infinity")
-    if (np.diff(np.sort(top_ids, axis=1), axis=1) == 0).any():
-        raise ValueError("top_ids rows must hold distinct token ids")
+    top_ids, pair_scores = check_lattice(top_ids, pair_scores)
     if budget < 0:
         raise ValueError(f"budget must be >= 0, got {budget}")
     if max_depth is not None and max_depth < 0:

@@ -181,6 +181,7 @@ def test_errors_name_the_field(http_gateway):
         (dict(temperature=-1), "temperature", openai.BadRequestError),
         (dict(extra_body={"speculation": {"mode": "fast"}}), "speculation.mode", openai.BadRequestError),
         (dict(extra_body={"speculation": {"budget": 100000}}), "speculation.budget", openai.BadRequestError),
+        (dict(extra_body={"speculation": {"scores": "viterbi"}}), "speculation.scores", openai.BadRequestError),
         (dict(model="gpt-4o"), "model", openai.NotFoundError),
     ]
     for fields, param, error in cases:

@@ -37,6 +37,8 @@ def as_json(fields: dict) -> dict | None:
         body["speculation"] = {"mode": MODES.get(spec.mode, f"mode{spec.mode}") if spec.mode else None, "budget": spec.budget or None}
         if spec.HasField("chain_seed"):
             body["speculation"]["chain_seed"] = spec.chain_seed
+        if spec.scores:
+            body["speculation"]["scores"] = {1: "lattice", 2: "independent"}.get(spec.scores, f"scores{spec.scores}")
     return body
 
 

@@ -90,6 +90,7 @@ def conv(rows, coeff, base, side, group):
 def reference_block(s, c, features, anchor_embedding, mask_embedding, anchor_pos):
     """Final-normed hidden rows [B][H] of one block over context ``features`` [n][taps * H] at
     positions anchor_pos - n .. anchor_pos - 1 (the anchor's own row has no feature)."""
+    B, HEADS, KV_HEADS, D = c.block_size, c.num_heads, c.num_kv_heads, c.head_dim
     n = len(features)
     ctx = [rms(s["fc.weight"] @ f, s["hidden_norm.weight"]) for f in features]
     ctx_pos = [anchor_pos - n + j for j in range(n)]
@@ -268,3 +269,29 @@ def test_published_config_keys_are_checked(tmp_path):
     bad["sliding_window"] = 64
     with pytest.raises(ValueError, match="mix sliding and full attention"):
         DFlash2Config.from_dict(bad)
+
+
+def test_identity_convolutions_and_a_neutral_selector_make_it_dflash():
+    """The published conversion's starting point (``init_dflash2_extras``, with the successor
+    codebook at zero): the block pass is the DFlash draft's with the same backbone, and every pair
+    score is the depth's unary term."""
+    from splitspec.models.dflash import DFlashDraft
+    from splitspec.models.dflash2 import init_dflash2_extras
+
+    c = config()
+    s = random_state(c)
+    d2 = model_of(c, s)
+    init_dflash2_extras(d2)
+    d1 = DFlashDraft(c).double()
+    d1.load_state_dict({k: v for k, v in s.items() if "conv" not in k and "selector" not in k}, strict=True)
+    g = torch.Generator().manual_seed(5)
+    features = torch.randn(6, 2 * H, generator=g, dtype=torch.float64)
+    noise = torch.randn(B, H, generator=g, dtype=torch.float64)
+    positions = torch.arange(6, 6 + B)
+    h1 = d1(noise, positions, d1.context_kv(features, torch.arange(6)))
+    h2 = d2(noise, positions, d2.context_kv(features, torch.arange(6)))
+    assert torch.equal(h1, h2)
+    unary = torch.randn(B - 1, 5, generator=g, dtype=torch.float64)
+    with torch.inference_mode():  # h2 came from an inference-mode pass
+        pairs = d2.candidate_selector.pair_scores(h2[1:], unary, torch.randint(0, VOCAB, (B - 1, 5), generator=g), torch.tensor(3))
+    assert torch.equal(pairs, unary.float()[:, None, :].expand(-1, 5, -1))

@@ -11,7 +11,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from services.gateway.speculation import DraftShape, Mode, SpeculationOptions, SpeculativeSequence
-from services.gateway.workers import Prefilled, Verified
+from services.gateway.workers import Prefilled, Proposed, Verified
 from services.metrics import GatewayMetrics
 from splitspec.spec.acceptance import accept_path
 from splitspec.spec.acceptance_length import acceptance_length, committed_tokens, pooled_acceptance_length
@@ -85,7 +85,7 @@ class ScriptedDraft:
             if rank is not None:
                 row.insert(rank, TRUTH[generated - 1 + depth])
             rows.append(row[:2])
-        return np.array(rows, dtype=np.int64), np.log(np.array([[0.6, 0.4]] * len(rows)))
+        return Proposed(np.array(rows, dtype=np.int64), np.log(np.array([[0.6, 0.4]] * len(rows))))
 
     async def release(self, sequence_id, context=0) -> None:
         pass

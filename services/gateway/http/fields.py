@@ -16,6 +16,7 @@ from typing import Any
 from splitspec.errors import InvalidArgument
 from splitspec.v1 import gateway_pb2
 
+SCORES = {"lattice": gateway_pb2.Speculation.LATTICE, "independent": gateway_pb2.Speculation.INDEPENDENT}
 MODES = {"ddtree": gateway_pb2.Speculation.DDTREE, "chain": gateway_pb2.Speculation.CHAIN, "off": gateway_pb2.Speculation.OFF}
 MAX_INT32 = 2**31 - 1
 _MISSING = object()
@@ -119,15 +120,15 @@ def stops(req: gateway_pb2.GenerateRequest, body: dict, name: str) -> list[str]:
 
 
 def speculation(req: gateway_pb2.GenerateRequest, body: dict) -> None:
-    """The extension field ``speculation: {mode, budget, chain_seed}`` (``extra_body`` in the clients)."""
+    """The extension field ``speculation: {mode, budget, chain_seed, scores}`` (``extra_body`` in the clients)."""
     spec = body.get("speculation")
     if spec is None:
         return
     if not isinstance(spec, dict):
-        raise InvalidArgument("speculation: must be an object {mode, budget, chain_seed}")
-    unknown = set(spec) - {"mode", "budget", "chain_seed"}
+        raise InvalidArgument("speculation: must be an object {mode, budget, chain_seed, scores}")
+    unknown = set(spec) - {"mode", "budget", "chain_seed", "scores"}
     if unknown:
-        raise InvalidArgument(f"speculation.{sorted(unknown)[0]}: unknown field (use mode, budget, chain_seed)")
+        raise InvalidArgument(f"speculation.{sorted(unknown)[0]}: unknown field (use mode, budget, chain_seed, scores)")
     mode = spec.get("mode")
     if mode is not None:
         if mode not in MODES:
@@ -141,3 +142,8 @@ def speculation(req: gateway_pb2.GenerateRequest, body: dict) -> None:
         if not isinstance(chain_seed, bool):
             raise InvalidArgument("speculation.chain_seed: must be true or false")
         req.speculation.chain_seed = chain_seed
+    scores = spec.get("scores")
+    if scores is not None:
+        if scores not in SCORES:
+            raise InvalidArgument(f"speculation.scores: {scores!r} is not one of lattice, independent")
+        req.speculation.scores = SCORES[scores]

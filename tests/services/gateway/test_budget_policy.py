@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry
 from services.gateway.budget import EXPLORE_PASSES, HYSTERESIS, BudgetPolicy, parse_budget
 from services.gateway.server import GatewayServicer, GatewayState
 from services.gateway.speculation import DraftShape, Mode, SpeculationOptions, SpeculativeSequence
-from services.gateway.workers import Prefilled, Verified
+from services.gateway.workers import Prefilled, Proposed, Verified
 from services.metrics import GatewayMetrics
 from splitspec.errors import InvalidArgument
 from splitspec.spec.budget import ADAPTIVE_BUDGETS, depth_mass
@@ -251,7 +251,7 @@ class FakeTarget:
 
 class FakeDraft:
     async def propose(self, sequence_id, anchor, start, history, features, top_k, window, timeout=None, context=0):
-        return TOP_IDS, TOP_LOGPROBS
+        return Proposed(TOP_IDS, TOP_LOGPROBS)
 
     async def release(self, sequence_id, context=0) -> None:
         pass
@@ -337,7 +337,7 @@ class CheckingDraft(FakeDraft):
         assert rows == list(range(self.ends.get(context, start - len(rows)), start)), (start, rows)
         self.ends[context] = start
         self.proposals.append((start, rows))
-        return TOP_IDS, TOP_LOGPROBS
+        return Proposed(TOP_IDS, TOP_LOGPROBS)
 
 
 def test_a_target_only_step_of_budget_0_does_not_ask_the_draft_and_keeps_its_features():

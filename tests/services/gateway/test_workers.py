@@ -166,9 +166,9 @@ def test_draft_step_past_its_timeout_drops_the_stream(workers, wire):
             await asyncio.sleep(2 * ORACLE_DELAY_S)  # both late proposals ran on the worker
             await draft.release("late")  # as the gateway does after a failed draft step
             await unary.release("late-unary")
-            top_ids, _ = await draft.propose("late", 1, len(PROMPT), PROMPT, None, 3, 0, timeout=10)
+            top_ids = (await draft.propose("late", 1, len(PROMPT), PROMPT, None, 3, 0, timeout=10)).top_ids
             assert top_ids.shape == (15, 3)
-            top_ids, _ = await draft.propose("late", 2, len(PROMPT) + 1, [1], None, 3, 0, timeout=10)
+            top_ids = (await draft.propose("late", 2, len(PROMPT) + 1, [1], None, 3, 0, timeout=10)).top_ids
             assert top_ids.shape == (15, 3)
             await draft.release("late")
         finally:
@@ -197,7 +197,7 @@ def test_a_step_in_flight_cannot_bring_back_a_released_context(workers, wire):
             await draft.release(gone, 1)  # while the late step still runs
             await asyncio.sleep(2 * ORACLE_DELAY_S)  # it has run by now
             assert (await draft.info(timeout=10)).live_sequences == 2  # the busy ones only
-            top_ids, _ = await draft.propose(gone, 1, len(PROMPT), PROMPT, None, 3, 0, timeout=10, context=2)
+            top_ids = (await draft.propose(gone, 1, len(PROMPT), PROMPT, None, 3, 0, timeout=10, context=2)).top_ids
             assert top_ids.shape == (15, 3)
             with pytest.raises(grpc.aio.AioRpcError) as stale:
                 await draft.propose(gone, 1, len(PROMPT) + 1, [1], None, 3, 0, timeout=10, context=1)

@@ -1,0 +1,92 @@
+"""A DFlash2 draft's Propose step against a DFlash draft's on the GPU (benchmark-only random weights).
+
+The Qwen3-8B-shaped 5-layer draft (``random:qwen3-8b-dflash``) at block sizes 8 and 16, and the
+same backbone as a DFlash2 draft (convolutions around every sublayer, the candidate selector at
+top-16 and rank 256, a 2048-position window), served by ``DraftEngine``, each eagerly and through its
+one-sequence CUDA graphs (what a sequence is served with). Each step appends 4
+new feature rows to a 512-row context and asks for the top-16; median ms of 60 steps after 10 of
+warm-up, with the proposal's copy to the host (``torch.cuda.synchronize`` inside the engine).
+
+Checks: with identity convolutions and a zero successor codebook (``init_dflash2_extras``) the
+DFlash2 draft's proposals equal the DFlash draft's, ids and log-probs (bf16); the DFlash2 graphed
+pass's proposals against its eager pass's over five steps.
+
+Usage: python3 scripts/gpu_dflash2_step.py   (GPU only)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+
+import torch
+
+from services.draft.engine import DraftEngine
+from services.draft.graphs import BlockGraphs
+from splitspec.bench.random_weights import _generator, _randomize, random_draft_config, random_target_head
+from splitspec.models.dflash import DFlashDraft
+from splitspec.models.dflash2 import DFlash2Config, DFlash2Draft, init_dflash2_extras
+
+dev = torch.device("cuda", 0)
+torch.cuda.set_device(dev)
+dtype = torch.bfloat16
+embed, head, _ = random_target_head("random:qwen3-8b", dev, dtype)
+
+
+def build(config, seed: int = 2):
+    with torch.device("meta"):
+        model = DFlash2Draft(config) if isinstance(config, DFlash2Config) else DFlashDraft(config)
+    model = model.to(dtype).to_empty(device=dev)
+    _randomize(model, _generator(dev, seed))
+    return model
+
+
+def steps(engine: DraftEngine, width: int, count: int = 70) -> list[float]:
+    g = torch.Generator().manual_seed(0)
+    engine.propose("s", 0, 512, torch.randn(512, width, generator=g).to(dtype), 16)
+    times, position = [], 512
+    for _ in range(count):
+        feats = torch.randn(4, width, generator=g).to(dtype)
+        t0 = time.perf_counter()
+        engine.propose("s", 1, position + 4, feats, 16)
+        times.append((time.perf_counter() - t0) * 1e3)
+        position += 4
+    return times[10:]
+
+
+print(torch.cuda.get_device_name(), flush=True)
+for block in (8, 16):
+    base = dataclasses.replace(random_draft_config("random:qwen3-8b-dflash"), block_size=block)
+    d1 = build(base)
+    d2cfg = DFlash2Config(**vars(base), conv_kernel_size=2, conv_group_size=16, selector_rank=256, selector_top_k=16, sliding_window=2048)
+    d2 = build(d2cfg)
+    d2.load_state_dict(d1.state_dict(), strict=False)  # the same backbone
+    init_dflash2_extras(d2)
+    d1.fuse_projections(), d2.fuse_projections()
+    width = base.num_taps * base.hidden_size
+    a, b = DraftEngine(d1, embed, head), DraftEngine(d2, embed, head)
+    g = torch.Generator().manual_seed(1)
+    feats = torch.randn(300, width, generator=g).to(dtype)
+    pa, pb = a.propose("c", 7, 300, feats, 16), b.propose("c", 7, 300, feats, 16)
+    same = torch.equal(pa.top_ids, pb.top_ids) and torch.equal(pa.top_logprobs, pb.top_logprobs)
+    print(f"block {block}: identity DFlash2 == DFlash: {'PASS' if same else 'FAIL'}; pair scores finite: {bool(pb.pair_scores.isfinite().all())}", flush=True)
+    _randomize(d2, _generator(dev, 3))  # real-shaped random extras for the timing
+    d2.fuse_projections()
+    eager1 = statistics.median(steps(DraftEngine(d1, embed, head), width))
+    eager2 = statistics.median(steps(DraftEngine(d2, embed, head), width))
+    graphed1 = statistics.median(steps(DraftEngine(d1, embed, head, graphs=BlockGraphs(d1, embed, head, 4096, 1, capture=True)), width))
+    graphed = DraftEngine(d2, embed, head, graphs=BlockGraphs(d2, embed, head, 4096, 1, capture=True))
+    graphed2 = statistics.median(steps(graphed, width))
+    eager, ids_equal, worst = DraftEngine(d2, embed, head), 0, 0.0
+    for n in range(5):  # the graphed pass against the eager one, step by step
+        f = torch.randn(20 if n == 0 else 3, width, generator=g).to(dtype)
+        end = 20 + 3 * n
+        pg, pe = graphed.propose("v", 5 + n, end, f, 16), eager.propose("v", 5 + n, end, f, 16)
+        ids_equal += torch.equal(pg.top_ids, pe.top_ids)
+        worst = max(worst, (pg.pair_scores - pe.pair_scores).abs().max().item())
+    print(f"block {block}: DFlash eager {eager1:.2f} ms, DFlash2 eager {eager2:.2f} ms ({eager2 / eager1:.2f}x); "
+          f"graphed: DFlash {graphed1:.2f} ms, DFlash2 {graphed2:.2f} ms ({graphed2 / graphed1:.2f}x); "
+          f"DFlash2 graphed vs eager: top ids equal in {ids_equal}/5 steps, pair scores within {worst:.3g}", flush=True)
+    del a, b, d1, d2
+    torch.cuda.empty_cache()
