@@ -16,7 +16,8 @@ many rows to ``gguf_expand`` (the blocks expanded tile by tile for cuBLAS);
 ``tree_delta_rule`` (the tree-aware Gated DeltaNet conv and delta rule; references in
 ``splitspec.models.delta_rule``, which dispatches to them); ``delta_inputs`` (a Gated DeltaNet
 row's normalised q and k, beta and log-decay in one launch); ``top_k`` (the draft's top-K of
-log-softmax over the vocabulary in two launches).
+log-softmax over the vocabulary in two launches); ``dynamic_conv`` (a DFlash2 draft's two-tap
+dynamic convolution in one launch).
 """
 
 from __future__ import annotations
@@ -34,12 +35,18 @@ except ImportError:
     HAVE_TRITON = False
 
 
-def use_triton(tensor: torch.Tensor, kernel: str = "") -> bool:
+def use_triton(tensor: torch.Tensor, kernel: str = "", *weights: torch.Tensor) -> bool:
     """Whether a kernel should run for inputs like ``tensor``. ``SPLITSPEC_NATIVE=0`` turns every
     kernel off and ``SPLITSPEC_NATIVE_OFF=rms_norm,tree_attention`` the named ones (the
     plain-torch references run instead, on GPUs too: for comparisons and debugging). The switch
-    is read at call time; a CUDA graph keeps the kernels it was captured with."""
+    is read at call time; a CUDA graph keeps the kernels it was captured with.
+
+    The kernels have no backward pass: where autograd records the call (``tensor`` or one of the
+    call's ``weights`` needs a gradient, as in ``splitspec train-draft``) the reference runs, so
+    that gradients reach every parameter."""
     if not HAVE_TRITON or os.environ.get("SPLITSPEC_NATIVE") == "0":
+        return False
+    if torch.is_grad_enabled() and (tensor.requires_grad or any(w.requires_grad for w in weights)):
         return False
     if kernel and kernel in os.environ.get("SPLITSPEC_NATIVE_OFF", "").split(","):
         return False

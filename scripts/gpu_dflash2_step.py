@@ -7,7 +7,7 @@ one-sequence CUDA graphs (what a sequence is served with). Each step appends 4
 new feature rows to a 512-row context and asks for the top-16; median ms of 60 steps after 10 of
 warm-up, with the proposal's copy to the host (``torch.cuda.synchronize`` inside the engine).
 
-Checks: with identity convolutions and a zero successor codebook (``init_dflash2_extras``) the
+Checks: the dynamic convolution's kernel against its reference (bf16); with identity convolutions and a zero successor codebook (``init_dflash2_extras``) the
 DFlash2 draft's proposals equal the DFlash draft's, ids and log-probs (bf16); the DFlash2 graphed
 pass's proposals against its eager pass's over five steps.
 
@@ -17,6 +17,7 @@ Usage: python3 scripts/gpu_dflash2_step.py   (GPU only)
 from __future__ import annotations
 
 import dataclasses
+import os
 import statistics
 import time
 
@@ -26,7 +27,7 @@ from services.draft.engine import DraftEngine
 from services.draft.graphs import BlockGraphs
 from splitspec.bench.random_weights import _generator, _randomize, random_draft_config, random_target_head
 from splitspec.models.dflash import DFlashDraft
-from splitspec.models.dflash2 import DFlash2Config, DFlash2Draft, init_dflash2_extras
+from splitspec.models.dflash2 import DFlash2Config, DFlash2Draft, DynamicConv, init_dflash2_extras
 
 dev = torch.device("cuda", 0)
 torch.cuda.set_device(dev)
@@ -56,6 +57,18 @@ def steps(engine: DraftEngine, width: int, count: int = 70) -> list[float]:
 
 
 print(torch.cuda.get_device_name(), flush=True)
+conv = DynamicConv(4096, 2, 16, 16).to(dev, dtype)
+torch.nn.init.normal_(conv.base_kernel, 0.5, 0.5), torch.nn.init.normal_(conv.kernel_projection.weight, 0.0, 0.02)
+with torch.inference_mode():
+    u, x = torch.randn(2, 3, 16, 4096, device=dev, dtype=dtype)
+    coefficients = conv.coefficients(u)
+    fused = [conv(x, coefficients, side) for side in (0, 1)]
+    os.environ["SPLITSPEC_NATIVE_OFF"] = "dynamic_conv"
+    reference = [conv(x, coefficients, side) for side in (0, 1)]
+    del os.environ["SPLITSPEC_NATIVE_OFF"]
+worst = max((a.float() - b.float()).abs().max().item() / b.float().abs().max().item() for a, b in zip(fused, reference))
+equal = all(torch.equal(a, b) for a, b in zip(fused, reference))
+print(f"dynamic_conv kernel vs reference (bf16, 3 x 16 rows x 4096): {'bitwise equal' if equal else f'largest difference {worst:.2e} of the largest'}", flush=True)
 for block in (8, 16):
     base = dataclasses.replace(random_draft_config("random:qwen3-8b-dflash"), block_size=block)
     d1 = build(base)

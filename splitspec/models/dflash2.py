@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from native import dynamic_conv, use_triton
 from splitspec.models.dflash import (
     DFlashConfig,
     DFlashDraft,
@@ -176,7 +177,11 @@ class DynamicConv(nn.Module):
         return self.kernel_projection(u).to(_wide(u.dtype)).unflatten(-1, (2, self.taps, -1))
 
     def forward(self, x: torch.Tensor, coefficients: torch.Tensor, side: int) -> torch.Tensor:
-        """``conv_side(x)`` [..., Q, H] in x's dtype, computed in float32 at least."""
+        """``conv_side(x)`` [..., Q, H] in x's dtype, computed in float32 at least (one launch of
+        ``native.dynamic_conv`` where kernels run)."""
+        one_side, base = coefficients[..., side, :, :], self.base_kernel[side]
+        if use_triton(x, "dynamic_conv", one_side, base) and dynamic_conv.supported(x, one_side, base):
+            return dynamic_conv.dynamic_conv(x, one_side, base, self.group, self.block_size)
         b, wide = self.block_size, _wide(x.dtype)
         kernel = self.base_kernel[side].to(wide) + coefficients[..., side, :, :].repeat_interleave(self.group, dim=-1)  # [..., Q, taps, H]
         xs = x.to(wide).unflatten(-2, (-1, b))  # [..., Q / B, B, H]
@@ -242,12 +247,30 @@ class CandidateSelector(nn.Module):
         """S [..., L, K, K] float32: ``S[t-1, a, b]`` scores candidate b of depth t after candidate a
         of depth t - 1 (depth 1: after the anchor, in every row a)."""
         k = candidates.shape[-1]
-        gate = self.hidden_projection(hidden).to(_wide(hidden.dtype))  # [..., L, R]
         first = anchor[..., None, None].expand(*candidates.shape[:-2], 1, k)  # [..., 1, K]
-        before = torch.cat([first, candidates[..., :-1, :]], dim=-2).long()  # [..., L, K] predecessors
-        a = self.predecessor_codebook[before].to(gate.dtype) * gate[..., None, :]  # [..., L, K, R]
-        b = self.successor_codebook[candidates.long()].to(gate.dtype)  # [..., L, K, R]
+        before = torch.cat([first, candidates[..., :-1, :]], dim=-2)  # [..., L, K] predecessors
+        a = self._gated_predecessors(hidden[..., None, :], before)  # [..., L, K, R]
+        b = self.successor_codebook[candidates.long()].to(a.dtype)  # [..., L, K, R]
         return unary.float()[..., None, :] + (a @ b.transpose(-1, -2)).float()
+
+    def scores_after(
+        self,
+        hidden: torch.Tensor,  # [..., H] final-normed draft rows
+        unary: torch.Tensor,  # [..., K]
+        candidates: torch.Tensor,  # [..., K] token ids
+        predecessor: torch.Tensor,  # [...] token ids: each row's one predecessor
+    ) -> torch.Tensor:
+        """``S(predecessor, b)`` [..., K] float32 of each row's candidates after its one given
+        predecessor (training: the text's previous token)."""
+        a = self._gated_predecessors(hidden, predecessor)  # [..., R]
+        b = self.successor_codebook[candidates.long()].to(a.dtype)  # [..., K, R]
+        return unary.float() + (b @ a[..., None]).squeeze(-1).float()
+
+    def _gated_predecessors(self, hidden: torch.Tensor, predecessors: torch.Tensor) -> torch.Tensor:
+        """``A[a] * gate`` [..., R] (float32 at least) for predecessor ids ``a`` [...] of rows ``hidden``
+        [..., H] (broadcast against each other)."""
+        gate = self.hidden_projection(hidden).to(_wide(hidden.dtype))  # [..., R]
+        return self.predecessor_codebook[predecessors.long()].to(gate.dtype) * gate
 
 
 class DFlash2Draft(DFlashDraft):

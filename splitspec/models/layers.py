@@ -45,7 +45,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if use_triton(x, "rms_norm") and rms_norm.supported(x, self.weight):
+        if use_triton(x, "rms_norm", self.weight) and rms_norm.supported(x, self.weight):
             return rms_norm.rms_norm(x, self.weight, self.eps)
         if x.is_cuda and x.dtype == self.weight.dtype:
             # One fused kernel (statistics in float32) instead of seven: a decode step runs ~150 norms.
@@ -58,7 +58,7 @@ class RMSNorm(nn.Module):
     def forward_add(self, delta: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual step and the norm after it: ``(norm(residual + delta), residual + delta)``,
         one kernel where the native kernels run."""
-        if use_triton(delta, "rms_norm") and rms_norm.supported(delta, self.weight) and residual.is_contiguous() and residual.dtype == delta.dtype:
+        if use_triton(delta, "rms_norm", self.weight, residual) and rms_norm.supported(delta, self.weight) and residual.is_contiguous() and residual.dtype == delta.dtype:
             return rms_norm.add_rms_norm(delta, residual, self.weight, self.eps)
         residual = residual + delta
         return self(residual), residual

@@ -1,5 +1,7 @@
 """Train a DFlash drafter (arXiv 2602.06036) for a frozen target, with the recipe SpecForge
-implements (DFlash, arXiv 2602.06036). ``train_draft(DraftTrainConfig(...))`` is the whole API.
+implements (DFlash, arXiv 2602.06036), or a DFlash2 drafter (``arch="dflash2"``: the same loss
+plus its candidate selector's, ``splitspec.train.selector``). ``train_draft(DraftTrainConfig(...))``
+is the whole API.
 
 Terms:
 
@@ -15,7 +17,9 @@ Terms:
   *matches* when its argmax equals the target's greedy token at position ``a+k`` (the argmax of
   the target's logits at ``a+k-1``, reading the held-out text). The estimate is the mean over
   anchors of ``1 +`` the number of leading matching rows: the tokens chain DFlash would commit per
-  step, bonus included, were the committed text the held-out text. It lies in ``[1, B]``.
+  step, bonus included, were the committed text the held-out text. It lies in ``[1, B]``. A
+  DFlash2 draft's chain is its selector's walk (``acceptance``); its top-1 chain's estimate is
+  ``acceptance_top1``.
 
 Each step, every sequence of the batch gets ``anchors`` blocks at distinct random positions, and
 all of them go through the draft in one pass (``DFlashDraft.forward_blocks``): one masked
@@ -46,10 +50,12 @@ from tqdm import tqdm
 
 from splitspec.models.devices import resolve_device
 from splitspec.models.dflash import DFlashConfig, DFlashDraft, default_target_layer_ids
+from splitspec.models.dflash2 import DFlash2Config, DFlash2Draft, init_dflash2_extras
 from splitspec.models.hub import resolve_model
 from splitspec.models.loader import load_target
 from splitspec.text.tokenizer import Tokenizer
 from splitspec.train.data import DEFAULT_GLOB, PackedCorpus, load_corpus
+from splitspec.train.selector import selector_loss_sum, walked_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +79,7 @@ class DraftTrainConfig:
     glob: str = DEFAULT_GLOB  # comma-separated file name patterns for directories
     seq_len: int = 1024  # tokens per packed training sequence
     heldout_fraction: float = 0.05  # share of the text (by document) kept for evaluation
+    arch: str = "dflash"  # dflash | dflash2
     layers: int = 2  # draft decoder layers
     taps: tuple[int, ...] | None = None  # target layers whose outputs feed the draft; None = DFlash's default spacing
     block_size: int = 16  # B: anchor + B-1 drafted tokens
@@ -92,13 +99,19 @@ class DraftTrainConfig:
     checkpoint_every: int = 500  # steps between writes of OUT/checkpoint.pt
     resume: bool = False  # continue from OUT/checkpoint.pt, exactly
     stop_at: int | None = None  # end this run after this step (with a checkpoint), to resume later
+    # DFlash2 only (the published drafts' values): its selector, convolutions and attention window.
+    selector_top_k: int = 16
+    selector_rank: int = 256
+    selector_weight: float = 1.0  # of the selector loss, added to the draft's
+    conv_group_size: int = 16
+    sliding_window: int = 0  # 0: every context position (full attention)
 
 
 @dataclass
 class DraftTrainResult:
     out_dir: Path  # holds the draft (config.json + model.safetensors) and train_log.json
     losses: list[float]  # training loss of every step so far, step 1 first (resumed runs included)
-    evals: list[dict[str, float]]  # {"step", "heldout_loss", "acceptance"} at every evaluation
+    evals: list[dict[str, float]]  # {"step", "heldout_loss", "acceptance"[, "acceptance_top1"]} at every evaluation
     heldout_loss: float  # at the last step
     heldout_acceptance: float  # acceptance estimate (module docstring) at the last step
     wall_time_s: float  # this call, loading included
@@ -126,11 +139,16 @@ def sample_anchors(generator: torch.Generator, batch: int, low: int, high: int, 
     return scores.argsort(dim=1)[:, :count].sort(dim=1).values + low
 
 
-def block_attention_mask(anchors: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
+def block_attention_mask(anchors: torch.Tensor, seq_len: int, block_size: int, window: int = 0) -> torch.Tensor:
     """anchors [N, A] -> [N, A·B, seq_len + A·B] bool: a block row sees context positions before
-    its anchor and every row of its own block."""
+    its anchor (and, with a sliding ``window``, after its own position minus ``window``) and every
+    row of its own block."""
     rows_anchor = anchors.repeat_interleave(block_size, dim=1)  # [N, Q]
-    context = torch.arange(seq_len, device=anchors.device) < rows_anchor[..., None]  # [N, Q, T]
+    cols = torch.arange(seq_len, device=anchors.device)  # [T]
+    context = cols < rows_anchor[..., None]  # [N, Q, T]
+    if window:
+        rows_position = rows_anchor + torch.arange(rows_anchor.shape[1], device=anchors.device) % block_size  # [N, Q]
+        context &= cols > rows_position[..., None] - window
     block = torch.arange(rows_anchor.shape[1], device=anchors.device) // block_size  # [Q] block of each row
     own = (block[:, None] == block[None, :]).expand(anchors.shape[0], -1, -1)  # [N, Q, Q]
     return torch.cat([context, own], dim=-1)
@@ -138,10 +156,11 @@ def block_attention_mask(anchors: torch.Tensor, seq_len: int, block_size: int) -
 
 def make_blocks(
     tokens: torch.Tensor, anchors: torch.Tensor, block_size: int, mask_token_id: int, gamma: float,
-    label_tokens: torch.Tensor | None = None,
+    label_tokens: torch.Tensor | None = None, window: int = 0,
 ) -> Blocks:
-    """tokens [N, T], anchors [N, A] -> the blocks' inputs, targets and mask. Row labels come from
-    ``label_tokens`` [N, T] (default: ``tokens``) at the rows' positions."""
+    """tokens [N, T], anchors [N, A] -> the blocks' inputs, targets and mask (``window``: a sliding
+    window's, see :func:`block_attention_mask`). Row labels come from ``label_tokens`` [N, T]
+    (default: ``tokens``) at the rows' positions."""
     n, t = tokens.shape
     offsets = torch.arange(block_size, device=tokens.device)
     positions = anchors[..., None] + offsets  # [N, A, B]
@@ -150,7 +169,7 @@ def make_blocks(
     labels = (tokens if label_tokens is None else label_tokens).gather(1, positions.clamp(max=t - 1).flatten(1))
     decay = torch.exp(-(offsets - 1).clamp(min=0) / gamma) * (offsets > 0)  # [B]: w_k, w_0 = 0
     weights = decay * (positions < t)
-    return Blocks(inputs.flatten(1), positions.flatten(1), labels, weights.flatten(1).float(), block_attention_mask(anchors, t, block_size))
+    return Blocks(inputs.flatten(1), positions.flatten(1), labels, weights.flatten(1).float(), block_attention_mask(anchors, t, block_size, window))
 
 
 def block_hidden(draft: DFlashDraft, embed: nn.Embedding, blocks: Blocks, features: torch.Tensor) -> torch.Tensor:
@@ -299,6 +318,10 @@ def check_config(c: DraftTrainConfig) -> None:
         raise ValueError("no training data given")
     if c.labels not in ("text", "target"):
         raise ValueError(f"--labels {c.labels!r}: choose text or target")
+    if c.arch not in ("dflash", "dflash2"):
+        raise ValueError(f"--arch {c.arch!r}: choose dflash or dflash2")
+    if c.arch == "dflash2" and not c.selector_weight >= 0:
+        raise ValueError(f"--selector-weight {c.selector_weight}: must be at least 0")
 
 
 def _device(name: str) -> torch.device:
@@ -322,11 +345,18 @@ def draft_config_for(target_config: Any, tokenizer: Tokenizer, c: DraftTrainConf
     if not 0 <= mask < target_config.vocab_size:
         raise ValueError(f"--mask-token-id {mask}: outside the target vocabulary of {target_config.vocab_size}")
     t = target_config
-    return DFlashConfig(
+    config = DFlashConfig(
         hidden_size=t.hidden_size, intermediate_size=t.intermediate_size, num_layers=c.layers, num_heads=t.num_heads,
         num_kv_heads=t.num_kv_heads, head_dim=t.head_dim, block_size=c.block_size, mask_token_id=mask,
         target_layer_ids=taps, rms_norm_eps=t.rms_norm_eps, rope_theta=t.rope_theta, vocab_size=t.vocab_size,
     )
+    if c.arch == "dflash2":
+        config = DFlash2Config(
+            **vars(config), conv_group_size=c.conv_group_size, selector_rank=c.selector_rank,
+            selector_top_k=c.selector_top_k, sliding_window=c.sliding_window,
+        )
+        config.check("train-draft")  # names the field; the flags carry the same names
+    return config
 
 
 def _prepare(c: DraftTrainConfig) -> _Run:
@@ -348,10 +378,13 @@ def _prepare(c: DraftTrainConfig) -> _Run:
 
 def _new_draft(config: DFlashConfig, seed: int, device: torch.device) -> DFlashDraft:
     torch.manual_seed(seed)
-    draft = DFlashDraft(config)
+    dflash2 = isinstance(config, DFlash2Config)
+    draft = DFlash2Draft(config) if dflash2 else DFlashDraft(config)
     for module in draft.modules():
         if isinstance(module, nn.Linear):
             nn.init.normal_(module.weight, std=INIT_STD)
+    if dflash2:  # identity convolutions and a neutral selector, as a converted DFlash draft starts
+        init_dflash2_extras(draft)
     return draft.to(device)
 
 
@@ -363,11 +396,14 @@ def _train_step(run: _Run, draft: DFlashDraft, optimizer, scheduler, batches: Ba
     anchors = sample_anchors(batches.generator, len(tokens), 1, c.seq_len - 2, min(c.anchors, c.seq_len - 2)).to(run.device)
     # Self-distillation: the label at position p is the target's argmax after p - 1 (teacher-forced).
     label_tokens = torch.cat([tokens[:, :1], target_next[:, :-1]], dim=1) if distill else tokens
-    blocks = make_blocks(tokens, anchors, c.block_size, run.draft_config.mask_token_id, c.gamma, label_tokens)
+    blocks = make_blocks(tokens, anchors, c.block_size, run.draft_config.mask_token_id, c.gamma, label_tokens, _window(run))
     with run.autocast():
         hidden = block_hidden(draft, run.target.embed_tokens, blocks, features)
         total, weight = weighted_ce_sum(hidden.flatten(0, 1), run.head, blocks.labels.flatten(), blocks.weights.flatten())
-    loss = total / weight
+        loss = total / weight
+        if isinstance(draft, DFlash2Draft):
+            selector_total, selector_weight = selector_loss_sum(draft, hidden, run.head, blocks.labels, blocks.weights, blocks.tokens)
+            loss = loss + c.selector_weight * selector_total / selector_weight
     loss.backward()
     nn.utils.clip_grad_norm_(draft.parameters(), c.grad_clip)
     optimizer.step()
@@ -376,28 +412,40 @@ def _train_step(run: _Run, draft: DFlashDraft, optimizer, scheduler, batches: Ba
     return loss.item()
 
 
+def _window(run: _Run) -> int:
+    return getattr(run.draft_config, "sliding_window", 0)
+
+
 @torch.no_grad()
-def evaluate(run: _Run, draft: DFlashDraft) -> tuple[float, float]:
-    """(held-out loss, acceptance estimate) over the first ``eval_sequences`` held-out sequences."""
+def evaluate(run: _Run, draft: DFlashDraft) -> dict[str, float]:
+    """The held-out loss and acceptance estimate (and a DFlash2 draft's ``acceptance_top1``) over
+    the first ``eval_sequences`` held-out sequences."""
     c, b = run.config, run.config.block_size
     total = weight = 0.0
-    accepted, anchors_seen = 0, 0
+    accepted, accepted_top1, anchors_seen = 0, 0, 0
     for s in range(0, len(run.eval_anchors), c.batch_size):
         anchors = run.eval_anchors[s : s + c.batch_size].to(run.device)
         tokens = torch.from_numpy(run.corpus.heldout[s : s + len(anchors)]).to(run.device)
         features, target_next = target_pass(run.target, tokens, run.draft_config.target_layer_ids, greedy=True)
-        blocks = make_blocks(tokens, anchors, b, run.draft_config.mask_token_id, c.gamma)
+        blocks = make_blocks(tokens, anchors, b, run.draft_config.mask_token_id, c.gamma, window=_window(run))
         with run.autocast():
             hidden = block_hidden(draft, run.target.embed_tokens, blocks, features)
             t, w = weighted_ce_sum(hidden.flatten(0, 1), run.head, blocks.labels.flatten(), blocks.weights.flatten())
-            drafted = greedy_tokens(hidden, run.head).unflatten(1, (-1, b))  # [N, A, B]
+            top1 = greedy_tokens(hidden, run.head).unflatten(1, (-1, b))  # [N, A, B]
+            drafted = top1
+            if isinstance(draft, DFlash2Draft):
+                drafted = walked_tokens(draft, hidden.unflatten(1, (-1, b)), run.head, blocks.tokens[:, ::b])
         total, weight = total + t.item(), weight + w.item()
         # The target's token at position p is its argmax after p - 1; eval blocks end inside the sequence.
         expected = target_next.gather(1, blocks.positions - 1).unflatten(1, (-1, b))  # [N, A, B]
         leading = (drafted[..., 1:] == expected[..., 1:]).long().cumprod(-1).sum(-1)  # [N, A]
         accepted += int((1 + leading).sum())
+        accepted_top1 += int((1 + (top1[..., 1:] == expected[..., 1:]).long().cumprod(-1).sum(-1)).sum())
         anchors_seen += leading.numel()
-    return total / weight, accepted / anchors_seen
+    out = {"heldout_loss": total / weight, "acceptance": accepted / anchors_seen}
+    if isinstance(draft, DFlash2Draft):
+        out["acceptance_top1"] = accepted_top1 / anchors_seen
+    return out
 
 
 def write_draft(out: Path, draft: DFlashDraft, config: DFlashConfig, num_target_layers: int) -> None:
@@ -472,9 +520,8 @@ def train_draft(config: DraftTrainConfig) -> DraftTrainResult:
         losses.append(_train_step(run, draft, optimizer, scheduler, batches))
         step += 1
         if step % c.eval_every == 0 or step == stop:
-            heldout_loss, acceptance = evaluate(run, draft)
-            evals.append({"step": step, "heldout_loss": heldout_loss, "acceptance": acceptance})
-            logger.info("step %d: loss %.4f, held-out loss %.4f, acceptance estimate %.3f", step, losses[-1], heldout_loss, acceptance)
+            evals.append({"step": step, **evaluate(run, draft)})
+            logger.info("step %d: loss %.4f, held-out loss %.4f, acceptance estimate %.3f", step, losses[-1], evals[-1]["heldout_loss"], evals[-1]["acceptance"])
         if step % c.checkpoint_every == 0 or (step == stop and stop < c.steps):
             _save_checkpoint(run, out / CHECKPOINT_FILE, draft, optimizer, scheduler, batches, step, losses, evals)
         postfix = {"loss": f"{losses[-1]:.3f}", "lr": f"{scheduler.get_last_lr()[0]:.2e}"}
@@ -485,8 +532,7 @@ def train_draft(config: DraftTrainConfig) -> DraftTrainResult:
     bar.close()
     loop_time = time.perf_counter() - loop_started
     if not evals or evals[-1]["step"] != step:  # resumed at the stop step: evaluate what was loaded
-        heldout_loss, acceptance = evaluate(run, draft)
-        evals.append({"step": step, "heldout_loss": heldout_loss, "acceptance": acceptance})
+        evals.append({"step": step, **evaluate(run, draft)})
     write_draft(out, draft, run.draft_config, run.num_target_layers)
     result = DraftTrainResult(
         out_dir=out, losses=losses, evals=evals, heldout_loss=evals[-1]["heldout_loss"],

@@ -22,6 +22,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--glob", default=DEFAULT_GLOB, help="comma-separated file name patterns read from directories")
     p.add_argument("--seq-len", type=int, default=1024, help="tokens per packed training sequence")
     p.add_argument("--heldout-fraction", type=float, default=0.05, help="share of the text, by document, held out for evaluation")
+    p.add_argument("--arch", choices=["dflash", "dflash2"], default="dflash",
+                   help="dflash, or dflash2: DFlash plus dynamic convolutions and a candidate selector (docs/dflash2.md)")
     p.add_argument("--layers", type=int, default=2, help="decoder layers of the draft")
     p.add_argument("--taps", type=_taps, default=None, help="comma-separated target layers whose outputs feed the draft "
                    "(default: evenly spaced from layer 1, one per draft layer, as DFlash's training code does)")
@@ -48,6 +50,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint-every", type=int, default=500, help="steps between writes of OUT/checkpoint.pt")
     p.add_argument("--resume", action="store_true", help="continue exactly from OUT/checkpoint.pt (same settings and text)")
     p.add_argument("--stop-at", type=int, default=None, help="end this run after this step, leaving a checkpoint to --resume from")
+    d2 = p.add_argument_group("DFlash2 (--arch dflash2; defaults are the published drafts')")
+    d2.add_argument("--selector-top-k", type=int, default=16, help="candidates per block row the selector chooses among")
+    d2.add_argument("--selector-rank", type=int, default=256, help="rank of the selector's pair term")
+    d2.add_argument("--selector-weight", type=float, default=1.0, help="weight of the selector's loss beside the draft's")
+    d2.add_argument("--conv-group-size", type=int, default=16, help="channels sharing one dynamic convolution coefficient")
+    d2.add_argument("--sliding-window", type=int, default=0, help="context positions a block row attends to (0: all)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -59,11 +67,13 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     config = DraftTrainConfig(
         target=args.target, data=args.data, out=args.out, glob=args.glob, seq_len=args.seq_len,
-        heldout_fraction=args.heldout_fraction, layers=args.layers, taps=args.taps, block_size=args.block_size,
+        heldout_fraction=args.heldout_fraction, arch=args.arch, layers=args.layers, taps=args.taps, block_size=args.block_size,
         mask_token_id=args.mask_token_id, anchors=args.anchors, labels=args.labels, gamma=args.gamma, lr=args.lr,
         warmup_fraction=args.warmup_fraction, grad_clip=args.grad_clip, steps=args.steps, batch_size=args.batch_size,
         device=args.device, seed=args.seed, eval_every=args.eval_every, eval_sequences=args.eval_sequences,
         checkpoint_every=args.checkpoint_every, resume=args.resume, stop_at=args.stop_at,
+        selector_top_k=args.selector_top_k, selector_rank=args.selector_rank, selector_weight=args.selector_weight,
+        conv_group_size=args.conv_group_size, sliding_window=args.sliding_window,
     )
     result = train_draft(config)
     print(
