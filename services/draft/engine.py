@@ -363,7 +363,7 @@ class DraftEngine:
         forward_ns = time.perf_counter_ns() - t0
         return [Proposal.of(host, forward_ns, len(admitted)) for host in outs]
 
-    def _graphed_pass(self, admitted: list[tuple[ProposeStep, DraftSequence]]) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    def _graphed_pass(self, admitted: list[tuple[ProposeStep, DraftSequence]]) -> list[tuple[torch.Tensor, ...]] | None:
         """Host (ids, log-probs) of the sequences' blocks by one ``BlockGraphs.run_batch``: new rows
         beyond a block appended eagerly first (one ``context_kv``), the others inside the pass.
         None when the capture failed: then the larger appends are done, the others are not."""
@@ -385,7 +385,7 @@ class DraftEngine:
             if 0 < step.rows <= b:
                 seq.cache.size += step.rows
                 self._extend(step, seq, None)
-        return [(host[k][0][n], host[k][1][n]) for k, n in where]
+        return [tuple(part[n] for part in host[k]) for k, n in where]
 
 
 def _to_host(outs: list[tuple[torch.Tensor, ...]]) -> list[tuple[torch.Tensor, ...]]:

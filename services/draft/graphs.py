@@ -377,7 +377,7 @@ class BlockGraphs:
             return proposals_of(self.model, hidden[None, 1:], self.lm_head, block[:1], [top_k])[0]
         return top_k_of(hidden, self.lm_head, top_k)
 
-    def run_batch(self, items: list[BatchItem]) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[tuple[int, int]]] | None:
+    def run_batch(self, items: list[BatchItem]) -> tuple[list[tuple[torch.Tensor, ...]], list[tuple[int, int]]] | None:
         """The blocks of several sequences in slots, in one pass: each appends its ``features``
         (at most B rows) first. Returns the outputs per distinct top_k (top-K ids [S', B-1, K]
         int32 and log-probs [S', B-1, K] float32 over the padded S' sequences, in the graphs'
@@ -385,10 +385,10 @@ class BlockGraphs:
         when capture failed (nothing was appended: the caller runs the pass eagerly).
 
         Every item must :meth:`fits` its rows, and there are at most ``sequences`` of them. A
-        DFlash2 draft's batched passes are not built yet: None (the engine runs them eagerly)."""
+        DFlash2 draft's outputs carry its pair scores [S', B-1, K, K] after the log-probs."""
         c = self.model.config
         b = c.block_size
-        if self.failed or hasattr(self.model, "candidate_selector"):
+        if self.failed:
             return None
         assert 1 <= len(items) <= self.sequences and all(it.cache.slot is not None for it in items)
         s = max(2, 1 << (len(items) - 1).bit_length())
@@ -454,7 +454,7 @@ class BlockGraphs:
         inputs.staged.upload(size)
 
     @torch.inference_mode()
-    def _compute_batch(self, inputs: BatchInputs, span: int, ks: tuple[int, ...], append: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _compute_batch(self, inputs: BatchInputs, span: int, ks: tuple[int, ...], append: bool) -> list[tuple[torch.Tensor, ...]]:
         c = self.model.config
         b, s = c.block_size, inputs.sequences
         head, rows = inputs.head, self._rows
@@ -465,16 +465,24 @@ class BlockGraphs:
         block = torch.where(rows == 0, head[:, :1], c.mask_token_id)  # [S, B]: anchor, MASK × (B-1)
         positions = head[:, 1:2] + rows  # [S, B]
         cols = self._cols[:span]
-        visible = (cols >= head[:, 2:3]) & (cols < ends[:, None] + b)  # [S, span]: the window, then the block
+        first = head[:, 2:3, None]  # [S, 1, 1]
+        sliding = getattr(c, "sliding_window", 0)
+        if sliding:  # DFlash2: row t sees the context columns >= end - window + 1 + t (and the whole block)
+            first = torch.maximum(first, (ends[:, None] - sliding + 1 + rows)[..., None])  # [S, B, 1]
+        visible = (cols >= first) & (cols < ends[:, None, None] + b)  # [S, B or 1, span]: the window, then the block
         at = PooledAttention(
-            slots, ends, (slots[:, None] * self.context + ends[:, None] + rows).flatten(), visible[:, None, :].expand(s, b, span), self.context
+            slots, ends, (slots[:, None] * self.context + ends[:, None] + rows).flatten(), visible.expand(s, b, span), self.context
         )
         dtype = self.model.norm.weight.dtype
         hidden = self.model.forward_pooled(embedding_rows(self.embed, block.flatten()).to(dtype), positions.flatten(), self.pool, at)  # [S * B, hidden]
+        drafted = hidden.view(s, b, -1)[:, 1:]  # [S, B-1, hidden]
         # One [S * (B-1), hidden] matmul (see proposals_of).
-        logits = head_logits(hidden.view(s, b, -1)[:, 1:].flatten(0, 1), self.lm_head)  # [S * (B-1), vocab]
+        logits = head_logits(drafted.flatten(0, 1), self.lm_head)  # [S * (B-1), vocab]
+        selector = getattr(self.model, "candidate_selector", None)
+        if selector is not None:
+            logits = self.model.draft_logits(logits)
         out = []
         for k in ks:
-            ids, logprobs = top_k_log_softmax(logits, k)
-            out.append((ids.view(s, b - 1, k), logprobs.view(s, b - 1, k)))
+            ids, logprobs = (t.view(s, b - 1, k) for t in top_k_log_softmax(logits, k))
+            out.append((ids, logprobs) if selector is None else (ids, logprobs, selector.pair_scores(drafted, logprobs, ids, head[:, 0])))
         return out

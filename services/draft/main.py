@@ -103,8 +103,6 @@ def draft_engine(args: argparse.Namespace, model, embed, head, device):
         capture = device.type == "cuda" and not args.no_cuda_graphs
         graphs = BlockGraphs(model, embed, head, args.graph_context, sequences, capture)
         logger.info("fast path: %d sequences of %d context positions, %s", sequences, args.graph_context, "CUDA graphs" if capture else "fixed shapes run eagerly")
-        if hasattr(model, "candidate_selector"):
-            logger.info("DFlash2 draft: one sequence's block pass runs on the fast path; passes of several run eagerly (not built yet)")
     return DraftEngine(model, embed, head, max_sequences=args.max_sequences, graphs=graphs)
 
 
