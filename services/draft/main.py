@@ -1,4 +1,4 @@
-"""``splitspec draft``: load a DFlash draft (plus the target's embedding and LM head) and serve it."""
+"""``splitspec draft``: load a DFlash or DFlash2 draft (plus the target's embedding and LM head) and serve it."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ def add_arguments(p: argparse.ArgumentParser, model: bool = True) -> None:
     """The draft worker's flags; ``model=False`` leaves out ``--model`` for an engine that is not a
     DFlash checkpoint (the benchmark's OracleDrafter)."""
     if model:
-        p.add_argument("--model", required=True, help="DFlash draft: a z-lab directory (config.json + model.safetensors), its GGUF conversion, or hf://...")
+        p.add_argument("--model", required=True, help="DFlash draft: a z-lab directory (config.json + model.safetensors), its GGUF conversion, or hf://...; or a DFlash2 directory (DFlash2DraftModel)")
     p.add_argument("--target-model", required=True, help="the target model (GGUF, directory or hf://...): its embedding and LM head are read from it")
     p.add_argument("--listen", default="127.0.0.1:50053", help="address to serve on (host:port or unix:PATH)")
     p.add_argument("--device", default="cpu", help="cpu, cuda:N or auto (cuda:0 when torch sees a GPU, else cpu)")

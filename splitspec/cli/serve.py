@@ -63,7 +63,7 @@ DRAFT_MEMORY_SHARE = 1 / 3
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target-model", default="", help="target model: GGUF file, model directory or hf://... (default: the built-in pair)")
-    p.add_argument("--draft-model", default="", help="DFlash draft: directory, GGUF or hf://... (default: the built-in pair's; 'none' = no draft)")
+    p.add_argument("--draft-model", default="", help="DFlash or DFlash2 draft: directory, GGUF (DFlash) or hf://... (default: the built-in pair's; 'none' = no draft)")
     p.add_argument("--listen", default="127.0.0.1:50051", help="public gateway address")
     p.add_argument(
         "--http-listen", default="127.0.0.1:8000",

@@ -29,6 +29,26 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
     return [round(start + i * (end - start) / (num_draft_layers - 1)) for i in range(num_draft_layers)]
 
 
+class ConfigKeys:
+    """A draft ``config.json``'s keys: each read from ``dflash_config`` first, then the top level
+    (published drafts put their DFlash keys in one or the other); a missing one is named."""
+
+    def __init__(self, raw: Mapping[str, Any], source: str) -> None:
+        self.raw, self.source, self.dflash = raw, source, raw.get("dflash_config") or {}
+
+    def need(self, key: str, top_level: bool = False) -> Any:
+        for where in ((self.raw,) if top_level else (self.dflash, self.raw)):
+            if where.get(key) is not None:
+                return where[key]
+        raise ValueError(f"{self.source}: missing key {key!r}")
+
+    def get(self, key: str, default: Any = None) -> Any:
+        try:
+            return self.need(key)
+        except ValueError:
+            return default
+
+
 @dataclass(frozen=True)
 class DFlashConfig:
     hidden_size: int
@@ -47,39 +67,39 @@ class DFlashConfig:
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any], source: str = "config.json") -> DFlashConfig:
         """Parse a z-lab DFlash ``config.json`` (a Qwen3 config plus DFlash fields)."""
-
-        def need(key: str, where: Mapping[str, Any] = raw) -> Any:
-            if key not in where:
-                raise ValueError(f"{source}: missing key {key!r}")
-            return where[key]
-
-        dflash = need("dflash_config")
+        keys = ConfigKeys(raw, source)
+        keys.need("dflash_config", top_level=True)
         layer_types = raw.get("layer_types") or []
         if any(t != "full_attention" for t in layer_types):
             raise ValueError(f"{source}: layer_types {layer_types} include sliding-window layers, not supported yet")
-        num_layers = int(need("num_hidden_layers"))
-        heads = int(need("num_attention_heads"))
-        taps = dflash.get("target_layer_ids")
-        if taps is None:
-            taps = default_target_layer_ids(int(need("num_target_layers")), num_layers)
-        rope = raw.get("rope_parameters") or {}
-        config = cls(
-            hidden_size=int(need("hidden_size")),
-            intermediate_size=int(need("intermediate_size")),
-            num_layers=num_layers,
-            num_heads=heads,
-            num_kv_heads=int(raw.get("num_key_value_heads", heads)),
-            head_dim=int(raw.get("head_dim") or need("hidden_size") // heads),
-            block_size=int(need("block_size")),
-            mask_token_id=int(need("mask_token_id", dflash)),
-            target_layer_ids=tuple(int(t) for t in taps),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(raw.get("rope_theta", rope.get("rope_theta", 1_000_000.0))),
-            vocab_size=raw.get("vocab_size"),
-        )
+        config = cls(**cls.shared_fields(keys))
         if config.block_size < 2:
             raise ValueError(f"{source}: block_size must be at least 2, got {config.block_size}")
         return config
+
+    @staticmethod
+    def shared_fields(keys: ConfigKeys) -> dict[str, Any]:
+        """The fields every draft config has (DFlash's), read from ``keys``."""
+        num_layers = int(keys.need("num_hidden_layers"))
+        heads = int(keys.need("num_attention_heads"))
+        taps = keys.get("target_layer_ids")
+        if taps is None:
+            taps = default_target_layer_ids(int(keys.need("num_target_layers")), num_layers)
+        rope = keys.get("rope_parameters") or {}
+        return dict(
+            hidden_size=int(keys.need("hidden_size")),
+            intermediate_size=int(keys.need("intermediate_size")),
+            num_layers=num_layers,
+            num_heads=heads,
+            num_kv_heads=int(keys.get("num_key_value_heads", heads)),
+            head_dim=int(keys.get("head_dim") or int(keys.need("hidden_size")) // heads),
+            block_size=int(keys.need("block_size")),
+            mask_token_id=int(keys.need("mask_token_id")),
+            target_layer_ids=tuple(int(t) for t in taps),
+            rms_norm_eps=float(keys.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(keys.get("rope_theta", rope.get("rope_theta", 1_000_000.0))),
+            vocab_size=keys.get("vocab_size"),
+        )
 
     def to_dict(self, num_target_layers: int) -> dict[str, Any]:
         """The ``config.json`` that z-lab's DFlash code and ``from_dict`` read."""

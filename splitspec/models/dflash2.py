@@ -44,12 +44,12 @@ from torch import nn
 
 from native import dynamic_conv, use_triton
 from splitspec.models.dflash import (
+    ConfigKeys,
     DFlashConfig,
     DFlashDraft,
     DFlashLayer,
     PooledAttention,
     attend_pooled,
-    default_target_layer_ids,
     pad_contexts,
     project_write,
 )
@@ -70,55 +70,26 @@ class DFlash2Config(DFlashConfig):
     def from_dict(cls, raw: Mapping[str, Any], source: str = "config.json") -> DFlash2Config:
         """Parse a published DFlash2 ``config.json`` (a Qwen3 config, ``dflash_config`` holding the
         DFlash2 keys; a key is read there first, then at the top level)."""
-
-        def need(key: str) -> Any:
-            for where in (raw.get("dflash_config") or {}, raw):
-                if key in where:
-                    return where[key]
-            raise ValueError(f"{source}: missing key {key!r}")
-
-        def get(key: str, default: Any) -> Any:
-            try:
-                value = need(key)
-            except ValueError:
-                return default
-            return default if value is None else value
-
-        num_layers = int(need("num_hidden_layers"))
-        heads = int(need("num_attention_heads"))
+        keys = ConfigKeys(raw, source)
+        num_layers = int(keys.need("num_hidden_layers"))
         layer_types = list(raw.get("layer_types") or ["full_attention"] * num_layers)
         if len(layer_types) != num_layers or set(layer_types) - {"full_attention", "sliding_attention"}:
             raise ValueError(f"{source}: layer_types {layer_types} must name full_attention or sliding_attention for each of {num_layers} layers")
         if len(set(layer_types)) > 1:
             raise ValueError(f"{source}: layer_types {layer_types} mix sliding and full attention; one kind for every layer is supported")
-        window = int(need("sliding_window")) if layer_types[0] == "sliding_attention" else 0
         if raw.get("is_causal"):
             raise ValueError(f"{source}: is_causal is true; DFlash2 blocks are non-causal")
-        taps = get("target_layer_ids", None)
-        if taps is None:
-            taps = default_target_layer_ids(int(need("num_target_layers")), num_layers)
-        rope = raw.get("rope_parameters") or {}
-        config = cls(
-            hidden_size=int(need("hidden_size")),
-            intermediate_size=int(need("intermediate_size")),
-            num_layers=num_layers,
-            num_heads=heads,
-            num_kv_heads=int(raw.get("num_key_value_heads", heads)),
-            head_dim=int(raw.get("head_dim") or need("hidden_size") // heads),
-            block_size=int(need("block_size")),
-            mask_token_id=int(need("mask_token_id")),
-            target_layer_ids=tuple(int(t) for t in taps),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(raw.get("rope_theta", rope.get("rope_theta", 1_000_000.0))),
-            vocab_size=int(need("vocab_size")),
-            conv_kernel_size=int(need("conv_kernel_size")),
-            conv_group_size=int(need("conv_group_size")),
-            selector_rank=int(need("selector_rank")),
-            selector_top_k=int(need("selector_top_k")),
-            sliding_window=window,
-            output_multiplier=float(get("output_multiplier", 1.0)),
-            final_logit_softcapping=float(get("final_logit_softcapping", 0.0)),
-        )
+        config = cls(**{
+            **DFlashConfig.shared_fields(keys),
+            "vocab_size": int(keys.need("vocab_size")),
+            "conv_kernel_size": int(keys.need("conv_kernel_size")),
+            "conv_group_size": int(keys.need("conv_group_size")),
+            "selector_rank": int(keys.need("selector_rank")),
+            "selector_top_k": int(keys.need("selector_top_k")),
+            "sliding_window": int(keys.need("sliding_window")) if layer_types[0] == "sliding_attention" else 0,
+            "output_multiplier": float(keys.get("output_multiplier", 1.0)),
+            "final_logit_softcapping": float(keys.get("final_logit_softcapping", 0.0)),
+        })
         config.check(source)
         return config
 
@@ -337,10 +308,10 @@ def _rope(positions: torch.Tensor, c: DFlashConfig, dtype: torch.dtype):
 
 
 def init_dflash2_extras(model: DFlash2Draft) -> None:
-    """Fresh DFlash2 parts as the published conversion of a DFlash draft starts them: identity
-    convolutions (tap 0 one, the rest zero, no dynamic part) and a neutral selector except for a
-    small random predecessor codebook (the successor codebook at zero makes every pair term zero
-    while its gradient is not)."""
+    """Fresh DFlash2 parts: identity convolutions (tap 0 one, the rest zero, no dynamic part), as
+    the published conversion of a DFlash draft starts them, and a selector whose pair terms are
+    zero (the successor codebook at zero) while their gradients are not (a small random
+    predecessor codebook and gate projection; the conversion zeroes those too)."""
     with torch.no_grad():
         for layer in model.layers:
             for conv in (layer.attention_conv, layer.mlp_conv):
