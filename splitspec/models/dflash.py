@@ -191,12 +191,14 @@ class DFlashLayer(nn.Module):
 
 
 class DFlashDraft(nn.Module):
+    layer_class = DFlashLayer  # a subclass's own layers (DFlash2's)
+
     def __init__(self, config: DFlashConfig) -> None:
         super().__init__()
         self.config = config
         self.fc = nn.Linear(config.num_taps * config.hidden_size, config.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.layers = nn.ModuleList(DFlashLayer(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(self.layer_class(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def fuse_projections(self) -> None:

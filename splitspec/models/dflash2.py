@@ -154,7 +154,7 @@ class DynamicConv(nn.Module):
         if use_triton(x, "dynamic_conv", one_side, base) and dynamic_conv.supported(x, one_side, base):
             return dynamic_conv.dynamic_conv(x, one_side, base, self.group, self.block_size)
         b, wide = self.block_size, _wide(x.dtype)
-        kernel = self.base_kernel[side].to(wide) + coefficients[..., side, :, :].repeat_interleave(self.group, dim=-1)  # [..., Q, taps, H]
+        kernel = base.to(wide) + one_side.repeat_interleave(self.group, dim=-1)  # [..., Q, taps, H]
         xs = x.to(wide).unflatten(-2, (-1, b))  # [..., Q / B, B, H]
         kernel = kernel.unflatten(-3, (-1, b))  # [..., Q / B, B, taps, H]
         out = kernel[..., 0, :] * xs
@@ -245,9 +245,10 @@ class CandidateSelector(nn.Module):
 
 
 class DFlash2Draft(DFlashDraft):
+    layer_class = DFlash2Layer
+
     def __init__(self, config: DFlash2Config) -> None:
         super().__init__(config)
-        self.layers = nn.ModuleList(DFlash2Layer(config) for _ in range(config.num_layers))
         self.candidate_selector = CandidateSelector(config.hidden_size, config.selector_rank, config.vocab_size)
 
     def draft_logits(self, logits: torch.Tensor) -> torch.Tensor:
