@@ -246,7 +246,7 @@ class DraftEngine:
             raise InvalidArgument(f"features: shape {tuple(features.shape)} is not [rows, {width}]")
         if earlier:
             raise FailedPrecondition(f"sequence_id {step.sequence_id!r} has more than one step in this batch")
-        sliding = getattr(c, "sliding_window", 0)
+        sliding = self.model.sliding_window
         if sliding:  # a DFlash2 draft's rows see at most sliding_window - 1 context rows (the anchor's row sees that many)
             step.window = min(step.window or sliding - 1, sliding - 1)
 

@@ -367,7 +367,7 @@ class BlockGraphs:
         block = torch.where(rows == 0, head[0], c.mask_token_id)  # [B]: anchor, MASK × (B-1)
         cols = self._cols[:span]
         first = head[2]
-        sliding = getattr(c, "sliding_window", 0)
+        sliding = self.model.sliding_window
         if sliding:  # DFlash2: row t sees the context columns >= end - window + 1 + t (and the whole block)
             first = torch.maximum(first, head[3] - sliding + 1 + rows[:, None])  # [B, 1]
         mask = (cols >= first) & (cols < head[3] + c.block_size)  # [B, span] (or [span]): the window, then the block
@@ -466,7 +466,7 @@ class BlockGraphs:
         positions = head[:, 1:2] + rows  # [S, B]
         cols = self._cols[:span]
         first = head[:, 2:3, None]  # [S, 1, 1]
-        sliding = getattr(c, "sliding_window", 0)
+        sliding = self.model.sliding_window
         if sliding:  # DFlash2: row t sees the context columns >= end - window + 1 + t (and the whole block)
             first = torch.maximum(first, (ends[:, None] - sliding + 1 + rows)[..., None])  # [S, B, 1]
         visible = (cols >= first) & (cols < ends[:, None, None] + b)  # [S, B or 1, span]: the window, then the block

@@ -201,6 +201,12 @@ class DFlashDraft(nn.Module):
         self.layers = nn.ModuleList(self.layer_class(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
+    @property
+    def sliding_window(self) -> int:
+        """A block row at position p sees the context positions > p - window (0: all of them;
+        ``DFlash2Config.sliding_window``)."""
+        return getattr(self.config, "sliding_window", 0)
+
     def fuse_projections(self) -> None:
         """Inference: q/k/v and gate/up each become one matmul (see ``layers.fuse_linears``)."""
         for layer in self.layers:
@@ -289,9 +295,15 @@ class DFlashDraft(nn.Module):
         positions: torch.Tensor,  # [B] absolute positions anchor_position + 0..B-1
         context: Sequence[tuple[torch.Tensor, torch.Tensor]],  # per layer (k, v) [H_kv, S, D], all visible
     ) -> torch.Tensor:
-        """Returns the normalised block hidden states [B, hidden]; apply the target LM head to rows 1..B-1."""
+        """Returns the normalised block hidden states [B, hidden]; apply the target LM head to rows 1..B-1.
+        Under a sliding window (DFlash2 drafts) row t sees the context rows of its own window."""
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, noise.dtype)
-        return self._blocks(noise, cos, sin, context, None)
+        n, b, w = context[0][0].shape[-2], noise.shape[0], self.sliding_window
+        mask = None
+        if w and n + b > w:
+            rows, cols = torch.arange(b, device=noise.device)[:, None], torch.arange(n + b, device=noise.device)
+            mask = (cols >= n) | (cols > n + rows - w)  # [B, n + B]: column j < n is position anchor - n + j
+        return self._blocks(noise, cos, sin, context, mask)
 
     @torch.inference_mode()
     def forward_batch(
@@ -319,6 +331,9 @@ class DFlashDraft(nn.Module):
         cols = torch.arange(width + b, device=noise.device)  # [L + B]
         visible = (cols < lengths[:, None]) | (cols >= width)  # [S, L + B]: own context, own block
         mask = visible[:, None, :].expand(s, b, width + b)  # [S, B, L + B]: non-causal, every row sees the same keys
+        if self.sliding_window:  # ... but the context rows of its own window (every context ends at its anchor)
+            rows = torch.arange(b, device=noise.device)[None, :, None]  # [1, B, 1]
+            mask = mask & ((cols >= width) | (cols > lengths[:, None, None] + rows - self.sliding_window))
         cos, sin = rope_cos_sin(positions.flatten(), c.head_dim, c.rope_theta, noise.dtype)
         cos, sin = (t.unflatten(0, positions.shape).unsqueeze(1) for t in (cos, sin))  # [S, 1, B, D]: shared by heads
         return self._blocks(noise, cos, sin, context, mask)

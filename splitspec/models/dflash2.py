@@ -50,10 +50,9 @@ from splitspec.models.dflash import (
     DFlashLayer,
     PooledAttention,
     attend_pooled,
-    pad_contexts,
     project_write,
 )
-from splitspec.models.layers import RMSNorm, rope_cos_sin
+from splitspec.models.layers import RMSNorm
 
 
 @dataclass(frozen=True)
@@ -261,51 +260,9 @@ class DFlash2Draft(DFlashDraft):
             logits = cap * torch.tanh(logits.float() / cap)
         return logits
 
-    def window_mask(self, context: int, rows: int | None = None) -> torch.Tensor | None:
-        """[B, context + B] bool: which keys (``context`` rows ending just before the anchor, then the
-        block) each block row sees under the sliding window; None where every row sees all."""
-        c: DFlash2Config = self.config
-        b = rows or c.block_size
-        if not c.sliding_window or context + b <= c.sliding_window:
-            return None
-        row = torch.arange(b)[:, None]
-        col = torch.arange(context + b)[None, :]
-        # Key column j < context is position anchor - context + j; row t is anchor + t.
-        return (col >= context) | (col > context + row - c.sliding_window)
-
-    @torch.inference_mode()
-    def forward(self, noise, positions, context):
-        """As ``DFlashDraft.forward``, each row seeing the context rows of its sliding window."""
-        c = self.config
-        cos, sin = _rope(positions, c, noise.dtype)
-        mask = self.window_mask(context[0][0].shape[-2])
-        return self._blocks(noise, cos, sin, context, None if mask is None else mask.to(noise.device))
-
-    @torch.inference_mode()
-    def forward_batch(self, noise, positions, contexts):
-        """As ``DFlashDraft.forward_batch``, each row seeing the context rows of its sliding window
-        (every sequence's context ends at its anchor)."""
-        c: DFlash2Config = self.config
-        if not c.sliding_window:
-            return super().forward_batch(noise, positions, contexts)
-        s, b = positions.shape
-        context, lengths = pad_contexts(contexts)
-        width = context[0][0].shape[2]
-        cols = torch.arange(width + b, device=noise.device)[None, None, :]  # [1, 1, L + B]
-        rows = torch.arange(b, device=noise.device)[None, :, None]  # [1, B, 1]
-        n = lengths[:, None, None]  # [S, 1, 1]
-        mask = (cols >= width) | ((cols < n) & (cols > n + rows - c.sliding_window))  # [S, B, L + B]
-        cos, sin = _rope(positions.flatten(), c, noise.dtype)
-        cos, sin = (t.unflatten(0, positions.shape).unsqueeze(1) for t in (cos, sin))
-        return self._blocks(noise, cos, sin, context, mask)
-
 
 def _wide(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
-
-
-def _rope(positions: torch.Tensor, c: DFlashConfig, dtype: torch.dtype):
-    return rope_cos_sin(positions, c.head_dim, c.rope_theta, dtype)
 
 
 def init_dflash2_extras(model: DFlash2Draft) -> None:

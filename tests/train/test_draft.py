@@ -28,6 +28,13 @@ from splitspec.train.draft import (
 )
 
 
+def serve_pair(services, target, draft) -> str:
+    """A float64 target, ``draft`` and a gateway over them, started; the gateway's address."""
+    t = services.start("target", "target", "--model", str(target), "--dtype", "float64", "--threads", "1")
+    d = services.start("draft", "draft", "--model", str(draft), "--target-model", str(target), "--threads", "1")
+    return services.start("gateway", "gateway", "--target", t, "--draft", d)
+
+
 def _config(target, data, out, **overrides) -> DraftTrainConfig:
     fields = dict(target=str(target), data=[str(data)], out=str(out), seq_len=64, anchors=16, batch_size=4, steps=6,
                   eval_every=100, eval_sequences=4, heldout_fraction=0.2, taps=(1, 2, 3), device="cpu", lr=3e-3)
@@ -202,9 +209,7 @@ def test_trained_draft_serves_losslessly(trained, services):
     target, result = trained
     draft, config = load_dflash_draft(result.out_dir)
     check_draft_fits(config, read_target_config(target), str(result.out_dir), str(target))
-    t = services.start("target", "target", "--model", str(target), "--dtype", "float64", "--threads", "1")
-    d = services.start("draft", "draft", "--model", str(result.out_dir), "--target-model", str(target), "--threads", "1")
-    gw = services.start("gateway", "gateway", "--target", t, "--draft", d)
+    gw = serve_pair(services, target, result.out_dir)
     spec = gateway_pb2.Speculation
     usages = []
     for prompt in ("G4G4G", "p\\P8", "+++", "hello"):

@@ -13,7 +13,7 @@ from splitspec.models.loader import check_draft_fits, load_dflash_draft, load_ta
 from splitspec.text.tokenizer import Tokenizer
 from splitspec.train.draft import DraftTrainConfig, block_hidden, draft_config_for, make_blocks, target_pass, train_draft
 from splitspec.train.selector import selector_loss_sum, walked_tokens
-from tests.train.test_draft import _config
+from tests.train.test_draft import _config, serve_pair
 
 DFLASH2 = dict(arch="dflash2", selector_top_k=8, selector_rank=16, conv_group_size=8)
 
@@ -121,9 +121,7 @@ def test_a_dflash2_draft_trains_loads_and_serves(looping, tmp_path, services):
     draft, config = load_dflash_draft(result.out_dir)
     assert isinstance(draft, DFlash2Draft) and config.selector_top_k == 8 and config.sliding_window == 48
     check_draft_fits(config, read_target_config(target), str(result.out_dir), str(target))
-    t = services.start("target", "target", "--model", str(target), "--dtype", "float64", "--threads", "1")
-    d = services.start("draft", "draft", "--model", str(result.out_dir), "--target-model", str(target), "--threads", "1")
-    gw = services.start("gateway", "gateway", "--target", t, "--draft", d)
+    gw = serve_pair(services, target, result.out_dir)
     spec = gateway_pb2.Speculation
     usages = []
     for prompt in ("G4G4G", "+++"):
