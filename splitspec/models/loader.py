@@ -3,8 +3,10 @@
 Targets (the dense family of ``models.dense``: Llama, Qwen2, Qwen3) come from a GGUF file (split
 or not; architectures ``llama``, ``qwen2``, ``qwen3``) or a Hugging Face directory (``config.json``
 + safetensors; ``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``). Drafts come from
-the z-lab DFlash directory layout or its GGUF conversion. The draft has no embedding or LM head of
-its own; it borrows the target's, read here from the target (``load_target_head``).
+the z-lab DFlash directory layout or a GGUF conversion (lucebox's, or llama.cpp's ``dflash``
+architecture, which DFlash2 drafts use: ``splitspec.models.draft_gguf``). The draft has no
+embedding or LM head of its own; it borrows the target's, read here from the target
+(``load_target_head``).
 
 The hybrid Qwen3.5 family (GGUF ``qwen35`` or a ``qwen3_5`` directory) loads through
 ``models.qwen35_loader``; ``read_target_config``, ``load_target`` and ``load_target_head`` pick
@@ -31,7 +33,7 @@ from torch import nn
 
 from native.gguf_dequant import dequantize
 from native.gguf_matmul import KERNEL_TYPES, QuantLinear
-from splitspec.models import qwen35_loader
+from splitspec.models import draft_gguf, qwen35_loader
 from splitspec.models.dense import DenseConfig, DenseForCausalLM
 from splitspec.models.dflash import DFlashConfig, DFlashDraft, default_target_layer_ids
 from splitspec.models.dflash2 import DFlash2Config, DFlash2Draft
@@ -68,6 +70,11 @@ GGUF_LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    # DFlash2 drafts' convolutions before and after each sublayer (splitspec.models.draft_gguf)
+    "attn_conv_base": "attention_conv.base_kernel",
+    "attn_conv_proj.weight": "attention_conv.kernel_projection.weight",
+    "ffn_conv_base": "mlp_conv.base_kernel",
+    "ffn_conv_proj.weight": "mlp_conv.kernel_projection.weight",
 }
 GGUF_GLOBAL_NAMES = {"token_embd.weight": "embed_tokens.weight", "output_norm.weight": "norm.weight", "output.weight": "lm_head.weight"}
 # GGUF draft tensor name -> DFlash module name (lucebox's conversion of the z-lab layout).
@@ -432,7 +439,8 @@ def load_dflash_draft(
         types = {}  # safetensors: no blocks to keep
     else:
         f = GGUFFile(local)
-        names = {name: gguf_name(name, GGUF_DRAFT_GLOBAL_NAMES) for name in _draft_param_names(config)}
+        global_names = draft_gguf.GLOBAL_NAMES if draft_gguf.is_llama_dflash(f) else GGUF_DRAFT_GLOBAL_NAMES
+        names = {name: gguf_name(name, global_names) for name in _draft_param_names(config)}
 
         def read(name, shape):
             return load_gguf_tensor(f, name, shape, device)
@@ -480,6 +488,9 @@ def _draft_param_names(config: DFlashConfig) -> list[str]:
 
 
 def dflash_config_from_gguf(f: GGUFFile, num_target_layers: int | None) -> DFlashConfig:
+    """A draft GGUF's config, in either converter's layout (``splitspec.models.draft_gguf``)."""
+    if draft_gguf.is_llama_dflash(f):
+        return draft_gguf.llama_dflash_config(f)
     arch = f.architecture
     if not f.has_tensor("dflash.fc.weight"):
         raise ModelFileError(f"{f.path}: architecture {arch!r} is not a DFlash draft (no tensor 'dflash.fc.weight')")
