@@ -7,6 +7,10 @@ the multiplies and adds, the cast back); a draft layer has four. The kernel read
 row's coefficients and the base kernel once and writes the output: ``out[r, c] = sum_j (base[j, c]
 + coeff[r, j, c // G]) * x[r - j, c]``, ``x[r - j] = 0`` before the row's block starts, in float32,
 rounded once to the input's dtype, as the reference.
+
+``conv_add_rms_norm`` ends a sublayer: the output side's convolution, the residual add and the
+next RMSNorm (``RMSNorm.forward_add``) in one launch, one program per row, each step rounded to
+the storage dtype where the unfused calls round (the convolution's output, then the sum).
 """
 
 from __future__ import annotations
@@ -41,6 +45,30 @@ if triton is not None:
             acc += k * x
         tl.store(out_ptr + row * H + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
+    @triton.jit
+    def _conv_add_rms_norm_kernel(
+        x_ptr, coeff_ptr, base_ptr, res_ptr, w_ptr, y_ptr, sum_ptr, H, coeff_row_stride, block_size, eps,
+        TAPS: tl.constexpr, GROUP: tl.constexpr, BLOCK: tl.constexpr,
+    ):
+        row = tl.program_id(0)  # one whole row a program: the norm needs all of it
+        cols = tl.arange(0, BLOCK)
+        ok = cols < H
+        in_block = row % block_size
+        groups = H // GROUP
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for j in tl.static_range(TAPS):
+            k = tl.load(base_ptr + j * H + cols, mask=ok, other=0.0).to(tl.float32)
+            k += tl.load(coeff_ptr + row * coeff_row_stride + j * groups + cols // GROUP, mask=ok, other=0.0).to(tl.float32)
+            x = tl.load(x_ptr + (row - j) * H + cols, mask=ok & (in_block >= j), other=0.0).to(tl.float32)
+            acc += k * x
+        conv = acc.to(sum_ptr.dtype.element_ty)
+        total = (conv.to(tl.float32) + tl.load(res_ptr + row * H + cols, mask=ok, other=0.0).to(tl.float32)).to(conv.dtype)
+        tl.store(sum_ptr + row * H + cols, total, mask=ok)
+        tf = total.to(tl.float32)
+        inv = 1.0 / tl.sqrt(tl.sum(tf * tf, 0) / H + eps)
+        w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+        tl.store(y_ptr + row * H + cols, (tf * inv * w).to(y_ptr.dtype.element_ty), mask=ok)
+
 
 def supported(x: torch.Tensor, coefficients: torch.Tensor, base: torch.Tensor) -> bool:
     """Rows of ``x`` [..., Q, H] contiguous; ``coefficients`` [..., Q, taps, H / G] rows of one stride."""
@@ -49,6 +77,30 @@ def supported(x: torch.Tensor, coefficients: torch.Tensor, base: torch.Tensor) -
         and coefficients.stride(-1) == 1 and coefficients.stride(-2) == coefficients.shape[-1]
         and coefficients.flatten(0, -3).stride(0) >= coefficients.shape[-2] * coefficients.shape[-1]
     )
+
+
+def add_norm_supported(x: torch.Tensor, coefficients: torch.Tensor, base: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> bool:
+    """``conv_add_rms_norm``'s operands: ``supported``'s, a contiguous residual of x's dtype and
+    shape, and rows of at most 16384 values."""
+    return (supported(x, coefficients, base) and residual.is_contiguous() and residual.dtype == x.dtype and residual.shape == x.shape
+            and weight.is_contiguous() and x.shape[-1] <= 16384)
+
+
+def conv_add_rms_norm(
+    x: torch.Tensor, coefficients: torch.Tensor, base: torch.Tensor, group: int, block_size: int,
+    residual: torch.Tensor, weight: torch.Tensor, eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(residual + conv(x)), residual + conv(x))`` with ``conv`` as ``dynamic_conv``'s."""
+    h = x.shape[-1]
+    rows = x.numel() // h
+    flat = coefficients.flatten(0, -3)
+    y, total = torch.empty_like(x), torch.empty_like(x)
+    block = triton.next_power_of_2(h)
+    _conv_add_rms_norm_kernel[(rows,)](
+        x, flat, base, residual, weight, y, total, h, flat.stride(0), block_size, eps,
+        TAPS=base.shape[0], GROUP=group, BLOCK=block, num_warps=max(1, min(16, block // 512)),
+    )
+    return y, total
 
 
 def dynamic_conv(x: torch.Tensor, coefficients: torch.Tensor, base: torch.Tensor, group: int, block_size: int) -> torch.Tensor:

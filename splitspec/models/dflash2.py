@@ -142,9 +142,9 @@ class DynamicConv(nn.Module):
         self.kernel_projection = nn.Linear(hidden, 2 * taps * (hidden // group), bias=False)
 
     def coefficients(self, u: torch.Tensor) -> torch.Tensor:
-        """Per row dynamic coefficients [..., Q, 2, taps, H / G] of the normed sublayer input ``u``
-        (float32 at least)."""
-        return self.kernel_projection(u).to(_wide(u.dtype)).unflatten(-1, (2, self.taps, -1))
+        """Per row dynamic coefficients [..., Q, 2, taps, H / G] of the normed sublayer input ``u``,
+        in u's dtype: the convolution widens them where it reads them (one cast kernel fewer)."""
+        return self.kernel_projection(u).unflatten(-1, (2, self.taps, -1))
 
     def forward(self, x: torch.Tensor, coefficients: torch.Tensor, side: int) -> torch.Tensor:
         """``conv_side(x)`` [..., Q, H] in x's dtype, computed in float32 at least (one launch of
@@ -153,13 +153,25 @@ class DynamicConv(nn.Module):
         if use_triton(x, "dynamic_conv", one_side, base) and dynamic_conv.supported(x, one_side, base):
             return dynamic_conv.dynamic_conv(x, one_side, base, self.group, self.block_size)
         b, wide = self.block_size, _wide(x.dtype)
-        kernel = base.to(wide) + one_side.repeat_interleave(self.group, dim=-1)  # [..., Q, taps, H]
+        kernel = base.to(wide) + one_side.to(wide).repeat_interleave(self.group, dim=-1)  # [..., Q, taps, H]
         xs = x.to(wide).unflatten(-2, (-1, b))  # [..., Q / B, B, H]
         kernel = kernel.unflatten(-3, (-1, b))  # [..., Q / B, B, taps, H]
         out = kernel[..., 0, :] * xs
         for j in range(1, self.taps):  # x_{t-j}: rows shifted down inside each block, zeros above row 0
             out = out + kernel[..., j, :] * F.pad(xs[..., : b - j, :], (0, 0, j, 0))
         return out.flatten(-3, -2).to(x.dtype)
+
+    def add_norm(
+        self, x: torch.Tensor, coefficients: torch.Tensor, side: int, residual: torch.Tensor, norm: RMSNorm,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``norm.forward_add(self(x, coefficients, side), residual)``: a sublayer's output side,
+        residual add and the next norm, in one launch of ``native.dynamic_conv`` where kernels run."""
+        one_side, base = coefficients[..., side, :, :], self.base_kernel[side]
+        if use_triton(x, "dynamic_conv", one_side, base, residual, norm.weight) and dynamic_conv.add_norm_supported(
+            x, one_side, base, residual, norm.weight,
+        ):
+            return dynamic_conv.conv_add_rms_norm(x, one_side, base, self.group, self.block_size, residual, norm.weight, norm.eps)
+        return norm.forward_add(self(x, coefficients, side), residual)
 
 
 class DFlash2Layer(DFlashLayer):
@@ -176,6 +188,11 @@ class DFlash2Layer(DFlashLayer):
         d = self.mlp_conv.coefficients(v)
         return self.mlp_conv(self.mlp(self.mlp_conv(v, d, 0)), d, 1)
 
+    def _mlp_add_norm(self, v: torch.Tensor, h: torch.Tensor, next_norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """``next_norm.forward_add(self._mlp(v), h)``, the output side fused with the add and norm."""
+        d = self.mlp_conv.coefficients(v)
+        return self.mlp_conv.add_norm(self.mlp(self.mlp_conv(v, d, 0)), d, 1, h, next_norm)
+
     def forward(self, h, cos, sin, ctx_k, ctx_v, mask=None):
         attn = self.self_attn
         u = self.input_layernorm(h)
@@ -188,14 +205,14 @@ class DFlash2Layer(DFlashLayer):
     def forward_cached(self, x, h, cos, sin, k_cache, v_cache, slots, mask, next_norm):
         d = self.attention_conv.coefficients(x)
         a = self.self_attn.project_attend_cached(self.attention_conv(x, d, 0), cos, sin, k_cache, v_cache, slots, mask)
-        x, h = self.post_attention_layernorm.forward_add(self.attention_conv(a, d, 1), h)
-        return next_norm.forward_add(self._mlp(x), h)
+        x, h = self.attention_conv.add_norm(a, d, 1, h, self.post_attention_layernorm)
+        return self._mlp_add_norm(x, h, next_norm)
 
     def forward_pooled(self, x, h, cos, sin, k_pool, v_pool, at: PooledAttention, next_norm: RMSNorm):
         d = self.attention_conv.coefficients(x)
         q = project_write(self.self_attn, self.attention_conv(x, d, 0), cos, sin, k_pool, v_pool, at.write_slots)
-        x, h = self.post_attention_layernorm.forward_add(self.attention_conv(attend_pooled(self.self_attn, q, k_pool, v_pool, at), d, 1), h)
-        return next_norm.forward_add(self._mlp(x), h)
+        x, h = self.attention_conv.add_norm(attend_pooled(self.self_attn, q, k_pool, v_pool, at), d, 1, h, self.post_attention_layernorm)
+        return self._mlp_add_norm(x, h, next_norm)
 
 
 class CandidateSelector(nn.Module):

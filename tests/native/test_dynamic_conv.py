@@ -45,3 +45,31 @@ def test_strided_inputs_take_the_reference(monkeypatch):
     conv = DynamicConv(32, 2, 16, 4)
     x = torch.randn(32, 8).t()  # not contiguous
     assert not dynamic_conv.supported(x, conv.coefficients(torch.randn(8, 32))[..., 0, :, :], conv.base_kernel[0].detach())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_conv_add_norm_matches_the_unfused_calls(dtype, monkeypatch):
+    """The output side's convolution, the residual add and the next norm in one launch, against
+    the convolution's reference followed by ``RMSNorm.forward_add``'s reference."""
+    from splitspec.models.layers import RMSNorm
+
+    torch.manual_seed(1)
+    h, block = 320, 8  # 320: not a power of two, so the row's tail is masked
+    conv, norm = DynamicConv(h, 2, 16, block), RMSNorm(h, 1e-6)
+    torch.nn.init.normal_(conv.base_kernel, 0.5, 0.5)
+    torch.nn.init.normal_(conv.kernel_projection.weight, 0.0, 0.3)
+    torch.nn.init.normal_(norm.weight, 1.0, 0.2)
+    conv.to(dtype), norm.to(dtype)
+    u, x, residual = torch.randn(3, 2, 16, h, dtype=dtype)
+    with torch.inference_mode():
+        coefficients = conv.coefficients(u)
+        monkeypatch.setenv("SPLITSPEC_NATIVE_CPU", "1")
+        assert dynamic_conv.add_norm_supported(x, coefficients[..., 1, :, :], conv.base_kernel[1], residual, norm.weight)
+        fused = conv.add_norm(x, coefficients, 1, residual, norm)
+        monkeypatch.setenv("SPLITSPEC_NATIVE_CPU", "0")
+        unfused = norm.forward_add(conv(x, coefficients, 1), residual)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    for got, want in zip(fused, unfused):
+        assert got.dtype == dtype and got.shape == x.shape
+        assert torch.allclose(got.float(), want.float(), atol=tol, rtol=tol), (got.float() - want.float()).abs().max()
+    assert not dynamic_conv.add_norm_supported(x, coefficients[..., 1, :, :], conv.base_kernel[1], residual.double(), norm.weight)

@@ -62,3 +62,22 @@ def test_batched_steps_equal_steps_alone(draft, fixed_shapes):
         want = alone.propose(step.sequence_id, step.anchor_token, step.anchor_position, step.features, step.top_k)
         assert got.pass_sequences == 3 and torch.equal(got.top_ids, want.top_ids)
         assert torch.allclose(got.pair_scores, want.pair_scores, atol=1e-5) and got.pair_scores.shape == (cfg.block_size - 1, step.top_k, step.top_k)
+
+
+def test_native_kernels_match_the_reference_path(tmp_path, monkeypatch):
+    """float32 proposals with the native kernels (Triton's interpreter: the convolutions, their
+    fused add and norm) equal the plain-torch path's, through the fixed-shape pass."""
+    target, path = make_tiny(tmp_path, TinySpec(seed=3, draft_arch="dflash2"))
+    model, cfg = load_dflash_draft(path)
+    embed, head, _ = load_target_head(target)
+    features = torch.randn(40, cfg.num_taps * cfg.hidden_size, generator=torch.Generator().manual_seed(2))
+    runs = []
+    for native in ("1", "0"):
+        monkeypatch.setenv("SPLITSPEC_NATIVE_CPU", native)
+        engine = DraftEngine(model, embed, head, graphs=BlockGraphs(model, embed, head, context=64, sequences=1, capture=False))
+        runs.append([engine.propose("s", anchor, end, features[start:end], top_k=8)
+                     for start, end, anchor in [(0, 9, 17), (9, 14, 200), (14, 40, 64)]])
+    for got, want in zip(*runs):
+        assert torch.equal(got.top_ids, want.top_ids)
+        assert torch.allclose(got.top_logprobs, want.top_logprobs, atol=1e-4)
+        assert torch.allclose(got.pair_scores, want.pair_scores, atol=1e-3)
