@@ -8,7 +8,8 @@ STAGE_log.json with the exact command, wall time and results that the model card
   corpus   CPU, ~1-2 min: select the stdlib sources (manifest.json), train the tokenizer on the
            training split (tokenizer.json), pack both splits as uint16 ids (corpus.npz)
   target   GPU: train the target on corpus.npz and write target.gguf (F16, tokenizer embedded)
-  draft    GPU: train a DFlash draft for target.gguf (splitspec.train.draft) into draft/
+  draft    GPU: train a draft for target.gguf (splitspec.train.draft): DFlash into draft/, or with
+           --draft-arg arch=dflash2 a DFlash2 draft into draft-dflash2/ (its log: draft-dflash2_log.json)
   card     write MODEL_CARD.md from the logs (and --measurements, a JSON list of AL rows)
   install  copy target.gguf, draft/, manifest.json and MODEL_CARD.md into splitspec/builtin/
   all      every stage in order
@@ -152,20 +153,23 @@ def stage_draft(args: argparse.Namespace) -> None:
         raise SystemExit(f"the draft stage needs splitspec.train.draft (DFlash draft training), which is not installed: {exc}") from exc
     import torch
 
-    from splitspec.builtin import DRAFT_DIR, TARGET_FILE
+    from splitspec.builtin import DRAFT_DIRS, DRAFT_FILES, TARGET_FILE
     from splitspec.train import corpus
 
     started = time.perf_counter()
     build = args.build_dir
+    overrides = _parse_draft_args(args.draft_arg)
+    folder = DRAFT_DIRS.get(overrides.get("arch", "dflash"))
+    if folder is None:
+        raise SystemExit(f"--draft-arg arch={overrides['arch']}: choose one of {', '.join(DRAFT_DIRS)}")
     config = DraftTrainConfig(
-        target=str(build / TARGET_FILE), data=[str(build / corpus.PACKED_FILE)], out=str(build / DRAFT_DIR), seed=args.seed,
-        **_parse_draft_args(args.draft_arg),
+        target=str(build / TARGET_FILE), data=[str(build / corpus.PACKED_FILE)], out=str(build / folder), seed=args.seed, **overrides,
     )
     result = train_draft(config)
     as_dict = {k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(result).items()}
-    files = [build / DRAFT_DIR / name for name in ("config.json", "model.safetensors")]  # what ships
+    files = [build / folder / name for name in DRAFT_FILES]  # what ships
     _write_log(
-        build, "draft", started, config={k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(config).items()},
+        build, folder, started, config={k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(config).items()},
         result=as_dict, torch=torch.__version__, device_name=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         file_bytes=sum(f.stat().st_size for f in files),
     )
@@ -178,14 +182,14 @@ def stage_card(args: argparse.Namespace) -> None:
 
     build = args.build_dir
     measurements = json.loads(args.measurements.read_text()) if args.measurements else []
-    logs = {stage: _read_log(build, stage) for stage in ("corpus", "target", "draft")}
+    logs = {stage: _read_log(build, stage) for stage in ("corpus", "target", "draft", "draft-dflash2")}
     manifest = json.loads((build / MANIFEST_FILE).read_text())
     (build / CARD_FILE).write_text(render_card(manifest, logs, measurements))
     log.info("card: %s", build / CARD_FILE)
 
 
 def stage_install(args: argparse.Namespace) -> None:
-    from splitspec.builtin import CARD_FILE, DRAFT_DIR, DRAFT_FILES, TARGET_FILE
+    from splitspec.builtin import CARD_FILE, DRAFT_DIR, DRAFT_DIRS, DRAFT_FILES, TARGET_FILE
     from splitspec.train.corpus import MANIFEST_FILE
 
     build, dest = args.build_dir, args.install_dir
@@ -193,8 +197,12 @@ def stage_install(args: argparse.Namespace) -> None:
     missing = [str(s) for s in sources if not s.is_file()]
     if missing:
         raise SystemExit(f"install: missing {', '.join(missing)}; run the earlier stages first")
-    (dest / DRAFT_DIR).mkdir(parents=True, exist_ok=True)
+    for folder in DRAFT_DIRS.values():  # the DFlash draft is required; the others go along when built
+        files = [build / folder / f for f in DRAFT_FILES]
+        if folder != DRAFT_DIR and all(f.is_file() for f in files):
+            sources += files
     for source in sources:
+        (dest / source.relative_to(build)).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(source, dest / source.relative_to(build))
     log.info("install: copied the pair into %s", dest)
 

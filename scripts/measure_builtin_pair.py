@@ -10,6 +10,8 @@ over a set's prompts; each prompt's first token comes from the prefill and is no
 ``off`` is 1.000 exactly (a row also carries its ``steps`` and ``committed_tokens``).
 
 Usage: python scripts/measure_builtin_pair.py [--device cuda:0] [--prompts 8] [--out al.json]
+       [--drafts dflash,dflash2,retrained=build/x/draft]   (built-in drafts by architecture, or LABEL=DIR)
+       [--tree-scores lattice,independent] [--top-k 16]   (how a DFlash2 draft's candidates are scored)
        [--feature-dtypes float32,bfloat16,float16]   (AL cost of a narrower wire dtype for tap features)
        [--chain-seed on,off] [--temperature 1 --seed 1]   (DDTree with and without the chain seed, sampled)
 """
@@ -27,7 +29,7 @@ import tempfile
 from pathlib import Path
 
 from splitspec.bench.system import Cluster, run_batch
-from splitspec.builtin import builtin_pair
+from splitspec.builtin import DRAFT_DIRS, builtin_pair
 from splitspec.train.corpus import HELDOUT
 from splitspec.v1 import gateway_pb2
 
@@ -71,27 +73,52 @@ def main() -> None:
     p.add_argument("--chain-seed", default="", help="DDTree chain-seed settings to compare, e.g. on,off (default: the gateway's default)")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy); request i of a set is seeded --seed + i")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument(
+        "--drafts", default="dflash",
+        help=f"drafts to measure, comma-separated: a built-in one by architecture ({', '.join(DRAFT_DIRS)}) or LABEL=DIR",
+    )
+    p.add_argument("--tree-scores", default="", help="gateway --tree-scores values to compare for DFlash2 drafts, e.g. lattice,independent")
+    p.add_argument("--top-k", type=int, default=0, help="gateway --top-k (0: the gateway's default)")
     args = p.parse_args()
     chain_seeds = [{"on": True, "off": False}[v] for v in args.chain_seed.split(",")] if args.chain_seed else [None]
     pair = builtin_pair()
     if pair is None:
         raise SystemExit("the built-in pair is not installed (splitspec/builtin/)")
-    target_path, draft_path = map(str, pair)
+    target_path = str(pair[0])
+    drafts = {}  # label -> draft directory
+    for item in args.drafts.split(","):
+        label, sep, path = item.partition("=")
+        if not sep:
+            found = builtin_pair(draft_arch=label)
+            if found is None:
+                raise SystemExit(f"the built-in {label} draft is not installed (splitspec/builtin/)")
+            path = str(found[1])
+        drafts[label] = path
     threads = ["--threads", "1"] if args.device == "cpu" else []
     sets = {"HumanEval": humaneval_prompts(args.prompts), "stdlib held-out": stdlib_prompts(args.prompts)}
     rows = []
     with tempfile.TemporaryDirectory() as work, Cluster(Path(work)) as c:
         target = c.start("target", "target", "--model", target_path, "--device", args.device, "--dtype", args.dtype, *threads)
-        draft = c.start("draft", "draft", "--model", draft_path, "--target-model", target_path, "--device", args.device, "--dtype", args.dtype, *threads)
-        gateways = {
-            f: c.start(f"gateway-{f or 'default'}", "gateway", "--target", target, "--draft", draft, "--feature-dtype", f)
-            for f in args.feature_dtypes.split(",")
-        }
+        gateways = {}  # (draft label, feature dtype, tree scores) -> gateway address
+        for label, draft_path in drafts.items():
+            draft = c.start(f"draft-{label}", "draft", "--model", draft_path, "--target-model", target_path, "--device", args.device,
+                            "--dtype", args.dtype, *threads)
+            lattice = json.loads((Path(draft_path) / "config.json").read_text())["architectures"] == ["DFlash2DraftModel"]
+            for f, scores in itertools.product(args.feature_dtypes.split(","), args.tree_scores.split(",") if lattice else [""]):
+                extra = [*(["--tree-scores", scores] if scores else []), *(["--top-k", str(args.top_k)] if args.top_k else [])]
+                gateways[label, f, scores] = c.start(
+                    f"gateway-{label}-{f or 'default'}-{scores or 'default'}", "gateway", "--target", target, "--draft", draft,
+                    "--feature-dtype", f, *extra,
+                )
         for name, prompts in sets.items():
             reference = None
-            for (mode, enum, budget), (feature_dtype, gateway), chain_seed in itertools.product(MODES, gateways.items(), chain_seeds):
+            for (mode, enum, budget), ((draft_label, feature_dtype, scores), gateway), chain_seed in itertools.product(
+                MODES, gateways.items(), chain_seeds,
+            ):
                 if args.modes and f"{mode}-{budget}" not in args.modes.split(","):
                     continue
+                if mode == "off" and gateway != next(iter(gateways.values())):
+                    continue  # target-only decoding does not depend on the draft: measured once
                 if chain_seed is not None and mode != "ddtree":
                     if chain_seed != chain_seeds[0]:
                         continue  # the chain seed shapes DDTree only: other modes run once
@@ -111,12 +138,14 @@ def main() -> None:
                 rows.append({
                     "prompt_set": name, "mode": mode, "budget": budget, "acceptance_length": round(row.acceptance_length, 3),
                     "tokens_per_s": round(row.tokens_per_s, 1), "device": args.device, "prompts": len(prompts),
-                    "steps": row.steps, "committed_tokens": row.committed_tokens,
+                    "steps": row.steps, "committed_tokens": row.committed_tokens, "draft": draft_label,
+                    **({"tree_scores": scores} if scores else {}), **({"top_k": args.top_k} if args.top_k else {}),
                     **({"feature_dtype": feature_dtype} if feature_dtype else {}),
                     **({"chain_seed": chain_seed} if chain_seed is not None else {}),
                     **({"temperature": args.temperature, "seed": args.seed} if args.temperature else {}),
                 })
-                label = f" features {feature_dtype}" if feature_dtype else ""
+                label = f" {draft_label}" + (f" {scores}" if scores else "")
+                label += f" features {feature_dtype}" if feature_dtype else ""
                 label += "" if chain_seed is None else f" chain seed {'on' if chain_seed else 'off'}"
                 print(
                     f"{name:16s} {mode:6s} {budget:3d}{label}: AL {row.acceptance_length:.3f} ({row.committed_tokens} tokens committed "

@@ -3,7 +3,7 @@
 The workers listen on Unix sockets in a private directory (no ports to collide, and cheaper
 than TCP loopback); the gateway listens on ``--listen``. Without ``--target-model`` it serves the
 built-in pair (``splitspec.builtin``: a small target trained on Python's standard library and
-its DFlash draft); a checkout without those weights writes a random tiny pair to ``--work-dir``
+its DFlash draft, or with ``--builtin-draft dflash2`` its DFlash2 draft); a checkout without those weights writes a random tiny pair to ``--work-dir``
 and serves that instead.
 
 ``serve`` supervises its three children. One that dies after start-up is started again, after a
@@ -64,6 +64,10 @@ DRAFT_MEMORY_SHARE = 1 / 3
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target-model", default="", help="target model: GGUF file, model directory or hf://... (default: the built-in pair)")
     p.add_argument("--draft-model", default="", help="DFlash or DFlash2 draft: directory, GGUF (DFlash) or hf://... (default: the built-in pair's; 'none' = no draft)")
+    p.add_argument(
+        "--builtin-draft", choices=["dflash", "dflash2"], default="dflash",
+        help="which draft of the built-in pair serves beside its target (when no --target-model is given)",
+    )
     p.add_argument("--listen", default="127.0.0.1:50051", help="public gateway address")
     p.add_argument(
         "--http-listen", default="127.0.0.1:8000",
@@ -149,12 +153,12 @@ def wait_ready(address: str, procs: list[subprocess.Popen], timeout: float) -> N
     raise TimeoutError(f"gateway at {address} not ready after {timeout:.0f} s")
 
 
-def _default_pair(work_dir: Path, builtin_dir: Path | None = None) -> tuple[Path, Path, str]:
+def _default_pair(work_dir: Path, builtin_dir: Path | None = None, draft_arch: str = "dflash") -> tuple[Path, Path, str]:
     from splitspec.builtin import HERE, builtin_pair
 
-    pair = builtin_pair(builtin_dir or HERE)
+    pair = builtin_pair(builtin_dir or HERE, draft_arch)
     if pair is not None:
-        logger.info("serving the built-in pair: target %s, draft %s", *pair)
+        logger.info("serving the built-in pair: target %s, %s draft %s", pair[0], draft_arch, pair[1])
         return *pair, "the built-in pair"
     from splitspec.fixtures.tiny import DRAFT_DIR, TARGET_FILE, make_tiny
 
@@ -165,10 +169,11 @@ def _default_pair(work_dir: Path, builtin_dir: Path | None = None) -> tuple[Path
     return tiny / TARGET_FILE, tiny / DRAFT_DIR, "a random tiny pair (the built-in weights are not installed; its text is noise)"
 
 
-def default_pair(work_dir: Path, builtin_dir: Path | None = None) -> tuple[Path, Path]:
+def default_pair(work_dir: Path, builtin_dir: Path | None = None, draft_arch: str = "dflash") -> tuple[Path, Path]:
     """(target, draft) served without ``--target-model``: the built-in pair in ``builtin_dir``
-    (default: the installed one) when its weights are there, else a random tiny pair in ``work_dir/tiny``."""
-    target, draft, _ = _default_pair(work_dir, builtin_dir)
+    (default: the installed one) with its ``draft_arch`` draft when their weights are there, else a
+    random tiny pair in ``work_dir/tiny``."""
+    target, draft, _ = _default_pair(work_dir, builtin_dir, draft_arch)
     return target, draft
 
 
@@ -422,7 +427,7 @@ def run(args: argparse.Namespace, log_args: list[str]) -> int:
     target_model, draft_model = args.target_model, args.draft_model
     pair = "target and draft as given"
     if not target_model:
-        target, draft, pair = _default_pair(Path(args.work_dir))
+        target, draft, pair = _default_pair(Path(args.work_dir), draft_arch=args.builtin_draft)
         target_model, draft_model = str(target), draft_model or str(draft)
     sockets = Path(tempfile.mkdtemp(prefix="splitspec-"))
     target_addr, draft_addr = f"unix:{sockets / 'target.sock'}", f"unix:{sockets / 'draft.sock'}"

@@ -1,10 +1,11 @@
 """The built-in pair's model card, rendered from the build's manifest and stage logs.
 
 Inputs are what ``scripts/build_builtin_pair.py`` writes: the corpus manifest
-(``corpus.manifest``), one log dict per stage (``corpus``, ``target``, ``draft``; None when the
-stage has not run) and acceptance-length measurements (rows of ``prompt_set``, ``mode``,
-``budget``, ``acceptance_length``, ``tokens_per_s``, ``device``). Nothing is typed in by hand, so
-the card states what was actually run. ``acceptance_length`` is AL as
+(``corpus.manifest``), one log dict per stage (``corpus``, ``target``, ``draft`` and
+``draft-dflash2``; None when the stage has not run) and acceptance-length measurements (rows of
+``prompt_set``, ``mode``, ``budget``, ``acceptance_length``, ``tokens_per_s``, ``device`` and,
+from ``scripts/measure_builtin_pair.py --drafts``, ``draft`` and ``tree_scores``). Nothing is typed
+in by hand, so the card states what was actually run. ``acceptance_length`` is AL as
 :mod:`splitspec.spec.acceptance_length` defines it (tokens committed by verify steps / verify
 steps), which ``scripts/measure_builtin_pair.py`` reports.
 """
@@ -90,11 +91,19 @@ def _target_section(target: dict | None, corpus: dict | None) -> list[str]:
     return lines + [""]
 
 
-def _draft_section(draft: dict | None) -> list[str]:
+DRAFT_TITLES = {"draft": "DFlash draft", "draft-dflash2": "DFlash2 draft"}  # stage (= folder) -> section title
+
+
+def _draft_section(draft: dict | None, stage: str = "draft") -> list[str]:
+    title = DRAFT_TITLES[stage]
     if draft is None:
-        return ["## Draft", "", "Not built yet.", ""]
-    lines = ["## Draft", "", f"DFlash draft (`draft/config.json`, `draft/model.safetensors`), {_mb(draft['file_bytes'])}, "
-             f"trained on {draft['device_name']} (torch {draft['torch']}) in {draft['wall_s']:.0f} s.", ""]
+        return [f"## {title}", "", "Not built yet.", ""]
+    lines = [f"## {title}", "", f"{title} (`{stage}/config.json`, `{stage}/model.safetensors`), {_mb(draft['file_bytes'])}, "
+             f"trained on {draft['device_name']} (torch {draft['torch']}) in {draft['wall_s']:.0f} s."]
+    if draft["config"].get("resume"):
+        lines[-1] += (" That time is the last run's only: this run resumed, exactly, from the checkpoint an earlier run "
+                      "left (the same data order and optimizer state); the earlier steps are not timed here.")
+    lines.append("")
     lines += [f"- `{k}`: {v}" for k, v in draft["config"].items()]
     result = draft["result"]
     if isinstance(result, dict):
@@ -109,29 +118,68 @@ AL_DEFINITION = (
 )
 
 
+def _draft_label(row: dict) -> str:
+    """A measurement row's draft: its label (``dflash`` when the row predates several drafts), its
+    DFlash2 candidates' scoring and any --top-k it was measured at."""
+    extra = [row["tree_scores"]] if "tree_scores" in row else []
+    if "top_k" in row:
+        extra.append(f"top-k {row['top_k']}")
+    return row.get("draft", "dflash") + (f" ({', '.join(extra)})" if extra else "")
+
+
 def _measurements_section(rows: list[dict]) -> list[str]:
-    lines = ["## Speculative decoding", "", "| prompt set | mode | budget | mean acceptance length | tokens/s | device |", "|---|---|---|---|---|---|"]
+    lines = [
+        "## Speculative decoding", "", "| prompt set | mode | budget | draft | mean acceptance length | tokens/s | device |",
+        "|---|---|---|---|---|---|---|",
+    ]
     if not rows:
-        lines.append("| not measured yet | | | | | |")
+        lines.append("| not measured yet | | | | | | |")
     for m in rows:
         if m["mode"] == "off" and m["acceptance_length"] != 1.0:
             raise ValueError(
                 f"measurements: {m['prompt_set']} off has AL {m['acceptance_length']}, not 1: measured as generated tokens / steps "
                 "(before splitspec.spec.acceptance_length); measure again with scripts/measure_builtin_pair.py"
             )
-        lines.append(f"| {m['prompt_set']} | {m['mode']} | {m['budget']} | {m['acceptance_length']:.2f} | {m['tokens_per_s']:.1f} | {m['device']} |")
-    return lines + ["", AL_DEFINITION, ""]
+        draft = "none" if m["mode"] == "off" else _draft_label(m)
+        lines.append(
+            f"| {m['prompt_set']} | {m['mode']} | {m['budget']} | {draft} | {m['acceptance_length']:.2f} | {m['tokens_per_s']:.1f} | {m['device']} |"
+        )
+    return lines + ["", AL_DEFINITION, "", *_comparison_section(rows)]
+
+
+def _comparison_section(rows: list[dict]) -> list[str]:
+    """DFlash2 against DFlash, and the lattice's trees against independent scores, row by row: the
+    AL ratios of the same prompt set, mode, budget and device. Empty without DFlash2 rows."""
+    al = {(r["prompt_set"], r["mode"], r["budget"], r["device"], _draft_label(r)): r["acceptance_length"] for r in rows}
+    keys = sorted({k[:4] for k in al if k[4] == "dflash2 (lattice)"}, key=lambda k: (k[3], k[0], k[1], k[2]))
+    if not keys:
+        return []
+    lines = [
+        "### DFlash2 against DFlash", "",
+        "AL ratios: the DFlash2 draft scored by its lattice (selector walk in chains, pair scores in trees) over the "
+        "DFlash draft, and over the same DFlash2 draft scored by independent per-depth log-probabilities.", "",
+        "| prompt set | mode | budget | device | DFlash | DFlash2 (lattice) | DFlash2 / DFlash | DFlash2 (independent) | lattice / independent |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for key in keys:
+        ours, dflash, independent = (al.get((*key, label)) for label in ("dflash2 (lattice)", "dflash", "dflash2 (independent)"))
+        cells = [f"{v:.2f}" if v else "-" for v in (dflash, ours)] + [f"{ours / dflash:.2f}x" if dflash else "-"]
+        cells += [f"{independent:.2f}" if independent else "-", f"{ours / independent:.2f}x" if independent else "-"]
+        lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {key[3]} | " + " | ".join(cells) + " |")
+    return lines + [""]
 
 
 def render_card(manifest: dict, logs: dict[str, dict | None], measurements: list[dict]) -> str:
     """MODEL_CARD.md for the pair described by ``manifest`` and the stage ``logs``."""
-    corpus, target, draft = logs.get("corpus"), logs.get("target"), logs.get("draft")
+    corpus, target, draft, draft2 = (logs.get(stage) for stage in ("corpus", "target", "draft", "draft-dflash2"))
+    drafts = "DFlash and DFlash2 drafts" if draft2 else "DFlash draft"
     lines = [
-        "# splitspec built-in pair: a Python stdlib target and its DFlash draft",
+        f"# splitspec built-in pair: a Python stdlib target and its {drafts}",
         "",
         "A small code model trained from scratch, offline, on the Python standard library's source, with its "
-        "own byte-level BPE tokenizer, and a DFlash block draft trained for it. `splitspec serve` serves the "
-        "pair when no model is given. It exists to demonstrate and test speculative decoding end to end on "
+        "own byte-level BPE tokenizer, and a DFlash block draft trained for it"
+        + (" (and a DFlash2 draft beside it, served with `splitspec serve --builtin-draft dflash2`)" if draft2 else "")
+        + ". `splitspec serve` serves the pair when no model is given. It exists to demonstrate and test speculative decoding end to end on "
         "any machine: it continues Python code in the style of the standard library; it is not an assistant, "
         "follows no instructions and knows nothing beyond its corpus. Its output may reproduce passages of the "
         "standard library.",
@@ -147,14 +195,15 @@ def render_card(manifest: dict, logs: dict[str, dict | None], measurements: list
         *_corpus_section(manifest, corpus),
         *_target_section(target, corpus),
         *_draft_section(draft),
+        *(_draft_section(draft2, "draft-dflash2") if draft2 else []),
         *_measurements_section(measurements),
         "## Reproduce",
         "",
         "```bash",
-        *dict.fromkeys(log["command"] for log in (corpus, target, draft) if log),  # one line per invocation
+        *dict.fromkeys(log["command"] for log in (corpus, target, draft, draft2) if log),  # one line per invocation
         "```",
         "",
-        "Wall time per stage: " + ", ".join(f"{log['stage']} {log['wall_s']:.0f} s on {log['host']}" for log in (corpus, target, draft) if log) + ".",
+        "Wall time per stage: " + ", ".join(f"{log['stage']} {log['wall_s']:.0f} s on {log['host']}" for log in (corpus, target, draft, draft2) if log) + ".",
         "",
     ]
     return "\n".join(lines)

