@@ -65,6 +65,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "with no model flags, on held-out standard-library prompts (system part only: its trained DFlash draft gives a "
         "real AL, no oracle)",
     )
+    p.add_argument(
+        "--builtin-draft", choices=["dflash", "dflash2"], default="dflash",
+        help="--pair builtin: which of the built-in pair's drafts serve runs (its --builtin-draft)",
+    )
     p.add_argument("--parts", default="", help=f"comma-separated parts to run: {', '.join(PARTS)} (default: all; system with --pair builtin)")
     p.add_argument("--device", default="", help="target device (default: cuda:0; auto with --pair builtin: cuda:0 when torch sees a GPU, else cpu)")
     p.add_argument("--draft-device", default="", help="draft device (default: --device; --pair builtin: always --device, as serve does)")
@@ -182,6 +186,8 @@ def resolve_pair_defaults(args: argparse.Namespace) -> None:
 def check_pair(args: argparse.Namespace, parts: set[str]) -> None:
     """Refuse, in one line, what ``--pair builtin`` cannot do: it runs `splitspec serve` unchanged."""
     if args.pair != "builtin":
+        if args.builtin_draft != "dflash":
+            raise ValueError("--builtin-draft: only with --pair builtin")
         return
     if parts != {"system"}:
         raise ValueError("--pair builtin runs the system part only (components and baseline time random weights of --shape)")
@@ -257,6 +263,7 @@ def run(args: argparse.Namespace) -> int:
             if args.pair == "builtin":
                 rows = run_builtin_system(
                     args.device, args.dtype, args.budget, args.prompts, args.prompt_len, args.max_tokens, levels, log_dir, wires,
+                    args.builtin_draft,
                 )
             else:
                 result["gateways_per_draft"] = args.gateways or -(-max(levels) // 16)

@@ -18,6 +18,7 @@ from __future__ import annotations
 AR_LABEL = "off (AR)"
 DFLASH_LABEL = "dflash (random weights)"
 BUILTIN_LABEL = "dflash (built-in pair)"  # --pair builtin: the trained draft, a real AL, no oracle
+BUILTIN_LABELS = {"dflash": BUILTIN_LABEL, "dflash2": "dflash2 (built-in pair)"}  # by --builtin-draft
 ORACLE_NOTE = "benchmark-only: no draft forward pass, no tap-feature traffic"
 
 
@@ -278,9 +279,9 @@ def markdown(result: dict) -> str:
                 "traffic, so their tok/s, ms/step and × AR are not what a real drafter gets"
                 + (": the headline below is." if headline else ".")
             )
-        if any(r["label"] == BUILTIN_LABEL for r in rows):
+        for label in sorted({r["label"] for r in rows} & set(BUILTIN_LABELS.values())):
             note += (
-                f" `{BUILTIN_LABEL}`: the built-in pair's trained draft as `splitspec serve` serves it, on held-out "
+                f" `{label}`: the built-in pair's trained draft as `splitspec serve` serves it, on held-out "
                 "standard-library prompts: its AL and tok/s are a real drafter's."
             )
         lines += ["", note]

@@ -53,7 +53,7 @@ import grpc
 import numpy as np
 
 from services.gateway.budget import AUTO, DEFAULT_MAX_BUDGET
-from splitspec.bench.report import AR_LABEL, BUILTIN_LABEL, DFLASH_LABEL, oracle_label
+from splitspec.bench.report import AR_LABEL, BUILTIN_LABELS, DFLASH_LABEL, oracle_label
 from splitspec.bench.workers import BENCH_WORKERS
 from splitspec.cli.serve import wait_ready
 from splitspec.spec.acceptance_length import acceptance_length, committed_tokens
@@ -77,7 +77,7 @@ class SystemRow:
     wire: str = "socket"  # the gateway's --wire
     decode_seconds: float = 0.0  # per request, first response to last, summed: steps without prefill
     draft_fallbacks: int = 0  # steps that ran target-only because the draft failed or was late
-    drafter: str = ""  # "off", "oracle" (benchmark-only) or "dflash"
+    drafter: str = ""  # "off", "oracle" (benchmark-only), "dflash" or "dflash2"
     corruption: float | None = None  # the oracle's corruption rate
 
     @property
@@ -445,17 +445,19 @@ def run_builtin_system(
     levels: Sequence[int],
     log_dir: Path,
     wires: tuple[str, ...] = ("socket",),
+    draft_arch: str = "dflash",
 ) -> list[SystemRow]:
     """The sweep on the built-in pair (``splitspec.builtin``) as ``splitspec serve`` serves it with
-    no model flags (one ``serve`` per wire): at each level the AR row, then the trained DFlash draft's
-    (:data:`BUILTIN_LABEL`), whose AL is real. Prompts are held-out standard-library code."""
+    no model flags but ``--builtin-draft draft_arch`` (one ``serve`` per wire): at each level the AR
+    row, then the trained draft's (:data:`BUILTIN_LABELS`), whose AL is real. Prompts are held-out
+    standard-library code."""
     from splitspec.builtin import builtin_pair
     from splitspec.models.loader import read_target_config
     from splitspec.text.tokenizer import Tokenizer
 
-    pair = builtin_pair()
+    pair = builtin_pair(draft_arch=draft_arch)
     if pair is None:
-        raise ValueError("--pair builtin: the built-in pair's weights are not installed (splitspec/builtin/)")
+        raise ValueError(f"--pair builtin: the built-in pair's weights ({draft_arch} draft) are not installed (splitspec/builtin/)")
     context = read_target_config(str(pair[0])).max_context
     if prompt_len + max_tokens > context:
         raise ValueError(f"--pair builtin: --prompt-len {prompt_len} + --max-tokens {max_tokens} exceed the pair's context of {context}")
@@ -466,10 +468,13 @@ def run_builtin_system(
         gateways = {
             # No model flags: serve picks the built-in pair (checked above) and splits the CPU threads; no
             # --budget either (unless auto): every request below names its own.
-            wire: c.start(f"serve-{wire}", "serve", "--http-listen", "", "--device", device, "--dtype", dtype, "--wire", wire, *gateway_flags)
+            wire: c.start(
+                f"serve-{wire}", "serve", "--http-listen", "", "--device", device, "--dtype", dtype, "--wire", wire,
+                "--builtin-draft", draft_arch, *gateway_flags,
+            )
             for wire in wires
         }
-        kinds = ((Spec(mode=Spec.OFF), AR_LABEL, "off"), (tree, BUILTIN_LABEL, "dflash"))
+        kinds = ((Spec(mode=Spec.OFF), AR_LABEL, "off"), (tree, BUILTIN_LABELS[draft_arch], draft_arch))
         for level in plan:
             for spec, label, drafter in kinds:
                 for wire in wires:

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from splitspec.bench.report import AR_LABEL, BUILTIN_LABEL, DFLASH_LABEL, concurrency_table, headline_speedups, oracle_label
+from splitspec.bench.report import AR_LABEL, BUILTIN_LABELS, DFLASH_LABEL, concurrency_table, headline_speedups, oracle_label
 from splitspec.bench.system import MAX_CONCURRENCY, parse_concurrency, plan_levels, random_prompts, requests_per_level
 
 
@@ -130,17 +130,34 @@ def test_bench_sweeps_concurrency_through_the_services(tmp_path):
 
 
 @pytest.mark.slow
-def test_bench_sweeps_the_builtin_pair_through_serve(tmp_path):
-    """--pair builtin: `splitspec serve` with no model flags, the trained draft on held-out code (no oracle);
-    --budget auto: the requests name no budget and serve's gateway chooses each step's."""
-    proc, result = _sweep(tmp_path, "--pair", "builtin", "--prompt-len", "32", "--budget", "auto")
+@pytest.mark.parametrize("draft_arch", ["dflash", "dflash2"])
+def test_bench_sweeps_the_builtin_pair_through_serve(tmp_path, draft_arch):
+    """--pair builtin: `splitspec serve` with no model flags but --builtin-draft, the trained draft
+    on held-out code (no oracle); --budget auto: the requests name no budget and serve's gateway
+    chooses each step's."""
+    proc, result = _sweep(tmp_path, "--pair", "builtin", "--prompt-len", "32", "--budget", "auto", "--builtin-draft", draft_arch)
+    label = BUILTIN_LABELS[draft_arch]
     assert result["pair"] == "builtin" and "built-in pair" in proc.stdout.splitlines()[0]
-    assert {r["budget"] for r in result["system"] if r["label"] == BUILTIN_LABEL} == {"auto"}
-    assert "| dflash (built-in pair) | socket | auto |" in proc.stdout
+    assert {r["budget"] for r in result["system"] if r["label"] == label} == {"auto"}
+    assert f"| {label} | socket | auto |" in proc.stdout
     assert sorted((r["label"], r["concurrency"]) for r in result["system"]) == sorted(
-        (k, n) for k in (AR_LABEL, BUILTIN_LABEL) for n in (1, 3)
+        (k, n) for k in (AR_LABEL, label) for n in (1, 3)
     )
     assert all(r["tokens_per_s"] > 0 and r["completion_tokens"] == r["concurrency"] * 8 for r in result["system"])
-    assert all(r["acceptance_length"] > 1 for r in result["system"] if r["label"] == BUILTIN_LABEL)  # a trained draft
-    assert "| concurrency | off (AR) | dflash (built-in pair) |" in proc.stdout and "oracle" not in proc.stdout
-    assert f"{BUILTIN_LABEL}: aggregate at 3 " in proc.stdout and not result["headline"]
+    assert all(r["acceptance_length"] > 1 for r in result["system"] if r["label"] == label)  # a trained draft
+    assert f"| concurrency | off (AR) | {label} |" in proc.stdout and "oracle" not in proc.stdout
+    assert f"{label}: aggregate at 3 " in proc.stdout and not result["headline"]
+
+
+def test_pair_flags_are_refused_where_they_do_not_apply():
+    import argparse
+
+    from splitspec.bench.main import add_arguments, check_pair
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    with pytest.raises(ValueError, match="--builtin-draft: only with --pair builtin"):
+        check_pair(p.parse_args(["--builtin-draft", "dflash2"]), {"system"})
+    with pytest.raises(ValueError, match="runs the system part only"):
+        check_pair(p.parse_args(["--pair", "builtin", "--builtin-draft", "dflash2"]), {"system", "components"})
+    check_pair(p.parse_args(["--pair", "builtin", "--builtin-draft", "dflash2"]), {"system"})
