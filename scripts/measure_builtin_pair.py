@@ -30,6 +30,7 @@ from pathlib import Path
 
 from splitspec.bench.system import Cluster, run_batch
 from splitspec.builtin import DRAFT_DIRS, builtin_pair
+from splitspec.models.loader import is_dflash2
 from splitspec.train.corpus import HELDOUT
 from splitspec.v1 import gateway_pb2
 
@@ -103,8 +104,8 @@ def main() -> None:
         for label, draft_path in drafts.items():
             draft = c.start(f"draft-{label}", "draft", "--model", draft_path, "--target-model", target_path, "--device", args.device,
                             "--dtype", args.dtype, *threads)
-            lattice = json.loads((Path(draft_path) / "config.json").read_text())["architectures"] == ["DFlash2DraftModel"]
-            for f, scores in itertools.product(args.feature_dtypes.split(","), args.tree_scores.split(",") if lattice else [""]):
+            dflash2 = is_dflash2(json.loads((Path(draft_path) / "config.json").read_text()))
+            for f, scores in itertools.product(args.feature_dtypes.split(","), args.tree_scores.split(",") if dflash2 else [""]):
                 extra = [*(["--tree-scores", scores] if scores else []), *(["--top-k", str(args.top_k)] if args.top_k else [])]
                 gateways[label, f, scores] = c.start(
                     f"gateway-{label}-{f or 'default'}-{scores or 'default'}", "gateway", "--target", target, "--draft", draft,

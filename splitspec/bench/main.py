@@ -36,6 +36,7 @@ from datetime import date
 from pathlib import Path
 
 from services.gateway.budget import DEFAULT_BUDGET, parse_budget
+from splitspec.builtin import DRAFT_DIRS
 from splitspec.transport import busypoll
 
 logger = logging.getLogger(__name__)
@@ -66,7 +67,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "real AL, no oracle)",
     )
     p.add_argument(
-        "--builtin-draft", choices=["dflash", "dflash2"], default="dflash",
+        "--builtin-draft", choices=list(DRAFT_DIRS), default="dflash",
         help="--pair builtin: which of the built-in pair's drafts serve runs (its --builtin-draft)",
     )
     p.add_argument("--parts", default="", help=f"comma-separated parts to run: {', '.join(PARTS)} (default: all; system with --pair builtin)")

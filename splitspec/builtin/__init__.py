@@ -1,5 +1,6 @@
 """The built-in model pair: a small Qwen3 target trained on the Python standard library and its
-drafts (DFlash, and DFlash2 beside it), shipped as package data (see ``MODEL_CARD.md`` here and ``scripts/build_builtin_pair.py``).
+drafts (DFlash, and DFlash2 beside it), shipped as package data (see ``MODEL_CARD.md`` here and
+``scripts/build_builtin_pair.py``).
 
 ``splitspec serve`` serves it when no ``--target-model`` is given. A source checkout without the
 weights has no pair; serve then falls back to a random tiny pair.

@@ -3,8 +3,8 @@
 The workers listen on Unix sockets in a private directory (no ports to collide, and cheaper
 than TCP loopback); the gateway listens on ``--listen``. Without ``--target-model`` it serves the
 built-in pair (``splitspec.builtin``: a small target trained on Python's standard library and
-its DFlash draft, or with ``--builtin-draft dflash2`` its DFlash2 draft); a checkout without those weights writes a random tiny pair to ``--work-dir``
-and serves that instead.
+its DFlash draft, or with ``--builtin-draft dflash2`` its DFlash2 draft); a checkout without
+those weights writes a random tiny pair to ``--work-dir`` and serves that instead.
 
 ``serve`` supervises its three children. One that dies after start-up is started again, after a
 back-off (1 s, doubling with each restart of that process in the last minute, at most 30 s);
@@ -44,6 +44,7 @@ from pathlib import Path
 import splitspec
 from services.gateway.budget import DEFAULT_BUDGET, parse_budget
 from services.gateway.workers import WIRES
+from splitspec.builtin import DRAFT_DIRS
 from splitspec.models import keep_quantized
 
 logger = logging.getLogger(__name__)
@@ -65,7 +66,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target-model", default="", help="target model: GGUF file, model directory or hf://... (default: the built-in pair)")
     p.add_argument("--draft-model", default="", help="DFlash or DFlash2 draft: directory, GGUF (DFlash) or hf://... (default: the built-in pair's; 'none' = no draft)")
     p.add_argument(
-        "--builtin-draft", choices=["dflash", "dflash2"], default="dflash",
+        "--builtin-draft", choices=list(DRAFT_DIRS), default="dflash",
         help="which draft of the built-in pair serves beside its target (when no --target-model is given)",
     )
     p.add_argument("--listen", default="127.0.0.1:50051", help="public gateway address")

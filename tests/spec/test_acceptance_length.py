@@ -146,6 +146,6 @@ def test_the_model_card_states_the_definition_and_refuses_figures_measured_other
 
     row = {"prompt_set": "HumanEval", "budget": 0, "tokens_per_s": 90.0, "device": "cpu"}
     section = "\n".join(_measurements_section([{**row, "mode": "off", "acceptance_length": 1.0}]))
-    assert "| HumanEval | off | 0 | 1.00 | 90.0 | cpu |" in section and AL_DEFINITION in section
+    assert "| HumanEval | off | 0 | none | 1.00 | 90.0 | cpu |" in section and AL_DEFINITION in section
     with pytest.raises(ValueError, match="generated tokens / steps"):
         _measurements_section([{**row, "mode": "off", "acceptance_length": 1.008}])  # 128 tokens / 127 steps
