@@ -29,9 +29,11 @@ if triton is not None:
 
     @triton.jit
     def _dynamic_conv_kernel(
-        x_ptr, coeff_ptr, base_ptr, out_ptr, H, coeff_row_stride, block_size,
-        TAPS: tl.constexpr, GROUP: tl.constexpr, BLOCK: tl.constexpr,
+        x_ptr, coeff_ptr, base_ptr, out_ptr, res_ptr, w_ptr, sum_ptr, H, coeff_row_stride, block_size, eps,
+        TAPS: tl.constexpr, GROUP: tl.constexpr, BLOCK: tl.constexpr, ADD_NORM: tl.constexpr,
     ):
+        # ADD_NORM: one whole row a program (the norm needs all of it); out_ptr gets the norm,
+        # sum_ptr the residual sum. Else out_ptr gets the convolution (res, w and sum unused).
         row = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = cols < H
@@ -43,32 +45,16 @@ if triton is not None:
             k += tl.load(coeff_ptr + row * coeff_row_stride + j * groups + cols // GROUP, mask=ok, other=0.0).to(tl.float32)
             x = tl.load(x_ptr + (row - j) * H + cols, mask=ok & (in_block >= j), other=0.0).to(tl.float32)
             acc += k * x
-        tl.store(out_ptr + row * H + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
-
-    @triton.jit
-    def _conv_add_rms_norm_kernel(
-        x_ptr, coeff_ptr, base_ptr, res_ptr, w_ptr, y_ptr, sum_ptr, H, coeff_row_stride, block_size, eps,
-        TAPS: tl.constexpr, GROUP: tl.constexpr, BLOCK: tl.constexpr,
-    ):
-        row = tl.program_id(0)  # one whole row a program: the norm needs all of it
-        cols = tl.arange(0, BLOCK)
-        ok = cols < H
-        in_block = row % block_size
-        groups = H // GROUP
-        acc = tl.zeros([BLOCK], dtype=tl.float32)
-        for j in tl.static_range(TAPS):
-            k = tl.load(base_ptr + j * H + cols, mask=ok, other=0.0).to(tl.float32)
-            k += tl.load(coeff_ptr + row * coeff_row_stride + j * groups + cols // GROUP, mask=ok, other=0.0).to(tl.float32)
-            x = tl.load(x_ptr + (row - j) * H + cols, mask=ok & (in_block >= j), other=0.0).to(tl.float32)
-            acc += k * x
-        conv = acc.to(sum_ptr.dtype.element_ty)
-        total = (conv.to(tl.float32) + tl.load(res_ptr + row * H + cols, mask=ok, other=0.0).to(tl.float32)).to(conv.dtype)
-        tl.store(sum_ptr + row * H + cols, total, mask=ok)
-        tf = total.to(tl.float32)
-        inv = 1.0 / tl.sqrt(tl.sum(tf * tf, 0) / H + eps)
-        w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-        tl.store(y_ptr + row * H + cols, (tf * inv * w).to(y_ptr.dtype.element_ty), mask=ok)
-
+        conv = acc.to(out_ptr.dtype.element_ty)
+        if ADD_NORM:
+            total = (conv.to(tl.float32) + tl.load(res_ptr + row * H + cols, mask=ok, other=0.0).to(tl.float32)).to(conv.dtype)
+            tl.store(sum_ptr + row * H + cols, total, mask=ok)
+            tf = total.to(tl.float32)
+            inv = 1.0 / tl.sqrt(tl.sum(tf * tf, 0) / H + eps)
+            w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+            tl.store(out_ptr + row * H + cols, (tf * inv * w).to(out_ptr.dtype.element_ty), mask=ok)
+        else:
+            tl.store(out_ptr + row * H + cols, conv, mask=ok)
 
 def supported(x: torch.Tensor, coefficients: torch.Tensor, base: torch.Tensor) -> bool:
     """Rows of ``x`` [..., Q, H] contiguous; ``coefficients`` [..., Q, taps, H / G] rows of one stride."""
@@ -96,9 +82,9 @@ def conv_add_rms_norm(
     flat = coefficients.flatten(0, -3)
     y, total = torch.empty_like(x), torch.empty_like(x)
     block = triton.next_power_of_2(h)
-    _conv_add_rms_norm_kernel[(rows,)](
-        x, flat, base, residual, weight, y, total, h, flat.stride(0), block_size, eps,
-        TAPS=base.shape[0], GROUP=group, BLOCK=block, num_warps=max(1, min(16, block // 512)),
+    _dynamic_conv_kernel[(rows, 1)](
+        x, flat, base, y, residual, weight, total, h, flat.stride(0), block_size, eps,
+        TAPS=base.shape[0], GROUP=group, BLOCK=block, ADD_NORM=True, num_warps=max(1, min(16, block // 512)),
     )
     return y, total
 
@@ -112,6 +98,7 @@ def dynamic_conv(x: torch.Tensor, coefficients: torch.Tensor, base: torch.Tensor
     flat = coefficients.flatten(0, -3)  # [rows, taps, H / G]: a view (strides checked by supported)
     out = torch.empty_like(x)
     _dynamic_conv_kernel[(rows, triton.cdiv(h, BLOCK))](
-        x, flat, base, out, h, flat.stride(0), block_size, TAPS=taps, GROUP=group, BLOCK=BLOCK, num_warps=4,
+        x, flat, base, out, x, base, out, h, flat.stride(0), block_size, 0.0,
+        TAPS=taps, GROUP=group, BLOCK=BLOCK, ADD_NORM=False, num_warps=4,
     )
     return out

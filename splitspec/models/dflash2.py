@@ -183,15 +183,20 @@ class DFlash2Layer(DFlashLayer):
         self.attention_conv = DynamicConv(c.hidden_size, c.conv_kernel_size, c.conv_group_size, c.block_size)
         self.mlp_conv = DynamicConv(c.hidden_size, c.conv_kernel_size, c.conv_group_size, c.block_size)
 
+    def _mlp_inner(self, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the MLP's coefficients, its output before the output side's convolution) of the normed rows ``v``."""
+        d = self.mlp_conv.coefficients(v)
+        return d, self.mlp(self.mlp_conv(v, d, 0))
+
     def _mlp(self, v: torch.Tensor) -> torch.Tensor:
         """The MLP sublayer of the normed rows ``v``, both convolutions included."""
-        d = self.mlp_conv.coefficients(v)
-        return self.mlp_conv(self.mlp(self.mlp_conv(v, d, 0)), d, 1)
+        d, inner = self._mlp_inner(v)
+        return self.mlp_conv(inner, d, 1)
 
     def _mlp_add_norm(self, v: torch.Tensor, h: torch.Tensor, next_norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
         """``next_norm.forward_add(self._mlp(v), h)``, the output side fused with the add and norm."""
-        d = self.mlp_conv.coefficients(v)
-        return self.mlp_conv.add_norm(self.mlp(self.mlp_conv(v, d, 0)), d, 1, h, next_norm)
+        d, inner = self._mlp_inner(v)
+        return self.mlp_conv.add_norm(inner, d, 1, h, next_norm)
 
     def forward(self, h, cos, sin, ctx_k, ctx_v, mask=None):
         attn = self.self_attn

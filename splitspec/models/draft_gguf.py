@@ -40,6 +40,22 @@ GLOBAL_NAMES = {
 SELECTOR_TENSOR = "selector_hidden.weight"
 
 
+def shape_fields(f: GGUFFile, arch: str) -> dict:
+    """A draft config's shape fields from either GGUF layout's ``arch.*`` keys (the KV heads default
+    to the heads, the head size to hidden / heads, eps to 1e-6, RoPE theta to 1e6)."""
+    hidden, heads = int(f.get(f"{arch}.embedding_length")), int(f.get(f"{arch}.attention.head_count"))
+    return dict(
+        hidden_size=hidden,
+        intermediate_size=int(f.get(f"{arch}.feed_forward_length")),
+        num_layers=int(f.get(f"{arch}.block_count")),
+        num_heads=heads,
+        num_kv_heads=int(f.get(f"{arch}.attention.head_count_kv", heads)),
+        head_dim=int(f.get(f"{arch}.attention.key_length", hidden // heads)),
+        rms_norm_eps=float(f.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(f.get(f"{arch}.rope.freq_base", 1_000_000.0)),
+    )
+
+
 def is_llama_dflash(f: GGUFFile) -> bool:
     return f.architecture == ARCH
 
@@ -52,7 +68,6 @@ def llama_dflash_config(f: GGUFFile) -> DFlashConfig:
             raise ModelFileError(f"{f.path}: no {ARCH}.{name} (a draft in llama.cpp's dflash layout needs it)")
         return value
 
-    hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
     num_layers = int(key("block_count"))
     inputs = [int(t) for t in key("target_layers")]
     if min(inputs, default=0) < 1:
@@ -63,17 +78,8 @@ def llama_dflash_config(f: GGUFFile) -> DFlashConfig:
     if mask is None:
         raise ModelFileError(f"{f.path}: no tokenizer.ggml.mask_token_id (the draft's mask token)")
     fields = dict(
-        hidden_size=hidden,
-        intermediate_size=int(key("feed_forward_length")),
-        num_layers=num_layers,
-        num_heads=heads,
-        num_kv_heads=int(key("attention.head_count_kv", heads)),
-        head_dim=int(key("attention.key_length", hidden // heads)),
-        block_size=int(key("block_size")),
-        mask_token_id=int(mask),
+        **shape_fields(f, ARCH), block_size=int(key("block_size")), mask_token_id=int(mask),
         target_layer_ids=tuple(t - 1 for t in inputs),
-        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
-        rope_theta=float(key("rope.freq_base", 1_000_000.0)),
     )
     if not f.has_tensor(SELECTOR_TENSOR):
         return DFlashConfig(**fields, vocab_size=None)

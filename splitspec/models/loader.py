@@ -494,29 +494,20 @@ def dflash_config_from_gguf(f: GGUFFile, num_target_layers: int | None) -> DFlas
     arch = f.architecture
     if not f.has_tensor("dflash.fc.weight"):
         raise ModelFileError(f"{f.path}: architecture {arch!r} is not a DFlash draft (no tensor 'dflash.fc.weight')")
-    hidden = int(f.get(f"{arch}.embedding_length"))
-    heads = int(f.get(f"{arch}.attention.head_count"))
-    num_layers = int(f.get(f"{arch}.block_count"))
+    shape = draft_gguf.shape_fields(f, arch)
     taps = f.get(f"{arch}.dflash.target_layer_ids", None)
     if taps is None:
         fc_in = f.tensor_shape("dflash.fc.weight")[1]
-        num_taps = int(f.get(f"{arch}.dflash.n_target_layers", fc_in // hidden))
+        num_taps = int(f.get(f"{arch}.dflash.n_target_layers", fc_in // shape["hidden_size"]))
         if num_target_layers is None:
             raise ModelFileError(f"{f.path}: no {arch}.dflash.target_layer_ids and the target's layer count is unknown")
         taps = default_target_layer_ids(num_target_layers, num_taps)
     vocab = f.get(f"{arch}.vocab_size", None)
     return DFlashConfig(
-        hidden_size=hidden,
-        intermediate_size=int(f.get(f"{arch}.feed_forward_length")),
-        num_layers=num_layers,
-        num_heads=heads,
-        num_kv_heads=int(f.get(f"{arch}.attention.head_count_kv", heads)),
-        head_dim=int(f.get(f"{arch}.attention.key_length", hidden // heads)),
+        **shape,
         block_size=int(f.get(f"{arch}.dflash.block_size")),
         mask_token_id=int(f.get(f"{arch}.dflash.mask_token_id")),
         target_layer_ids=tuple(int(t) for t in taps),
-        rms_norm_eps=float(f.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
-        rope_theta=float(f.get(f"{arch}.rope.freq_base", 1_000_000.0)),
         vocab_size=None if vocab is None else int(vocab),
     )
 
