@@ -17,7 +17,7 @@ many rows to ``gguf_expand`` (the blocks expanded tile by tile for cuBLAS);
 ``splitspec.models.delta_rule``, which dispatches to them); ``delta_inputs`` (a Gated DeltaNet
 row's normalised q and k, beta and log-decay in one launch); ``top_k`` (the draft's top-K of
 log-softmax over the vocabulary in two launches); ``dynamic_conv`` (a DFlash2 draft's two-tap
-dynamic convolution in one launch).
+dynamic convolution in one launch); ``selector`` (a DFlash2 draft's pair scores in one launch).
 """
 
 from __future__ import annotations

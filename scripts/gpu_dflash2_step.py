@@ -3,15 +3,19 @@
 The Qwen3-8B-shaped 5-layer draft (``random:qwen3-8b-dflash``) at block sizes 8 and 16, and the
 same backbone as a DFlash2 draft (convolutions around every sublayer, the candidate selector at
 top-16 and rank 256, a 2048-position window), served by ``DraftEngine``, each eagerly and through its
-one-sequence CUDA graphs (what a sequence is served with). Each step appends 4
-new feature rows to a 512-row context and asks for the top-16; median ms of 60 steps after 10 of
-warm-up, with the proposal's copy to the host (``torch.cuda.synchronize`` inside the engine).
+one-sequence CUDA graphs (what a sequence is served with), and DFlash2's graphs captured with
+the selector's reference instead of its kernel (``SPLITSPEC_NATIVE_OFF=selector``). Each step
+appends 4 new feature rows to a 512-row context and asks for the top-16, with the proposal's copy
+to the host (``torch.cuda.synchronize`` inside the engine). The contenders' steps are interleaved,
+one step each a round in a rotating order, 300 rounds after 20 of warm-up, so that the machine's
+drift (clocks, the host's load) falls on all of them alike: median ms, and the median and
+quartiles of the per-round ratio to DFlash's step.
 
 Checks: the dynamic convolution's kernel against its reference (bf16); with identity convolutions and a zero successor codebook (``init_dflash2_extras``) the
 DFlash2 draft's proposals equal the DFlash draft's, ids and log-probs (bf16); the DFlash2 graphed
 pass's proposals against its eager pass's over five steps, and its batched graph's against
 eager passes one sequence at a time (8 sequences). Then 8 sequences a step through the batched
-graphs, DFlash against DFlash2 (median ms per ``propose_batch`` of 30 steps after 10).
+graphs, DFlash against DFlash2, interleaved likewise (``propose_batch``, 100 rounds after 10).
 
 Usage: python3 scripts/gpu_dflash2_step.py   (GPU only)
 """
@@ -45,32 +49,56 @@ def build(config, seed: int = 2):
     return model
 
 
-def steps(engine: DraftEngine, width: int, count: int = 70) -> list[float]:
-    g = torch.Generator().manual_seed(0)
-    engine.propose("s", 0, 512, torch.randn(512, width, generator=g).to(dtype), 16)
-    times, position = [], 512
-    for _ in range(count):
-        feats = torch.randn(4, width, generator=g).to(dtype)
-        t0 = time.perf_counter()
-        engine.propose("s", 1, position + 4, feats, 16)
-        times.append((time.perf_counter() - t0) * 1e3)
-        position += 4
-    return times[10:]
+def interleaved(contenders: dict[str, tuple], rounds: int, warmup: int) -> dict[str, list[float]]:
+    """ms of each contender's steps, one step each a round in a rotating order. A contender is
+    ``(step, off)``: ``step(i)`` runs its i-th step, with ``SPLITSPEC_NATIVE_OFF=off`` set while it
+    runs where ``off`` is given (a graph keeps the kernels it was captured with)."""
+    names, times = list(contenders), {name: [] for name in contenders}
+    for i in range(rounds + warmup):
+        for name in names[i % len(names):] + names[: i % len(names)]:
+            step, off = contenders[name]
+            if off:
+                os.environ["SPLITSPEC_NATIVE_OFF"] = off
+            t0 = time.perf_counter()
+            step(i)
+            times[name].append((time.perf_counter() - t0) * 1e3)
+            os.environ.pop("SPLITSPEC_NATIVE_OFF", None)
+    return {name: t[warmup:] for name, t in times.items()}
 
 
-def batch_steps(model, width: int, count: int = 40) -> list[float]:
-    """ms per ``propose_batch`` of 8 sequences through the batched graphs (512 context rows, 4 new a step)."""
-    engine = DraftEngine(model, embed, head, graphs=BlockGraphs(model, embed, head, 4096, 8, capture=True))
-    g = torch.Generator().manual_seed(0)
-    engine.propose_batch([ProposeStep(f"s{i}", 0, 512, torch.randn(512, width, generator=g).to(dtype), 16) for i in range(8)])
-    times, position = [], 512
-    for _ in range(count):
-        steps = [ProposeStep(f"s{i}", 1, position + 4, torch.randn(4, width, generator=g).to(dtype), 16) for i in range(8)]
-        t0 = time.perf_counter()
-        engine.propose_batch(steps)
-        times.append((time.perf_counter() - t0) * 1e3)
-        position += 4
-    return times[10:]
+def report(times: dict[str, list[float]], base: str) -> str:
+    """Median ms of each contender; for the others, the ratio of medians to ``base``'s and the
+    per-round ratio's median and quartiles."""
+    parts = [f"{base} {statistics.median(times[base]):.3f} ms"]
+    for name, t in times.items():
+        if name != base:
+            r = sorted(b / a for a, b in zip(times[base], t))
+            parts.append(f"{name} {statistics.median(t):.3f} ms ({statistics.median(t) / statistics.median(times[base]):.3f}x; "
+                         f"per round {r[len(r) // 2]:.3f}x, quartiles {r[len(r) // 4]:.3f}-{r[3 * len(r) // 4]:.3f})")
+    return "; ".join(parts)
+
+
+def one_sequence(engine: DraftEngine, width: int, seed: int):
+    """A step function for :func:`interleaved`: its first call fills a 512-row context, then each
+    appends 4 rows."""
+    g = torch.Generator().manual_seed(seed)
+
+    def step(i: int) -> None:
+        if i == 0:
+            engine.propose("s", 0, 512, torch.randn(512, width, generator=g).to(dtype), 16)
+        else:
+            engine.propose("s", 1, 512 + 4 * i, torch.randn(4, width, generator=g).to(dtype), 16)
+    return step
+
+
+def eight_sequences(engine: DraftEngine, width: int, seed: int):
+    """:func:`one_sequence` for 8 sequences a ``propose_batch`` through the batched graphs."""
+    g = torch.Generator().manual_seed(seed)
+
+    def step(i: int) -> None:
+        rows, anchor, end = (512, 0, 512) if i == 0 else (4, 1, 512 + 4 * i)
+        engine.propose_batch([ProposeStep(f"s{j}", anchor, end, torch.randn(rows, width, generator=g).to(dtype), 16) for j in range(8)])
+    return step
 
 
 print(torch.cuda.get_device_name(), flush=True)
@@ -103,11 +131,23 @@ for block in (8, 16):
     print(f"block {block}: identity DFlash2 == DFlash: {'PASS' if same else 'FAIL'}; pair scores finite: {bool(pb.pair_scores.isfinite().all())}", flush=True)
     _randomize(d2, _generator(dev, 3))  # real-shaped random extras for the timing
     d2.fuse_projections()
-    eager1 = statistics.median(steps(DraftEngine(d1, embed, head), width))
-    eager2 = statistics.median(steps(DraftEngine(d2, embed, head), width))
-    graphed1 = statistics.median(steps(DraftEngine(d1, embed, head, graphs=BlockGraphs(d1, embed, head, 4096, 1, capture=True)), width))
+    kernel = DraftEngine(d2, embed, head).propose("k", 7, 300, feats, 16)
+    os.environ["SPLITSPEC_NATIVE_OFF"] = "selector"
+    reference = DraftEngine(d2, embed, head).propose("k", 7, 300, feats, 16)
+    del os.environ["SPLITSPEC_NATIVE_OFF"]
+    print(f"block {block}: selector kernel vs reference: top ids equal {torch.equal(kernel.top_ids, reference.top_ids)}, "
+          f"pair scores within {(kernel.pair_scores - reference.pair_scores).abs().max().item():.2e}", flush=True)
     graphed = DraftEngine(d2, embed, head, graphs=BlockGraphs(d2, embed, head, 4096, 1, capture=True))
-    graphed2 = statistics.median(steps(graphed, width))
+    contenders = {
+        "DFlash graphed": (one_sequence(DraftEngine(d1, embed, head, graphs=BlockGraphs(d1, embed, head, 4096, 1, capture=True)), width, 0), ""),
+        "DFlash2 graphed": (one_sequence(graphed, width, 0), ""),
+        "DFlash2 graphed, selector reference": (one_sequence(DraftEngine(d2, embed, head, graphs=BlockGraphs(d2, embed, head, 4096, 1, capture=True)), width, 0), "selector"),
+        "DFlash eager": (one_sequence(DraftEngine(d1, embed, head), width, 0), ""),
+        "DFlash2 eager": (one_sequence(DraftEngine(d2, embed, head), width, 0), ""),
+    }
+    times = interleaved(contenders, 300, 20)
+    print(f"block {block}, one sequence: " + report({k: v for k, v in times.items() if "graphed" in k}, "DFlash graphed"), flush=True)
+    print(f"block {block}, one sequence: " + report({k: v for k, v in times.items() if "eager" in k}, "DFlash eager"), flush=True)
     eager, ids_equal, worst = DraftEngine(d2, embed, head), 0, 0.0
     for n in range(5):  # the graphed pass against the eager one, step by step
         f = torch.randn(20 if n == 0 else 3, width, generator=g).to(dtype)
@@ -115,14 +155,14 @@ for block in (8, 16):
         pg, pe = graphed.propose("v", 5 + n, end, f, 16), eager.propose("v", 5 + n, end, f, 16)
         ids_equal += torch.equal(pg.top_ids, pe.top_ids)
         worst = max(worst, (pg.pair_scores - pe.pair_scores).abs().max().item())
-    print(f"block {block}: DFlash eager {eager1:.2f} ms, DFlash2 eager {eager2:.2f} ms ({eager2 / eager1:.2f}x); "
-          f"graphed: DFlash {graphed1:.2f} ms, DFlash2 {graphed2:.2f} ms ({graphed2 / graphed1:.2f}x); "
-          f"DFlash2 graphed vs eager: top ids equal in {ids_equal}/5 steps, pair scores within {worst:.3g}", flush=True)
-    batched1, batched2 = (statistics.median(batch_steps(d, width)) for d in (d1, d2))
+    print(f"block {block}: DFlash2 graphed vs eager: top ids equal in {ids_equal}/5 steps, pair scores within {worst:.3g}", flush=True)
+    batched = {name: (eight_sequences(DraftEngine(d, embed, head, graphs=BlockGraphs(d, embed, head, 4096, 8, capture=True)), width, 0), "")
+               for name, d in (("DFlash", d1), ("DFlash2", d2))}
+    batched_report = report(interleaved(batched, 100, 10), "DFlash")
     # The batched graph against one eager engine, sequence by sequence: a first step (a big append,
     # then the block-only batched graph), then a step appending 3 rows inside the graph. DFlash's
     # draft is the control: bf16 rounding differs between the two passes' attention kernels.
-    report = []
+    checks = []
     for name, d in (("DFlash", d1), ("DFlash2", d2)):
         together, alone = DraftEngine(d, embed, head, graphs=BlockGraphs(d, embed, head, 4096, 8, capture=True)), DraftEngine(d, embed, head)
         gb = torch.Generator().manual_seed(7)
@@ -138,9 +178,9 @@ for block in (8, 16):
             same += torch.equal(want.top_ids, proposal.top_ids)
             top1 += torch.equal(want.top_ids[:, 0], proposal.top_ids[:, 0])
             worst = max(worst, (want.top_logprobs[:, 0] - proposal.top_logprobs[:, 0]).abs().max().item())
-        report.append(f"{name}: all 16 ids equal for {same}/8, top-1 for {top1}/8, top-1 log-prob within {worst:.3g}")
+        checks.append(f"{name}: all 16 ids equal for {same}/8, top-1 for {top1}/8, top-1 log-prob within {worst:.3g}")
         del together, alone
-    print(f"block {block}: 8 sequences, batched graph: DFlash {batched1:.2f} ms, DFlash2 {batched2:.2f} ms ({batched2 / batched1:.2f}x); "
-          f"batched vs alone: {'; '.join(report)}", flush=True)
+    print(f"block {block}: 8 sequences, batched graph: {batched_report}; "
+          f"batched vs alone: {'; '.join(checks)}", flush=True)
     del a, b, d1, d2
     torch.cuda.empty_cache()

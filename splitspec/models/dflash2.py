@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from native import dynamic_conv, use_triton
+from native import dynamic_conv, selector, use_triton
 from splitspec.models.dflash import (
     ConfigKeys,
     DFlashConfig,
@@ -238,11 +238,15 @@ class CandidateSelector(nn.Module):
     ) -> torch.Tensor:
         """S [..., L, K, K] float32: ``S[t-1, a, b]`` scores candidate b of depth t after candidate a
         of depth t - 1 (depth 1: after the anchor, in every row a)."""
+        gate = self.hidden_projection(hidden)  # [..., L, R]
+        a_book, b_book = self.predecessor_codebook, self.successor_codebook
+        if use_triton(hidden, "selector", gate, a_book, b_book) and selector.supported(gate, a_book, b_book, unary, candidates):
+            return selector.pair_scores(gate, a_book, b_book, unary, candidates, anchor)
         k = candidates.shape[-1]
         first = anchor[..., None, None].expand(*candidates.shape[:-2], 1, k)  # [..., 1, K]
         before = torch.cat([first, candidates[..., :-1, :]], dim=-2)  # [..., L, K] predecessors
-        a = self._gated_predecessors(hidden[..., None, :], before)  # [..., L, K, R]
-        b = self.successor_codebook[candidates.long()].to(a.dtype)  # [..., L, K, R]
+        a = self._gated_predecessors(gate[..., None, :], before)  # [..., L, K, R]
+        b = b_book[candidates.long()].to(a.dtype)  # [..., L, K, R]
         return unary.float()[..., None, :] + (a @ b.transpose(-1, -2)).float()
 
     def scores_after(
@@ -254,14 +258,14 @@ class CandidateSelector(nn.Module):
     ) -> torch.Tensor:
         """``S(predecessor, b)`` [..., K] float32 of each row's candidates after its one given
         predecessor (training: the text's previous token)."""
-        a = self._gated_predecessors(hidden, predecessor)  # [..., R]
+        a = self._gated_predecessors(self.hidden_projection(hidden), predecessor)  # [..., R]
         b = self.successor_codebook[candidates.long()].to(a.dtype)  # [..., K, R]
         return unary.float() + (b @ a[..., None]).squeeze(-1).float()
 
-    def _gated_predecessors(self, hidden: torch.Tensor, predecessors: torch.Tensor) -> torch.Tensor:
-        """``A[a] * gate`` [..., R] (float32 at least) for predecessor ids ``a`` [...] of rows ``hidden``
-        [..., H] (broadcast against each other)."""
-        gate = self.hidden_projection(hidden).to(_wide(hidden.dtype))  # [..., R]
+    def _gated_predecessors(self, gate: torch.Tensor, predecessors: torch.Tensor) -> torch.Tensor:
+        """``A[a] * gate`` [..., R] (float32 at least) for predecessor ids ``a`` [...] of rows' gates
+        ``gate`` [..., R] (broadcast against each other)."""
+        gate = gate.to(_wide(gate.dtype))
         return self.predecessor_codebook[predecessors.long()].to(gate.dtype) * gate
 
 

@@ -18,11 +18,13 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 
 def both_paths(monkeypatch, run):
-    """``run()`` with the kernels (interpreted) and with the plain-torch references."""
+    """``run()`` with the kernels (interpreted) and with the plain-torch references. Without
+    autograd: a call it records runs the reference (the kernels have no backward pass)."""
     results = []
     for native in ("1", "0"):
         monkeypatch.setenv("SPLITSPEC_NATIVE_CPU", native)
-        results.append(run())
+        with torch.inference_mode():
+            results.append(run())
     return results
 
 
