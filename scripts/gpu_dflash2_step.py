@@ -6,10 +6,10 @@ top-16 and rank 256, a 2048-position window), served by ``DraftEngine``, each ea
 one-sequence CUDA graphs (what a sequence is served with), and DFlash2's graphs captured with
 the selector's reference instead of its kernel (``SPLITSPEC_NATIVE_OFF=selector``). Each step
 appends 4 new feature rows to a 512-row context and asks for the top-16, with the proposal's copy
-to the host (``torch.cuda.synchronize`` inside the engine). The contenders' steps are interleaved,
-one step each a round in a rotating order, 300 rounds after 20 of warm-up, so that the machine's
-drift (clocks, the host's load) falls on all of them alike: median ms, and the median and
-quartiles of the per-round ratio to DFlash's step.
+to the host (``torch.cuda.synchronize`` inside the engine); the random rows are made before the
+clock starts. The contenders' steps are interleaved, one step each a round in a rotating order,
+300 rounds after 20 of warm-up, so that the machine's drift (clocks, the host's load) falls on
+all of them alike: median ms, and the median and quartiles of the per-round ratio to DFlash's step.
 
 Checks: the dynamic convolution's kernel against its reference (bf16); with identity convolutions and a zero successor codebook (``init_dflash2_extras``) the
 DFlash2 draft's proposals equal the DFlash draft's, ids and log-probs (bf16); the DFlash2 graphed
@@ -51,16 +51,19 @@ def build(config, seed: int = 2):
 
 def interleaved(contenders: dict[str, tuple], rounds: int, warmup: int) -> dict[str, list[float]]:
     """ms of each contender's steps, one step each a round in a rotating order. A contender is
-    ``(step, off)``: ``step(i)`` runs its i-th step, with ``SPLITSPEC_NATIVE_OFF=off`` set while it
-    runs where ``off`` is given (a graph keeps the kernels it was captured with)."""
+    ``(inputs, step, off)``: ``step(inputs(i))`` runs its i-th step, timed without ``inputs``
+    (random feature rows take the host longer than a graphed step's own work), with
+    ``SPLITSPEC_NATIVE_OFF=off`` set while it runs where ``off`` is given (a graph keeps the
+    kernels it was captured with)."""
     names, times = list(contenders), {name: [] for name in contenders}
     for i in range(rounds + warmup):
         for name in names[i % len(names):] + names[: i % len(names)]:
-            step, off = contenders[name]
+            inputs, step, off = contenders[name]
+            args = inputs(i)
             if off:
                 os.environ["SPLITSPEC_NATIVE_OFF"] = off
             t0 = time.perf_counter()
-            step(i)
+            step(args)
             times[name].append((time.perf_counter() - t0) * 1e3)
             os.environ.pop("SPLITSPEC_NATIVE_OFF", None)
     return {name: t[warmup:] for name, t in times.items()}
@@ -78,27 +81,25 @@ def report(times: dict[str, list[float]], base: str) -> str:
     return "; ".join(parts)
 
 
-def one_sequence(engine: DraftEngine, width: int, seed: int):
-    """A step function for :func:`interleaved`: its first call fills a 512-row context, then each
-    appends 4 rows."""
+def feature_rows(width: int, seed: int, sequences: int = 1):
+    """:func:`interleaved`'s ``inputs``: step 0 fills a 512-row context of each sequence, each later
+    step appends 4 rows; (anchor token, anchor position, rows per sequence)."""
     g = torch.Generator().manual_seed(seed)
 
-    def step(i: int) -> None:
-        if i == 0:
-            engine.propose("s", 0, 512, torch.randn(512, width, generator=g).to(dtype), 16)
-        else:
-            engine.propose("s", 1, 512 + 4 * i, torch.randn(4, width, generator=g).to(dtype), 16)
-    return step
-
-
-def eight_sequences(engine: DraftEngine, width: int, seed: int):
-    """:func:`one_sequence` for 8 sequences a ``propose_batch`` through the batched graphs."""
-    g = torch.Generator().manual_seed(seed)
-
-    def step(i: int) -> None:
+    def inputs(i: int) -> tuple[int, int, list[torch.Tensor]]:
         rows, anchor, end = (512, 0, 512) if i == 0 else (4, 1, 512 + 4 * i)
-        engine.propose_batch([ProposeStep(f"s{j}", anchor, end, torch.randn(rows, width, generator=g).to(dtype), 16) for j in range(8)])
-    return step
+        return anchor, end, [torch.randn(rows, width, generator=g).to(dtype) for _ in range(sequences)]
+    return inputs
+
+
+def one_sequence(engine: DraftEngine):
+    """:func:`interleaved`'s ``step`` for one sequence a step."""
+    return lambda args: engine.propose("s", args[0], args[1], args[2][0], 16)
+
+
+def eight_sequences(engine: DraftEngine):
+    """:func:`interleaved`'s ``step`` for 8 sequences a ``propose_batch`` through the batched graphs."""
+    return lambda args: engine.propose_batch([ProposeStep(f"s{j}", args[0], args[1], f, 16) for j, f in enumerate(args[2])])
 
 
 print(torch.cuda.get_device_name(), flush=True)
@@ -139,11 +140,13 @@ for block in (8, 16):
           f"pair scores within {(kernel.pair_scores - reference.pair_scores).abs().max().item():.2e}", flush=True)
     graphed = DraftEngine(d2, embed, head, graphs=BlockGraphs(d2, embed, head, 4096, 1, capture=True))
     contenders = {
-        "DFlash graphed": (one_sequence(DraftEngine(d1, embed, head, graphs=BlockGraphs(d1, embed, head, 4096, 1, capture=True)), width, 0), ""),
-        "DFlash2 graphed": (one_sequence(graphed, width, 0), ""),
-        "DFlash2 graphed, selector reference": (one_sequence(DraftEngine(d2, embed, head, graphs=BlockGraphs(d2, embed, head, 4096, 1, capture=True)), width, 0), "selector"),
-        "DFlash eager": (one_sequence(DraftEngine(d1, embed, head), width, 0), ""),
-        "DFlash2 eager": (one_sequence(DraftEngine(d2, embed, head), width, 0), ""),
+        "DFlash graphed": (feature_rows(width, 0), one_sequence(DraftEngine(d1, embed, head, graphs=BlockGraphs(d1, embed, head, 4096, 1, capture=True))), ""),
+        "DFlash2 graphed": (feature_rows(width, 0), one_sequence(graphed), ""),
+        "DFlash2 graphed, selector reference": (
+            feature_rows(width, 0), one_sequence(DraftEngine(d2, embed, head, graphs=BlockGraphs(d2, embed, head, 4096, 1, capture=True))), "selector",
+        ),
+        "DFlash eager": (feature_rows(width, 0), one_sequence(DraftEngine(d1, embed, head)), ""),
+        "DFlash2 eager": (feature_rows(width, 0), one_sequence(DraftEngine(d2, embed, head)), ""),
     }
     times = interleaved(contenders, 300, 20)
     print(f"block {block}, one sequence: " + report({k: v for k, v in times.items() if "graphed" in k}, "DFlash graphed"), flush=True)
@@ -156,7 +159,7 @@ for block in (8, 16):
         ids_equal += torch.equal(pg.top_ids, pe.top_ids)
         worst = max(worst, (pg.pair_scores - pe.pair_scores).abs().max().item())
     print(f"block {block}: DFlash2 graphed vs eager: top ids equal in {ids_equal}/5 steps, pair scores within {worst:.3g}", flush=True)
-    batched = {name: (eight_sequences(DraftEngine(d, embed, head, graphs=BlockGraphs(d, embed, head, 4096, 8, capture=True)), width, 0), "")
+    batched = {name: (feature_rows(width, 0, 8), eight_sequences(DraftEngine(d, embed, head, graphs=BlockGraphs(d, embed, head, 4096, 8, capture=True))), "")
                for name, d in (("DFlash", d1), ("DFlash2", d2))}
     batched_report = report(interleaved(batched, 100, 10), "DFlash")
     # The batched graph against one eager engine, sequence by sequence: a first step (a big append,
