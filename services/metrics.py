@@ -375,7 +375,9 @@ class WorkerMetrics(_Metrics):
             ["model", "phase"], buckets=ROW_BUCKETS, registry=r,
         )
         self._queue = Histogram(
-            "splitspec_worker_queue_seconds", "Time a step waited for the batched pass it ran in to start, by phase",
+            "splitspec_worker_queue_seconds",
+            "Time a step waited for the batched pass it ran in to start, by phase (a pipelined target-only step "
+            "arrives while its sequence's step before it runs, and waits for that pass too)",
             ["model", "phase"], buckets=STEP_BUCKETS, registry=r,
         )
         self._gauges = {

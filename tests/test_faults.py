@@ -178,12 +178,18 @@ def test_target_killed_mid_stream_then_back(services, tiny_pair, tmp_path):
     wait_until(lambda: worker_state(target, draft).empty, what="state released")
 
 
-def test_gateway_recovers_a_sequence_the_target_lost(services, tiny_pair, tmp_path):
+@pytest.mark.parametrize("mode", ["ddtree", "off"])
+def test_gateway_recovers_a_sequence_the_target_lost(services, tiny_pair, tmp_path, mode):
+    """Speculating, and target-only (whose steps are pipelined: the step in flight behind the one
+    that finds the sequence gone must not run after the re-prefill)."""
     table = tmp_path / "table.jsonl"
     target, draft, gateway = start_system(services, tiny_pair, table)
     reference = record_reference(gateway, table)
+    speculation = Spec(mode=Spec.OFF) if mode == "off" else None
     with grpc.insecure_channel(gateway, options=CHANNEL_OPTIONS) as ch, grpc.insecure_channel(target) as tch:
-        stream = open_stream(ch, tokens=PROMPT, max_tokens=LONG, ignore_eos=True, metadata=(("x-request-id", "lost-1"),))
+        stream = open_stream(
+            ch, tokens=PROMPT, max_tokens=LONG, ignore_eos=True, speculation=speculation, metadata=(("x-request-id", "lost-1"),)
+        )
         tokens = list(next(stream).token_ids)
         # The workers know the request by the gateway's own sequence id, which its log names.
         sequence_id = re.search(r"request lost-1: sequence (\w+)", services.log("gateway")).group(1)

@@ -1,4 +1,4 @@
-"""Median timeline of a speculation step from the logs of sitecustomize.py: analyze.py DIR
+"""Median timeline of a speculation step from the logs of sitecustomize.py: analyze.py DIR [--passes]
 
 For each gateway process (one per bench row), each step call (Propose, Verify) is matched with
 the worker's answer to it and split into: send (gateway write -> worker read), pre (the servicer
@@ -6,6 +6,12 @@ before its engine call), hand-off in/out (to and from the engine's thread; zero 
 the event loop), engine, post (the servicer after it: the response built, device results copied
 to the host), return (worker write -> gateway read). ``gap before`` is the gateway's own time
 between two calls (tree build, request building, the client stream).
+
+``--passes`` is for many users, whose steps interleave: it takes each batched verify pass of the
+target (of at least half the largest pass's sequences) and times, from the end of that pass
+(the engine's batched call returned), its steps' answers (the servicer's call into the engine returned), the
+gateways' reads of them, the gateways' next requests and the target's reads of those, and the
+start of the next pass: where the GPU waits between two passes.
 """
 
 import bisect
@@ -71,5 +77,56 @@ def main(folder: str) -> None:
             print(f"  {key:24s} {statistics.median(values) / 1e3:9.1f} ({statistics.fmean(values) / 1e3:9.1f})  n={len(values)}")
 
 
+def _pass_of(ends: list[int], starts: list[int], t0: int, t1: int) -> int | None:
+    """The pass that ran inside [t0, t1] and ended last, or None."""
+    k = bisect.bisect_right(ends, t1) - 1
+    return k if k >= 0 and starts[k] >= t0 else None
+
+
+def passes(folder: str) -> None:
+    records = [r for path in glob.glob(os.path.join(folder, "*target-*.log")) for r in read(path)]
+    engine = sorted((int(r[2]), int(r[3])) for r in records if r[0] == "engine")
+    starts, ends = [e[0] for e in engine], [e[1] for e in engine]
+    prefills = sorted((int(r[2]), int(r[3])) for r in records if r[0] == "prefill")
+    steps = [(int(r[2]), int(r[3])) for r in records if r[0] == "host"]  # the servicer's call into its engine
+    rpcs = [(int(r[2]), int(r[3])) for path in glob.glob(os.path.join(folder, "gateway*.log")) for r in read(path)
+            if r[0] == "rpc" and r[1] == "Verify"]
+    by_pass: dict[int, dict[str, list[int]]] = defaultdict(lambda: defaultdict(list))
+    for kind, spans in (("target", steps), ("gateway", rpcs)):
+        for t0, t1 in spans:
+            k = _pass_of(ends, starts, t0, t1)
+            if k is None:
+                continue
+            by_pass[k][f"{kind} answered"].append(t1 - ends[k])  # after the pass that ran it
+            if k > 0:
+                by_pass[k - 1][f"{kind} next asked"].append(t0 - ends[k - 1])  # after the pass before
+    size = max((len(v["target answered"]) for v in by_pass.values()), default=0)
+    rows: dict[str, list[float]] = defaultdict(list)
+    for k, v in by_pass.items():
+        if len(v["target answered"]) < size / 2 or k + 1 >= len(engine):
+            continue
+        if bisect.bisect_left(prefills, (starts[k + 1],)) > bisect.bisect_left(prefills, (ends[k],)):
+            continue  # a prefill ran between the two passes
+        rows["pass (engine call)"].append(ends[k] - starts[k])
+        rows["next pass starts"].append(starts[k + 1] - ends[k])
+        for key in ("target answered", "gateway answered", "gateway next asked", "target next asked"):
+            if v[key]:
+                for q, value in (("first", min(v[key])), ("median", statistics.median(v[key])), ("last", max(v[key]))):
+                    rows[f"{key}, {q}"].append(value)
+    span = (starts[0], ends[-1]) if engine else (0, 0)
+    busy = sum(e1 - e0 for e0, e1 in engine), sum(p1 - p0 for p0, p1 in prefills if span[0] <= p0 <= span[1])
+    print(f"engine thread from the first pass to the last: {(span[1] - span[0]) / 1e9:.2f} s, {100 * busy[0] / max(1, span[1] - span[0]):.0f}% "
+          f"in {len(engine)} verify passes, {100 * busy[1] / max(1, span[1] - span[0]):.0f}% in {len(prefills)} prefills "
+          f"(median {statistics.median([p1 - p0 for p0, p1 in prefills] or [0]) / 1e6:.2f} ms)")
+    between = defaultdict(int)  # verify passes by the number of prefills run between them and the next
+    for k in range(len(engine) - 1):
+        between[bisect.bisect_left(prefills, (starts[k + 1],)) - bisect.bisect_left(prefills, (ends[k],))] += 1
+    print(f"  gaps between passes by prefills inside: {dict(sorted(between.items()))}")
+    print(f"{len(rows['pass (engine call)'])} passes of {size // 2}-{size} steps with no prefill before the next; "
+          "per pass, us after the pass's end (median over passes)")
+    for key, values in rows.items():
+        print(f"  {key:32s} {statistics.median(values) / 1e3:9.1f}")
+
+
 if __name__ == "__main__":
-    main(sys.argv[1])
+    passes(sys.argv[1]) if "--passes" in sys.argv[2:] else main(sys.argv[1])

@@ -12,7 +12,8 @@ the points of a step below with the system-wide monotonic clock, and writes
 Records (times in ns): ``rpc NAME t0 t1`` a gateway step call; ``tree t0 t1`` a DDTree build;
 ``push t0 t1`` detokenising; ``step t0 t1`` a worker answering one step request; ``host WHAT
 t0 t1`` the servicer's call into its engine (thread hand-offs and the wait for its batched pass
-included); ``engine WHAT t0 t1`` the engine's batched method itself (one record a pass).
+included); ``engine WHAT t0 t1`` the engine's batched method itself (one record a pass); ``prefill WHAT t0 t1``
+the engine's prefill.
 """
 
 import atexit
@@ -40,13 +41,24 @@ if os.environ.get("SPLITSPEC_TRACE_DIR"):
 
             return timed_coroutine
 
+        async def awaited(result, t0: int):
+            try:
+                return await result
+            finally:
+                _records.append((*label, t0, _now()))
+
         @functools.wraps(fn)
         def timed(*args, **kwargs):
             t0 = _now()
             try:
-                return fn(*args, **kwargs)
-            finally:
+                result = fn(*args, **kwargs)
+            except BaseException:
                 _records.append((*label, t0, _now()))
+                raise
+            if inspect.isawaitable(result):  # a plain function returning a coroutine: time its await too
+                return awaited(result, t0)
+            _records.append((*label, t0, _now()))
+            return result
 
         return timed
 
@@ -62,6 +74,8 @@ if os.environ.get("SPLITSPEC_TRACE_DIR"):
         for method in ("verify_batch", "propose_batch"):  # one record a pass, shared by its steps
             if hasattr(engine, method):
                 setattr(engine, method, _timed(("engine", self.what), getattr(engine, method)))
+        if hasattr(engine, "prefill"):  # prefills run on the same thread, between passes
+            engine.prefill = _timed(("prefill", self.what), engine.prefill)
         _attach(self, engine, description)
 
     hosting.EngineHost.attach = _attach_timed
@@ -77,8 +91,8 @@ if os.environ.get("SPLITSPEC_TRACE_DIR"):
     hosting.StepBatcher.submit = _host_step_timed
     _sequence_stream = rpc.sequence_stream
 
-    async def _sequence_stream_timed(requests, context, step):  # the servicers import it after this runs
-        async for response in _sequence_stream(requests, context, _timed(("step",), step)):
+    async def _sequence_stream_timed(requests, context, step, *args, **kwargs):  # the servicers import it after this runs
+        async for response in _sequence_stream(requests, context, _timed(("step",), step), *args, **kwargs):
             yield response
 
     rpc.sequence_stream = _sequence_stream_timed

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from services.draft.engine import ProposeStep
 from services.metrics import WorkerMetrics
 from services.worker.hosting import EngineHost, StepBatcher
@@ -66,8 +68,9 @@ class DraftServicer(draft_pb2_grpc.DraftWorkerServicer):
         )
 
     async def ProposeStream(self, requests, context):
-        async for response in sequence_stream(requests, context, self.Propose):
-            yield response
+        async with contextlib.aclosing(sequence_stream(requests, context, self.Propose)) as answers:
+            async for response in answers:
+                yield response
 
     async def Release(self, request, context):
         released = self.host.release(request.sequence_id, request.context)

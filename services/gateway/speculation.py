@@ -27,6 +27,7 @@ request's.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import logging
 import time
@@ -193,6 +194,17 @@ class SpeculativeSequence:
             max_depth = min(self.max_new_tokens - len(self.generated) - 1, max_nodes)
             if max_depth < 0:
                 return
+            if self.options.mode is Mode.OFF:
+                try:
+                    async for new in self._decode(min(self.max_new_tokens - len(self.generated), max_nodes + 1)):
+                        yield new
+                    continue
+                except grpc.aio.AioRpcError as exc:
+                    if exc.code() != grpc.StatusCode.NOT_FOUND:
+                        raise upstream("target", exc) from exc
+                prefilled = await self._recover()
+                yield self._committed([prefilled.next_token], [prefilled.logprob])
+                continue
             step_start = time.perf_counter()
             tree, fallback, budget, skipped = DraftTree.empty(), "", None, False
             # Features are missing after steps run without the draft; a resumed draft needs them.
@@ -227,6 +239,20 @@ class SpeculativeSequence:
             anchor = verified.next_token
             features = await self._behind(features, verified.features) if skipped else verified.features
             yield self._committed(new, verified.logprobs)
+
+    async def _decode(self, steps: int) -> AsyncIterator[Committed]:
+        """Mode off: ``steps`` decode steps (trees of no node), pipelined (``TargetClient.decode``).
+        A step past the one that finishes the request (an EOS, a stop string) may already wait at
+        the target: it runs, its token is never yielded, and the sequence is released after."""
+        async with contextlib.aclosing(self.target.decode(self.sequence_id, steps, self._timeout)) as decoded:
+            async for verified in decoded:
+                self._observe(DraftTree.empty(), False, verified, 0, 0.0)
+                step = StepStats(0, 0, 0, "", None)
+                self.stats.add(step)
+                self.on_step(step)
+                new = verified.committed_tokens[1:] + [verified.next_token]
+                self.generated.extend(new)
+                yield self._committed(new, verified.logprobs)
 
     def _observe(self, tree: DraftTree, drafted: bool, verified: Verified, accepted: int, step_s: float) -> None:
         """Feed the budget policy a verified step; ``drafted``: the step proposed and built ``tree``."""

@@ -19,8 +19,9 @@ opens a new one.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import grpc
@@ -77,30 +78,60 @@ class StepStream:
     def __init__(self, open_call: Callable[[], grpc.aio.StreamStreamCall]) -> None:
         self._open = open_call
         self._call: grpc.aio.StreamStreamCall | None = None
+        self._unanswered = 0  # requests written whose answers were not read
 
     async def step(self, request, timeout: float | None):
+        if self._unanswered:  # pipelined requests were left unread: their answers must not be read as this one's
+            self.close()
+        async with self._failing(timeout):
+            await self._write(request)
+            response = await self._call.read()
+        return self._answer(response)
+
+    async def send(self, request, timeout: float | None) -> None:
+        """Write a step's request without reading its answer (pipelining): ``receive`` reads the
+        answers in the order written."""
+        async with self._failing(timeout):
+            await self._write(request)
+        self._unanswered += 1
+
+    async def receive(self, timeout: float | None):
+        """The answer to the oldest request written and not yet answered."""
+        if self._call is None:
+            raise rpc.rpc_error(grpc.StatusCode.UNAVAILABLE, "no request in flight (the stream was closed)")
+        async with self._failing(timeout):
+            response = await self._call.read()
+        self._unanswered -= 1
+        return self._answer(response)
+
+    async def _write(self, request) -> None:
         if self._call is None or self._call.done():
             self._call = self._open()
-        call = self._call
+        await self._call.write(request)
+
+    def _answer(self, response):
+        if response is grpc.aio.EOF:  # the worker answers every request or fails the call
+            self.close()
+            raise rpc.rpc_error(grpc.StatusCode.INTERNAL, "the worker ended the stream without answering")
+        return response
+
+    @contextlib.asynccontextmanager
+    async def _failing(self, timeout: float | None):
         try:
             async with asyncio.timeout(timeout):
-                await call.write(request)
-                response = await call.read()
+                yield
         except TimeoutError:
             self.close()
             raise rpc.deadline_exceeded() from None
         except BaseException:
             self.close()
             raise
-        if response is grpc.aio.EOF:  # the worker answers every request or fails the call
-            self.close()
-            raise rpc.rpc_error(grpc.StatusCode.INTERNAL, "the worker ended the stream without answering")
-        return response
 
     def close(self) -> None:
         if self._call is not None:
             self._call.cancel()
             self._call = None
+        self._unanswered = 0
 
 
 class WorkerClient:
@@ -207,6 +238,38 @@ class TargetClient(WorkerClient):
             ),
             timeout,
         )
+        return self._verified(r)
+
+    async def decode(self, sequence_id: str, steps: int, timeout: Callable[[], float | None]) -> AsyncIterator[Verified]:
+        """``steps`` target-only decode steps (trees of no node, no features), answered in order.
+        On the socket and stream wires they are pipelined, ``rpc.PIPELINE_DEPTH`` requests in
+        flight: a decode step's request does not depend on the answer before it, so the next one
+        waits at the target while this one's pass runs and joins the next pass at once (on unary,
+        one call at a time: two calls could overtake each other). ``timeout()`` gives each
+        exchange's. Stopping early closes the stream, so an unread answer is never read as a later
+        step's (close it with ``contextlib.aclosing``: a generator left to the garbage collector
+        closes late; until then the sequence's next step opens a new stream)."""
+        request = target_pb2.VerifyRequest(sequence_id=sequence_id)
+        if self.active_wire == "unary":
+            for _ in range(steps):
+                yield self._verified(await self._step(request, timeout()))
+            return
+        stream = self._stream(sequence_id)
+        sent = received = 0
+        try:
+            while received < steps:
+                while sent < min(steps, received + rpc.PIPELINE_DEPTH):
+                    await stream.send(request, timeout())
+                    sent += 1
+                response = await self._observed(self._rpc, request, stream.receive(timeout()))
+                received += 1
+                yield self._verified(response)
+        finally:
+            if sent > received:
+                stream.close()
+
+    @staticmethod
+    def _verified(r: target_pb2.VerifyResponse) -> Verified:
         features = r.features if r.HasField("features") else None
         return Verified(
             list(r.committed_tokens), r.next_token, r.committed_length, features, r.forward_ns, list(r.logprobs) or None,

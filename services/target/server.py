@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from dataclasses import dataclass
 
@@ -127,8 +128,9 @@ class TargetServicer(target_pb2_grpc.TargetWorkerServicer):
         )
 
     async def VerifyStream(self, requests, context):
-        async for response in sequence_stream(requests, context, self.Verify):
-            yield response
+        async with contextlib.aclosing(sequence_stream(requests, context, self.Verify)) as answers:
+            async for response in answers:
+                yield response
 
     async def Release(self, request, context):
         released = self.host.release(request.sequence_id)

@@ -16,7 +16,7 @@ import uuid
 
 import grpc
 
-from splitspec.errors import ServiceError
+from splitspec.errors import InvalidArgument, ServiceError
 
 logger = logging.getLogger(__name__)
 
@@ -70,10 +70,15 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
     async def _fail(self, context: grpc.aio.ServicerContext, method: str, exc: Exception) -> None:
         await context.abort(*status_of(exc, self.service_name, method, request_id(context)))
 
+    def _undecodable(self, method: str, request) -> InvalidArgument | None:
+        if not isinstance(request, _Undecodable):
+            return None
+        logger.info("%s %s: undecodable request: %s", self.service_name, method, request.error)
+        return InvalidArgument(f"request is not a valid {method} message: {request.error}")
+
     async def _reject_undecodable(self, context, method: str, request) -> None:
-        if isinstance(request, _Undecodable):
-            logger.info("%s %s: undecodable request: %s", self.service_name, method, request.error)
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request is not a valid {method} message: {request.error}")
+        if (error := self._undecodable(method, request)) is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
 
     async def _guarded(self, context, method: str, responses):
         """``responses`` passed through; an error raised while producing them ends the call with its status."""
@@ -117,13 +122,16 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         if handler.stream_stream:
             inner_bidi = handler.stream_stream
 
-            async def decoded(requests, context):
+            async def decoded(requests):
+                # Raised, not aborted: a stream may read requests ahead of its answers
+                # (rpc.sequence_stream), and the answers before this one still go out first.
                 async for request in requests:
-                    await self._reject_undecodable(context, method, request)
+                    if (error := self._undecodable(method, request)) is not None:
+                        raise error
                     yield request
 
             async def stream_stream(requests, context):
-                async for response in self._guarded(context, method, inner_bidi(decoded(requests, context), context)):
+                async for response in self._guarded(context, method, inner_bidi(decoded(requests), context)):
                     yield response
 
             return grpc.stream_stream_rpc_method_handler(stream_stream, deserialize, handler.response_serializer)

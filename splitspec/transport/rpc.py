@@ -180,19 +180,64 @@ async def serve(
     await drain_and_stop(server, health_servicer, grace_s)
 
 
+PIPELINE_DEPTH = 2  # requests a stream reads ahead of its answers (sequence_stream)
+
+
 async def sequence_stream(
-    requests: AsyncIterator[Any], context: Any, step: Callable[[Any, Any], Awaitable[Any]]
+    requests: AsyncIterator[Any], context: Any, step: Callable[[Any, Any], Awaitable[Any]], depth: int = PIPELINE_DEPTH,
+    alone: Callable[[Any], bool] = lambda request: False,
 ) -> AsyncIterator[Any]:
     """The body of a ``*Stream`` RPC: each request answered by ``step`` (the unary RPC's method),
     in order. A stream serves one sequence: a request naming another ends it with INVALID_ARGUMENT.
     An error from ``step`` ends the stream; the service's ``ErrorInterceptor`` gives it the status
-    and message the unary RPC would."""
-    sequence_id = None
-    async for request in requests:
-        if sequence_id is None:
-            sequence_id = request.sequence_id
-        elif request.sequence_id != sequence_id:
-            raise InvalidArgument(
-                f"sequence_id: {request.sequence_id!r} on the stream of sequence {sequence_id!r} (one stream per sequence)"
-            )
-        yield await step(request, context)
+    and message the unary RPC would.
+
+    A client may *pipeline*: send up to ``depth`` requests before it reads the first answer (the
+    gateway's target-only decode steps do; their requests do not depend on the answers before). A
+    request's step starts as soon as it is read, so the sequence's steps reach the engine in the
+    order sent, one behind the other; one for which ``alone(request)`` holds (the step socket's
+    opening Prefill, which does not queue with the steps) finishes before the next one starts.
+    When the stream ends (an error, the end of the requests, the client gone), the steps started
+    behind the last answer are cancelled before it does: one waiting for its pass leaves the
+    queue, one whose pass started finishes with it, and none can run after the stream has ended
+    (after, say, the gateway's re-prefill of a lost sequence)."""
+    answers: asyncio.Queue = asyncio.Queue()  # step futures in the order read, then the reading's end
+    room = asyncio.Semaphore(depth)
+
+    async def read() -> None:
+        sequence_id = None
+        try:
+            while True:
+                await room.acquire()
+                request = await anext(requests, None)
+                if request is None:
+                    break
+                if sequence_id is None:
+                    sequence_id = request.sequence_id
+                elif request.sequence_id != sequence_id:
+                    raise InvalidArgument(
+                        f"sequence_id: {request.sequence_id!r} on the stream of sequence {sequence_id!r} (one stream per sequence)"
+                    )
+                answer = asyncio.ensure_future(step(request, context))
+                answers.put_nowait(answer)
+                if alone(request):
+                    await asyncio.wait({answer})
+            answers.put_nowait(StopAsyncIteration())
+        except Exception as exc:  # noqa: BLE001 - raised to the client after the answers before it
+            answers.put_nowait(exc)
+
+    reader = asyncio.ensure_future(read())
+    try:
+        while not isinstance(answer := await answers.get(), BaseException):
+            result = await answer
+            room.release()
+            yield result
+        if not isinstance(answer, StopAsyncIteration):
+            raise answer
+    finally:
+        reader.cancel()
+        started = [answers.get_nowait() for _ in range(answers.qsize())]
+        for future in started:
+            if isinstance(future, asyncio.Future):
+                future.cancel()
+        await asyncio.gather(reader, *(f for f in started if isinstance(f, asyncio.Future)), return_exceptions=True)

@@ -22,7 +22,9 @@ Protocol: one connection per sequence, like a ``*Stream`` RPC. Every frame is a 
 - ``ERROR`` (worker): ``CODE\\nmessage``, a gRPC status code name and the message the gRPC
   RPC would have given; the worker closes the connection after it, as a stream ends on an error.
 A request whose sequence id differs from the first one on the connection is an INVALID_ARGUMENT,
-as on the gRPC streams. A client that hangs up while its ``OPEN`` runs gives that call up, as a
+as on the gRPC streams. A client may pipeline ``REQUEST`` frames (send the next before reading
+the answer to the last, two at most: ``rpc.sequence_stream``); answers come in the order sent. An
+``OPEN`` finishes before the request after it starts. A client that hangs up while its ``OPEN`` runs gives that call up, as a
 cancelled gRPC call does: the worker cancels the servicer's coroutine (the target's Prefill then
 releases the sequence it makes, see ``EngineHost.open``). The socket carries no TLS: it is
 offered only on the worker's own host (see ``resolve_step_socket``), where the file's
@@ -245,9 +247,13 @@ class StepSocketServer:
             if not await self._authenticate(reader):
                 return
             authenticated = True
-            async for response in sequence_stream(self._requests(reader, method), None, lambda call, _: self._call(call, reader.hung_up)):
-                write_frame(writer, RESPONSE, response.SerializeToString())
-                await writer.drain()
+            answers = sequence_stream(
+                self._requests(reader, method), None, lambda call, _: self._call(call, reader.hung_up), alone=lambda call: call.opens
+            )
+            async with contextlib.aclosing(answers):
+                async for response in answers:
+                    write_frame(writer, RESPONSE, response.SerializeToString())
+                    await writer.drain()
         except (ConnectionError, asyncio.IncompleteReadError):
             raise
         except Exception as exc:  # noqa: BLE001 - becomes the ERROR frame, as the interceptor's status
@@ -316,29 +322,35 @@ class StepSocket:
         self._hello = frame(HELLO, token.encode())
         self._reader: BulkReader | None = None
         self._writer: BulkWriter | None = None
+        self._unanswered = 0  # requests sent whose answers were not read
 
     async def step(self, request, timeout: float | None, kind: int = REQUEST, response_type: type | None = None):
         """One exchange: the step RPC's request (``REQUEST``), or the opening RPC's (``OPEN``, whose
         answer is a ``response_type``)."""
-        try:
-            async with asyncio.timeout(timeout):
-                if self._writer is None or self._reader.at_eof():  # a worker that restarted closed it
-                    self.close()
-                    _, self._reader = await asyncio.get_running_loop().create_unix_connection(lambda: BulkReader(READ_LIMIT), self.path)
-                    self._writer = self._reader.writer
-                    self._writer.transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)
-                    self._writer.write(self._hello)
-                write_frame(self._writer, kind, request.SerializeToString())
-                received = await read_frame(self._reader)
-        except TimeoutError:
+        if self._unanswered:  # pipelined requests were left unread: their answers must not be read as this one's
             self.close()
-            raise deadline_exceeded() from None
-        except (OSError, asyncio.IncompleteReadError) as exc:
-            self.close()
-            raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"step socket {self.path}: {exc!r}") from exc
-        except BaseException:
-            self.close()
-            raise
+        async with self._failing(timeout):
+            await self._send(request, kind)
+            received = await read_frame(self._reader)
+        return self._answer(received, response_type)
+
+    async def send(self, request, timeout: float | None) -> None:
+        """Send a step's request without reading its answer (pipelining, ``rpc.sequence_stream``):
+        ``receive`` reads the answers in the order sent."""
+        async with self._failing(timeout):
+            await self._send(request, REQUEST)
+        self._unanswered += 1
+
+    async def receive(self, timeout: float | None):
+        """The answer to the oldest request sent and not yet answered."""
+        if self._reader is None:
+            raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"step socket {self.path}: no request in flight (the connection was closed)")
+        async with self._failing(timeout):
+            received = await read_frame(self._reader)
+        self._unanswered -= 1
+        return self._answer(received, None)
+
+    def _answer(self, received: tuple[int, bytes] | None, response_type: type | None):
         if received is None:
             self.close()
             raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"step socket {self.path}: the worker closed the connection")
@@ -349,7 +361,34 @@ class StepSocket:
             raise rpc_error(getattr(grpc.StatusCode, code, grpc.StatusCode.UNKNOWN), message)
         return (response_type or self.response_type).FromString(payload)
 
+    async def _send(self, request, kind: int) -> None:
+        if self._writer is None or self._reader.at_eof():  # a worker that restarted closed it
+            self.close()
+            _, self._reader = await asyncio.get_running_loop().create_unix_connection(lambda: BulkReader(READ_LIMIT), self.path)
+            self._writer = self._reader.writer
+            self._writer.transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)
+            self._writer.write(self._hello)
+        write_frame(self._writer, kind, request.SerializeToString())
+
+    @contextlib.asynccontextmanager
+    async def _failing(self, timeout: float | None):
+        """``timeout`` on the block; any failure in it closes the connection (a late answer must
+        never be read as the next step's) and raises the ``AioRpcError`` the gRPC call would."""
+        try:
+            async with asyncio.timeout(timeout):
+                yield
+        except TimeoutError:
+            self.close()
+            raise deadline_exceeded() from None
+        except (OSError, asyncio.IncompleteReadError) as exc:
+            self.close()
+            raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"step socket {self.path}: {exc!r}") from exc
+        except BaseException:
+            self.close()
+            raise
+
     def close(self) -> None:
         if self._writer is not None:
             self._writer.close()
         self._reader = self._writer = None
+        self._unanswered = 0

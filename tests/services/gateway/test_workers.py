@@ -9,8 +9,10 @@ must never be read as the next step's), and leave other sequences' alone.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import grpc
+import numpy as np
 import pytest
 
 from services.gateway.workers import DraftClient, StepStream, TargetClient
@@ -61,6 +63,50 @@ def test_streamed_steps_equal_unary_steps_and_share_one_carrier(workers, wire):
         finally:
             await streamed.close()
             await unary.close()
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("wire", [*STREAMED_WIRES, "unary"])
+def test_pipelined_decode_steps_equal_one_at_a_time_steps(workers, wire):
+    """``TargetClient.decode``: target-only steps with two requests in flight (one at a time on
+    unary) commit what verify steps of no node commit one by one; stopping with a request in
+    flight drops the stream, so the next step reads its own answer, not the abandoned one's."""
+    empty = (np.zeros(0, np.int64), np.zeros(0, np.int64))
+
+    sid, ref = f"decoded-{wire}", f"one-by-one-{wire}"
+
+    async def scenario():
+        client, reference = await client_on(wire, TargetClient, workers["target"]), TargetClient(workers["target"], wire="unary")
+        try:
+            await prefill(client, sid)
+            await prefill(reference, ref)
+            want = await steps(reference, ref, [empty] * 12)
+            got = [(v.committed_tokens, v.next_token, v.committed_length) async for v in client.decode(sid, 6, lambda: 30)]
+            assert [g[:2] for g in got] == want[:6]
+            assert [g[2] for g in got] == list(range(len(PROMPT) + 1, len(PROMPT) + 7))
+            carried = carrier(client, sid) if wire != "unary" else None
+            async with contextlib.aclosing(client.decode(sid, 3, lambda: 30)) as decoded:
+                async for v in decoded:
+                    assert (v.committed_tokens, v.next_token) == want[6]
+                    break  # the second request is in flight: it runs at the target (or leaves its queue); its answer is dropped
+            if wire != "unary":
+                assert carrier(client, sid) is None and (carried.done() if wire == "stream" else carried.is_closing())
+            after = await client.verify(sid, *empty, False, timeout=30)
+            # Unclosed, the generator leaves its answer unread until collected: the next step opens a new stream.
+            left = client.decode(sid, 2, lambda: 30)
+            await anext(left)
+            later = await client.verify(sid, *empty, False, timeout=30)
+            assert later.committed_length - after.committed_length in ((2,) if wire == "unary" else (2, 3))
+            assert (later.committed_tokens, later.next_token) == want[later.committed_length - len(PROMPT) - 1]
+            await left.aclose()
+            ran = after.committed_length - len(PROMPT) - 1  # steps before this one: 7, or 8 if the dropped one ran
+            assert ran in ((7,) if wire == "unary" else (7, 8)) and (after.committed_tokens, after.next_token) == want[ran]
+            await client.release(sid)
+            await reference.release(ref)
+        finally:
+            await client.close()
+            await reference.close()
 
     run(scenario())
 
