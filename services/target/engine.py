@@ -409,14 +409,15 @@ class TargetEngine:
 
     def _check(self, index: int, step: VerifyStep) -> _Work:
         state = self._get(step.sequence_id)
-        tokens = np.asarray(step.tokens, dtype=np.int64)
-        parents = np.asarray(step.parents, dtype=np.int64)
-        if len(tokens) or len(parents):  # a decode step (no tree) has nothing to check
+        if len(step.tokens) or len(step.parents):  # a decode step (no tree) has nothing to check
             try:
-                validate_tree(tokens, parents, self.config.vocab_size, self.limits.max_tree_nodes)
+                validate_tree(
+                    np.asarray(step.tokens, dtype=np.int64), np.asarray(step.parents, dtype=np.int64), self.config.vocab_size,
+                    self.limits.max_tree_nodes,
+                )
             except ValueError as exc:
                 raise InvalidArgument(str(exc)) from exc
-        n = len(tokens)
+        n = len(step.tokens)
         if state.length + n + 1 > state.capacity:
             raise FailedPrecondition(
                 f"tokens: a tree of {n} nodes needs {state.length + n + 1} positions, sequence reserved {state.capacity}"
@@ -544,8 +545,19 @@ class TargetEngine:
         return logits, features, torch.from_numpy(layout.positions)
 
 
+def _frozen(array: np.ndarray) -> np.ndarray:
+    array.flags.writeable = False
+    return array
+
+
+# A decode step's block, shared by every one: the root alone (read-only, as they are shared).
+_NO_NODES, _ROOT_ROWS, _ROOT_TREE = _frozen(np.zeros(0, np.int64)), _frozen(np.array([-1])), _frozen(np.ones((1, 1), bool))
+
+
 def _work(index: int, state: SequenceState, step: VerifyStep) -> _Work:
     """The rows of a (checked) step: ``[root, nodes]``, their parent rows and ancestor-only visibility."""
+    if not len(step.tokens) and not len(step.parents):  # a decode step; a batch of many AR users is all of them
+        return _Work(index, state, step, _NO_NODES, _NO_NODES, [state.pending_token], _ROOT_ROWS, _ROOT_TREE)
     tokens = np.asarray(step.tokens, dtype=np.int64)
     parents = np.asarray(step.parents, dtype=np.int64)
     item = _Work(index, state, step, tokens, parents, [state.pending_token, *tokens.tolist()])

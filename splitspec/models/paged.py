@@ -188,6 +188,21 @@ def pass_layout(
 ) -> PassLayout:
     """The host layout of a pass over ``B`` sequences' blocks; a row's depth (its RoPE position
     past the start) is its distance from the block's start along ``parents``."""
+    if all(len(t) == 1 for t in tokens):
+        return _decode_layout(pool, tokens, starts, tables, trees, state_slots)
+    return _tree_layout(pool, tokens, parents, starts, tables, trees, state_slots)
+
+
+def _tree_layout(
+    pool: KVBlockPool,
+    tokens: Sequence[Sequence[int]],
+    parents: Sequence[np.ndarray],
+    starts: Sequence[int],
+    tables: Sequence[Sequence[int]],
+    trees: Sequence[np.ndarray],
+    state_slots: Sequence[int | None] | None = None,
+) -> PassLayout:
+    """:func:`pass_layout` of blocks of any shape."""
     counts = np.array([len(t) for t in tokens], dtype=np.int64)
     offsets = np.concatenate([[0], np.cumsum(counts)])
     starts_np = np.asarray(starts, dtype=np.int64)
@@ -209,6 +224,34 @@ def pass_layout(
     return PassLayout(
         flat_tokens, positions, write_slots, np.concatenate(rows), offsets, starts_np, slots,
         [np.asarray(t, dtype=np.int64) for t in tables], [np.asarray(t, dtype=bool) for t in trees],
+    )
+
+
+def _decode_layout(
+    pool: KVBlockPool,
+    tokens: Sequence[Sequence[int]],  # B lists of one row token: the root
+    starts: Sequence[int],
+    tables: Sequence[Sequence[int]],
+    trees: Sequence[np.ndarray],
+    state_slots: Sequence[int | None] | None,
+) -> PassLayout:
+    """:func:`pass_layout` of blocks of one row each (decode steps, the batches of many AR users),
+    without its per-sequence array work: the engine thread builds it while the event loop needs
+    the GIL to turn the last pass's answers around."""
+    b = len(tokens)
+    starts_np = np.fromiter(starts, dtype=np.int64, count=b)  # [B] and the rows' positions (depth 0)
+    blocks = np.fromiter((table[start // pool.block_size] for table, start in zip(tables, starts)), dtype=np.int64, count=b)
+    slots = [slot or 0 for slot in state_slots] if state_slots is not None else [0] * b
+    return PassLayout(
+        np.fromiter((t[0] for t in tokens), dtype=np.int64, count=b),
+        starts_np,
+        blocks * pool.block_size + starts_np % pool.block_size,
+        -np.arange(1, b + 1, dtype=np.int64),  # each row is its block's root
+        np.arange(b + 1, dtype=np.int64),
+        starts_np.copy(),
+        np.array(slots, dtype=np.int64),
+        [np.asarray(t, dtype=np.int64) for t in tables],
+        [np.asarray(t, dtype=bool) for t in trees],
     )
 
 
@@ -307,14 +350,17 @@ class PassInputs:
         f["offsets"][: b + 1], f["offsets"][b + 1 :] = layout.offsets, n
         f["state_slots"][:b], f["state_slots"][b:] = layout.state_slots, 0
         f["last_row"][0] = last_row
+        counts = np.diff(layout.offsets)  # [B]
+        sequence = np.repeat(np.arange(b), counts)  # [n] each row's sequence
+        within = np.arange(n) - layout.offsets[sequence]  # [n] each row's place in its block
+        f["row_index"][sequence, within] = np.arange(n)
+        f["out_index"][:n] = sequence * t_pad + within
+        f["starts"][:b] = layout.starts
         for s in range(b):
-            first, count = layout.offsets[s], layout.offsets[s + 1] - layout.offsets[s]
-            f["row_index"][s, :count] = np.arange(first, first + count)
-            f["out_index"][first : first + count] = s * t_pad + np.arange(count)
-            f["starts"][s] = layout.starts[s]
             width = min(len(layout.tables[s]), f["tables"].shape[1])  # blocks past the pass's keys are not read
             f["tables"][s, :width] = layout.tables[s][:width]
-            f["trees"][s, :count, :count] = layout.trees[s]
+            if counts[s] > 1 or not layout.trees[s][0, 0]:  # else a row that sees itself: the identity above
+                f["trees"][s, : counts[s], : counts[s]] = layout.trees[s]
 
     @classmethod
     def exact(cls, layout: PassLayout, block_size: int, device: torch.device, last_row: int = 0) -> PassInputs:

@@ -7,6 +7,7 @@ standard health service (NOT_SERVING until its model is loaded) and server refle
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import signal
 import uuid
@@ -201,14 +202,21 @@ async def sequence_stream(
     behind the last answer are cancelled before it does: one waiting for its pass leaves the
     queue, one whose pass started finishes with it, and none can run after the stream has ended
     (after, say, the gateway's re-prefill of a lost sequence)."""
-    answers: asyncio.Queue = asyncio.Queue()  # step futures in the order read, then the reading's end
-    room = asyncio.Semaphore(depth)
+    loop = asyncio.get_running_loop()
+    started: collections.deque = collections.deque()  # unanswered steps in the order read, then the reading's end
+    waiting: list[asyncio.Future | None] = [None, None]  # the answering loop's (nothing started), the reader's (no room)
+
+    def wake(who: int) -> None:
+        if waiting[who] is not None and not waiting[who].done():
+            waiting[who].set_result(None)
 
     async def read() -> None:
         sequence_id = None
         try:
             while True:
-                await room.acquire()
+                while len(started) >= depth:
+                    waiting[1] = loop.create_future()
+                    await waiting[1]
                 request = await anext(requests, None)
                 if request is None:
                     break
@@ -218,26 +226,33 @@ async def sequence_stream(
                     raise InvalidArgument(
                         f"sequence_id: {request.sequence_id!r} on the stream of sequence {sequence_id!r} (one stream per sequence)"
                     )
-                answer = asyncio.ensure_future(step(request, context))
-                answers.put_nowait(answer)
+                answer = loop.create_task(step(request, context))
+                started.append(answer)
+                wake(0)
                 if alone(request):
                     await asyncio.wait({answer})
-            answers.put_nowait(StopAsyncIteration())
+            started.append(StopAsyncIteration())
         except Exception as exc:  # noqa: BLE001 - raised to the client after the answers before it
-            answers.put_nowait(exc)
+            started.append(exc)
+        wake(0)
 
-    reader = asyncio.ensure_future(read())
+    reader = loop.create_task(read())
     try:
-        while not isinstance(answer := await answers.get(), BaseException):
-            result = await answer
-            room.release()
+        while True:
+            while not started:
+                waiting[0] = loop.create_future()
+                await waiting[0]
+            if isinstance(started[0], BaseException):
+                break
+            result = await started[0]
+            started.popleft()
+            wake(1)
             yield result
-        if not isinstance(answer, StopAsyncIteration):
-            raise answer
+        if not isinstance(started[0], StopAsyncIteration):
+            raise started[0]
     finally:
         reader.cancel()
-        started = [answers.get_nowait() for _ in range(answers.qsize())]
-        for future in started:
-            if isinstance(future, asyncio.Future):
-                future.cancel()
-        await asyncio.gather(reader, *(f for f in started if isinstance(f, asyncio.Future)), return_exceptions=True)
+        steps = [answer for answer in started if isinstance(answer, asyncio.Future)]
+        for answer in steps:
+            answer.cancel()
+        await asyncio.gather(reader, *steps, return_exceptions=True)

@@ -14,7 +14,7 @@ import torch
 from services.target.engine import KVBlocksBusy, TargetEngine, TargetLimits, VerifyStep
 from splitspec.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from splitspec.models.loader import load_target
-from splitspec.models.paged import KVBlockPool, pass_layout
+from splitspec.models.paged import KVBlockPool, PassInputs, _tree_layout, pass_layout
 from splitspec.spec.sampling import SamplingParams
 from splitspec.spec.tree import build_ddtree
 
@@ -46,6 +46,43 @@ def test_pass_layout_places_rows_of_each_sequence():
     assert layout.parents.tolist() == [-1, 0, 0, 2, -2]
     assert layout.offsets.tolist() == [0, 4, 5] and layout.max_rows == 4 and layout.max_keys == 9
     assert layout.state_slots.tolist() == [7, 9]
+
+
+def test_a_batch_of_decode_steps_has_the_layout_of_the_general_path():
+    """Blocks of one row each (many AR users) take a vectorised path; it must lay them out exactly
+    as the general one does."""
+    pool = KVBlockPool(1, 1, 2, num_blocks=64, block_size=4, device=torch.device("cpu"), dtype=torch.float32)
+    rng = np.random.default_rng(3)
+    starts = rng.integers(0, 20, 9).tolist()
+    tables = [rng.permutation(np.arange(1, 64))[:6].tolist() for _ in starts]
+    tokens = [[int(t)] for t in rng.integers(0, 100, 9)]
+    args = (tokens, [np.array([-1])] * 9, starts, tables, [np.ones((1, 1), dtype=bool)] * 9, [None, 3, *range(5, 12)])
+    fast, general = pass_layout(pool, *args), _tree_layout(pool, *args)
+    for field in ("tokens", "positions", "write_slots", "parents", "offsets", "starts", "state_slots"):
+        a, b = getattr(fast, field), getattr(general, field)
+        assert a.dtype == b.dtype and a.tolist() == b.tolist(), field
+    assert [t.tolist() for t in fast.tables] == [t.tolist() for t in general.tables]
+    assert [t.tolist() for t in fast.trees] == [t.tolist() for t in general.trees]
+
+
+def test_fill_pads_rows_tables_and_trees():
+    pool = KVBlockPool(1, 1, 2, num_blocks=6, block_size=4, device=torch.device("cpu"), dtype=torch.float32)
+    tree = np.array([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=bool)
+    layout = pass_layout(
+        pool, [[10, 11, 12, 13], [20], [30]], [np.array([-1, 0, 0, 2]), np.array([-1]), np.array([-1])], [5, 2, 3],
+        [[3, 1, 2], [4], [5]], [tree, np.ones((1, 1), dtype=bool), np.ones((1, 1), dtype=bool)], [7, 9, 0],
+    )
+    shape = (8, 4, 5, 16, 4)  # rows, sequences, block rows, keys, block size: padded past the layout's
+    host = np.zeros(PassInputs.nbytes(*shape), dtype=np.uint8)
+    inputs = PassInputs.on(torch.from_numpy(host), *shape)
+    inputs.fill(layout, host)
+    assert inputs.row_index.tolist() == [[0, 1, 2, 3, 8], [4, 8, 8, 8, 8], [5, 8, 8, 8, 8], [8] * 5]
+    assert inputs.out_index.tolist() == [0, 1, 2, 3, 5, 10, 0, 0]
+    assert inputs.starts.tolist() == [5, 2, 3, 1] and inputs.offsets.tolist() == [0, 4, 5, 6, 6]
+    assert inputs.tables.tolist() == [[3, 1, 2, 0], [4, 0, 0, 0], [5, 0, 0, 0], [0, 0, 0, 0]]
+    trees = inputs.trees.numpy()
+    assert (trees[0, :4, :4] == tree).all() and (trees[0, 4] == np.eye(5, dtype=bool)[4]).all()
+    assert all((trees[s] == np.eye(5, dtype=bool)).all() for s in (1, 2, 3))
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
