@@ -24,11 +24,11 @@ Protocol: one connection per sequence, like a ``*Stream`` RPC. Every frame is a 
 A request whose sequence id differs from the first one on the connection is an INVALID_ARGUMENT,
 as on the gRPC streams. A client may pipeline ``REQUEST`` frames (send the next before reading
 the answer to the last, two at most: ``rpc.sequence_stream``); answers come in the order sent. An
-``OPEN`` finishes before the request after it starts. A client that hangs up while its ``OPEN`` runs gives that call up, as a
-cancelled gRPC call does: the worker cancels the servicer's coroutine (the target's Prefill then
-releases the sequence it makes, see ``EngineHost.open``). The socket carries no TLS: it is
-offered only on the worker's own host (see ``resolve_step_socket``), where the file's
-permissions guard it.
+``OPEN`` finishes before the request after it starts. A client that hangs up while its ``OPEN``
+runs gives that call up, as a cancelled gRPC call does: the worker cancels the servicer's
+coroutine (the target's Prefill then releases the sequence it makes, see ``EngineHost.open``).
+The socket carries no TLS: it is offered only on the worker's own host (see
+``resolve_step_socket``), where the file's permissions guard it.
 """
 
 from __future__ import annotations
