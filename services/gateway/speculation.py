@@ -231,11 +231,7 @@ class SpeculativeSequence:
                 continue
             accepted = len(verified.committed_tokens) - 1
             self._observe(tree, budget is not None and not skipped, verified, accepted, time.perf_counter() - step_start)
-            step = StepStats(tree.num_nodes, int(tree.depths.max(initial=0)), accepted, fallback, budget)
-            self.stats.add(step)
-            self.on_step(step)
-            new = verified.committed_tokens[1:] + [verified.next_token]
-            self.generated.extend(new)
+            new = self._advance(verified, StepStats(tree.num_nodes, int(tree.depths.max(initial=0)), accepted, fallback, budget))
             anchor = verified.next_token
             features = await self._behind(features, verified.features) if skipped else verified.features
             yield self._committed(new, verified.logprobs)
@@ -247,12 +243,15 @@ class SpeculativeSequence:
         async with contextlib.aclosing(self.target.decode(self.sequence_id, steps, self._timeout)) as decoded:
             async for verified in decoded:
                 self._observe(DraftTree.empty(), False, verified, 0, 0.0)
-                step = StepStats(0, 0, 0, "", None)
-                self.stats.add(step)
-                self.on_step(step)
-                new = verified.committed_tokens[1:] + [verified.next_token]
-                self.generated.extend(new)
-                yield self._committed(new, verified.logprobs)
+                yield self._committed(self._advance(verified, StepStats(0, 0, 0, "", None)), verified.logprobs)
+
+    def _advance(self, verified: Verified, step: StepStats) -> list[int]:
+        """Count a verified step and take its new tokens (the accepted nodes' and the bonus)."""
+        self.stats.add(step)
+        self.on_step(step)
+        new = verified.committed_tokens[1:] + [verified.next_token]
+        self.generated.extend(new)
+        return new
 
     def _observe(self, tree: DraftTree, drafted: bool, verified: Verified, accepted: int, step_s: float) -> None:
         """Feed the budget policy a verified step; ``drafted``: the step proposed and built ``tree``."""
