@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
@@ -98,6 +98,7 @@ class DraftTrainConfig:
     eval_sequences: int = 16  # held-out sequences evaluated (the first ones)
     checkpoint_every: int = 500  # steps between writes of OUT/checkpoint.pt
     resume: bool = False  # continue from OUT/checkpoint.pt, exactly
+    init: str | None = None  # a draft directory whose weights start the run instead of random ones (same config)
     stop_at: int | None = None  # end this run after this step (with a checkpoint), to resume later
     # DFlash2 only (the published drafts' values): its selector, convolutions and attention window.
     selector_top_k: int = 16
@@ -388,6 +389,24 @@ def _new_draft(config: DFlashConfig, seed: int, device: torch.device) -> DFlashD
     return draft.to(device)
 
 
+def _load_init(draft: DFlashDraft, config: DFlashConfig, num_target_layers: int, folder: str) -> None:
+    """Start ``draft`` from the weights a run wrote to ``folder`` (fine-tuning, or a second schedule
+    after a finished one). Its ``config.json`` must describe the draft this run builds."""
+    path = Path(folder)
+    try:
+        then = json.loads((path / "config.json").read_text())
+        tensors = load_file(str(path / "model.safetensors"))
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--init {folder}: not a readable draft directory (config.json + model.safetensors): {exc}") from exc
+    now = config.to_dict(num_target_layers)
+    changed = [f"{k} {then.get(k)!r} -> {now[k]!r}" for k in now if then.get(k) != now[k]]
+    if changed:
+        raise ValueError(f"--init {folder}: that draft differs from the one these settings build: {'; '.join(changed)}")
+    missing, unexpected = draft.load_state_dict(tensors, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"--init {folder}: weights missing {sorted(missing)}, unexpected {sorted(unexpected)}")
+
+
 def _train_step(run: _Run, draft: DFlashDraft, optimizer, scheduler, batches: Batches) -> float:
     c = run.config
     tokens = torch.from_numpy(run.corpus.train[batches.next().numpy()]).to(run.device)
@@ -501,6 +520,8 @@ def train_draft(config: DraftTrainConfig) -> DraftTrainResult:
     c, out = config, Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
     draft = _new_draft(run.draft_config, c.seed, run.device)
+    if c.init:  # a resumed run's checkpoint holds these weights' descendants; loading them first is harmless
+        _load_init(draft, run.draft_config, run.num_target_layers, c.init)
     optimizer = torch.optim.AdamW(draft.parameters(), lr=c.lr)
     warmup = round(c.warmup_fraction * c.steps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: lr_factor(i, c.steps, warmup))

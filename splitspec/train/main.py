@@ -49,6 +49,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-sequences", type=int, default=16, help="held-out sequences per evaluation")
     p.add_argument("--checkpoint-every", type=int, default=500, help="steps between writes of OUT/checkpoint.pt")
     p.add_argument("--resume", action="store_true", help="continue exactly from OUT/checkpoint.pt (same settings and text)")
+    p.add_argument("--init", default=None, metavar="DRAFT_DIR", help="start from the weights of a draft this command wrote "
+                   "(its config must match these settings): fine-tuning on new text, or a second schedule after a finished run")
     p.add_argument("--stop-at", type=int, default=None, help="end this run after this step, leaving a checkpoint to --resume from")
     d2 = p.add_argument_group("DFlash2 (--arch dflash2; defaults are the published drafts')")
     d2.add_argument("--selector-top-k", type=int, default=16, help="candidates per block row the selector chooses among")
@@ -71,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
         mask_token_id=args.mask_token_id, anchors=args.anchors, labels=args.labels, gamma=args.gamma, lr=args.lr,
         warmup_fraction=args.warmup_fraction, grad_clip=args.grad_clip, steps=args.steps, batch_size=args.batch_size,
         device=args.device, seed=args.seed, eval_every=args.eval_every, eval_sequences=args.eval_sequences,
-        checkpoint_every=args.checkpoint_every, resume=args.resume, stop_at=args.stop_at,
+        checkpoint_every=args.checkpoint_every, resume=args.resume, init=args.init, stop_at=args.stop_at,
         selector_top_k=args.selector_top_k, selector_rank=args.selector_rank, selector_weight=args.selector_weight,
         conv_group_size=args.conv_group_size, sliding_window=args.sliding_window,
     )

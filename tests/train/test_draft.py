@@ -145,6 +145,22 @@ def test_resume_continues_exactly(looping, tmp_path):
         train_draft(_config(target, data, tmp_path / "straight", resume=True))
 
 
+def test_init_starts_from_a_written_draft(trained, looping, tmp_path):
+    """``init`` loads a finished run's weights (a second schedule, or fine-tuning): with a vanishing
+    learning rate the run writes them back unchanged and evaluates as the finished run did."""
+    target, data = looping
+    _, done = trained
+    again = train_draft(_config(target, data, tmp_path / "again", steps=2, eval_every=1, lr=1e-12, init=str(done.out_dir)))
+    a, b = load_file(done.out_dir / "model.safetensors"), load_file(tmp_path / "again" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    fresh = train_draft(_config(target, data, tmp_path / "fresh", steps=1, eval_every=1, lr=1e-12))
+    assert abs(again.evals[0]["heldout_loss"] - done.heldout_loss) < 0.05 < fresh.evals[0]["heldout_loss"] - done.heldout_loss
+    with pytest.raises(ValueError, match=r"--init .*: that draft differs from the one these settings build: block_size 16 -> 8"):
+        train_draft(_config(target, data, tmp_path / "other", block_size=8, init=str(done.out_dir)))
+    with pytest.raises(ValueError, match=r"--init .*nowhere: not a readable draft directory"):
+        train_draft(_config(target, data, tmp_path / "other", init=str(tmp_path / "nowhere")))
+
+
 def test_trains_a_hybrid_target(tiny_qwen35_pair, looping, tmp_path):
     _, data = looping
     result = train_draft(_config(tiny_qwen35_pair.target, data, tmp_path, steps=2, taps=None, eval_sequences=1))
