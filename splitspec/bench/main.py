@@ -280,7 +280,8 @@ def run(args: argparse.Namespace) -> int:
                     "draft": {"flags": draft_flags, **worker_memory(log_dir / f"{DFLASH_LOG}.log")},
                 }
         result["system"] = [
-            {**asdict(r), "tokens_per_s": r.tokens_per_s, "acceptance_length": r.acceptance_length, "ms_per_step": r.ms_per_step}
+            {**asdict(r), "tokens_per_s": r.tokens_per_s, "acceptance_length": r.acceptance_length, "ms_per_step": r.ms_per_step,
+             "decode_tokens_per_s": r.decode_tokens_per_s}
             for r in rows
         ]
         # The speed-up a real drafter gets: oracle ALs with the real draft's round time (report.HEADLINE_RULE).

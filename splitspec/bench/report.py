@@ -261,17 +261,23 @@ def markdown(result: dict) -> str:
     if rows:
         ar = {(r["wire"], r["concurrency"]): r["tokens_per_s"] for r in rows if r["label"] == AR_LABEL}  # × AR: same wire and level
         lines += [
-            "| end-to-end (3 services) | wire | budget | concurrency | AL | tok/s | decode ms/step | × AR | draft fallbacks |",
-            "|---|---|---|---|---|---|---|---|---|",
+            "| end-to-end (3 services) | wire | budget | concurrency | AL | tok/s | tok/s while all decode | decode ms/step | × AR "
+            "| draft fallbacks |",
+            "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in rows:
             wire = r["wire"]
+            decoding = f"{r['decode_tokens_per_s']:.1f}" if r.get("decode_tokens_per_s") else "-"
             lines.append(
                 f"| {r['label']} | {wire} | {r['budget']} | {r['concurrency']} | {r['acceptance_length']:.2f} | {r['tokens_per_s']:.1f} "
-                f"| {r['ms_per_step']:.2f} | {r['tokens_per_s'] / ar[wire, r['concurrency']]:.2f} | {r.get('draft_fallbacks', 0)} |"
+                f"| {decoding} | {r['ms_per_step']:.2f} | {r['tokens_per_s'] / ar[wire, r['concurrency']]:.2f} | {r.get('draft_fallbacks', 0)} |"
             )
         headline = result.get("headline") or headline_speedups(rows)
-        note = "AL: tokens committed by verify steps / verify steps (the prefill's token is not counted; target-only is 1.00)."
+        note = (
+            "AL: tokens committed by verify steps / verify steps (the prefill's token is not counted; target-only is 1.00). "
+            "tok/s while all decode: the tokens that arrived while every client was decoding (none waiting for a prefill) "
+            "over that time, as llama-batched-bench's S_TG (`splitspec.bench.system.all_decoding`)."
+        )
         if any(map(_is_oracle, rows)):
             note += (
                 " The `oracle` rows are **benchmark-only**: the OracleDrafter proposes the target's recorded output, corrupted "

@@ -76,6 +76,10 @@ class SystemRow:
     concurrency: int  # clients generating at once
     wire: str = "socket"  # the gateway's --wire
     decode_seconds: float = 0.0  # per request, first response to last, summed: steps without prefill
+    # Times when every client was decoding (none waiting for its prompt's prefill), and the tokens
+    # that arrived in them: llama-batched-bench's S_TG measure (:func:`all_decoding`).
+    all_decoding_tokens: int = 0
+    all_decoding_seconds: float = 0.0
     draft_fallbacks: int = 0  # steps that ran target-only because the draft failed or was late
     drafter: str = ""  # "off", "oracle" (benchmark-only), "dflash" or "dflash2"
     corruption: float | None = None  # the oracle's corruption rate
@@ -89,6 +93,11 @@ class SystemRow:
     def acceptance_length(self) -> float:
         """AL (splitspec.spec.acceptance_length): committed tokens over verify steps; exactly 1 target-only."""
         return acceptance_length(self.committed_tokens, self.steps)
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Aggregate while all clients decode (prefills excluded); 0.0 when no such time was seen."""
+        return self.all_decoding_tokens / self.all_decoding_seconds if self.all_decoding_seconds else 0.0
 
     @property
     def ms_per_step(self) -> float:
@@ -146,16 +155,57 @@ class Cluster:
                 p.kill()
 
 
-def generate(address: str, request: gateway_pb2.GenerateRequest) -> tuple[list[int], gateway_pb2.Usage, float]:
-    """Token ids, usage, and seconds from the first response (prefill done) to the last."""
+def generate(address: str, request: gateway_pb2.GenerateRequest) -> tuple[list[int], gateway_pb2.Usage, list[tuple[float, int]]]:
+    """Token ids, usage, and each response's arrival (``time.perf_counter()``, token count): the
+    first arrives when the prefill is done."""
     with grpc.insecure_channel(address) as ch:
-        tokens, usage, first = [], None, None
+        tokens, usage, arrivals = [], None, []
         for r in gateway_pb2_grpc.GatewayStub(ch).Generate(request, timeout=600):
-            first = first or time.perf_counter()
+            arrivals.append((time.perf_counter(), len(r.token_ids)))
             tokens.extend(r.token_ids)
             if r.HasField("final"):
                 usage = r.final.usage
-    return tokens, usage, time.perf_counter() - first
+    return tokens, usage, arrivals
+
+
+Interval = tuple[float, float]
+
+
+def _intersect(a: list[Interval], b: list[Interval]) -> list[Interval]:
+    """The intersection of two sorted lists of disjoint intervals, sorted and disjoint."""
+    out, i, j = [], 0, 0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if lo < hi:
+            out.append((lo, hi))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def all_decoding(clients: list[list[list[tuple[float, int]]]]) -> tuple[int, float]:
+    """Tokens and seconds of the times when every client was decoding.
+
+    ``clients[k]`` holds client ``k``'s requests in the order it made them, each as its responses'
+    arrivals ``(time, tokens)``. A client *decodes* from its request's first arrival (the prefill's
+    token) to its last; between requests it waits for the next prefill. Over the times when all
+    decode (the intersection of the clients' decoding intervals), the tokens that arrived inside
+    them (a window's start excluded: a first arrival is the prefill's token) over their length is
+    the aggregate decode rate alone, which llama-batched-bench reports as S_TG.
+    """
+    window: list[Interval] | None = None
+    for requests in clients:
+        mine = sorted((a[0][0], a[-1][0]) for a in requests if a)
+        window = mine if window is None else _intersect(window, mine)
+    if not window:
+        return 0, 0.0
+    tokens = sum(
+        n for requests in clients for arrivals in requests for t, n in arrivals
+        if any(lo < t <= hi for lo, hi in window)
+    )
+    return tokens, sum(hi - lo for lo, hi in window)
 
 
 def run_batch(
@@ -168,24 +218,25 @@ def run_batch(
     addresses = [addresses] if isinstance(addresses, str) else list(addresses)
     outputs: list[list[int]] = [[] for _ in requests]
     usages: list[gateway_pb2.Usage | None] = [None] * len(requests)
-    decode = [0.0] * len(requests)
+    clients: list[list[list[tuple[float, int]]]] = [[] for _ in range(concurrency)]  # each client's requests' arrivals
     queue = list(range(len(requests)))
     lock = threading.Lock()
     errors: list[Exception] = []
 
-    def worker() -> None:
+    def worker(arrivals: list[list[tuple[float, int]]]) -> None:
         while True:
             with lock:
                 if not queue or errors:
                     return
                 i = queue.pop(0)
             try:
-                outputs[i], usages[i], decode[i] = generate(addresses[i % len(addresses)], requests[i])
+                outputs[i], usages[i], times = generate(addresses[i % len(addresses)], requests[i])
+                arrivals.append(times)
             except grpc.RpcError as exc:
                 errors.append(exc)
 
     t0 = time.perf_counter()
-    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+    threads = [threading.Thread(target=worker, args=(mine,)) for mine in clients]
     for t in threads:
         t.start()
     for t in threads:
@@ -194,9 +245,11 @@ def run_batch(
     if errors:
         raise RuntimeError(f"{label}: {errors[0].code().name}: {errors[0].details()}")
     steps = sum(u.steps for u in usages)
+    decode = sum(a[-1][0] - a[0][0] for mine in clients for a in mine)
+    window_tokens, window_seconds = all_decoding(clients)
     row = SystemRow(
         label, budget, sum(len(o) for o in outputs), steps, sum(committed_tokens(u) for u in usages), seconds, concurrency,
-        wire, sum(decode), sum(u.draft_fallbacks for u in usages), drafter, corruption,
+        wire, decode, window_tokens, window_seconds, sum(u.draft_fallbacks for u in usages), drafter, corruption,
     )
     return row, outputs
 

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from splitspec.bench.report import AR_LABEL, BUILTIN_LABELS, DFLASH_LABEL, concurrency_table, headline_speedups, oracle_label
-from splitspec.bench.system import MAX_CONCURRENCY, parse_concurrency, plan_levels, random_prompts, requests_per_level
+from splitspec.bench.system import MAX_CONCURRENCY, all_decoding, parse_concurrency, plan_levels, random_prompts, requests_per_level
 
 
 def test_concurrency_levels_are_parsed_ascending():
@@ -56,6 +56,19 @@ def test_each_level_gets_its_own_prompts_and_the_same_number_per_client():
     # Warm-up first, then the timed prompts, in the pool's order.
     rng_order = plan_levels(random_prompts(100, 5), [1], prompts=2)[0]
     assert rng_order.warm + rng_order.timed == [ids for ids, _ in zip(random_prompts(100, 5), range(4))]
+
+
+def test_all_decoding_counts_only_the_times_every_client_decodes():
+    """Client A decodes over [0, 10] then, after a prefill, over [12, 20]; client B over [3, 15].
+    Both decode over (3, 10] and (12, 15]: 10 s. A first arrival (the prefill's token) at a window's
+    start is not counted, nor any token outside the windows."""
+    a = [[(0.0, 1), (2.0, 1), (5.0, 2), (10.0, 1)], [(12.0, 1), (14.0, 3), (20.0, 1)]]
+    b = [[(3.0, 1), (4.0, 4), (9.0, 1), (13.0, 2), (15.0, 1)]]
+    # In the windows: A's 5.0 (2), 10.0 (1), 14.0 (3); B's 4.0 (4), 9.0 (1), 13.0 (2), 15.0 (1).
+    assert all_decoding([a, b]) == (14, 10.0)
+    assert all_decoding([a]) == ((1 + 2 + 1) + (3 + 1), 18.0)  # one client: every token after each request's first
+    assert all_decoding([a, [[(10.5, 1), (11.5, 1)]]]) == (0, 0.0)  # never both at once
+    assert all_decoding([a, []]) == (0, 0.0)  # a client that made no request
 
 
 def _row(label: str, n: int, tok_s: float, ms: float, al: float, drafter: str, corruption: float | None = None) -> dict:
@@ -116,6 +129,8 @@ def test_bench_sweeps_concurrency_through_the_services(tmp_path):
         rows = {r["label"]: r for r in result["system"] if r["concurrency"] == n}
         assert sorted(rows) == sorted(kinds)
         assert all(r["tokens_per_s"] > 0 and r["ms_per_step"] > 0 and r["completion_tokens"] == n * 8 for r in rows.values())
+        if n == 1:  # one client decodes from its first token to its last: every token but the prefill's
+            assert rows[AR_LABEL]["all_decoding_tokens"] == 7 and rows[AR_LABEL]["all_decoding_seconds"] == pytest.approx(rows[AR_LABEL]["decode_seconds"])
         assert proc.stdout.count(f"\n| {n} | ") == 1  # one row of the sweep table per level
     assert "| concurrency | off (AR) | dflash (random weights) | oracle 0.00 (benchmark-only) | honest aggregate at oracle 0.00's AL |" in proc.stdout
     # The honest headline at each level, in aggregate: N × AL / t_round, and AR at N over AR at 1.
