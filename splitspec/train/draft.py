@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
@@ -52,7 +52,7 @@ from splitspec.models.devices import resolve_device
 from splitspec.models.dflash import DFlashConfig, DFlashDraft, default_target_layer_ids
 from splitspec.models.dflash2 import DFlash2Config, DFlash2Draft, init_dflash2_extras
 from splitspec.models.hub import resolve_model
-from splitspec.models.loader import load_target
+from splitspec.models.loader import load_dflash_draft, load_target
 from splitspec.text.tokenizer import Tokenizer
 from splitspec.train.data import DEFAULT_GLOB, PackedCorpus, load_corpus
 from splitspec.train.selector import selector_loss_sum, walked_tokens
@@ -390,21 +390,19 @@ def _new_draft(config: DFlashConfig, seed: int, device: torch.device) -> DFlashD
 
 
 def _load_init(draft: DFlashDraft, config: DFlashConfig, num_target_layers: int, folder: str) -> None:
-    """Start ``draft`` from the weights a run wrote to ``folder`` (fine-tuning, or a second schedule
-    after a finished one). Its ``config.json`` must describe the draft this run builds."""
-    path = Path(folder)
+    """Start ``draft`` from a written draft's weights (``load_dflash_draft``: a directory or its GGUF
+    conversion), for fine-tuning or a second schedule after a finished run. That draft must be the
+    one this run builds."""
     try:
-        then = json.loads((path / "config.json").read_text())
-        tensors = load_file(str(path / "model.safetensors"))
+        loaded, then = load_dflash_draft(folder, num_target_layers=num_target_layers)
     except (OSError, ValueError) as exc:
         raise ValueError(f"--init {folder}: not a readable draft directory (config.json + model.safetensors): {exc}") from exc
-    now = config.to_dict(num_target_layers)
-    changed = [f"{k} {then.get(k)!r} -> {now[k]!r}" for k in now if then.get(k) != now[k]]
-    if changed:
-        raise ValueError(f"--init {folder}: that draft differs from the one these settings build: {'; '.join(changed)}")
-    missing, unexpected = draft.load_state_dict(tensors, strict=False)
-    if missing or unexpected:
-        raise ValueError(f"--init {folder}: weights missing {sorted(missing)}, unexpected {sorted(unexpected)}")
+    changed = [f"{f.name} {getattr(then, f.name, None)!r} -> {getattr(config, f.name)!r}"
+               for f in dataclasses.fields(config) if getattr(then, f.name, None) != getattr(config, f.name)]
+    if type(then) is not type(config) or changed:
+        raise ValueError(f"--init {folder}: that draft differs from the one these settings build: "
+                         + "; ".join(changed or [f"{type(then).__name__} -> {type(config).__name__}"]))
+    draft.load_state_dict(loaded.state_dict())
 
 
 def _train_step(run: _Run, draft: DFlashDraft, optimizer, scheduler, batches: Batches) -> float:
