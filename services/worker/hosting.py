@@ -138,7 +138,8 @@ class EngineHost:
                 logger.warning("released %s sequence %s after %.0f s idle", self.what, sid, ttl_s)
 
 
-GATHER_FRACTION = 0.5  # of the last pass, the longest a pass waits for the rest of the last one's sequences
+GATHER_FRACTION = 0.5  # of the last pass, the longest a pass waits for the rest of its sequences' cohorts
+GATHER_GAP_S = 0.0005  # a cohort that is back waits while steps keep arriving at most this far apart
 
 
 class StepBatcher:
@@ -148,26 +149,40 @@ class StepBatcher:
     joins the pass after the one in flight and leaves when it has no step waiting; no sequence
     waits for another's later step.
 
-    Sequences that were in the last pass are likely to send their next step soon (an AR step comes
-    straight back). Starting the next pass with only the first of them would split one batch into
-    a pass of one and a pass of the rest, so a pass starts once every sequence of the last pass is
-    back, or after a *gather window* (``GATHER_FRACTION`` of the last pass, at most
-    ``max_gather_s``), whichever comes first. The window is long enough for a gateway to turn a
-    pass's results into next steps (~0.2 ms of its CPU per sequence): one started sooner splits the
-    batch in two, and every sequence then waits for two passes a step. A lone sequence never
-    waits: with one live sequence its steps run at once (on the event loop's thread when short,
-    see ``EngineHost.inline_now``).
+    Sequences that ran in one pass are likely to send their next steps together (an AR step comes
+    straight back; a speculating sequence's next verify follows the draft's pass for the same
+    sequences). Starting the next pass with only the first of them would split one batch into a
+    pass of one and a pass of the rest, and every sequence would then wait for two passes a step.
+    So a pass starts when
+
+    - a step of every live sequence is waiting (a lone sequence never waits: with one live
+      sequence its steps run at once, on the event loop's thread when short, see
+      ``EngineHost.inline_now``), or
+    - every sequence that shared a waiting step's last pass (its *cohort*; for a sequence that has
+      run no pass yet, the last pass run) is back and no step arrived for ``gather_gap_s`` (steps
+      still coming one after another, as a gateway turns a pass's results into next steps at
+      ~0.2-0.4 ms of its CPU each, join: fragments merge), or
+    - the *gather window* (``GATHER_FRACTION`` of the last pass, at most ``max_gather_s``) since
+      the engine was free for the first waiting step has passed.
+
+    The cohort is each waiting sequence's own last pass, not the last pass run: speculating
+    sequences settle into two cohorts that take turns (one verifies while the other is at the
+    draft), and waiting for the cohort that ran the last pass, which is away, would idle the
+    engine for the whole window before every pass.
     """
 
     def __init__(
         self, host: EngineHost, run: Callable[[Any, list[Any]], list[Any]], key: Callable[[Any], str],
-        max_batch: int = 64, max_gather_s: float = 0.004,
+        max_batch: int = 64, max_gather_s: float = 0.004, gather_gap_s: float = GATHER_GAP_S,
     ) -> None:
         self.host, self.run, self.key = host, run, key
-        self.max_batch, self.max_gather_s = max_batch, max_gather_s
+        self.max_batch, self.max_gather_s, self.gather_gap_s = max_batch, max_gather_s, gather_gap_s
         self._waiting: list[tuple[Any, asyncio.Future, float]] = []  # (item, its future, when it arrived)
         self._running = False
-        self._last: set[str] = set()  # sequences of the last pass
+        self._cohorts: dict[str, frozenset[str]] = {}  # sequence -> the sequences of its last pass
+        self._last: frozenset[str] = frozenset()  # the sequences of the last pass run
+        self._last_arrival = 0.0  # loop time of the newest waiting step
+        self._quiet: asyncio.TimerHandle | None = None  # looks again once arrivals pause
         self._last_pass_s = 0.0
         self._timer: asyncio.TimerHandle | None = None
         # Metrics: called after every pass with its results (or exceptions), one per step, and
@@ -183,7 +198,8 @@ class StepBatcher:
             return self._one(results)
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        self._waiting.append((item, future, loop.time()))
+        self._last_arrival = loop.time()
+        self._waiting.append((item, future, self._last_arrival))
         self._maybe_start()
         return await future
 
@@ -201,19 +217,33 @@ class StepBatcher:
             return
         back = {self.key(item) for item, _, _ in self._waiting}
         sequences = self.host.engine.sequences
-        expected = {k for k in self._last if k in sequences}  # of the last pass, still live
-        if len(back) >= min(len(sequences), self.max_batch) or expected <= back or self._gather_s() <= 0:
+        if len(back) >= min(len(sequences), self.max_batch) or self._gather_s() <= 0:
             self._start()
-        elif self._timer is None:
-            self._timer = asyncio.get_running_loop().call_later(self._gather_s(), self._start)
+            return
+        loop = asyncio.get_running_loop()
+        expected = {k for b in back for k in self._cohorts.get(b, self._last) if k in sequences}  # still live
+        if expected <= back:
+            quiet = self._last_arrival + self.gather_gap_s - loop.time()
+            if quiet <= 0:
+                self._start()
+                return
+            if self._quiet is None:
+                self._quiet = loop.call_later(quiet, self._look_again)
+        if self._timer is None:
+            self._timer = loop.call_later(self._gather_s(), self._start)
+
+    def _look_again(self) -> None:
+        self._quiet = None
+        self._maybe_start()
 
     def _gather_s(self) -> float:
         return min(self.max_gather_s, GATHER_FRACTION * self._last_pass_s)
 
     def _start(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        for timer in (self._timer, self._quiet):
+            if timer is not None:
+                timer.cancel()
+        self._timer = self._quiet = None
         if self._running:
             return
         self._waiting = [w for w in self._waiting if not w[1].done()]
@@ -229,13 +259,23 @@ class StepBatcher:
         if not batch:
             return
         self._running = True
-        self._last = seen
+        self._remember(seen)
         loop = asyncio.get_running_loop()
         waits = [loop.time() - arrived for _, _, arrived in batch]
         items = [item for item, _, _ in batch]
         t0 = time.perf_counter()
         done = asyncio.wrap_future(self.host._submit(lambda engine: self.run(engine, items)))
         done.add_done_callback(lambda d: self._finish(batch, waits, d, time.perf_counter() - t0))
+
+    def _remember(self, cohort: set[str]) -> None:
+        """``cohort`` ran together. Sequences gone from the engine are forgotten when the memory
+        outgrows twice the live sequences (or the batch size), so it stays bounded."""
+        members = self._last = frozenset(cohort)
+        for k in members:
+            self._cohorts[k] = members
+        sequences = self.host.engine.sequences
+        if len(self._cohorts) > 2 * max(len(sequences), self.max_batch):
+            self._cohorts = {k: c for k, c in self._cohorts.items() if k in sequences}
 
     def _finish(self, batch: list, waits: list[float], done: asyncio.Future, seconds: float) -> None:
         self._running = False

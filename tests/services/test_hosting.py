@@ -130,12 +130,21 @@ class PassRecordingEngine:
         return [ValueError(f"bad step of {sid}") if what == "fail" else f"{sid}:{what}" for sid, what in items]
 
 
-def batched(live: int, scenario, seconds: float = 0.05, max_gather_s: float = 0.002):
+def batched(live: int, scenario, seconds: float = 0.05, max_gather_s: float = 0.002, gap_s: float = 0.0, cohorts=()):
+    """``scenario(batcher)`` against ``live`` sequences whose passes take ``seconds``, with the
+    batcher's gather window and gap; ``cohorts`` (sets of sequence ids) ran together before, in
+    that order, and the last pass took ``seconds``."""
+
     async def run():
         host = EngineHost("target")
         engine = PassRecordingEngine(live, seconds)
         host.attach(engine, None)
-        batcher = StepBatcher(host, lambda e, items: e.run(items), key=lambda item: item[0], max_gather_s=max_gather_s)
+        batcher = StepBatcher(
+            host, lambda e, items: e.run(items), key=lambda item: item[0], max_gather_s=max_gather_s, gather_gap_s=gap_s
+        )
+        for cohort in cohorts:
+            batcher._remember(set(cohort))
+            batcher._last_pass_s = seconds
         try:
             return await scenario(batcher), engine.passes
         finally:
@@ -156,34 +165,86 @@ def test_steps_arriving_during_a_pass_run_together_in_the_next():
     assert passes == [["s0"], ["s1", "s2", "s3"]]
 
 
-def test_a_pass_waits_briefly_for_the_sequences_of_the_last_pass():
-    """Sequences of the last pass come back one by one: the next pass starts once all are back, not
-    with the first to return."""
+def test_a_pass_waits_briefly_for_the_sequences_of_its_cohorts():
+    """Sequences that ran together come back one by one: the next pass starts once all are back, not
+    with the first to return, and a sequence with no pass yet waits for the last pass's."""
 
     async def scenario(batcher):
-        await asyncio.gather(*(batcher.submit((f"s{i}", "a")) for i in range(3)))  # one pass of three
         late = []
-        for i in range(3):  # back 1 ms apart, inside the gather window (max_gather_s here: 50 ms)
-            late.append(asyncio.ensure_future(batcher.submit((f"s{i}", "b"))))
+        for sid in ("s0", "s1", "s2", "new"):  # 1 ms apart, inside the gather window (50 ms here)
+            late.append(asyncio.ensure_future(batcher.submit((sid, "b"))))
             await asyncio.sleep(0.001)
         return await asyncio.gather(*late)
 
-    results, passes = batched(3, scenario, seconds=0.2, max_gather_s=0.05)
-    assert results == ["s0:b", "s1:b", "s2:b"]
-    assert passes[-1] == ["s0", "s1", "s2"]
+    results, passes = batched(5, scenario, seconds=0.2, max_gather_s=0.05, gap_s=0.02, cohorts=[{"s0", "s1"}, {"s2", "s3"}])
+    # s0, s1: a cohort; s2 brings s3's cohort, and s3 stays away: the window ends the wait
+    assert results == ["s0:b", "s1:b", "s2:b", "new:b"]
+    assert passes == [["s0", "s1", "s2", "new"]]
 
 
-def test_a_pass_does_not_wait_for_a_sequence_of_the_last_pass_that_was_released():
+def test_a_back_cohort_waits_while_steps_keep_arriving():
+    """A cohort that is back starts once arrivals pause for the gap, taking those that kept coming."""
+
     async def scenario(batcher):
-        await asyncio.gather(*(batcher.submit((f"s{i}", "a")) for i in range(3)))  # a pass of three of the four
+        steps = [asyncio.ensure_future(batcher.submit(("s0", "b")))]
+        await asyncio.sleep(0.005)  # s0's cohort is back; s1 comes within the gap (30 ms here)
+        steps.append(asyncio.ensure_future(batcher.submit(("s1", "b"))))
+        await asyncio.sleep(0)
+        waiting = not batcher._running
+        return waiting, await asyncio.gather(*steps)
+
+    (waiting, results), passes = batched(3, scenario, max_gather_s=1.0, gap_s=0.03, cohorts=[{"s0"}, {"s1"}])
+    assert waiting and results == ["s0:b", "s1:b"] and passes == [["s0", "s1"]]
+
+
+def test_a_pass_does_not_wait_for_a_sequence_of_its_cohort_that_was_released():
+    async def scenario(batcher):
         batcher.host.engine.sequences.pop("s2")  # its client left
         steps = [asyncio.ensure_future(batcher.submit((f"s{i}", "b"))) for i in range(2)]
         await asyncio.sleep(0)  # both steps have arrived
         started = batcher._running  # at once: no gather window for s2
         return started, await asyncio.gather(*steps)
 
-    (started, results), passes = batched(4, scenario, seconds=0.05, max_gather_s=1.0)
-    assert started and results == ["s0:b", "s1:b"] and passes[-1] == ["s0", "s1"]
+    (started, results), passes = batched(4, scenario, seconds=0.05, max_gather_s=1.0, cohorts=[{"s0", "s1", "s2"}])
+    assert started and results == ["s0:b", "s1:b"] and passes == [["s0", "s1"]]
+
+
+def test_two_cohorts_take_turns_without_waiting_for_each_other():
+    """Speculating sequences settle into cohorts that alternate: while one verifies, the other is
+    at the draft. A cohort's steps start their pass once the cohort is back, without waiting out
+    the gather window for the other cohort, which ran the last pass."""
+
+    async def scenario(batcher):
+        steps = [asyncio.ensure_future(batcher.submit((f"s{i}", "b"))) for i in (0, 1)]
+        await asyncio.sleep(0)  # A is back; B, which ran the last pass, is away (at the draft)
+        started = batcher._running  # at once: the window (1 s here) is not waited out for B
+        partial = asyncio.ensure_future(batcher.submit(("s2", "b")))
+        await asyncio.sleep(0.06)  # past A's pass; s2 is back without s3
+        waits_for_s3 = not partial.done() and not batcher._running
+        s3 = asyncio.ensure_future(batcher.submit(("s3", "b")))
+        return started, waits_for_s3, await asyncio.gather(*steps, partial, s3)
+
+    (started, waits_for_s3, results), passes = batched(4, scenario, max_gather_s=1.0, cohorts=[{"s0", "s1"}, {"s2", "s3"}])
+    assert started and waits_for_s3
+    assert results == ["s0:b", "s1:b", "s2:b", "s3:b"]
+    assert passes == [["s0", "s1"], ["s2", "s3"]]
+
+
+def test_the_cohort_memory_forgets_released_sequences():
+    async def scenario(batcher):
+        batcher.max_batch = 2  # the memory keeps at most 2 * max(live, max_batch) sequences
+        for round_ in range(6):  # a pass of two sequences, then both are released and two new ones come
+            pair = [f"r{round_}-{i}" for i in (0, 1)]
+            for sid in pair:
+                batcher.host.engine.sequences.add(sid, object())
+            await asyncio.gather(*(batcher.submit((sid, "a")) for sid in pair))
+            for sid in pair:
+                batcher.host.engine.sequences.pop(sid)
+        return set(batcher._cohorts)
+
+    remembered, passes = batched(0, scenario, seconds=0.01, gap_s=0.001)
+    assert [len(p) for p in passes] == [1, 1] + [2] * 5  # the first pass starts with the first step
+    assert len(remembered) <= 2 * 2 + 2 and {"r5-0", "r5-1"} <= remembered
 
 
 def test_a_failing_step_fails_alone_and_one_sequence_has_one_step_a_pass():
