@@ -1,18 +1,22 @@
-"""Where a many-user AR step's time goes through the three services (issue #18).
+"""Where a many-user step's time goes through the three services (issue #18).
 
-Random weights of ``--shape`` (benchmark-only) in a random target worker and an OracleDrafter
-(the gateways need a draft; AR steps never ask it). For each configuration ``N:G:K`` of
-``--configs`` (N clients, G gateway processes, the clients in K client processes), N clients
-generate at once, AR, after a warm-up of 2N requests, and the run reports:
+Random weights of ``--shape`` (benchmark-only) in a random target worker. With ``--budget 0`` the
+steps are AR and the draft is an OracleDrafter (the gateways need one; AR steps never ask it);
+with ``--budget N`` they are DDTree rounds of N nodes proposed by a DFlash draft of the real shape
+with random weights (benchmark-only: it proposes noise, so a round commits about one token, and
+its time is that of a round of the real shape). For each configuration ``N:G:K`` of ``--configs``
+(N clients, G gateway processes, the clients in K client processes), N clients generate at once
+after a warm-up of 2N requests, and the run reports:
 
 - aggregate tok/s and decode ms per step per sequence, as ``splitspec bench`` measures them;
-- CPU microseconds per sequence step of the target worker, of each gateway and of the clients
+- CPU microseconds per sequence step of the workers, of each gateway and of the clients
   (``/proc``): one Python event loop per process, so a process whose share of the steps costs
   more CPU than a step's wall time is what holds the step;
-- from the target's own metrics (scraped before and after): verify passes, sequences per pass,
-  the mean device time of a pass, and a step's mean wait for its pass to start.
+- from the workers' own metrics (scraped before and after): verify (and propose) passes,
+  sequences and rows per pass, the mean device time of a pass, and a step's mean wait for its
+  pass to start; from the gateways' metrics, the mean round trip of each worker call.
 
-Usage: python scripts/gpu_services_split.py [--shape qwen3-8b] [--configs 1:1:1,32:2:1,32:8:4]
+Usage: python scripts/gpu_services_split.py [--shape qwen3-8b] [--configs 1:1:1,32:2:1,32:8:4] [--budget 22]
 """
 
 from __future__ import annotations
@@ -46,30 +50,41 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def scrape(port: int) -> dict[str, float]:
-    """The target's verify-phase sums and counts: pass sequences, forward seconds, queue seconds."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.labels.get("phase") == "verify" and s.name.endswith(("_sum", "_count")):
-                out[s.name] = s.value
+def scrape(ports: list[int]) -> dict[tuple[str, str], float]:
+    """Histogram sums and counts by (name, phase or rpc) of the processes serving metrics at ``ports``, added up."""
+    out: dict[tuple[str, str], float] = {}
+    for port in ports:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                if s.name.endswith(("_sum", "_count")):
+                    key = (s.name, s.labels.get("phase") or s.labels.get("rpc", ""))
+                    out[key] = out.get(key, 0.0) + s.value
     return out
+
+
+def mean_ms(d: dict, name: str, label: str) -> float:
+    return 1e3 * d.get((f"{name}_sum", label), 0.0) / max(1.0, d.get((f"{name}_count", label), 0.0))
+
+
+def per_pass(d: dict, name: str, phase: str) -> float:
+    return d.get((f"{name}_sum", phase), 0.0) / max(1.0, d.get((f"{name}_count", phase), 0.0))
 
 
 def client_part(args: tuple) -> tuple[int, int, float, float, float]:
     """One client process: its requests at its share of the concurrency. Returns (tokens, steps,
     decode seconds, wall seconds, CPU seconds)."""
-    addresses, prompts, concurrency, max_tokens = args
-    reqs = requests_for(prompts, Spec(mode=Spec.OFF), max_tokens)
+    addresses, prompts, concurrency, max_tokens, budget = args
+    spec = Spec(mode=Spec.DDTREE, budget=budget) if budget else Spec(mode=Spec.OFF)
+    reqs = requests_for(prompts, spec, max_tokens)
     cpu0 = time.process_time()
     row, _ = run_batch(addresses, reqs, concurrency, "ar", 0)
     return row.completion_tokens, row.steps, row.decode_seconds, row.seconds, time.process_time() - cpu0
 
 
-def run_config(pool, addresses, prompts, n: int, k: int, max_tokens: int):
+def run_config(pool, addresses, prompts, n: int, k: int, max_tokens: int, budget: int):
     """The requests ``prompts`` by ``n`` clients in ``k`` processes (``pool``), gateways round-robin."""
-    parts = [(addresses, prompts[i::k], n // k, max_tokens) for i in range(k)]
+    parts = [(addresses, prompts[i::k], n // k, max_tokens, budget) for i in range(k)]
     t0 = time.perf_counter()
     results = pool.map(client_part, parts) if k > 1 else [client_part(parts[0])]
     wall = time.perf_counter() - t0
@@ -87,6 +102,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2, help="timed requests per client")
+    ap.add_argument("--budget", type=int, default=0, help="DDTree rounds of this many nodes with a random DFlash draft (0: AR)")
     ap.add_argument("--busy-poll", default="auto")
     ap.add_argument("--log-dir", default="")
     args = ap.parse_args()
@@ -102,51 +118,77 @@ def main() -> None:
     tokenizer = synthetic_tokenizer(config.vocab_size, work / "tokenizer.json")
     (work / "oracle.jsonl").write_text("")
     pool_prompts = random_prompts(config.vocab_size, args.prompt_len)
-    metrics_port = free_port()
+    ports = {"target": free_port(), "draft": free_port()}
+    nodes = max(1, args.budget)
     print(f"# {args.shape} {args.dtype} on {args.device}, busy polling {spin} µs, {args.max_tokens} tokens a request, "
-          f"{args.prompt_len}-token prompts", flush=True)
+          f"{args.prompt_len}-token prompts, " + (f"DDTree budget {args.budget}, random DFlash draft" if args.budget else "AR"), flush=True)
     ctx = multiprocessing.get_context("spawn")
     with Cluster(log_dir, spin) as workers, ctx.Pool(max(k for _, _, k in configs)) as pool:
-        kv = top * (args.prompt_len + args.max_tokens + 64)
+        context = args.prompt_len + args.max_tokens + 2 * nodes + 64
         target = workers.start(
             "target", "random-target", "--model", model, "--device", args.device, "--dtype", args.dtype,
-            "--max-kv-tokens", str(kv), "--max-sequences", str(top), "--max-tree-nodes", "1", "--draft-taps", taps,
-            "--metrics-port", str(metrics_port),
+            "--max-kv-tokens", str(top * context), "--max-sequences", str(top), "--max-tree-nodes", str(nodes),
+            "--draft-taps", taps, "--metrics-port", str(ports["target"]),
         )
-        draft = workers.start("draft", "oracle-draft", "--target-model", model, "--table", str(work / "oracle.jsonl"), "--corruption", "0.15")
-        print("| clients | gateways | client procs | tok/s | ms/step | passes | seqs/pass | pass ms (device) | queue ms "
-              "| target µs/step | gateway µs/step (each) | clients µs/step |", flush=True)
-        print("|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
+        if args.budget:
+            draft = workers.start(
+                "draft", "random-draft", "--target-model", model, "--model", f"{model}-dflash", "--device", args.device,
+                "--dtype", args.dtype, "--max-sequences", str(top), "--graph-sequences", str(top), "--graph-context", str(context),
+                "--metrics-port", str(ports["draft"]),
+            )
+        else:
+            draft = workers.start("draft", "oracle-draft", "--target-model", model, "--table", str(work / "oracle.jsonl"), "--corruption", "0.15")
+            del ports["draft"]
+        print("| clients | gateways | client procs | tok/s | ms/step | verify passes | seqs/pass | rows/pass | pass ms | queue ms "
+              "| propose passes | seqs/pass | pass ms | queue ms | Verify RTT ms | Propose RTT ms "
+              "| target µs/step | draft µs/step | gateway µs/step (each) | clients µs/step |", flush=True)
+        print("|" + "---|" * 20, flush=True)
         results = []
         for n, g, k in configs:
             with Cluster(log_dir, spin) as gws:
+                gateway_ports = [free_port() for _ in range(g)]
                 addresses = [
-                    gws.start(f"gateway-{n}-{g}-{i}", "gateway", "--target", target, "--draft", draft, "--tokenizer", str(tokenizer))
+                    gws.start(f"gateway-{n}-{g}-{i}", "gateway", "--target", target, "--draft", draft, "--tokenizer", str(tokenizer),
+                              "--metrics-port", str(gateway_ports[i]))
                     for i in range(g)
                 ]
                 warm = list(itertools.islice(pool_prompts, 2 * n))
-                run_config(pool, addresses, warm, n, k, args.max_tokens)
+                run_config(pool, addresses, warm, n, k, args.max_tokens, args.budget)
                 timed = list(itertools.islice(pool_prompts, args.rounds * n))
                 before = {p.pid: cpu_seconds(p.pid) for p in [*workers.procs, *gws.procs]}
-                m0 = scrape(metrics_port)
-                tok_s, ms_step, steps, client_cpu = run_config(pool, addresses, timed, n, k, args.max_tokens)
-                m1 = scrape(metrics_port)
+                m0 = scrape([*ports.values(), *gateway_ports])
+                tok_s, ms_step, steps, client_cpu = run_config(pool, addresses, timed, n, k, args.max_tokens, args.budget)
+                m1 = scrape([*ports.values(), *gateway_ports])
                 used = {pid: cpu_seconds(pid) - t for pid, t in before.items()}
             d = {key: m1[key] - m0.get(key, 0.0) for key in m1}
-            passes = d.get("splitspec_worker_pass_sequences_count", 0)
+            sequences = "splitspec_worker_pass_sequences"
             row = {
-                "clients": n, "gateways": g, "client_processes": k, "tok_s": tok_s, "ms_step": ms_step, "steps": steps,
-                "passes": passes,
-                "seqs_per_pass": d.get("splitspec_worker_pass_sequences_sum", 0) / max(1, passes),
-                "pass_ms": 1e3 * d.get("splitspec_worker_forward_duration_seconds_sum", 0) / max(1, d.get("splitspec_worker_forward_duration_seconds_count", 0)),
-                "queue_ms": 1e3 * d.get("splitspec_worker_queue_seconds_sum", 0) / max(1, d.get("splitspec_worker_queue_seconds_count", 0)),
+                "clients": n, "gateways": g, "client_processes": k, "budget": args.budget, "tok_s": tok_s, "ms_step": ms_step,
+                "steps": steps,
+                **{
+                    f"{phase}_{key}": value
+                    for phase in ("verify", "propose")
+                    for key, value in (
+                        ("passes", d.get((f"{sequences}_count", phase), 0.0)),
+                        ("seqs_per_pass", per_pass(d, sequences, phase)),
+                        ("rows_per_pass", per_pass(d, "splitspec_worker_pass_rows", phase)),
+                        ("pass_ms", mean_ms(d, "splitspec_worker_forward_duration_seconds", phase)),
+                        ("queue_ms", mean_ms(d, "splitspec_worker_queue_seconds", phase)),
+                    )
+                },
+                "verify_rtt_ms": mean_ms(d, "splitspec_rpc_duration_seconds", "TargetWorker/Verify"),
+                "propose_rtt_ms": mean_ms(d, "splitspec_rpc_duration_seconds", "DraftWorker/Propose"),
                 "target_us": 1e6 * used[workers.procs[0].pid] / steps,
+                "draft_us": 1e6 * used[workers.procs[1].pid] / steps,
                 "gateway_us": [1e6 * used[p.pid] / (steps / g) for p in gws.procs],
                 "clients_us": 1e6 * client_cpu / steps,
             }
             results.append(row)
-            print(f"| {n} | {g} | {k} | {tok_s:,.1f} | {ms_step:.2f} | {passes:.0f} | {row['seqs_per_pass']:.1f} | {row['pass_ms']:.2f} "
-                  f"| {row['queue_ms']:.2f} | {row['target_us']:.0f} | {', '.join(f'{x:.0f}' for x in row['gateway_us'])} "
+            print(f"| {n} | {g} | {k} | {tok_s:,.1f} | {ms_step:.2f} | {row['verify_passes']:.0f} | {row['verify_seqs_per_pass']:.1f} "
+                  f"| {row['verify_rows_per_pass']:.1f} | {row['verify_pass_ms']:.2f} | {row['verify_queue_ms']:.2f} "
+                  f"| {row['propose_passes']:.0f} | {row['propose_seqs_per_pass']:.1f} | {row['propose_pass_ms']:.2f} "
+                  f"| {row['propose_queue_ms']:.2f} | {row['verify_rtt_ms']:.2f} | {row['propose_rtt_ms']:.2f} "
+                  f"| {row['target_us']:.0f} | {row['draft_us']:.0f} | {', '.join(f'{x:.0f}' for x in row['gateway_us'])} "
                   f"| {row['clients_us']:.0f} |", flush=True)
     print("(gateway µs/step: a gateway's CPU over the steps of its clients; the others' over all steps)")
     print(json.dumps(results))
