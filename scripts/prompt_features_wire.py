@@ -18,7 +18,7 @@ import grpc
 import torch
 
 from splitspec.transport.allocator import keep_message_buffers
-from splitspec.transport.stepwire import OPEN, Opener, StepSocket, StepSocketServer
+from splitspec.transport.stepwire import Opener, StepSocket, StepSocketServer
 from splitspec.transport.tensors import tensor_from_pb, tensor_to_pb
 from splitspec.v1 import target_pb2, target_pb2_grpc
 
@@ -67,7 +67,7 @@ async def socket_round_trip_ms(response: target_pb2.PrefillResponse, reps: int =
     times = []
     for _ in range(reps + 1):
         t0 = time.perf_counter()
-        await sock.step(target_pb2.PrefillRequest(sequence_id="s"), 60, OPEN, target_pb2.PrefillResponse)
+        await sock.step(target_pb2.PrefillRequest(sequence_id="s"), 60, opening=target_pb2.PrefillResponse)
         times.append(time.perf_counter() - t0)
     sock.close()
     await server.close()

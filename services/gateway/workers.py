@@ -19,7 +19,6 @@ opens a new one.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -31,7 +30,7 @@ from services.metrics import RpcObserver
 from splitspec.errors import FailedPrecondition
 from splitspec.transport import rpc
 from splitspec.transport.security import ClientSecurity
-from splitspec.transport.stepwire import OPEN, StepSocket
+from splitspec.transport.stepwire import StepSocket
 from splitspec.transport.tensors import array_from_pb
 from splitspec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
@@ -67,71 +66,39 @@ class Verified:
     queue_ns: int = 0  # how long the step waited in the target for its pass
 
 
-class StepStream:
-    """One sequence's steps on one bidirectional stream: write a request, read its response.
+class StepStream(rpc.StepConnection):
+    """One sequence's steps on one bidirectional gRPC stream (``StepConnection``)."""
 
-    The call is opened on the first step and whenever the previous one has ended (a worker that
-    restarted between steps ends it). A step that fails, times out or is cancelled cancels the
-    call, so a late response can never be read as the next step's.
-    """
+    what = "step stream"
 
     def __init__(self, open_call: Callable[[], grpc.aio.StreamStreamCall]) -> None:
+        super().__init__()
         self._open = open_call
         self._call: grpc.aio.StreamStreamCall | None = None
-        self._unanswered = 0  # requests written whose answers were not read
 
-    async def step(self, request, timeout: float | None):
-        if self._unanswered:  # pipelined requests were left unread: their answers must not be read as this one's
-            self.close()
-        async with self._failing(timeout):
-            await self._write(request)
-            response = await self._call.read()
-        return self._answer(response)
-
-    async def send(self, request, timeout: float | None) -> None:
-        """Write a step's request without reading its answer (pipelining): ``receive`` reads the
-        answers in the order written."""
-        async with self._failing(timeout):
-            await self._write(request)
-        self._unanswered += 1
-
-    async def receive(self, timeout: float | None):
-        """The answer to the oldest request written and not yet answered."""
-        if self._call is None:
-            raise rpc.rpc_error(grpc.StatusCode.UNAVAILABLE, "no request in flight (the stream was closed)")
-        async with self._failing(timeout):
-            response = await self._call.read()
-        self._unanswered -= 1
-        return self._answer(response)
-
-    async def _write(self, request) -> None:
+    async def _write(self, request, opening: bool) -> None:
+        if opening:
+            raise ValueError("a gRPC step stream carries steps only: the opening RPC is its own call")
         if self._call is None or self._call.done():
             self._call = self._open()
         await self._call.write(request)
 
-    def _answer(self, response):
+    async def _read(self):
+        return await self._call.read()
+
+    def _answer(self, response, opening: type | None):
         if response is grpc.aio.EOF:  # the worker answers every request or fails the call
             self.close()
             raise rpc.rpc_error(grpc.StatusCode.INTERNAL, "the worker ended the stream without answering")
         return response
 
-    @contextlib.asynccontextmanager
-    async def _failing(self, timeout: float | None):
-        try:
-            async with asyncio.timeout(timeout):
-                yield
-        except TimeoutError:
-            self.close()
-            raise rpc.deadline_exceeded() from None
-        except BaseException:
-            self.close()
-            raise
+    def _connected(self) -> bool:
+        return self._call is not None
 
-    def close(self) -> None:
+    def _disconnect(self) -> None:
         if self._call is not None:
             self._call.cancel()
             self._call = None
-        self._unanswered = 0
 
 
 class WorkerClient:
@@ -222,7 +189,7 @@ class TargetClient(WorkerClient):
     async def prefill(self, request: target_pb2.PrefillRequest, timeout: float | None) -> Prefilled:
         """On the step socket when steps take it (the sequence's connection opens with it), else gRPC."""
         if self.active_wire == "socket":
-            call = self._stream(request.sequence_id).step(request, timeout, OPEN, target_pb2.PrefillResponse)
+            call = self._stream(request.sequence_id).step(request, timeout, opening=target_pb2.PrefillResponse)
             r = await self._observed("TargetWorker/Prefill", request, call)
         else:
             r = await self.stub.Prefill(request, timeout=timeout)

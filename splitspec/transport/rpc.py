@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import signal
 import uuid
@@ -119,6 +120,89 @@ def rpc_error(code: grpc.StatusCode, message: str) -> grpc.aio.AioRpcError:
 def deadline_exceeded() -> grpc.aio.AioRpcError:
     """What a unary call that misses its timeout raises."""
     return rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+
+
+class StepConnection:
+    """The client side of one sequence's steps on one connection (a gRPC ``*Stream`` call, a step
+    socket): ``step`` writes a request and reads its answer; ``send`` and ``receive`` pipeline
+    them (answers come in the order the requests went, ``sequence_stream``). The connection opens
+    on the first write and whenever the last one ended (a worker that restarted ends it). A step
+    that fails, times out or is cancelled closes it, and so does a ``step`` after answers were left
+    unread: a late answer is never read as a later step's. Failures raise the ``AioRpcError`` the
+    unary call would.
+
+    Subclasses give ``_write``, ``_read``, ``_answer``, ``_connected`` and ``_disconnect``, and
+    map their transport's own failures in ``_lost``; ``what`` names the connection in errors.
+    """
+
+    what = "step connection"
+
+    def __init__(self) -> None:
+        self._unanswered = 0  # requests written whose answers were not read
+
+    async def step(self, request, timeout: float | None, opening: type | None = None):
+        """One exchange: a step's request, or (``opening``: its response type) the worker's opening
+        RPC's, which only a step socket carries (the target's Prefill)."""
+        if self._unanswered:
+            self.close()
+        async with self._failing(timeout):
+            await self._write(request, opening is not None)
+            received = await self._read()
+        return self._answer(received, opening)
+
+    async def send(self, request, timeout: float | None) -> None:
+        """Write a step's request without reading its answer: ``receive`` reads the answers in order."""
+        async with self._failing(timeout):
+            await self._write(request, False)
+        self._unanswered += 1
+
+    async def receive(self, timeout: float | None):
+        """The answer to the oldest request written and not yet answered."""
+        if not self._connected():
+            raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"{self.what}: no request in flight (the connection was closed)")
+        async with self._failing(timeout):
+            received = await self._read()
+        self._unanswered -= 1
+        return self._answer(received, None)
+
+    @contextlib.asynccontextmanager
+    async def _failing(self, timeout: float | None):
+        try:
+            async with asyncio.timeout(timeout):
+                yield
+        except TimeoutError:
+            self.close()
+            raise deadline_exceeded() from None
+        except BaseException as exc:
+            self.close()
+            lost = self._lost(exc)
+            if lost is None:
+                raise
+            raise lost from exc
+
+    def close(self) -> None:
+        self._disconnect()
+        self._unanswered = 0
+
+    async def _write(self, request, opening: bool) -> None:
+        raise NotImplementedError
+
+    async def _read(self):
+        raise NotImplementedError
+
+    def _answer(self, received, opening: type | None):
+        """The response message of what ``_read`` returned (raising, and closing, on an error)."""
+        raise NotImplementedError
+
+    def _connected(self) -> bool:
+        raise NotImplementedError
+
+    def _disconnect(self) -> None:
+        raise NotImplementedError
+
+    def _lost(self, exc: BaseException) -> grpc.aio.AioRpcError | None:
+        """The error to raise for a failure of the transport itself (None: ``exc`` as it is)."""
+        return None
 
 
 def new_request_id() -> str:

@@ -49,7 +49,7 @@ import grpc
 from splitspec.errors import InvalidArgument, ResourceExhausted, Unauthenticated
 from splitspec.transport.bulkreader import BulkReader, BulkWriter
 from splitspec.transport.interceptors import status_of
-from splitspec.transport.rpc import MAX_MESSAGE_BYTES, deadline_exceeded, rpc_error, sequence_stream
+from splitspec.transport.rpc import MAX_MESSAGE_BYTES, StepConnection, rpc_error, sequence_stream
 
 logger = logging.getLogger(__name__)
 
@@ -311,84 +311,50 @@ class StepSocketServer:
             yield _Call(request.sequence_id, call, request, opens=kind == OPEN)
 
 
-class StepSocket:
-    """One sequence's steps over a worker's step socket: the contract of ``StepStream`` (a step
-    that errors, times out or is cancelled closes the connection; the next step opens a new one;
-    failures raise the ``AioRpcError`` the gRPC call would). A worker that cannot be reached, or
-    that closed the connection, is UNAVAILABLE."""
+class StepSocket(StepConnection):
+    """One sequence's steps over a worker's step socket (``StepConnection``). A worker that
+    cannot be reached, or that closed the connection, is UNAVAILABLE."""
 
     def __init__(self, path: str, response_type: type, token: str = "") -> None:
+        super().__init__()
         self.path, self.response_type = path, response_type
+        self.what = f"step socket {path}"
         self._hello = frame(HELLO, token.encode())
         self._reader: BulkReader | None = None
         self._writer: BulkWriter | None = None
-        self._unanswered = 0  # requests sent whose answers were not read
 
-    async def step(self, request, timeout: float | None, kind: int = REQUEST, response_type: type | None = None):
-        """One exchange: the step RPC's request (``REQUEST``), or the opening RPC's (``OPEN``, whose
-        answer is a ``response_type``)."""
-        if self._unanswered:  # pipelined requests were left unread: their answers must not be read as this one's
-            self.close()
-        async with self._failing(timeout):
-            await self._send(request, kind)
-            received = await read_frame(self._reader)
-        return self._answer(received, response_type)
-
-    async def send(self, request, timeout: float | None) -> None:
-        """Send a step's request without reading its answer (pipelining, ``rpc.sequence_stream``):
-        ``receive`` reads the answers in the order sent."""
-        async with self._failing(timeout):
-            await self._send(request, REQUEST)
-        self._unanswered += 1
-
-    async def receive(self, timeout: float | None):
-        """The answer to the oldest request sent and not yet answered."""
-        if self._reader is None:
-            raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"step socket {self.path}: no request in flight (the connection was closed)")
-        async with self._failing(timeout):
-            received = await read_frame(self._reader)
-        self._unanswered -= 1
-        return self._answer(received, None)
-
-    def _answer(self, received: tuple[int, bytes] | None, response_type: type | None):
-        if received is None:
-            self.close()
-            raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"step socket {self.path}: the worker closed the connection")
-        kind, payload = received
-        if kind == ERROR:
-            self.close()
-            code, _, message = payload.decode(errors="replace").partition("\n")
-            raise rpc_error(getattr(grpc.StatusCode, code, grpc.StatusCode.UNKNOWN), message)
-        return (response_type or self.response_type).FromString(payload)
-
-    async def _send(self, request, kind: int) -> None:
+    async def _write(self, request, opening: bool) -> None:
         if self._writer is None or self._reader.at_eof():  # a worker that restarted closed it
             self.close()
             _, self._reader = await asyncio.get_running_loop().create_unix_connection(lambda: BulkReader(READ_LIMIT), self.path)
             self._writer = self._reader.writer
             self._writer.transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)
             self._writer.write(self._hello)
-        write_frame(self._writer, kind, request.SerializeToString())
+        write_frame(self._writer, OPEN if opening else REQUEST, request.SerializeToString())
 
-    @contextlib.asynccontextmanager
-    async def _failing(self, timeout: float | None):
-        """``timeout`` on the block; any failure in it closes the connection (a late answer must
-        never be read as the next step's) and raises the ``AioRpcError`` the gRPC call would."""
-        try:
-            async with asyncio.timeout(timeout):
-                yield
-        except TimeoutError:
-            self.close()
-            raise deadline_exceeded() from None
-        except (OSError, asyncio.IncompleteReadError) as exc:
-            self.close()
-            raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"step socket {self.path}: {exc!r}") from exc
-        except BaseException:
-            self.close()
-            raise
+    async def _read(self) -> tuple[int, bytes] | None:
+        return await read_frame(self._reader)
 
-    def close(self) -> None:
+    def _answer(self, received: tuple[int, bytes] | None, opening: type | None):
+        if received is None:
+            self.close()
+            raise rpc_error(grpc.StatusCode.UNAVAILABLE, f"{self.what}: the worker closed the connection")
+        kind, payload = received
+        if kind == ERROR:
+            self.close()
+            code, _, message = payload.decode(errors="replace").partition("\n")
+            raise rpc_error(getattr(grpc.StatusCode, code, grpc.StatusCode.UNKNOWN), message)
+        return (opening or self.response_type).FromString(payload)
+
+    def _connected(self) -> bool:
+        return self._reader is not None
+
+    def _disconnect(self) -> None:
         if self._writer is not None:
             self._writer.close()
         self._reader = self._writer = None
-        self._unanswered = 0
+
+    def _lost(self, exc: BaseException) -> grpc.aio.AioRpcError | None:
+        if isinstance(exc, (OSError, asyncio.IncompleteReadError)):
+            return rpc_error(grpc.StatusCode.UNAVAILABLE, f"{self.what}: {exc!r}")
+        return None
