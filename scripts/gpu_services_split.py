@@ -63,12 +63,13 @@ def scrape(ports: list[int]) -> dict[tuple[str, str], float]:
     return out
 
 
+def per_pass(d: dict, name: str, label: str) -> float:
+    """The mean observation of histogram ``name`` under ``label`` (a phase or an rpc) in ``d``."""
+    return d.get((f"{name}_sum", label), 0.0) / max(1.0, d.get((f"{name}_count", label), 0.0))
+
+
 def mean_ms(d: dict, name: str, label: str) -> float:
-    return 1e3 * d.get((f"{name}_sum", label), 0.0) / max(1.0, d.get((f"{name}_count", label), 0.0))
-
-
-def per_pass(d: dict, name: str, phase: str) -> float:
-    return d.get((f"{name}_sum", phase), 0.0) / max(1.0, d.get((f"{name}_count", phase), 0.0))
+    return 1e3 * per_pass(d, name, label)
 
 
 def client_part(args: tuple) -> tuple[int, int, float, float, float]:

@@ -221,8 +221,10 @@ class StepBatcher:
             self._start()
             return
         loop = asyncio.get_running_loop()
-        expected = {k for b in back for k in self._cohorts.get(b, self._last) if k in sequences}  # still live
-        if expected <= back:
+        # Distinct cohorts only: the waiting steps of one cohort share its set, so this stays linear in
+        # the waiting steps (it runs at every arrival while the engine is free).
+        cohorts = {self._cohorts.get(b, self._last) for b in back}
+        if all(k in back or k not in sequences for k in frozenset().union(*cohorts)):  # every live member back
             quiet = self._last_arrival + self.gather_gap_s - loop.time()
             if quiet <= 0:
                 self._start()

@@ -396,7 +396,7 @@ def _load_init(draft: DFlashDraft, config: DFlashConfig, num_target_layers: int,
     try:
         loaded, then = load_dflash_draft(folder, num_target_layers=num_target_layers)
     except (OSError, ValueError) as exc:
-        raise ValueError(f"--init {folder}: not a readable draft directory (config.json + model.safetensors): {exc}") from exc
+        raise ValueError(f"--init {folder}: not a readable draft directory (config.json + model.safetensors) or GGUF conversion of one: {exc}") from exc
     changed = [f"{f.name} {getattr(then, f.name, None)!r} -> {getattr(config, f.name)!r}"
                for f in dataclasses.fields(config) if getattr(then, f.name, None) != getattr(config, f.name)]
     if type(then) is not type(config) or changed:

@@ -144,6 +144,7 @@ def batched(live: int, scenario, seconds: float = 0.05, max_gather_s: float = 0.
         )
         for cohort in cohorts:
             batcher._remember(set(cohort))
+        if cohorts:
             batcher._last_pass_s = seconds
         try:
             return await scenario(batcher), engine.passes
