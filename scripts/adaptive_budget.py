@@ -17,12 +17,31 @@ import json
 import tempfile
 from pathlib import Path
 
+from gpu_services_split import free_port, per_pass, scrape  # this folder is on the path of a script run from it
+
 from splitspec.bench.random_weights import random_target_config
 from splitspec.bench.system import Cluster, measure, plan_levels, random_prompts, synthetic_tokenizer
 from splitspec.transport import busypoll
 from splitspec.v1 import gateway_pb2
 
 Spec = gateway_pb2.Speculation
+
+
+def budgets_chosen(before: dict, after: dict) -> str:
+    """The budgets the drafted steps got between two scrapes of the gateways' metrics: the mean and
+    each budget histogram bucket's share of the steps (``<=N``: budgets above the bucket before it, up to N)."""
+    delta = {key: after[key] - before.get(key, 0.0) for key in after}
+    name = "splitspec_spec_decode_budget_nodes"
+    steps = delta.get((f"{name}_count", ""), 0.0)
+    if not steps:
+        return "no drafted steps"
+    bounds = sorted((float(le), n) for (key, le), n in delta.items() if key == f"{name}_bucket" and le != "+Inf")
+    shares, below = [], 0.0
+    for bound, cumulative in bounds:
+        if cumulative > below:
+            shares.append(f"<={bound:g}: {100 * (cumulative - below) / steps:.0f}%")
+        below = cumulative
+    return f"budget mean {per_pass(delta, name, ''):.1f} ({', '.join(shares)})"
 
 
 def main() -> None:
@@ -56,9 +75,11 @@ def main() -> None:
         with Cluster(log_dir, spin) as c:
             target = c.start("target", "random-target", "--model", model, "--device", args.device, "--max-kv-tokens", str(kv_tokens))
             draft = c.start("oracle", "oracle-draft", "--table", str(table), "--corruption", str(args.corruption), "--target-model", model)
+            ports = [free_port() for _ in range(args.gateways)]
             gateways = [
-                c.start(f"gateway{g}", "gateway", "--target", target, "--draft", draft, "--tokenizer", str(tokenizer), "--budget", "auto")
-                for g in range(args.gateways)
+                c.start(f"gateway{g}", "gateway", "--target", target, "--draft", draft, "--tokenizer", str(tokenizer), "--budget", "auto",
+                        "--metrics-port", str(port))
+                for g, port in enumerate(ports)
             ]
             for level in plan:
                 _, outputs = measure(gateways, level, Spec(mode=Spec.OFF), args.max_tokens, "off (AR)", "socket", "off")
@@ -67,10 +88,11 @@ def main() -> None:
                 for budget in [*budgets, 0]:  # 0: the request names none, the gateway's adaptive budget decides
                     name = f"b{budget}" if budget else "auto"
                     spec = Spec(mode=Spec.DDTREE, budget=budget, chain_seed=False)
+                    before = scrape(ports)
                     row, _ = measure(gateways, level, spec, args.max_tokens, name, "socket", "oracle", args.corruption)
                     results.setdefault(name, {})[level.concurrency] = row.tokens_per_s
                     print(f"concurrency {level.concurrency} budget {name}: {row.tokens_per_s:.0f} tok/s, AL {row.acceptance_length:.2f}, "
-                          f"{row.ms_per_step:.2f} ms/step (oracle drafter, benchmark-only)", flush=True)
+                          f"{row.ms_per_step:.2f} ms/step (oracle drafter, benchmark-only); {budgets_chosen(before, scrape(ports))}", flush=True)
     fixed = [f"b{b}" for b in budgets]
     print(f"\n{args.shape} (random weights), OracleDrafter corruption {args.corruption} (benchmark-only), {args.gateways} gateways")
     print("| budget | " + " | ".join(f"c{n} tok/s" for n in levels) + " | sum |")
