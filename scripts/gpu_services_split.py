@@ -51,15 +51,16 @@ def free_port() -> int:
 
 
 def scrape(ports: list[int]) -> dict[tuple[str, str], float]:
-    """Histogram sums, counts and cumulative buckets by (name, phase or rpc; a bucket's upper bound)
-    of the processes serving metrics at ``ports``, added up."""
+    """Histogram sums and counts by (name, phase or rpc), and cumulative bucket counts by (name, upper
+    bound), of the processes serving metrics at ``ports``, added up."""
     out: dict[tuple[str, str], float] = {}
     for port in ports:
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
         for family in text_string_to_metric_families(text):
             for s in family.samples:
                 if s.name.endswith(("_sum", "_count", "_bucket")):
-                    key = (s.name, s.labels.get("phase") or s.labels.get("rpc") or s.labels.get("le", ""))
+                    label = s.labels["le"] if s.name.endswith("_bucket") else s.labels.get("phase") or s.labels.get("rpc", "")
+                    key = (s.name, label)
                     out[key] = out.get(key, 0.0) + s.value
     return out
 
