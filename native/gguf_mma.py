@@ -15,7 +15,8 @@ one packed fused multiply-add, about 1.4 instructions a value; the sub-blocks' m
 through a second mma against x's 32-value sums. Q6_K: a byte permute puts two 4-bit low parts
 under their 2-bit high parts, one LOP3 makes fp16 1024 + 16 q and one packed fused multiply-add
 sc (q - 32), about two instructions a value; its 2-byte aligned blocks are loaded as aligned
-words and funnel-shifted. In both, the super-block's d and x's scale are applied in float32 once
+8-byte pairs of words (up to 8 rows; 32-bit words above, where registers are short) and
+funnel-shifted. In both, the super-block's d and x's scale are applied in float32 once
 a super-block. A launch before the matmul writes x as fp16 scaled by a power of two per row and
 256 values (so fp16's range holds every value and sum) in the operand's order; on sm_90 the
 matmul is launched as that launch's programmatic dependent, so its blocks start and load their

@@ -13,8 +13,8 @@
 // under a qh byte (its pair at bits 0..1) in each half, one LOP3 that keeps bits 4..9 and ORs in
 // 0x6400 (the fp16 1024 + 16 q), and one packed fused multiply-add, (1024 + 16 q) * sc / 16
 // - 96 sc (-1056 sc, with q in bits 0..5, would overflow fp16). One word of each of the three
-// runs below serves eight registers after three funnel shifts (alignment) and five shifts: four
-// instructions a register. The weights reach the tensor cores as sc * (q - 32) rounded once to
+// runs below serves eight registers after five shifts and, where the runs are loaded a word at a
+// time, three funnel shifts (alignment): three to four instructions a register. The weights reach the tensor cores as sc * (q - 32) rounded once to
 // fp16 (|.| <= 4096: exact up to 2048, an 11-bit significand above, where bf16 would keep 8
 // bits). d and x's per-row power-of-two scale (prepare_x_kernel) are applied in float32 after
 // each super-block; products are exact and sums float32, as in gguf_q4k.cu.
@@ -32,6 +32,7 @@
 #include <torch/extension.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "gguf_mma.cuh"
 
@@ -42,18 +43,60 @@ using mma_common::h2_bits;
 using mma_common::kWarps;
 using mma_common::mma_f16;
 
-// One feature's super-block for lane c. Its runs start at multiples of 4 in the block, so one
-// funnel shift by 0 or 16 bits (the block's address mod 4) realigns all of them: a run is loaded
-// as the aligned words from its first byte's word on (2 bytes before the block when shifted),
-// five for 16 bytes (the fifth, needed only when shifted, still lies inside the block). The
-// scales' third word is loaded only when shifted: unshifted it would pass the end of the block,
-// which may end the tensor.
-struct Q6K {
+#ifndef Q6K_PAIRS_MAX_NB  // the most n-tiles whose kernel loads pairs (Q6KPairs); benchmarks compare
+#define Q6K_PAIRS_MAX_NB 1
+#endif
+
+// What both load paths below share: the block's size, the k map, the scales and a fragment's
+// arithmetic from a run's four aligned bytes.
+struct Q6KCommon {
   static constexpr int kBytes = 210;
-  uint32_t low[2][5], high[5], sc[3];  // ql runs of r % 2 = 0, 1; the qh run; scales 8 h .. 8 h + 7
-  unsigned short d_bits;
   uint32_t scale[2], offset[2];  // fp16 {sc_r / 16, sc_r+1 / 16} and -1536 times that, r = 0 and 2
   float d;
+
+  // Scales r of this lane from `word` (bytes 4 p .. 4 p + 3 of scales 8 h ..): byte j + 2 r.
+  // Flipping an int8's sign bit gives the byte sc + 128, which a byte permute puts under 0x54
+  // (fp16 64 + byte / 16, `magic_scale` 0x54005400, `pick_scale` bytes j, j + 2 of a word);
+  // less 72: sc / 16, exactly.
+  __device__ __forceinline__ void set_scales(int p, uint32_t word, uint32_t pick_scale, uint32_t magic_scale) {
+    const __half2 s = __hsub2(h2_bits(__byte_perm(word ^ 0x80808080u, magic_scale, pick_scale)), h2_bits(0x54805480u));
+    scale[p] = bits_h2(s);
+    offset[p] = bits_h2(__hmul2(s, h2_bits(0xE600E600u)));  // -96 sc
+  }
+
+  // Registers a (slots 2c, 2c + 1: r = rho) and b (slots 2c + 8, 2c + 9: r = rho + 2) of k step s
+  // from the aligned ql word of r % 2 = rho and the qh word shifted right by 2 rho. Each half of a
+  // permuted word: a ql byte (its low nibble moved up by `<< 4` for r = rho, its high nibble in
+  // place for rho + 2) under the qh byte (pair r at bits 8, 9); the scales' halves are taken
+  // broadcast (HFMA2 operand swizzles, no extra instruction). `magic` is 0x64006400 in a register
+  // the compiler does not fold into an immediate (a LOP3 takes one).
+  __device__ __forceinline__ void fragment_of(int s, uint32_t ql, uint32_t qh, uint32_t magic, uint32_t& a,
+                                              uint32_t& b) const {
+    const int rho = (s >> 1) & 1;
+    const uint32_t pick = (s & 1) ? 0x7351u : 0x6240u;  // bytes {p, p + 4, p + 2, p + 6} of (ql, qh)
+    const uint32_t lo = (__byte_perm(ql << 4, qh, pick) & 0x03F003F0u) | magic;
+    const uint32_t hi = (__byte_perm(ql, qh >> 4, pick) & 0x03F003F0u) | magic;
+    const auto half = [rho](uint32_t v) { return rho ? __high2half2(h2_bits(v)) : __low2half2(h2_bits(v)); };
+    a = bits_h2(__hfma2(h2_bits(lo), half(scale[0]), half(offset[0])));
+    b = bits_h2(__hfma2(h2_bits(hi), half(scale[1]), half(offset[1])));
+  }
+
+  // The real k of slot 2c of step s (2c + 1: k + 2; 2c + 8, 2c + 9: k + 64, k + 66).
+  __host__ __device__ __forceinline__ static int k_of(int c, int s) {
+    return 128 * (c >> 1) + 16 * (c & 1) + 4 * (s >> 2) + 32 * ((s >> 1) & 1) + (s & 1);
+  }
+};
+
+// One feature's super-block for lane c, its runs loaded a 32-bit word at a time. The runs start at
+// multiples of 4 in the block, so one funnel shift by 0 or 16 bits (the block's address mod 4)
+// realigns all of them: a run is loaded as the aligned words from its first byte's word on (2
+// bytes before the block when shifted), five for 16 bytes (the fifth, needed only when shifted,
+// still lies inside the block). The scales' third word is loaded only when shifted: unshifted it
+// would pass the end of the block, which may end the tensor. 18-19 loads a feature, few registers:
+// the kernels of two to four n-tiles, whose registers are short, take this path.
+struct Q6KWords : Q6KCommon {
+  uint32_t low[2][5], high[5], sc[3];  // ql runs of r % 2 = 0, 1; the qh run; scales 8 h .. 8 h + 7
+  unsigned short d_bits;
 
   __device__ __forceinline__ void load(const uint8_t* block, int c) {
     const uintptr_t addr = reinterpret_cast<uintptr_t>(block);
@@ -71,43 +114,70 @@ struct Q6K {
     d_bits = __ldg(reinterpret_cast<const unsigned short*>(block + 208));
   }
 
-  // Scales r of this lane: byte j + 2 r of scales 8 h ... Flipping an int8's sign bit gives the
-  // byte sc + 128, which a byte permute puts under 0x54 (fp16 64 + byte / 16, `magic_scale`
-  // 0x54005400, `pick_scale` bytes j, j + 2 of a word); less 72: sc / 16, exactly.
-  __device__ __forceinline__ void prepare(uint32_t shift, uint32_t pick_scale, uint32_t magic_scale) {
+  __device__ __forceinline__ void prepare(uint32_t shift, bool, uint32_t pick_scale, uint32_t magic_scale) {
     d = __half2float(__ushort_as_half(d_bits));
 #pragma unroll
-    for (int p = 0; p < 2; ++p) {
-      const uint32_t w = __funnelshift_r(sc[p], sc[p + 1], shift) ^ 0x80808080u;
-      const __half2 s = __hsub2(h2_bits(__byte_perm(w, magic_scale, pick_scale)), h2_bits(0x54805480u));
-      scale[p] = bits_h2(s);
-      offset[p] = bits_h2(__hmul2(s, h2_bits(0xE600E600u)));  // -96 sc
-    }
+    for (int p = 0; p < 2; ++p) set_scales(p, __funnelshift_r(sc[p], sc[p + 1], shift), pick_scale, magic_scale);
   }
 
-  // Registers a (slots 2c, 2c + 1: r = rho) and b (slots 2c + 8, 2c + 9: r = rho + 2) of k step s.
-  // Each half of a permuted word: a ql byte (its low nibble moved up by `<< 4` for r = rho, its
-  // high nibble in place for rho + 2) under the qh byte shifted right by 2r (pair r at bits 8, 9);
-  // the scales' halves are taken broadcast (HFMA2 operand swizzles, no extra instruction).
-  // `magic` is 0x64006400 in a register the compiler does not fold into an immediate (a LOP3
-  // takes one).
   __device__ __forceinline__ void fragment(int s, uint32_t shift, uint32_t magic, uint32_t& a, uint32_t& b) const {
     const int i = s >> 2, rho = (s >> 1) & 1;
-    const uint32_t pick = (s & 1) ? 0x7351u : 0x6240u;  // bytes {p, p + 4, p + 2, p + 6} of (ql, qh)
-    const uint32_t ql = __funnelshift_r(low[rho][i], low[rho][i + 1], shift);
-    const uint32_t qh = __funnelshift_r(high[i], high[i + 1], shift) >> (2 * rho);
-    const uint32_t lo = (__byte_perm(ql << 4, qh, pick) & 0x03F003F0u) | magic;
-    const uint32_t hi = (__byte_perm(ql, qh >> 4, pick) & 0x03F003F0u) | magic;
-    const auto half = [rho](uint32_t v) { return rho ? __high2half2(h2_bits(v)) : __low2half2(h2_bits(v)); };
-    a = bits_h2(__hfma2(h2_bits(lo), half(scale[0]), half(offset[0])));
-    b = bits_h2(__hfma2(h2_bits(hi), half(scale[1]), half(offset[1])));
-  }
-
-  // The real k of slot 2c of step s (2c + 1: k + 2; 2c + 8, 2c + 9: k + 64, k + 66).
-  __host__ __device__ __forceinline__ static int k_of(int c, int s) {
-    return 128 * (c >> 1) + 16 * (c & 1) + 4 * (s >> 2) + 32 * ((s >> 1) & 1) + (s & 1);
+    fragment_of(s, __funnelshift_r(low[rho][i], low[rho][i + 1], shift),
+                __funnelshift_r(high[i], high[i + 1], shift) >> (2 * rho), magic, a, b);
   }
 };
+
+// The same, each run loaded as the three 8-byte aligned pairs of words that hold its 16 bytes and
+// the two after (a word before the run where the block's first word is odd, `odd`): 12 loads a
+// feature, not 18-19 words, whose loads kept the L1 96% busy on the 27B LM head at one row; the
+// one-row calls of a 27B AR step 9% faster (BENCHMARKS.md, [K2]). prepare() takes each run's five
+// words from its six and realigns them once a super-block, not in every fragment. It needs more
+// registers (167 at one n-tile): at two n-tiles it ran 1-45% slower, at three it spilled and ran
+// 1.14-1.47x slower ([K2]). A pair past the block's end still holds one of its bytes, so it lies in
+// the tensor's pages.
+struct Q6KPairs : Q6KCommon {
+  uint2 raw[3][3], raw_scales[2];  // the pairs of the ql runs of r % 2 = 0, 1 and of the qh run; of scales 8 h ..
+  unsigned short d_bits;
+  uint32_t run[3][4];  // after prepare(): bytes 4 i .. 4 i + 3 of each run
+
+  __device__ __forceinline__ void load(const uint8_t* block, int c) {
+    const uint2* pairs = reinterpret_cast<const uint2*>(reinterpret_cast<uintptr_t>(block) & ~uintptr_t(7));
+    const int h = c >> 1, j = c & 1;
+    const int first[3] = {8 * h + 2 * j, 8 * h + 4 + 2 * j, 16 + 4 * h + 2 * j};  // the runs' words / 2
+#pragma unroll
+    for (int r = 0; r < 3; ++r)
+#pragma unroll
+      for (int t = 0; t < 3; ++t) raw[r][t] = __ldg(pairs + first[r] + t);
+    raw_scales[0] = __ldg(pairs + 24 + h);
+    raw_scales[1] = __ldg(pairs + 25 + h);
+    d_bits = __ldg(reinterpret_cast<const unsigned short*>(block + 208));
+  }
+
+  __device__ __forceinline__ void prepare(uint32_t shift, bool odd, uint32_t pick_scale, uint32_t magic_scale) {
+    d = __half2float(__ushort_as_half(d_bits));
+#pragma unroll
+    for (int r = 0; r < 3; ++r) {
+      const uint32_t u[6] = {raw[r][0].x, raw[r][0].y, raw[r][1].x, raw[r][1].y, raw[r][2].x, raw[r][2].y};
+      uint32_t w[5];
+#pragma unroll
+      for (int t = 0; t < 5; ++t) w[t] = odd ? u[t + 1] : u[t];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) run[r][i] = __funnelshift_r(w[i], w[i + 1], shift);
+    }
+    const uint32_t u[4] = {raw_scales[0].x, raw_scales[0].y, raw_scales[1].x, raw_scales[1].y};
+#pragma unroll
+    for (int p = 0; p < 2; ++p)
+      set_scales(p, __funnelshift_r(odd ? u[p + 1] : u[p], odd ? u[p + 2] : u[p + 1], shift), pick_scale, magic_scale);
+  }
+
+  __device__ __forceinline__ void fragment(int s, uint32_t, uint32_t magic, uint32_t& a, uint32_t& b) const {
+    const int i = s >> 2, rho = (s >> 1) & 1;
+    fragment_of(s, run[rho][i], run[2][i] >> (2 * rho), magic, a, b);
+  }
+};
+
+template <int NB>
+using Q6K = std::conditional_t<NB <= Q6K_PAIRS_MAX_NB, Q6KPairs, Q6KWords>;
 
 // x for the kernel below, per row r and super-block sb (one warp each), staged as fp16 x 2^-e by
 // mma_common::stage_scaled: scale[sb][r] = 2^e, xq[sb][i][r][c] the B registers of k steps 2i and 2i + 1
@@ -134,7 +204,7 @@ __global__ void prepare_x_kernel(const __nv_bfloat16* __restrict__ x, uint4* __r
   uint32_t b[4];
 #pragma unroll
   for (int t = 0; t < 2; ++t) {
-    const int k = Q6K::k_of(c, 2 * i + t);
+    const int k = Q6KCommon::k_of(c, 2 * i + t);
     b[2 * t] = bits_h2(__halves2half2(h[k], h[k + 2]));
     b[2 * t + 1] = bits_h2(__halves2half2(h[k + 64], h[k + 66]));
   }
@@ -144,12 +214,13 @@ __global__ void prepare_x_kernel(const __nv_bfloat16* __restrict__ x, uint4* __r
 // One super-block of a warp's 16 features into acc: the mma over its 16 k steps and the float32
 // step that applies d and x's scale.
 template <int NB>
-__device__ __forceinline__ void accumulate(float (&acc)[NB][4], Q6K (&f)[2], const uint32_t (&shift)[2], int sb,
+__device__ __forceinline__ void accumulate(float (&acc)[NB][4], Q6K<NB> (&f)[2], const uint32_t (&shift)[2],
+                                           const bool (&odd)[2], int sb,
                                            const uint4* __restrict__ xq, const float* __restrict__ xscale, int g, int c,
                                            uint32_t magic, uint32_t pick_scale, uint32_t magic_scale) {
   constexpr int kRowsPadded = 8 * NB;
 #pragma unroll
-  for (int i = 0; i < 2; ++i) f[i].prepare(shift[i], pick_scale, magic_scale);
+  for (int i = 0; i < 2; ++i) f[i].prepare(shift[i], odd[i], pick_scale, magic_scale);
   float part[NB][4];
 #pragma unroll
   for (int nb = 0; nb < NB; ++nb)
@@ -183,11 +254,12 @@ __device__ __forceinline__ void accumulate(float (&acc)[NB][4], Q6K (&f)[2], con
 
 // One program: kWarps warps x 16 features, K super-blocks [split's range), NB n-tiles of 8 x rows.
 // With splits > 1 each writes float32 partial sums and the last of a tile adds them (add_splits).
-// Launch bounds: the compiler's choice at one n-tile; 3 blocks (168 registers) a multiprocessor at
-// two and three n-tiles; 2 blocks at four (25-32 rows), where 3 would spill: 246 registers and no
-// spills made the 27B LM head 1.58x faster at 32 rows on an H100 (BENCHMARKS.md, [V1]).
+// Launch bounds: 3 blocks (168 registers) a multiprocessor at one to three n-tiles (one n-tile
+// needs 167 without spills, where the compiler's own choice, 187, would fit only 2); 2 blocks at
+// four (25-32 rows), where 3 would spill: 246 registers and no spills made the 27B LM head 1.58x
+// faster at 32 rows on an H100 (BENCHMARKS.md, [V1]).
 template <int NB>
-__global__ void __launch_bounds__(kWarps * 32, NB == 1 ? 1 : NB == 4 ? 2 : 3) q6k_kernel(
+__global__ void __launch_bounds__(kWarps * 32, NB == 4 ? 2 : 3) q6k_kernel(
     const uint4* __restrict__ xq, const float* __restrict__ xscale, const uint8_t* __restrict__ w,
     __nv_bfloat16* __restrict__ out, float* __restrict__ partial, int* __restrict__ counters, int M, int N,
     int64_t row_bytes, int super_blocks, int splits) {
@@ -211,16 +283,18 @@ __global__ void __launch_bounds__(kWarps * 32, NB == 1 ? 1 : NB == 4 ? 2 : 3) q6
   const uint32_t hidden = static_cast<uint32_t>(splits) >> 31;
   const uint32_t magic = 0x64006400u | hidden, magic_scale = 0x54005400u | hidden;
   const uint32_t pick_scale = (c & 1) ? 0x5351u : 0x5250u;  // bytes {j, 0x54, j + 2, 0x54} of (scales, magic_scale)
-  mma_common::over_super_blocks<Q6K>(rows, c, sb_begin, sb_end, [&](Q6K(&blocks)[2], int sb) {
+  mma_common::over_super_blocks<Q6K<NB>>(rows, c, sb_begin, sb_end, [&](Q6K<NB>(&blocks)[2], int sb) {
     // The blocks' address mod 4 (0 or 2 bytes) as the funnel shift that realigns their runs
     // (recomputed here rather than kept per stage: registers are short).
     uint32_t shift[2];
+    bool odd[2];  // the block's first word odd: its runs' pairs start a word early
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-      const uintptr_t block = reinterpret_cast<uintptr_t>(rows[i] + static_cast<int64_t>(sb) * Q6K::kBytes);
+      const uintptr_t block = reinterpret_cast<uintptr_t>(rows[i] + static_cast<int64_t>(sb) * Q6KCommon::kBytes);
       shift[i] = static_cast<uint32_t>(block & 2) * 8;
+      odd[i] = (block >> 2) & 1;
     }
-    accumulate<NB>(acc, blocks, shift, sb, xq, xscale, g, c, magic, pick_scale, magic_scale);
+    accumulate<NB>(acc, blocks, shift, odd, sb, xq, xscale, g, c, magic, pick_scale, magic_scale);
   });
 
   mma_common::store_c<NB>(acc, out, partial, counters, M, N, n0, g, c, split, splits);

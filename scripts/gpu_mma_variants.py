@@ -2,21 +2,25 @@
 against the kernels as they are, and a sweep of K splits (GPU, nvcc; benchmark-only weights).
 
 Each variant is the committed source with one text patch behind a macro (``patch``): Q4_K's weights
-with a 256-byte or 128-byte L2 hint (``q4l2h``, ``q4l2h128``: the first won here and lost in the
-27B step, BENCHMARKS.md's [V1], so time a winner in the step too); Q6_K's words with a 128-byte L2 hint
-(``q6l2h128``) or only not allocated in L1 (``q6noalloc``; the 256-byte hint lost in [V1]); the
+with a 256-byte or 128-byte L2 hint (``q4l2h``, ``q4l2h128``: the first won here and lost in the 27B
+step, BENCHMARKS.md's [V1], so time a winner in the step too) or allocated in L1 as before [K1]
+(``q4l1``); x's B registers evicted from L1 last (``xl``); Q6_K's runs loaded a 32-bit word at a
+time at one n-tile too, as before [K2] (``q6words``; the words lost 4-26% not allocated in L1 [K1],
+and with a 256-byte L2 hint [V1]), or as 8-byte pairs up to two n-tiles (``q6pairs2``); the
 super-block two ahead prefetched into L2 with ``cp.async.bulk.prefetch`` (``pf2``); the k steps' two
 mma chains accumulated apart (``chains2``: the sums' order changes, so its outputs differ from the
 others' in the last bits); one n-tile capped at four blocks a multiprocessor (``mb4``: 121
-registers); Q6_K's four n-tiles at three blocks (``q6nb4mb3``: spills; the kernels before [V1]).
-The variants build in parallel, each an extension of the two kernel files and a binding; one
-process then times every variant on each shape (27B and 8B layer shapes, the 27B LM head) at 1, 8,
-23 and 32 rows, the current kernels also at 1-8 splits, as ``gpu_gguf_mma.py`` times (a CUDA graph
-of 20 calls over weight copies L2 cannot hold, best of 5), beside a read of the same bytes by
-``torch.amax``, and prints each variant's largest difference from the current kernel's output at
-the same splits. Writes ``$OUT/gpu_mma_variants.json``.
+registers); Q6_K's four n-tiles at three blocks (``q6nb4mb3``: spills; the kernels before [V1]). The
+variants build in parallel, each an extension of the two kernel files and a binding; one process
+then times every variant on each shape (27B and 8B layer shapes, the 27B LM head) at 1, 8, 16, 23
+and 32 rows, the current kernels also at 1-8 splits, as ``gpu_gguf_mma.py`` times (a CUDA graph of
+20 calls over weight copies L2 cannot hold, best of 5), beside a read of the same bytes by
+``torch.amax``, and prints each variant's largest difference from the current kernel's output at the
+same splits. Writes ``$OUT/gpu_mma_variants.json``.
 
-Usage: python3 scripts/gpu_mma_variants.py   (``VARIANTS=base,q4l2h`` builds only those)
+Usage: python3 scripts/gpu_mma_variants.py   (``VARIANTS=base,q4l2h`` builds only those,
+       ``CALLS=Q4_K:27b.gate_up,Q6_K:27b.lm_head`` times only those)
+       python3 scripts/gpu_mma_variants.py --native COPY/native NAME   (variant NAME over a copy of native/)
 """
 from __future__ import annotations
 
@@ -38,12 +42,14 @@ VARIANTS = {
     "base": {},
     "q4l2h": {"PROBE_Q4_LOAD": 1},  # Q4_K's weights with a 256-byte L2 hint
     "q4l2h128": {"PROBE_Q4_LOAD": 2},  # Q4_K's weights with a 128-byte L2 hint
-    "q6l2h128": {"PROBE_Q6_LOAD": 2},  # Q6_K's words with a 128-byte L2 hint
-    "q6noalloc": {"PROBE_Q6_LOAD": 3},  # Q6_K's words not allocated in L1, no L2 hint
     "pf2": {"PROBE_PREFETCH": 2},
     "chains2": {"PROBE_CHAINS2": 1},
     "mb4": {"PROBE_MB1": 4},  # one n-tile capped at 4 blocks (121 registers)
     "q6nb4mb3": {"PROBE_Q6_MB4": 3},  # Q6_K at 4 n-tiles (25-32 rows) at 3 blocks (spills; the kernels before [V1])
+    "q4l1": {"PROBE_Q4_LOAD": 0},  # Q4_K's weights allocated in L1 (the kernel before [K1])
+    "xl": {"PROBE_X_LOAD": 1},  # x's B registers evicted from L1 last
+    "q6words": {"Q6K_PAIRS_MAX_NB": 0},  # Q6_K's runs loaded a word at a time at one n-tile too (before [K2])
+    "q6pairs2": {"Q6K_PAIRS_MAX_NB": 2},  # Q6_K's runs loaded as 8-byte pairs up to two n-tiles
 }
 
 BIND = r"""
@@ -64,10 +70,7 @@ def patch() -> None:
     SRC.mkdir(exist_ok=True)
     h = (ROOT / "native/gguf_mma.cuh").read_text()
     h = sub(h, "namespace mma_common {", """#ifndef PROBE_Q4_LOAD
-#define PROBE_Q4_LOAD 0
-#endif
-#ifndef PROBE_Q6_LOAD
-#define PROBE_Q6_LOAD 0
+#define PROBE_Q4_LOAD 3
 #endif
 #ifndef PROBE_PREFETCH
 #define PROBE_PREFETCH 0
@@ -81,6 +84,12 @@ def patch() -> None:
 #ifndef PROBE_Q6_MB4
 #define PROBE_Q6_MB4 2
 #endif
+#ifndef PROBE_Q6_MB1
+#define PROBE_Q6_MB1 3
+#endif
+#ifndef PROBE_X_LOAD
+#define PROBE_X_LOAD 0
+#endif
 namespace mma_common {""")
     start = h.index("__device__ __forceinline__ uint4 load16(")
     end = h.index("\n}\n", start) + 3
@@ -91,7 +100,7 @@ namespace mma_common {""")
 #define PROBE_HINT(kind) PROBE_HINT_(kind)
 __device__ __forceinline__ uint4 load16(const uint8_t* p) {
 #if PROBE_Q4_LOAD == 0
-  return __ldg(reinterpret_cast<const uint4*>(p));
+  return __ldg(reinterpret_cast<const uint4*>(p));  // allocated in L1 (the kernel before [K1])
 #else
   uint4 v;
   asm("ld.global.nc" PROBE_HINT(PROBE_Q4_LOAD) ".v4.u32 {%0,%1,%2,%3}, [%4];"
@@ -99,12 +108,12 @@ __device__ __forceinline__ uint4 load16(const uint8_t* p) {
   return v;
 #endif
 }
-__device__ __forceinline__ uint32_t load4(const uint32_t* p) {
-#if PROBE_Q6_LOAD == 0
+__device__ __forceinline__ uint4 load_x16(const uint4* p) {
+#if PROBE_X_LOAD == 0
   return __ldg(p);
 #else
-  uint32_t v;
-  asm("ld.global.nc" PROBE_HINT(PROBE_Q6_LOAD) ".u32 %0, [%1];" : "=r"(v) : "l"(p));
+  uint4 v;
+  asm("ld.global.nc.L1::evict_last.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
   return v;
 #endif
 }
@@ -133,6 +142,7 @@ __device__ __forceinline__ void bulk_prefetch(const uint8_t* p, int bytes) {
       for (int e = 0; e < 4; ++e) part[nb][e] += part2[nb][e];
   const uint32_t m[4] = {f[0].mins""")
     q4 = sub(q4, "NB == 1 ? 1 : 3", "NB == 1 ? PROBE_MB1 : 3")
+    q4 = sub(q4, "__ldg(x_sb + (s / 2", "mma_common::load_x16(x_sb + (s / 2")
     (SRC / "gguf_q4k.cu").write_text(q4)
 
     q6 = (ROOT / "native/gguf_q6k.cu").read_text()
@@ -149,9 +159,8 @@ __device__ __forceinline__ void bulk_prefetch(const uint8_t* p, int bytes) {
 #pragma unroll
   for (int nb = 0; nb < NB; ++nb) {
     const float2 sx =""")
-    assert "__ldg(words +" in q6
-    q6 = q6.replace("__ldg(words +", "mma_common::load4(words +")
-    q6 = sub(q6, "NB == 1 ? 1 : NB == 4 ? 2 : 3", "NB == 1 ? PROBE_MB1 : NB == 4 ? PROBE_Q6_MB4 : 3")
+    q6 = sub(q6, "NB == 4 ? 2 : 3", "NB == 1 ? PROBE_Q6_MB1 : NB == 4 ? PROBE_Q6_MB4 : 3")
+    q6 = sub(q6, "__ldg(x_sb + (s / 2", "mma_common::load_x16(x_sb + (s / 2")
     (SRC / "gguf_q6k.cu").write_text(q6)
     (SRC / "bind.cpp").write_text(BIND)
 
@@ -209,7 +218,7 @@ def time_shape(exts, names, qtype, shape, counters, sms, results) -> None:
     read_us = timed(lambda: torch.amax(next_ints()), reps=20)
     print(f"\n{qtype.name} {shape} N={n} K={k} {mb:.1f} MB, default splits {default}; amax read {read_us:.1f} us "
           f"({mb / read_us:.2f} TB/s)", flush=True)
-    for m in (1, 8, 23, 32):
+    for m in (1, 8, 16, 23, 32):
         x = torch.randn(m, k, device=dev).to(torch.bfloat16)
         base_out = {}
         for name in names:
@@ -230,10 +239,24 @@ def time_shape(exts, names, qtype, shape, counters, sms, results) -> None:
                 print(f"  m={m:2d} {name:9s} splits {splits}{mark} {us:8.1f} us {mb / us:5.2f} TB/s  vs base {err:.1e}", flush=True)
 
 
+def emit_native(directory: Path, name: str) -> None:
+    """Write variant ``name``'s kernels over a copy of ``native/`` at ``directory``, its macros
+    defined in the shared header, so that the target's engine runs it in the step
+    (``gpu_kernel_table.py`` from a copy of the tree: a variant is judged in the step)."""
+    defines = "".join(f"#define {k} {v}\n" for k, v in VARIANTS[name].items())
+    header = (SRC / "gguf_mma.cuh").read_text().replace("#pragma once\n", "#pragma once\n" + defines, 1)
+    (directory / "gguf_mma.cuh").write_text(header)
+    for f in ("gguf_q4k.cu", "gguf_q6k.cu"):
+        (directory / f).write_text((SRC / f).read_text())
+
+
 def main() -> None:
     from gguf import GGMLQuantizationType as Q
     from gpu_quant_libraries import copy_bandwidth
     patch()
+    if sys.argv[1:2] == ["--native"]:
+        emit_native(Path(sys.argv[2]), sys.argv[3])
+        return
     t0 = time.time()
     wanted = os.environ.get("VARIANTS", ",".join(VARIANTS)).split(",")
     names = build_all([n for n in VARIANTS if n in wanted])
@@ -244,8 +267,10 @@ def main() -> None:
     counters = torch.zeros(1 << 15, dtype=torch.int32, device=dev)
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     results: list[dict] = []
-    for qtype, shape in [(Q.Q4_K, "27b.gate_up"), (Q.Q4_K, "27b.down"), (Q.Q4_K, "27b.attn_qkv"), (Q.Q4_K, "8b.gate_up"),
-                         (Q.Q6_K, "27b.down"), (Q.Q6_K, "27b.attn_qkv"), (Q.Q6_K, "27b.lm_head")]:
+    calls = [(Q.Q4_K, "27b.gate_up"), (Q.Q4_K, "27b.down"), (Q.Q4_K, "27b.attn_qkv"), (Q.Q4_K, "8b.gate_up"),
+             (Q.Q6_K, "27b.down"), (Q.Q6_K, "27b.attn_qkv"), (Q.Q6_K, "27b.lm_head")]
+    only = os.environ.get("CALLS")  # e.g. Q4_K:27b.gate_up,Q6_K:27b.lm_head
+    for qtype, shape in [c for c in calls if not only or f"{c[0].name}:{c[1]}" in only.split(",")]:
         time_shape(exts, names, qtype, shape, counters, sms, results)
         torch.cuda.empty_cache()
     out_dir = Path(os.environ.get("OUT", "/tmp"))
