@@ -26,7 +26,7 @@ constexpr int kWarps = 4;  // warps per block
 // A read-only load of weights (p 16-byte aligned) that leaves L1 to x, which every program along
 // N reads again: the 23-row Q4_K calls of a 27B verify 2.6% faster in the step, one row the same
 // (BENCHMARKS.md, [K1]). An L2::256B prefetch hint as well made the Q4_K kernel 1.02-1.29x faster
-// called alone, and its calls in the 27B AR step 7% slower ([V1]). (Q6_K's words lost 4-26% alone
+// called alone, and its calls in the 27B AR step 7% slower ([V1]). (Q6_K's words lost 2-28% alone
 // without L1: its four lanes of a feature read words of the same lines.)
 __device__ __forceinline__ uint4 load16(const uint8_t* p) {
   uint4 v;

@@ -5,7 +5,7 @@ Each variant is the committed source with one text patch behind a macro (``patch
 with a 256-byte or 128-byte L2 hint (``q4l2h``, ``q4l2h128``: the first won here and lost in the 27B
 step, BENCHMARKS.md's [V1], so time a winner in the step too) or allocated in L1 as before [K1]
 (``q4l1``); x's B registers evicted from L1 last (``xl``); Q6_K's runs loaded a 32-bit word at a
-time at one n-tile too, as before [K2] (``q6words``; the words lost 4-26% not allocated in L1 [K1],
+time at one n-tile too, as before [K2] (``q6words``; the words lost 2-28% not allocated in L1 [K1],
 and with a 256-byte L2 hint [V1]), or as 8-byte pairs up to two n-tiles (``q6pairs2``); the
 super-block two ahead prefetched into L2 with ``cp.async.bulk.prefetch`` (``pf2``); the k steps' two
 mma chains accumulated apart (``chains2``: the sums' order changes, so its outputs differ from the
