@@ -132,6 +132,9 @@ class BudgetPolicy:
         self.hold_passes = 1.0 / alpha if hold_passes is None else hold_passes
         self._pass_weight = 0.0  # passes observed, each counted once (its reports weigh 1 / its sequences)
         self._chosen_at = 0.0  # _pass_weight at the last change
+        self._mass_fed = -1  # int(_pass_weight) when a largest tree last fed the draft's mass
+        self._mass_feeds = 0  # trees that fed it
+        self._cached: tuple[tuple[int, int], tuple[np.ndarray, np.ndarray]] | None = None  # (key, rates())
 
     def observe_pass(self, rows: int, pass_sequences: int, forward_s: float) -> None:
         """A verify pass of ``rows`` rows over ``pass_sequences`` sequences took ``forward_s`` seconds.
@@ -251,19 +254,43 @@ class BudgetPolicy:
             self._explored_at = self._pass_weight
         return self._pass_weight - self._explored_at < 1.0
 
-    def choose(self, tree: DraftTree) -> int:
+    def tree_budget(self) -> int:
+        """How many nodes this adaptive step's tree should be built with: ``max_budget`` while the
+        policy is not ready and once a pass after that (that tree feeds the draft's mass by budget,
+        :meth:`choose`), else the budget :meth:`choose` will cut it to. A best-first tree's first
+        ``b`` nodes do not depend on how many more it grows, so the other steps build only what
+        they verify: on the 2-core CPU a 22-node tree took 57 µs, a 64-node one 123 µs
+        (BENCHMARKS.md, [P8])."""
+        if not self.ready or self._mass is None or int(self._pass_weight) != self._mass_fed:
+            return self.max_budget
+        candidates, rates = self._rates_now()
+        if self.choice is None or self.choice == 0:  # not chosen yet, or an exploring step of budget 0
+            return int(candidates[candidates > 0][np.argmax(rates[candidates > 0])])
+        return self.choice
+
+    def _rates_now(self) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`rates`, computed once a pass (each counted once, as in :meth:`observe_pass`) and
+        again when the draft's mass moves; in between the steps of a pass share it."""
+        key = (int(self._pass_weight), self._mass_feeds)
+        if self._cached is None or self._cached[0] != key:
+            self._cached = (key, self.rates())
+        return self._cached[1]
+
+    def choose(self, tree: DraftTree, full: bool = True) -> int:
         """The budget for a step whose draft gave ``tree``, a DDTree of the largest budget (with its
-        scores): the gateway's current choice among ``ADAPTIVE_BUDGETS`` below ``max_budget`` and
-        ``max_budget`` itself, or the tree's size when that is smaller; cut the tree to it with
-        ``tree.prefix``. The tree's scores join the running figures the choice is made from. While
-        the choice is 0 only exploring steps draft (:meth:`drafts`), and they get the best other budget."""
+        scores), or, where not ``full``, of the budget :meth:`tree_budget` gave: the gateway's
+        current choice among ``ADAPTIVE_BUDGETS`` below ``max_budget`` and ``max_budget`` itself,
+        or the tree's size when that is smaller; cut the tree to it with ``tree.prefix``. A full
+        tree's scores join the running figures the choice is made from. While the choice is 0 only
+        exploring steps draft (:meth:`drafts`), and they get the best other budget."""
         most = min(tree.num_nodes, self.max_budget)
-        if tree.num_nodes and tree.scores is not None:
+        if full and tree.num_nodes and tree.scores is not None:
             mass = prefix_depth_mass(tree.scores, tree.depths, self.max_budget)
             self._mass = mass if self._mass is None else self._mass + self.alpha * (mass - self._mass)
+            self._mass_fed, self._mass_feeds = int(self._pass_weight), self._mass_feeds + 1
         if not self.ready or self._mass is None:
             return min(self.default_budget, most)
-        candidates, rates = self.rates()
+        candidates, rates = self._rates_now()
         best = int(np.argmax(rates))
         current = np.flatnonzero(candidates == self.choice)
         held = self._pass_weight - self._chosen_at < self.hold_passes

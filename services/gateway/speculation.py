@@ -359,16 +359,17 @@ class SpeculativeSequence:
                 t = self.sampling.temperature
                 path = sampled_path(pairs, budget, t, self.walk_rng) if t > 0 else selector_path(pairs, budget)
                 return path_chain(top_ids, path), "", budget
+            size = min(budget, self.budget_policy.tree_budget()) if opts.adaptive else budget
             if pairs is None:
-                tree = build_ddtree(top_ids, proposed.top_logprobs, budget, chain_seed=opts.chain_seed, max_depth=max_depth)
+                tree = build_ddtree(top_ids, proposed.top_logprobs, size, chain_seed=opts.chain_seed, max_depth=max_depth)
             else:
-                tree = build_lattice_tree(top_ids, pairs, budget, chain_seed=opts.chain_seed, max_depth=max_depth)
+                tree = build_lattice_tree(top_ids, pairs, size, chain_seed=opts.chain_seed, max_depth=max_depth)
         except ValueError as exc:  # the draft's answer is input too: a broken one costs this step's speculation only
             logger.warning("sequence %s: malformed draft proposal (%s); continuing target-only", self.sequence_id, exc)
             await self._forget_draft()
             return DraftTree.empty(), "malformed", None
         if opts.adaptive:
-            budget = self.budget_policy.choose(tree)
+            budget = self.budget_policy.choose(tree, full=size == budget)
             tree = tree.prefix(budget)
         return tree, "", budget
 

@@ -179,6 +179,35 @@ def test_a_new_choice_holds_for_the_passes_that_show_its_cost():
     assert len(changes) >= 2 and all(b - a >= 5 for a, b in zip(changes, changes[1:])), loaded
 
 
+def test_the_largest_tree_is_built_once_a_pass_and_the_choice_otherwise():
+    """Past its warm-up the policy asks for a tree of ``max_budget`` nodes (whose scores feed the
+    draft's mass) at the first step of each pass only; the other steps build the tree of the
+    choice, which teaches the mass nothing and is cut to itself."""
+    policy = BudgetPolicy(22, 64, warmup_passes=2)
+    assert policy.tree_budget() == 64  # not ready: every tree is the largest
+    run_steps(policy, 4, 30, np.random.default_rng(3))
+    choice = policy.choice
+    assert 0 < choice < 64
+    for _ in range(3):  # passes of 4 sequences, each sequence reporting the pass
+        sizes = []
+        for _ in range(4):
+            size = policy.tree_budget()
+            sizes.append(size)
+            feeds = policy._mass_feeds
+            full = size == 64
+            assert policy.choose(TREE if full else TREE.prefix(size), full=full) == choice
+            assert policy._mass_feeds == feeds + full  # only the largest tree fed the mass
+        assert sizes == [64, choice, choice, choice]
+        for _ in range(4):
+            policy.observe_pass(4 * (choice + 1), 4, flat_then_linear(4 * (choice + 1)))
+            policy.observe_round(0.003 + flat_then_linear(4 * (choice + 1)), flat_then_linear(4 * (choice + 1)), 0.0, 4)
+    # The choice's rates are computed once a pass (and when the mass moves), not at every step.
+    first = policy._rates_now()
+    assert policy._rates_now() is first
+    policy.observe_pass(4 * (choice + 1), 1, flat_then_linear(4 * (choice + 1)))  # a whole pass more
+    assert policy._rates_now() is not first
+
+
 def test_budget_0_skips_the_draft_and_explores_every_few_passes():
     """Where the draft's proposal costs more than its trees save, 0 wins once the draft's
     acceptance is calibrated: priced without the draft (its steps do not ask it), and while 0 is
@@ -280,8 +309,8 @@ def recording(policy: BudgetPolicy) -> list[int]:
     """Record every budget ``policy.choose`` returns."""
     chosen, choose = [], policy.choose
 
-    def record(tree):
-        chosen.append(choose(tree))
+    def record(tree, full=True):
+        chosen.append(choose(tree, full))
         return chosen[-1]
 
     policy.choose = record
