@@ -16,7 +16,8 @@ exponential moving average (EMA), so they follow the load as it changes:
 - the concurrency ``n``: sequences per pass (``pass_sequences``). The target counts every sequence
   of the pass, so other gateways' sequences are in it too;
 - the calibration ``c(d)``: per depth, the observed and the predicted acceptance;
-- the draft's mass by budget and depth (``prefix_depth_mass``) of the trees it is asked to cut.
+- the draft's mass by budget and depth (``prefix_depth_mass``) of the largest tree, built once a
+  pass (:meth:`BudgetPolicy.tree_budget`; the pass's other steps build only the chosen size).
 
 **One budget for all.** The choice is made from these running figures, not from the tree at hand,
 so every sequence of the gateway gets the same budget until the figures move it: the target's
