@@ -11,13 +11,14 @@
 //
 // A register (two values) takes a byte permute, which puts a ql byte (its nibble at bits 4..7)
 // under a qh byte (its pair at bits 0..1) in each half, one LOP3 that keeps bits 4..9 and ORs in
-// 0x6400 (the fp16 1024 + 16 q), and one packed fused multiply-add, (1024 + 16 q) * sc / 16
-// - 96 sc (-1056 sc, with q in bits 0..5, would overflow fp16). One word of each of the three
-// runs below serves eight registers after five shifts and, where the runs are loaded a word at a
-// time, three funnel shifts (alignment): three to four instructions a register. The weights reach the tensor cores as sc * (q - 32) rounded once to
-// fp16 (|.| <= 4096: exact up to 2048, an 11-bit significand above, where bf16 would keep 8
-// bits). d and x's per-row power-of-two scale (prepare_x_kernel) are applied in float32 after
-// each super-block; products are exact and sums float32, as in gguf_q4k.cu.
+// 0x6400 (the fp16 1024 + 16 q), and one packed fused multiply-add, (1024 + 16 q) * sc / 16 - 96 sc
+// (-1056 sc, with q in bits 0..5, would overflow fp16). One word of each of the three runs below
+// serves eight registers after five shifts and, where the runs are loaded a word at a time, three
+// funnel shifts (alignment): three to four instructions a register. The weights reach the tensor
+// cores as sc * (q - 32) rounded once to fp16 (|.| <= 4096: exact up to 2048, an 11-bit significand
+// above, where bf16 would keep 8 bits). d and x's per-row power-of-two scale (prepare_x_kernel) are
+// applied in float32 after each super-block; products are exact and sums float32, as in
+// gguf_q4k.cu.
 //
 // k map: lane c takes half h = c / 2 and l in 16 j + 0 .. 15 (j = c % 2), so its 64 values use
 // four scales, and reads three 16-byte runs of each feature's block (ql at 64 h + 16 j and

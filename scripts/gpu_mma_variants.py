@@ -251,12 +251,12 @@ def emit_native(directory: Path, name: str) -> None:
 
 
 def main() -> None:
-    from gguf import GGMLQuantizationType as Q
-    from gpu_quant_libraries import copy_bandwidth
     patch()
     if sys.argv[1:2] == ["--native"]:
         emit_native(Path(sys.argv[2]), sys.argv[3])
         return
+    from gguf import GGMLQuantizationType as Q
+    from gpu_quant_libraries import copy_bandwidth
     t0 = time.time()
     wanted = os.environ.get("VARIANTS", ",".join(VARIANTS)).split(",")
     names = build_all([n for n in VARIANTS if n in wanted])

@@ -264,9 +264,8 @@ class BudgetPolicy:
         (BENCHMARKS.md, [P8])."""
         if not self.ready or self._mass is None or int(self._pass_weight) != self._mass_fed:
             return self.max_budget
-        candidates, rates = self._rates_now()
         if self.choice is None or self.choice == 0:  # not chosen yet, or an exploring step of budget 0
-            return int(candidates[candidates > 0][np.argmax(rates[candidates > 0])])
+            return _best_drafting(*self._rates_now())
         return self.choice
 
     def _rates_now(self) -> tuple[np.ndarray, np.ndarray]:
@@ -305,6 +304,11 @@ class BudgetPolicy:
             self.choice, self._chosen_at = int(candidates[best]), self._pass_weight
             self._explored_at = self._pass_weight - 1.0  # a choice of 0 explores EXPLORE_PASSES from now
         if self.choice == 0:  # a step that drafts while 0 is chosen explores: the best of the others
-            others = candidates > 0
-            return min(int(candidates[others][np.argmax(rates[others])]), most)
+            return min(_best_drafting(candidates, rates), most)
         return min(self.choice, most)
+
+
+def _best_drafting(candidates: np.ndarray, rates: np.ndarray) -> int:
+    """The best of ``candidates`` (``[m]``, with their ``rates``) that asks the draft: above 0."""
+    drafting = candidates > 0  # [m]
+    return int(candidates[drafting][np.argmax(rates[drafting])])
