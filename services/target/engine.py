@@ -492,8 +492,7 @@ class TargetEngine:
 
     def _commit(self, commits: Sequence[tuple[SequenceState, Sequence[int], int]]) -> None:
         """:meth:`commit` of several sequences of the last pass: ``(state, accepted, first_row)``."""
-        for state, accepted, _ in commits:
-            self.kv.compact(state.holding.blocks, state.length, accepted)
+        self.kv.compact([(state.holding.blocks, state.length, accepted) for state, accepted, _ in commits])
         if self.state.slots is not None:
             self.state.slots.commit_paths([(state.holding.slot, [first + int(a) for a in accepted]) for state, accepted, first in commits])
         for state, accepted, _ in commits:

@@ -97,15 +97,23 @@ class KVBlockPool:
         table = np.asarray(table, dtype=np.int64)
         return table[positions // self.block_size] * self.block_size + positions % self.block_size
 
-    def compact(self, table: Sequence[int], start: int, accepted: Sequence[int]) -> None:
-        """Keep the accepted rows of a verify block written at ``start``: row ``start + d`` of the
-        sequence receives the old row ``start + accepted[d]`` (``splitspec.spec.acceptance``)."""
-        moved = next((d for d, a in enumerate(accepted) if a != d), len(accepted))
-        if moved == len(accepted):  # a decode step, or an accepted first-child chain: all in place
+    def compact(self, moves: Sequence[tuple[Sequence[int], int, Sequence[int]]]) -> None:
+        """Keep the accepted rows of the verify blocks of a pass, one ``(table, start, accepted)`` a
+        sequence: row ``start + d`` of the sequence owning blocks ``table`` receives its old row
+        ``start + accepted[d]`` (``splitspec.spec.acceptance``). One copy of the indices to the
+        device and one gather and one scatter a pool for all of them (sequences own disjoint
+        blocks), not two copies and four kernels a sequence."""
+        sources, targets = [], []
+        for table, start, accepted in moves:
+            moved = next((d for d, a in enumerate(accepted) if a != d), len(accepted))
+            if moved < len(accepted):  # else a decode step, or an accepted first-child chain: all in place
+                sources.append(self.slots(table, start + np.asarray(accepted[moved:], dtype=np.int64)))
+                targets.append(self.slots(table, start + np.arange(moved, len(accepted))))
+        if not sources:
             return
-        src = torch.from_numpy(self.slots(table, start + np.asarray(accepted[moved:], dtype=np.int64)))
-        dst = torch.from_numpy(self.slots(table, start + np.arange(moved, len(accepted))))
-        src, dst = src.to(self.k.device), dst.to(self.k.device)
+        count = sum(len(x) for x in sources)
+        index = torch.from_numpy(np.concatenate(sources + targets)).to(self.k.device)  # [2 * count]: sources, then targets
+        src, dst = index[:count], index[count:]
         for pool in (self.k, self.v):
             pool.index_copy_(2, dst, pool.index_select(2, src))  # gathered first: sources may be overwritten
 

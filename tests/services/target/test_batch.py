@@ -65,6 +65,27 @@ def test_a_batch_of_decode_steps_has_the_layout_of_the_general_path():
     assert [t.tolist() for t in fast.trees] == [t.tolist() for t in general.trees]
 
 
+def test_compaction_of_a_pass_moves_each_sequences_accepted_rows_in_its_own_blocks():
+    """One compaction for every sequence of a pass: row ``start + d`` of each gets its old row
+    ``start + accepted[d]``, other slots (other sequences' rows, the pad block) keep their values."""
+    pool = KVBlockPool(2, 1, 3, num_blocks=12, block_size=4, device=torch.device("cpu"), dtype=torch.float32)
+    for t in (pool.k, pool.v):
+        t.copy_(torch.randn(t.shape))
+    before_k, before_v = pool.k.clone(), pool.v.clone()
+    # (blocks, start, accepted): a tree's path, a decode step (in place), a path across a block edge.
+    moves = [([3, 7, 1], 2, [0, 2, 5, 6]), ([5, 2], 6, [0]), ([9, 4, 10], 3, [0, 1, 4, 7])]
+    pool.compact(moves)
+    expect_k, expect_v = before_k.clone(), before_v.clone()
+    for blocks, start, accepted in moves:
+        src = pool.slots(blocks, start + np.asarray(accepted))
+        dst = pool.slots(blocks, start + np.arange(len(accepted)))
+        expect_k[:, :, dst], expect_v[:, :, dst] = before_k[:, :, src], before_v[:, :, src]
+    assert torch.equal(pool.k, expect_k) and torch.equal(pool.v, expect_v)
+    assert not torch.equal(pool.k, before_k)  # rows did move
+    pool.compact([([5, 2], 6, [0, 1])])  # nothing moved: nothing written
+    assert torch.equal(pool.k, expect_k)
+
+
 def test_fill_pads_rows_tables_and_trees():
     pool = KVBlockPool(1, 1, 2, num_blocks=6, block_size=4, device=torch.device("cpu"), dtype=torch.float32)
     tree = np.array([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=bool)
