@@ -333,10 +333,18 @@ class QKVProjection(nn.Module):
         rows are laid out padded ``[B, T]`` and each sequence's keys gathered ``[B, H_kv, S, D]``
         from its blocks (the native kernel reads them through the block tables instead: no
         gathered copy). Returns ``[N, hidden]``."""
-        h, _, d = q.shape
+        h, n, d = q.shape
         b, t = at.row_index.shape
-        padded = torch.cat([q.transpose(0, 1), q.new_zeros(1, h, d)])[at.row_index]  # [B, T, H, D]; index N is the zero row
-        rows = padded.transpose(1, 2)  # [B, H, T, D]
+        # One sequence, or one row a sequence (the passes of one user, and decode passes), in a pass
+        # of N = B * T rows: padded place (s, j) is ragged row s * T + j, so the padded rows are a
+        # view of q and the output needs no reordering (its pad rows are never read). Gathering
+        # and scattering them cost an 8B AR step 144 kernels and 0.35 ms of an H200 (BENCHMARKS.md).
+        in_place = n == b * t and (b == 1 or t == 1)
+        if in_place:
+            rows = q.unflatten(1, (b, t)).transpose(0, 1)  # [B, H, T, D]
+        else:
+            padded = torch.cat([q.transpose(0, 1), q.new_zeros(1, h, d)])[at.row_index]  # [B, T, H, D]; index N is the zero row
+            rows = padded.transpose(1, 2)  # [B, H, T, D]
         if h * t <= TREE_ATTENTION_ROWS and use_triton(q, "paged_attention") and paged_attention.supported(rows, k_pool, v_pool, at.visible):
             # Decode and verify shapes: keys read through the block tables, no gathered copy.
             out = paged_attention.paged_tree_attention(rows, k_pool, v_pool, at.tables, at.starts, at.visible, at.block_size).flatten(0, 1)
@@ -345,10 +353,11 @@ class QKVProjection(nn.Module):
             k = k_pool.index_select(1, slots).unflatten(1, at.key_slots.shape).transpose(0, 1)  # [B, H_kv, S, D]
             v = v_pool.index_select(1, slots).unflatten(1, at.key_slots.shape).transpose(0, 1)
             if b == 1:  # one sequence: the unbatched forms (the native tree kernel where it runs)
-                out = self.attention(padded[0].transpose(0, 1), k[0], v[0], at.visible[0])  # [T, H * D]
+                out = self.attention(rows[0], k[0], v[0], at.visible[0])  # [T, H * D]
             else:
                 out = self.attention(rows, k, v, at.visible).flatten(0, 1)  # [B * T, H * D]
-        out = out[at.out_index]  # [N, H * D]
+        if not in_place:
+            out = out[at.out_index]  # [N, H * D]
         if gate is not None:
             out = out * torch.sigmoid(gate)
         return self.o_proj(out)

@@ -179,6 +179,34 @@ def test_attend_paged_runs_the_kernel_and_matches_the_torch_path(monkeypatch):
     assert torch.allclose(results[0], results[1], atol=1e-5), (results[0] - results[1]).abs().max()
 
 
+@pytest.mark.parametrize("native", ["1", "0"])
+@pytest.mark.parametrize("counts, starts", [([5], [37]), ([1, 1, 1], [40, 77, 3])], ids=["one-sequence", "decode-rows"])
+def test_passes_of_b_times_t_rows_attend_in_place_as_the_gathered_rows_do(counts, starts, native, monkeypatch):
+    """A pass of one sequence, or of one row a sequence, padded to N = B * T rows takes its padded
+    rows as a view of q (no gather, no reordering): each real row's output equals the one it gets
+    in the same pass padded with two more rows, which gathers them."""
+    monkeypatch.setenv("SPLITSPEC_NATIVE_CPU", native)
+    heads, kv_heads, head_dim, block_size = 4, 2, 32, 16
+    attn = QKVProjection(heads * head_dim, heads, kv_heads, head_dim, 1e-6)
+    pool, _, _ = make_pass(block_size, kv_heads, head_dim, counts, starts, torch.float32, seed=6, full_tables=True, pad_sequence=False)
+    rng = np.random.default_rng(6)
+    tables = [[1 + 4 * i, 2 + 4 * i, 3 + 4 * i, 4 + 4 * i, 5 + 4 * i, 6 + 4 * i] for i in range(len(counts))]
+    trees = [random_tree(n, rng, chain=False) for n in counts]
+    layout = pass_layout(pool, [[1] * n for n in counts], [p for p, _ in trees], starts, tables, [t for _, t in trees])
+    b, t = len(counts), 8 if len(counts) == 1 else 1
+    n = sum(counts)
+    q = torch.randn(heads, b * t + 2, head_dim, generator=torch.Generator().manual_seed(8))
+    outs = []
+    for rows in (b * t, b * t + 2):  # in place, then gathered
+        shape = (rows, b, t, 6 * block_size, block_size)
+        host = np.zeros(PassInputs.nbytes(*shape), dtype=np.uint8)
+        inputs = PassInputs.on(torch.from_numpy(host), *shape)
+        inputs.fill(layout, host)
+        outs.append(attn.attend_paged(q[:, :rows], pool.k[0], pool.v[0], inputs.attention()))
+    assert torch.allclose(outs[0][:n], outs[1][:n], atol=1e-6), (outs[0][:n] - outs[1][:n]).abs().max()
+    assert torch.isfinite(outs[0]).all()  # pad rows too: they feed later layers
+
+
 def test_dense_forward_paged_matches_the_torch_path(monkeypatch):
     """A whole paged pass of a tiny dense model (fused projections, every native kernel) agrees
     with the plain-torch pass."""
