@@ -168,22 +168,29 @@ class Plan:
     row_blocks: int
     per_split: int  # key tiles per split
     splits: int
+    num_warps: int = 4
+    num_stages: int = 3  # Triton's software pipelining of the key loop
 
 
-def plan(sequences: int, heads: int, kv_heads: int, block_rows: int, head_dim: int, keys: int, device: torch.device) -> Plan:
-    """The launch shape for ``sequences`` x ``block_rows`` rows of ``heads`` heads over ``keys`` columns."""
+def plan(
+    sequences: int, heads: int, kv_heads: int, block_rows: int, head_dim: int, keys: int, device: torch.device, *,
+    block_s: int = 0, block_r: int = 0, waves: int = 0, num_warps: int = 4, num_stages: int = 0,
+) -> Plan:
+    """The launch shape for ``sequences`` x ``block_rows`` rows of ``heads`` heads over ``keys``
+    columns; the keyword arguments (0: the default) are for ``scripts/gpu_paged_attention_tune.py``."""
     group = heads // kv_heads
     # Tiles for head_dim 128 (Qwen3); halved for 256 (Qwen3.5's full attention), whose 64-key
     # tiles would overflow an H200's shared memory. tl.dot wants 16 rows at least.
     wide = head_dim > 128
-    block_s = BLOCK_S // 2 if wide else BLOCK_S
-    block_r = max(16, min(32 if wide else 64, triton.next_power_of_2(group * block_rows)))
+    block_s = block_s or (BLOCK_S // 2 if wide else BLOCK_S)
+    block_r = block_r or max(16, min(32 if wide else 64, triton.next_power_of_2(group * block_rows)))
     row_blocks = triton.cdiv(group * block_rows, block_r)
     blocks = triton.cdiv(keys, block_s)
     # About WAVES waves of programs over the device; B * H_kv programs fill it alone at large B.
-    wanted = max(1, min(blocks, (WAVES * sm_count(device)) // (sequences * kv_heads * row_blocks)))
+    wanted = max(1, min(blocks, ((waves or WAVES) * sm_count(device)) // (sequences * kv_heads * row_blocks)))
     per_split = triton.cdiv(blocks, wanted)
-    return Plan(block_s, block_r, row_blocks, per_split, triton.cdiv(blocks, per_split))
+    stages = num_stages or (2 if wide else 3)
+    return Plan(block_s, block_r, row_blocks, per_split, triton.cdiv(blocks, per_split), num_warps, stages)
 
 
 def supported(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, visible: torch.Tensor) -> bool:
@@ -209,6 +216,7 @@ def paged_tree_attention(
     starts: torch.Tensor,  # [B] int64 committed positions of each sequence
     visible: torch.Tensor,  # [B, T, S] bool, True = visible (PassAttention.visible)
     block_size: int,
+    launch: Plan | None = None,  # plan()'s, unless given (benchmarks)
 ) -> torch.Tensor:
     """Each row's attention over its own sequence's paged keys -> [B, T, H * D] in q's dtype
     (head h's output at columns h * D ..; query head h reads K/V head h // (H / H_kv)). Only key
@@ -221,21 +229,20 @@ def paged_tree_attention(
     if tables.stride(-1) != 1:
         tables = tables.contiguous()
     starts = starts.contiguous()
-    p = plan(b, h, kv_heads, t, d, span, q.device)
+    p = launch or plan(b, h, kv_heads, t, d, span, q.device)
     total_rows = b * h * t
     out = q.new_empty(b, t, h * d)
     acc = stat = out  # unused when DIRECT
     if p.splits > 1:
         acc = torch.empty(p.splits, total_rows, d, device=q.device, dtype=torch.float32)
         stat = torch.empty(2, p.splits, total_rows, device=q.device, dtype=torch.float32)
-    wide = d > 128
     _paged_partial_kernel[(b * kv_heads, p.splits, p.row_blocks)](
         q, k_pool, v_pool, tables, starts, visible, acc, stat, out,
         t, span, q.stride(0), q.stride(1), q.stride(2), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
         tables.stride(0), visible.stride(0), visible.stride(1), math.log2(math.e) / math.sqrt(d), total_rows,
         KV_HEADS=kv_heads, GROUP=group, D=d, PAGE=block_size, BLOCK_R=p.block_r, BLOCK_S=p.block_s,
         BLOCKS_PER_SPLIT=p.per_split, DIRECT=p.splits == 1, IEEE=q.dtype == torch.float32 or INTERPRETED, DYNAMIC_LOOP=not INTERPRETED,
-        num_warps=4, num_stages=2 if wide else 3,
+        num_warps=p.num_warps, num_stages=p.num_stages,
     )
     if p.splits > 1:
         _paged_combine_kernel[(total_rows,)](
