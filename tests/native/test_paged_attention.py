@@ -190,7 +190,7 @@ def test_passes_of_b_times_t_rows_attend_in_place_as_the_gathered_rows_do(counts
     attn = QKVProjection(heads * head_dim, heads, kv_heads, head_dim, 1e-6)
     pool, _, _ = make_pass(block_size, kv_heads, head_dim, counts, starts, torch.float32, seed=6, full_tables=True, pad_sequence=False)
     rng = np.random.default_rng(6)
-    tables = [[1 + 4 * i, 2 + 4 * i, 3 + 4 * i, 4 + 4 * i, 5 + 4 * i, 6 + 4 * i] for i in range(len(counts))]
+    tables = [list(range(1 + 6 * i, 7 + 6 * i)) for i in range(len(counts))]  # each sequence's own six blocks
     trees = [random_tree(n, rng, chain=False) for n in counts]
     layout = pass_layout(pool, [[1] * n for n in counts], [p for p, _ in trees], starts, tables, [t for _, t in trees])
     b, t = len(counts), 8 if len(counts) == 1 else 1
