@@ -1,7 +1,8 @@
 """native/paged_attention's launch on the GPU: keys per loop step, query rows per program, warps,
 pipeline stages and key splits, for the batched verify and decode passes of the Qwen3-8B shape
 and the Qwen3.5-27B verify pass, each timed as one layer per call over a step's layers (36 or 16
-pools, so L2 holds none of their keys) in one CUDA graph, against the default plan.
+pools, so L2 holds none of their keys) in one CUDA graph (``gpu_quant_libraries.timed``, best of
+5), against the default plan.
 
 Every setting's output is first compared with the default plan's (bf16: within 2e-2). Prints one
 line per shape and setting, fastest first, and writes ``$OUT/gpu_paged_attention_tune.json``.
@@ -21,6 +22,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gpu_quant_libraries import timed  # noqa: E402
 
 from native import paged_attention as pa  # noqa: E402
 
@@ -66,25 +70,6 @@ def settings(head_dim: int, rows: int):
         yield 0, 0, 4, 0, waves
 
 
-def timed(fn, reps: int = 10) -> float:
-    """µs a replay of ``fn``'s graph: the best of ``reps``."""
-    fn()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(reps):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        stop.record()
-        torch.cuda.synchronize()
-        best = min(best, 1e3 * start.elapsed_time(stop))
-    return best
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default="8b-verify16,8b-decode32,27b-verify1")
@@ -103,14 +88,14 @@ def main() -> None:
 
         default = pa.plan(b, h, hkv, t, d, span, dev)
         reference = run(default).float()
-        base_us = timed(lambda: run(default))  # noqa: B023 - timed now
+        base_us = timed(lambda: run(default), reps=1)  # noqa: B023 - timed now
         print(f"\n{name}: B={b} T={t} H={h} H_kv={hkv} D={d} keys ~{span}, {layers} layers; default {default}: {base_us:.1f} us", flush=True)
         rows = []
         for block_s, block_r, warps, stages, waves in settings(d, t):
             launch = pa.plan(b, h, hkv, t, d, span, dev, block_s=block_s, block_r=block_r, waves=waves, num_warps=warps, num_stages=stages)
             try:
                 err = float((run(launch).float() - reference).abs().max())
-                us = timed(lambda: run(launch))  # noqa: B023 - timed now
+                us = timed(lambda: run(launch), reps=1)  # noqa: B023 - timed now
             except Exception as exc:  # noqa: BLE001 - a setting the GPU cannot run (shared memory) is skipped
                 print(f"  {launch}: failed ({str(exc).splitlines()[0][:120]})", flush=True)
                 continue
