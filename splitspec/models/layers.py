@@ -349,9 +349,11 @@ class QKVProjection(nn.Module):
             # Decode and verify shapes: keys read through the block tables, no gathered copy.
             out = paged_attention.paged_tree_attention(rows, k_pool, v_pool, at.tables, at.starts, at.visible, at.block_size).flatten(0, 1)
         else:
-            slots = at.key_slots.flatten()
-            k = k_pool.index_select(1, slots).unflatten(1, at.key_slots.shape).transpose(0, 1)  # [B, H_kv, S, D]
-            v = v_pool.index_select(1, slots).unflatten(1, at.key_slots.shape).transpose(0, 1)
+            kv_heads, pool_slots, _ = k_pool.shape
+            key_rows = at.key_rows(kv_heads, pool_slots)  # [B * H_kv * S]
+            shape = (b, kv_heads, at.key_slots.shape[1], d)
+            k = k_pool.flatten(0, 1).index_select(0, key_rows).view(shape)  # [B, H_kv, S, D], contiguous
+            v = v_pool.flatten(0, 1).index_select(0, key_rows).view(shape)
             if b == 1:  # one sequence: the unbatched forms (the native tree kernel where it runs)
                 out = self.attention(rows[0], k[0], v[0], at.visible[0])  # [T, H * D]
             else:

@@ -33,7 +33,7 @@ import functools
 import math
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -406,3 +406,16 @@ class PassAttention:
     tables: torch.Tensor  # [B, S / block_size] int64 block tables (the native kernel reads keys through them)
     starts: torch.Tensor  # [B] int64 committed positions of each sequence
     block_size: int
+    _key_rows: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def key_rows(self, kv_heads: int, pool_slots: int) -> torch.Tensor:
+        """[B * H_kv * S] the row of each sequence's keys, head by head, in a ``[H_kv, slots, D]`` pool
+        flattened to ``[H_kv * slots, D]``: one ``index_select`` by them gathers the sequences' keys
+        as a contiguous ``[B, H_kv, S, D]``. (Gathered along the slots instead, they came out
+        strided, and the scores' matmul over them took 6x as long on a CPU: BENCHMARKS.md.) Computed
+        once per pass and pool shape."""
+        rows = self._key_rows.get((kv_heads, pool_slots))
+        if rows is None:
+            heads = torch.arange(kv_heads, device=self.key_slots.device) * pool_slots  # [H_kv]
+            rows = self._key_rows[kv_heads, pool_slots] = (self.key_slots[:, None, :] + heads[None, :, None]).flatten()
+        return rows
