@@ -121,7 +121,7 @@ for label, off in variants.items():
         print("== graphed AR step (5 steps), by CUDA time\n" + table, flush=True)
         result["ar_profile"] = table
     engine.sequences.pop("s")
-    del engine, static
+    engine = static = None  # freed before the next variant (not del: the timed lambdas name them)
     torch.cuda.empty_cache()
 del model
 torch.cuda.empty_cache()
@@ -152,7 +152,7 @@ for label, off in (("all", ""), ("none of the three", ",".join(KERNELS))):
         result["draft_profile"] = table
     print(f"draft step ({label}): {ms:.2f} ms{' (capture FAILED: eager)' if blocks.failed else ''}", flush=True)
     d.sequences.pop("d")
-    del d, blocks
+    d = blocks = None  # (not del: the timed step names d)
 print("PASS all kernel checks" if ok else "FAIL some kernel check")
 if out_dir:
     with open(os.path.join(out_dir, "fused_kernels.json"), "w") as f:
