@@ -122,10 +122,12 @@ class PassRecordingEngine:
         for i in range(live):
             self.sequences.add(f"s{i}", object())
         self.passes: list[list[str]] = []
+        self.started: list[float] = []  # time.monotonic() at each pass's start
         self.seconds = seconds
 
     def run(self, items: list) -> list:
         self.passes.append([sid for sid, _ in items])
+        self.started.append(time.monotonic())
         time.sleep(self.seconds)
         return [ValueError(f"bad step of {sid}") if what == "fail" else f"{sid}:{what}" for sid, what in items]
 
@@ -137,7 +139,7 @@ def batched(live: int, scenario, seconds: float = 0.05, max_gather_s: float = 0.
 
     async def run():
         host = EngineHost("target")
-        engine = PassRecordingEngine(live, seconds)
+        engine = batched.last_engine = PassRecordingEngine(live, seconds)
         host.attach(engine, None)
         batcher = StepBatcher(
             host, lambda e, items: e.run(items), key=lambda item: item[0], max_gather_s=max_gather_s, gather_gap_s=gap_s
@@ -164,6 +166,43 @@ def test_steps_arriving_during_a_pass_run_together_in_the_next():
     results, passes = batched(4, scenario)
     assert results == ["s0:a", "s1:b", "s2:b", "s3:b"]
     assert passes == [["s0"], ["s1", "s2", "s3"]]
+
+
+def test_the_next_pass_of_every_live_sequence_starts_on_the_engine_thread_while_the_loop_is_busy():
+    """Steps read ahead (every live sequence's next step waits before the pass ends) run as the
+    next pass at once, without the event loop: here the loop is held past the first pass's end, and
+    the second pass still starts when the first ends. Results come back in order."""
+
+    async def scenario(batcher):
+        first = [asyncio.ensure_future(batcher.submit((f"s{i}", "a"))) for i in (0, 1)]
+        await asyncio.sleep(0.01)  # the first pass runs (50 ms)
+        second = [asyncio.ensure_future(batcher.submit((f"s{i}", "b"))) for i in (0, 1)]
+        await asyncio.sleep(0)  # both wait for the next pass
+        time.sleep(0.15)  # the loop's thread is busy past the first pass's end
+        freed = time.monotonic()
+        return freed, await asyncio.gather(*first, *second)
+
+    (freed, results), passes = batched(2, scenario, cohorts=[{"s0", "s1"}])
+    engine_started = batched.last_engine.started
+    assert results == ["s0:a", "s1:a", "s0:b", "s1:b"] and passes == [["s0", "s1"], ["s0", "s1"]]
+    assert engine_started[1] < freed - 0.05  # started about 0.09 s before the loop was free
+
+
+def test_work_queued_for_the_engine_thread_runs_before_a_chained_pass():
+    """A prefill queued while a pass runs goes before the next pass, even with every live
+    sequence's next step waiting: the chain of passes on the engine thread yields to it."""
+
+    async def scenario(batcher):
+        first = [asyncio.ensure_future(batcher.submit((f"s{i}", "a"))) for i in (0, 1)]
+        await asyncio.sleep(0.01)
+        second = [asyncio.ensure_future(batcher.submit((f"s{i}", "b"))) for i in (0, 1)]
+        await asyncio.sleep(0)
+        prefill = asyncio.ensure_future(batcher.host.call(lambda engine: engine.passes.append(["prefill"])))
+        return await asyncio.gather(*first, *second, prefill)
+
+    results, passes = batched(2, scenario, cohorts=[{"s0", "s1"}])
+    assert results[:4] == ["s0:a", "s1:a", "s0:b", "s1:b"]
+    assert passes == [["s0", "s1"], ["prefill"], ["s0", "s1"]]
 
 
 def test_a_pass_waits_briefly_for_the_sequences_of_its_cohorts():
