@@ -230,7 +230,7 @@ class StepBatcher:
                 return
             back = {self.key(item) for item, _, _ in self._waiting}
         sequences = self.host.engine.sequences
-        if len(back) >= min(len(sequences), self.max_batch) or self._gather_s() <= 0:
+        if self._all_back(back) or self._gather_s() <= 0:
             self._start()
             return
         loop = asyncio.get_running_loop()
@@ -246,6 +246,10 @@ class StepBatcher:
                 self._quiet = loop.call_later(quiet, self._look_again)
         if self._timer is None:
             self._timer = loop.call_later(self._gather_s(), self._start)
+
+    def _all_back(self, back: set[str]) -> bool:
+        """A step of every live sequence (or of a full batch) is waiting: ``back`` are their keys."""
+        return len(back) >= min(len(self.host.engine.sequences), self.max_batch)
 
     def _look_again(self) -> None:
         self._quiet = None
@@ -278,7 +282,7 @@ class StepBatcher:
         # Chained, other work queued for the engine thread (a prefill) goes first, as it would
         # between two passes started from the loop: a chain must not hold new sequences back.
         queued = self.host._pending > 1  # the pass that just ended is one
-        if not back or chained and (queued or len(back) < min(len(self.host.engine.sequences), self.max_batch)):
+        if not back or chained and (queued or not self._all_back(back)):
             self._running, self._in_flight = False, None
             return None
         batch, seen, rest = [], set(), []
