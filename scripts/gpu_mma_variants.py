@@ -263,7 +263,7 @@ def main() -> None:
     print(f"builds {time.time() - t0:.0f} s", flush=True)
     exts = {n: extension(n) for n in names}
     dev = torch.device("cuda")
-    print(torch.cuda.get_device_name(), f"copy {copy_bandwidth(dev):.2f} TB/s", flush=True)
+    print(torch.cuda.get_device_name(), f"copy {copy_bandwidth(dev) / 1e12:.2f} TB/s", flush=True)
     counters = torch.zeros(1 << 15, dtype=torch.int32, device=dev)
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     results: list[dict] = []

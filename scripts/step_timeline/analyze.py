@@ -1,4 +1,4 @@
-"""Median timeline of a speculation step from the logs of sitecustomize.py: analyze.py DIR [--passes]
+"""Median timeline of a speculation step from the logs of sitecustomize.py: analyze.py DIR [--passes | --gpu]
 
 For each gateway process (one per bench row), each step call (Propose, Verify) is matched with
 the worker's answer to it and split into: send (gateway write -> worker read), pre (the servicer
@@ -12,6 +12,9 @@ target (of at least half the largest pass's sequences) and times, from the end o
 (the engine's batched call returned), its steps' answers (the servicer's call into the engine returned), the
 gateways' reads of them, the gateways' next requests and the target's reads of those, and the
 start of the next pass: where the GPU waits between two passes.
+
+``--gpu`` is for speculation on one GPU: the target's and the draft's passes side by side, how
+much of the time each, both and neither ran one, and a stretch of them in order.
 """
 
 import bisect
@@ -128,5 +131,63 @@ def passes(folder: str) -> None:
         print(f"  {key:32s} {statistics.median(values) / 1e3:9.1f}")
 
 
+def _engine_passes(folder: str, worker: str) -> list[tuple[int, int, int]]:
+    """(start, end, steps) of every batched engine call of ``worker``'s processes ("target" or
+    "draft"), sorted; steps: the servicer calls into the engine that it answered."""
+    records = [r for path in glob.glob(os.path.join(folder, f"*{worker}-*.log")) for r in read(path)]
+    engine = sorted((int(r[2]), int(r[3])) for r in records if r[0] == "engine")
+    starts, ends = [e[0] for e in engine], [e[1] for e in engine]
+    steps: dict[int, int] = defaultdict(int)
+    for r in records:
+        if r[0] == "host":
+            k = _pass_of(ends, starts, int(r[2]), int(r[3]))
+            if k is not None:
+                steps[k] += 1
+    return [(s, e, steps[k]) for k, (s, e) in enumerate(engine)]
+
+
+def _covered(spans: list[tuple[int, int]]) -> int:
+    """ns inside the union of ``spans`` (sorted by start)."""
+    total, reach = 0, None
+    for s, e in spans:
+        if reach is None or s > reach:
+            total += e - s
+            reach = e
+        elif e > reach:
+            total += e - reach
+            reach = e
+    return total
+
+
+def gpu(folder: str, shown: int = 40) -> None:
+    """The two workers' passes on one GPU: how many, how long, how many steps each, how much of
+    the time each, both and neither ran one; then ``shown`` consecutive passes from the middle."""
+    by_worker = {w: _engine_passes(folder, w) for w in ("target", "draft")}
+    every = sorted((s, e, n, w) for w, ps in by_worker.items() for s, e, n in ps)
+    if not every:
+        print("no engine records")
+        return
+    span = every[-1][1] - every[0][0]
+    for w, ps in by_worker.items():
+        if ps:
+            durations = [e - s for s, e, _ in ps]
+            print(f"{w}: {len(ps)} passes, median {statistics.median(durations) / 1e6:.2f} ms, "
+                  f"{statistics.fmean(n for *_, n in ps):.1f} steps a pass, busy {100 * _covered([(s, e) for s, e, _ in ps]) / span:.0f}%")
+    union = _covered([(s, e) for s, e, *_ in every])
+    both = sum(_covered([(s, e) for s, e, _ in ps]) for ps in by_worker.values()) - union
+    print(f"over {span / 1e9:.2f} s: a pass running {100 * union / span:.0f}%, both workers' {100 * both / span:.0f}%, "
+          f"neither's {100 * (span - union) / span:.0f}%")
+    middle = max(0, len(every) // 2 - shown // 2)
+    t_zero = every[middle][0]
+    print(f"{shown} passes from the middle (ms from the first shown): worker, start, length, steps")
+    for s, e, n, w in every[middle:middle + shown]:
+        print(f"  {w:6s} {(s - t_zero) / 1e6:8.2f} {(e - s) / 1e6:6.2f} {n:3d}")
+
+
 if __name__ == "__main__":
-    passes(sys.argv[1]) if "--passes" in sys.argv[2:] else main(sys.argv[1])
+    if "--passes" in sys.argv[2:]:
+        passes(sys.argv[1])
+    elif "--gpu" in sys.argv[2:]:
+        gpu(sys.argv[1])
+    else:
+        main(sys.argv[1])
