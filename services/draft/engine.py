@@ -195,7 +195,7 @@ class DraftEngine:
         (an error there goes to each of them): those whose contexts are in ``BlockGraphs`` slots
         and fit one more block there, and the others. One step alone runs the single-sequence pass
         (the CUDA graph of its slot, when it has one). Several in slots run one batched graph
-        (``BlockGraphs.run_batch``: the batch size padded to a power of two, their new rows of up
+        (``BlockGraphs.run_batch``: the batch size padded by ``padded_batch``, their new rows of up
         to a block appended inside it). Several others share one eager pass: their new rows' keys
         and values in one ``context_kv``, appended to each context, then one block pass
         (``DFlashDraft.forward_batch``). On an H200 (bf16, 8B-sized draft, contexts ~900) the

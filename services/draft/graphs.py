@@ -21,8 +21,8 @@ One sequence (``run``): one graph per (slot, span, top_k, append), over views of
 it reads its keys in place exactly as when slots were separate tensors. Graphs belong to the
 slot, not to the sequence, so the next sequence in that slot replays them.
 
-Several sequences (``run_batch``): one graph per (S, span, top-K values, append) with S padded to
-a power of two, serving *any* S slots: the slot of each sequence is an input. Every sequence's
+Several sequences (``run_batch``): one graph per (S, span, top-K values, append) with S padded
+(``padded_batch``: a power of two up to 8, then a multiple of 4, then of 16), serving *any* S slots: the slot of each sequence is an input. Every sequence's
 block rows, appended rows (packed, at most ``B`` each, pad rows written to the scratch region)
 and key positions are addressed through pool indices computed from that input
 (``DFlashDraft.forward_pooled``); a pad sequence's block lives in the scratch region and sees
@@ -242,6 +242,18 @@ class BatchInputs:
 BATCH_HEAD = 5
 
 
+def padded_batch(sequences: int) -> int:
+    """The number of sequences a batched pass of ``sequences`` runs as (the rest pad sequences):
+    a power of two up to 8, then a multiple of 4 up to 32, then of 16. A pad sequence costs its
+    block's rows in every matmul and in the top-K: at the 8B shape on an H200, 18 sequences ran in
+    4.16 ms as 20 against 5.44 ms as 32, and 12 in 2.92 ms against 3.69 as 16 (BENCHMARKS.md,
+    [D6]). Each size is a graph per span and top-K set, captured at its first pass."""
+    if sequences <= 8:
+        return max(2, 1 << (sequences - 1).bit_length())
+    step = 4 if sequences <= 32 else 16
+    return -(-sequences // step) * step
+
+
 class BlockGraphs:
     """``sequences`` context slots of ``context`` positions each, and the graphs captured over them.
 
@@ -391,7 +403,7 @@ class BlockGraphs:
         if self.failed:
             return None
         assert 1 <= len(items) <= self.sequences and all(it.cache.slot is not None for it in items)
-        s = max(2, 1 << (len(items) - 1).bit_length())
+        s = padded_batch(len(items))
         ends = [it.cache.size + (0 if it.features is None else len(it.features)) for it in items]
         assert all(e + b <= self.context and (it.features is None or len(it.features) <= b) for it, e in zip(items, ends))
         span = min(attention_span(max(ends) + b), self.context)

@@ -33,7 +33,7 @@ def add_arguments(p: argparse.ArgumentParser, model: bool = True) -> None:
         "--graph-sequences", type=int, default=-1,
         help="context slots of --graph-context positions, preallocated on first use: a sequence in a slot "
         "proposes by one CUDA graph replay, and sequences in slots that step together by one batched replay "
-        "(their number padded to a power of two); graphs serve every later sequence (on a CPU the same fixed "
+        "(their number padded to a power of two up to 8, then a multiple of 4, then of 16); graphs serve every later sequence (on a CPU the same fixed "
         "shapes run eagerly); sequences beyond the slots run eagerly; -1 = 32 on CUDA (about 84 MB a slot for an 8B target's draft at 4096 positions), 0 on CPU",
     )
     p.add_argument("--graph-context", type=int, default=4096, help="context positions of each slot (--graph-sequences)")

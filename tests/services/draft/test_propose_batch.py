@@ -8,7 +8,7 @@ import torch
 
 from native import paged_attention
 from services.draft.engine import DraftEngine, Proposal, ProposeStep
-from services.draft.graphs import BlockGraphs
+from services.draft.graphs import BlockGraphs, padded_batch
 from splitspec.errors import Aborted, FailedPrecondition, InvalidArgument, ResourceExhausted
 from splitspec.models.loader import load_dflash_draft, load_target_head
 
@@ -305,3 +305,31 @@ def test_batched_fixed_shapes_match_each_sequence_alone(drafts, dtype, native, m
     # The scratch region took the pad sequences' keys; it is the pool's last block of positions.
     assert graphs.pool[0][0].shape[1] == 5 * context + cfg.block_size
     assert graphs.pool[0][0][:, -cfg.block_size :].abs().sum() > 0
+
+
+def test_padded_batch_sizes():
+    # Powers of two up to 8, then multiples of 4 up to 32, then of 16: never fewer than asked.
+    assert [padded_batch(n) for n in (1, 2, 3, 5, 8, 9, 12, 13, 18, 21, 32, 33, 48, 49)] == [2, 2, 4, 8, 8, 12, 12, 16, 20, 24, 32, 48, 48, 64]
+    assert all(n <= padded_batch(n) < n + 16 for n in range(1, 300))
+
+
+def test_batch_of_nine_pads_to_twelve(drafts):
+    """Nine sequences in slots run as one pass of 12 (three pad sequences), each getting what it
+    gets alone, in a first step (its prompt) and a second (a few new rows, appended in the pass)."""
+    model, cfg, embed, head = drafts[torch.float64]
+    graphs = BlockGraphs(model, embed, head, context=128, sequences=9, capture=False)
+    batch_engine = DraftEngine(model, embed, head, graphs=graphs)
+    alone_engine = DraftEngine(model, embed, head, graphs=BlockGraphs(model, embed, head, context=128, sequences=9, capture=False))
+    g = torch.Generator().manual_seed(3)
+    width = cfg.num_taps * cfg.hidden_size
+    sids = [f"s{i}" for i in range(9)]
+    features = {sid: torch.randn(40, width, generator=g, dtype=torch.float64) for sid in sids}
+    for number, (first, last) in enumerate([(0, 20), (20, 23)]):
+        steps = [ProposeStep(sid, 7 * i + number, last + i, features[sid][first + (i if number else 0) : last + i], 5, 0)
+                 for i, sid in enumerate(sids)]
+        results = batch_engine.propose_batch(steps)
+        for step, result in zip(steps, results):
+            assert isinstance(result, Proposal), result
+            assert result.pass_sequences == 9
+            assert_same(result, propose_alone(alone_engine, step), torch.float64)
+    assert {shape[0] for shape in graphs.batch_shapes} == {12}
