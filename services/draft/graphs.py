@@ -69,7 +69,7 @@ import torch
 
 from native import top_k as native_top_k
 from native import use_triton
-from services.worker.cuda_graphs import StagedInputs, attention_span, capture
+from services.worker.cuda_graphs import WARM_SPANS, StagedInputs, attention_span, capture
 from splitspec.models.dflash import DFlashDraft, PooledAttention
 from splitspec.models.quantized import embedding_rows, head_logits
 
@@ -207,6 +207,15 @@ class BatchItem:
 
 
 @dataclass
+class _WarmUpContext:
+    """What a batched pass reads of a sequence's context (its slot and filled positions), for
+    :meth:`BlockGraphs.warm_up`'s passes, which no sequence owns."""
+
+    slot: int
+    size: int
+
+
+@dataclass
 class BatchInputs:
     """The static inputs of every batched pass of S (padded) sequences, shared by their graphs
     (passes replay one at a time): ``head`` [S, BATCH_HEAD] int64, then the appended rows' pool
@@ -295,15 +304,51 @@ class BlockGraphs:
             if not self._free:
                 return None
             slot = self._free.pop()
+        self._allocate_pool()
+        weakref.finalize(owner, self._give_back, slot)
+        region = slice(slot * self.context, (slot + 1) * self.context)
+        return slot, [k[:, region] for k, _ in self.pool], [v[:, region] for _, v in self.pool]
+
+    def _allocate_pool(self) -> None:
+        """The slots' pool, at the first slot taken (or warm-up)."""
         if not self.pool:
             c = self.model.config
             shape = (c.num_kv_heads, self.sequences * self.context + c.block_size, c.head_dim)
             dtype = self.model.norm.weight.dtype
             # Zeros: a masked position is multiplied by 0 in attention, and 0 * NaN would be NaN.
             self.pool = [tuple(torch.zeros(shape, device=self.device, dtype=dtype) for _ in "kv") for _ in range(c.num_layers)]
-        weakref.finalize(owner, self._give_back, slot)
-        region = slice(slot * self.context, (slot + 1) * self.context)
-        return slot, [k[:, region] for k, _ in self.pool], [v[:, region] for _, v in self.pool]
+
+    def warm_up(self, top_k: int, spans: tuple[int, ...] = WARM_SPANS) -> int:
+        """Capture, before any sequence takes a slot, the batched passes that steps of 2 to
+        ``sequences`` sequences asking for ``top_k`` make at each of ``spans``: one per padded
+        batch size and span with new rows appended in the pass, and one without (a sequence's first
+        step, its prompt appended before). Otherwise each is captured at its first
+        run, holding every sequence of that pass: 0.1-0.4 s a graph at 32 users with Triton's
+        kernels compiled, 1-4 s with them compiling (BENCHMARKS.md, [R7]). The passes write into
+        the slots, which no sequence holds yet. Returns the passes run (captured, with
+        ``capture``; run eagerly without it, as on a CPU)."""
+        with self._lock:
+            if len(self._free) < self.sequences:
+                raise RuntimeError("BlockGraphs.warm_up: slots are taken; warm up before serving")
+        self._allocate_pool()
+        b = self.model.config.block_size
+        width = self.model.fc.in_features
+        row = torch.zeros(1, width, dtype=self.model.norm.weight.dtype, device=self.device)
+        sizes = sorted({padded_batch(n) for n in range(2, self.sequences + 1)})
+        runs = 0
+        for span in sorted({min(s, self.context) for s in spans}):  # a pass's span is capped at the slot
+            for features in (row, None):
+                # The block ends one past half the span, after the appended row if any: attention_span gives span.
+                size = span // 2 - b + (features is None)
+                if size < 0:
+                    continue
+                end = size + (features is not None)
+                for s in sizes:
+                    items = [BatchItem(_WarmUpContext(slot, size), 0, end, 0, top_k, features, size) for slot in range(min(s, self.sequences))]
+                    if self.run_batch(items) is None:
+                        return runs  # capture failed (logged): the worker serves eagerly
+                    runs += 1
+        return runs
 
     def _give_back(self, slot: int) -> None:
         with self._lock:

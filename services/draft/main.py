@@ -38,6 +38,12 @@ def add_arguments(p: argparse.ArgumentParser, model: bool = True) -> None:
     )
     p.add_argument("--graph-context", type=int, default=4096, help="context positions of each slot (--graph-sequences)")
     p.add_argument(
+        "--warm-up-top-k", type=int, default=0,
+        help="before serving, capture the batched CUDA graphs of 2 to --graph-sequences sequences at key spans 256, 512 and "
+        "1024, appending and not, for steps asking this top-K (the gateway's --top-k: 8 unless set), so that no step waits "
+        "for their capture (0.1-0.4 s each, seconds while Triton compiles); 0 = capture each at its first use (the default)",
+    )
+    p.add_argument(
         "--memory-cap-gb", type=float, default=0.0,
         help="device memory this worker may use, GiB (0 = no cap). On CUDA torch's allocator is held to it from before "
         "the weights load; on a CPU it is the budget of the memory plan only. The plan (weights with the target's "
@@ -148,6 +154,10 @@ async def run(args: argparse.Namespace, build=load_engine) -> None:
             )
             logger.info("%s", plan.describe())
             plan.check()  # before the context slots' pool, which the first sequence allocates
+            if graphs is not None and graphs.capture and args.warm_up_top_k > 0:
+                t1 = time.perf_counter()
+                passes = graphs.warm_up(args.warm_up_top_k)
+                logger.info("warmed up %d batched block graphs (top-%d) in %.1f s", passes, args.warm_up_top_k, time.perf_counter() - t1)
         geometry = model_geometry(target_config, dtype, device, str(args.target_model))
         servicer.host.attach(engine, (geometry, str(args.model)))
         metrics.describe(device=device, backend=backend_name(torch.device(device)), dtype=dtype, draft=model_name(args.model))

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from services.worker.cuda_graphs import StagedInputs, attention_span, capture
+from services.worker.cuda_graphs import WARM_SPANS, StagedInputs, attention_span, capture
 from splitspec.models.paged import PAD_BLOCK, PagedState, PassInputs, PassLayout, pass_layout
 from splitspec.spec.budget import ADAPTIVE_BUDGETS
 
@@ -64,7 +64,6 @@ WARM_TREE_ROWS = 24  # a budget-22 tree (23 rows), padded: the default budget's 
 # Block rows warm_up captures: a decode step's one row and every adaptive budget's tree (b + 1 rows,
 # each a bucket), the default budget's among them.
 WARM_BLOCKS = tuple(b + 1 for b in ADAPTIVE_BUDGETS)
-WARM_SPANS = (256, 512, 1024)  # key spans warm_up captures: prompts up to ~1K tokens, and their answers
 HOT_PASSES = 3  # the pass of a shape not warmed up at which it is captured
 
 

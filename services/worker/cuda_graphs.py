@@ -16,6 +16,7 @@ import torch
 
 T = TypeVar("T")
 MIN_SPAN = 256
+WARM_SPANS = (256, 512, 1024)  # key spans the workers' warm-ups capture: prompts up to ~1K tokens, and their answers
 
 
 def attention_span(end: int) -> int:

@@ -313,11 +313,16 @@ def test_padded_batch_sizes():
     assert all(n <= padded_batch(n) < n + 16 for n in range(1, 300))
 
 
-def test_batch_of_nine_pads_to_twelve(drafts):
-    """Nine sequences in slots run as one pass of 12 (three pad sequences), each getting what it
-    gets alone, in a first step (its prompt) and a second (a few new rows, appended in the pass)."""
+def test_batch_of_nine_pads_to_twelve_after_warm_up(drafts):
+    """The warm-up runs two passes (appending and not) per padded batch size (2, 4, 8, 12 for nine
+    slots) at the slots' span; then nine sequences in slots run as one pass of 12 (three pad sequences) whose shape the
+    warm-up ran, each getting what it gets alone, in a first step (its prompt) and a second (a few
+    new rows, appended in the pass): what the warm-up wrote into the slots is never read."""
     model, cfg, embed, head = drafts[torch.float64]
     graphs = BlockGraphs(model, embed, head, context=128, sequences=9, capture=False)
+    assert graphs.warm_up(5) == 8
+    warmed = {(s, 128, (5,), append) for s in (2, 4, 8, 12) for append in (True, False)}
+    assert graphs.batch_shapes == warmed
     batch_engine = DraftEngine(model, embed, head, graphs=graphs)
     alone_engine = DraftEngine(model, embed, head, graphs=BlockGraphs(model, embed, head, context=128, sequences=9, capture=False))
     g = torch.Generator().manual_seed(3)
@@ -332,4 +337,6 @@ def test_batch_of_nine_pads_to_twelve(drafts):
             assert isinstance(result, Proposal), result
             assert result.pass_sequences == 9
             assert_same(result, propose_alone(alone_engine, step), torch.float64)
-    assert {shape[0] for shape in graphs.batch_shapes} == {12}
+    assert graphs.batch_shapes == warmed
+    with pytest.raises(RuntimeError, match="slots are taken"):
+        graphs.warm_up(5)  # the nine sequences hold their slots
