@@ -44,13 +44,14 @@ def use_triton(tensor: torch.Tensor, kernel: str = "", *weights: torch.Tensor) -
     The kernels have no backward pass: where autograd records the call (``tensor`` or one of the
     call's ``weights`` needs a gradient, as in ``splitspec train-draft``) the reference runs, so
     that gradients reach every parameter."""
-    if not HAVE_TRITON or os.environ.get("SPLITSPEC_NATIVE") == "0":
+    # The CPU's answer first: a CPU pass asks this ~40 times a step, and each lookup reads the environment.
+    if not HAVE_TRITON or not (tensor.is_cuda or os.environ.get("SPLITSPEC_NATIVE_CPU") == "1"):
+        return False
+    if os.environ.get("SPLITSPEC_NATIVE") == "0":
         return False
     if torch.is_grad_enabled() and (tensor.requires_grad or any(w.requires_grad for w in weights)):
         return False
-    if kernel and kernel in os.environ.get("SPLITSPEC_NATIVE_OFF", "").split(","):
-        return False
-    return tensor.is_cuda or os.environ.get("SPLITSPEC_NATIVE_CPU") == "1"
+    return not (kernel and kernel in os.environ.get("SPLITSPEC_NATIVE_OFF", "").split(","))
 
 
 INTERPRETER_SMS = 132  # an H100/H200's multiprocessors: the CPU interpreter (CI) splits work as they would
