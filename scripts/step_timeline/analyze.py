@@ -80,6 +80,17 @@ def main(folder: str) -> None:
             print(f"  {key:24s} {statistics.median(values) / 1e3:9.1f} ({statistics.fmean(values) / 1e3:9.1f})  n={len(values)}")
 
 
+def worker_records(folder: str, worker: str) -> list[list[str]]:
+    """Every record of ``worker``'s processes ("target" or "draft": the bench's random-target and
+    random-draft as well as serve's)."""
+    return [r for path in glob.glob(os.path.join(folder, f"*{worker}-*.log")) for r in read(path)]
+
+
+def of_kind(records: list[list[str]], kind: str) -> list[tuple[int, int]]:
+    """(t0, t1) of the records of ``kind`` ("engine", "host", "prefill"), sorted."""
+    return sorted((int(r[2]), int(r[3])) for r in records if r[0] == kind)
+
+
 def _pass_of(ends: list[int], starts: list[int], t0: int, t1: int) -> int | None:
     """The pass that ran inside [t0, t1] and ended last, or None."""
     k = bisect.bisect_right(ends, t1) - 1
@@ -87,11 +98,11 @@ def _pass_of(ends: list[int], starts: list[int], t0: int, t1: int) -> int | None
 
 
 def passes(folder: str) -> None:
-    records = [r for path in glob.glob(os.path.join(folder, "*target-*.log")) for r in read(path)]
-    engine = sorted((int(r[2]), int(r[3])) for r in records if r[0] == "engine")
+    records = worker_records(folder, "target")
+    engine = of_kind(records, "engine")
     starts, ends = [e[0] for e in engine], [e[1] for e in engine]
-    prefills = sorted((int(r[2]), int(r[3])) for r in records if r[0] == "prefill")
-    steps = [(int(r[2]), int(r[3])) for r in records if r[0] == "host"]  # the servicer's call into its engine
+    prefills = of_kind(records, "prefill")
+    steps = of_kind(records, "host")  # the servicer's call into its engine
     rpcs = [(int(r[2]), int(r[3])) for path in glob.glob(os.path.join(folder, "gateway*.log")) for r in read(path)
             if r[0] == "rpc" and r[1] == "Verify"]
     by_pass: dict[int, dict[str, list[int]]] = defaultdict(lambda: defaultdict(list))
@@ -134,15 +145,14 @@ def passes(folder: str) -> None:
 def _engine_passes(folder: str, worker: str) -> list[tuple[int, int, int]]:
     """(start, end, steps) of every batched engine call of ``worker``'s processes ("target" or
     "draft"), sorted; steps: the servicer calls into the engine that it answered."""
-    records = [r for path in glob.glob(os.path.join(folder, f"*{worker}-*.log")) for r in read(path)]
-    engine = sorted((int(r[2]), int(r[3])) for r in records if r[0] == "engine")
+    records = worker_records(folder, worker)
+    engine = of_kind(records, "engine")
     starts, ends = [e[0] for e in engine], [e[1] for e in engine]
     steps: dict[int, int] = defaultdict(int)
-    for r in records:
-        if r[0] == "host":
-            k = _pass_of(ends, starts, int(r[2]), int(r[3]))
-            if k is not None:
-                steps[k] += 1
+    for t0, t1 in of_kind(records, "host"):
+        k = _pass_of(ends, starts, t0, t1)
+        if k is not None:
+            steps[k] += 1
     return [(s, e, steps[k]) for k, (s, e) in enumerate(engine)]
 
 
