@@ -220,7 +220,8 @@ def test_a_target_with_slow_steps_answers_health_checks_and_stays_up(module_serv
     s = module_services
     spec = TinySpec(hidden_size=1024, intermediate_size=4096, num_heads=16, num_kv_heads=4, head_dim=64, target_layers=44, seed=3)
     target_model, _ = make_tiny(tmp_path_factory.mktemp("slow"), spec, weight_type="f16")
-    target = s.start("ab-slow", "target", "--model", str(target_model), "--dtype", "float64", "--threads", "1")
+    # 5 GiB of float64 weights: 36 s to load here, more than 60 s on CI's busier machine.
+    target = s.start("ab-slow", "target", "--model", str(target_model), "--dtype", "float64", "--threads", "1", timeout=240)
     gateway = s.start("ab-slow-gw", "gateway", "--target", target, "--draft", "", "--health-interval", "0.2")
     checks: list[tuple[float, int]] = []
     gateway_down: list[str] = []
