@@ -98,6 +98,7 @@ class ProposeStep:
     window: int = 0  # attend to the last ``window`` context positions only; 0: all
     tokens: Sequence[int] = ()  # token ids of the new positions; DFlash conditions on features only
     context: int = 0  # the gateway's number of this draft context (SequenceTable.claim)
+    depths: int = 0  # candidates for depths 1..depths (0: every depth of the block; admitted, 1..B-1)
 
     @property
     def rows(self) -> int:
@@ -173,9 +174,10 @@ class DraftEngine:
         window: int = 0,
         tokens=(),  # token ids of the new positions; DFlash conditions on features only
         context: int = 0,  # the gateway's number of this draft context (SequenceTable.claim)
+        depths: int = 0,  # candidates for depths 1..depths (0: every depth of the block)
     ) -> Proposal:
         """One sequence's step: :meth:`propose_batch` of that step alone, raising its error."""
-        step = ProposeStep(sequence_id, anchor_token, anchor_position, features, top_k, window, tokens, context)
+        step = ProposeStep(sequence_id, anchor_token, anchor_position, features, top_k, window, tokens, context, depths)
         result = self.propose_batch([step])[0]
         if isinstance(result, BaseException):
             raise result
@@ -240,6 +242,9 @@ class DraftEngine:
             raise InvalidArgument(f"top_k: {step.top_k} is outside [1, {min(self.max_top_k, self.vocab_size)}]")
         if step.window < 0:
             raise InvalidArgument(f"window: {step.window} must be >= 0")
+        if step.depths < 0:
+            raise InvalidArgument(f"depths: {step.depths} must be >= 0")
+        step.depths = min(step.depths or c.block_size - 1, c.block_size - 1)
         features, m = step.features, step.rows
         width = c.num_taps * c.hidden_size
         if features is not None and (features.dim() != 2 or features.shape[1] != width):
@@ -336,8 +341,8 @@ class DraftEngine:
             block = torch.full((c.block_size,), c.mask_token_id, dtype=torch.int64, device=dev)
             block[0] = step.anchor_token
             positions = torch.arange(step.anchor_position, step.anchor_position + c.block_size, device=dev)
-            out = top_k_proposal(self.model, self.embed, self.lm_head, block, positions, seq.cache.layers(window), step.top_k)
-        [host] = _to_host([out])
+            out = top_k_proposal(self.model, self.embed, self.lm_head, block, positions, seq.cache.layers(window), step.top_k, step.depths)
+        [host] = _to_host([tuple(part[: step.depths] for part in out)])  # a graph computes every depth
         return Proposal.of(host, time.perf_counter_ns() - t0)
 
     def _propose_many(self, admitted: list[tuple[ProposeStep, DraftSequence]], graphed: bool = False) -> list[Proposal | BaseException]:
@@ -357,7 +362,9 @@ class DraftEngine:
                 anchors = torch.tensor([s.anchor_token for s in steps], dtype=torch.int64).to(self.device)  # [S]
                 anchor_positions = torch.tensor([s.anchor_position for s in steps], dtype=torch.int64).to(self.device)  # [S]
                 contexts = [seq.cache.layers(step.window) for step, seq in admitted]
-                outs = _to_host(top_k_proposals(self.model, self.embed, self.lm_head, anchors, anchor_positions, contexts, [s.top_k for s in steps]))
+                outs = _to_host(top_k_proposals(
+                    self.model, self.embed, self.lm_head, anchors, anchor_positions, contexts, [s.top_k for s in steps], [s.depths for s in steps],
+                ))
         except Exception as exc:  # every step of the pass fails with it
             return [exc] * len(admitted)
         forward_ns = time.perf_counter_ns() - t0
@@ -385,7 +392,7 @@ class DraftEngine:
             if 0 < step.rows <= b:
                 seq.cache.size += step.rows
                 self._extend(step, seq, None)
-        return [tuple(part[n] for part in host[k]) for k, n in where]
+        return [tuple(part[n, : step.depths] for part in host[k]) for (k, n), (step, _) in zip(where, admitted)]
 
 
 def _to_host(outs: list[tuple[torch.Tensor, ...]]) -> list[tuple[torch.Tensor, ...]]:

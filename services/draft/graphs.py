@@ -140,42 +140,52 @@ def top_k_of(hidden: torch.Tensor, lm_head: torch.Tensor, top_k: int) -> tuple[t
 
 def top_k_proposal(
     model: DFlashDraft, embed: torch.Tensor, lm_head: torch.Tensor, block: torch.Tensor, positions: torch.Tensor,
-    context: list[tuple[torch.Tensor, torch.Tensor]], top_k: int,
+    context: list[tuple[torch.Tensor, torch.Tensor]], top_k: int, depths: int = 0,
 ) -> tuple[torch.Tensor, ...]:
-    """One eager block pass over ``context`` (per layer (k, v) [H_kv, S, D]): top-K ids [B-1, K]
-    int32 and log-probs [B-1, K] float32, then for a DFlash2 draft its pair scores [B-1, K, K]."""
+    """One eager block pass over ``context`` (per layer (k, v) [H_kv, S, D]): top-K ids [D, K]
+    int32 and log-probs [D, K] float32, then for a DFlash2 draft its pair scores [D, K, K], for
+    depths 1..D (``depths``; 0: all, D = B-1)."""
     hidden = model(embedding_rows(embed, block).to(model.norm.weight.dtype), positions, context)  # [B, hidden]
-    return proposals_of(model, hidden[None, 1:], lm_head, block[:1], [top_k])[0]
+    return proposals_of(model, hidden[None, 1:], lm_head, block[:1], [top_k], [depths])[0]
 
 
 def top_k_proposals(
     model: DFlashDraft, embed: torch.Tensor, lm_head: torch.Tensor, anchors: torch.Tensor, anchor_positions: torch.Tensor,
-    contexts: list[list[tuple[torch.Tensor, torch.Tensor]]], top_ks: list[int],
+    contexts: list[list[tuple[torch.Tensor, torch.Tensor]]], top_ks: list[int], depths: list[int] | None = None,
 ) -> list[tuple[torch.Tensor, ...]]:
     """:func:`top_k_proposal` of S sequences in one eager pass (``DFlashDraft.forward_batch``):
     ``anchors`` and ``anchor_positions`` [S] int64, ``contexts`` per sequence, per layer (k, v)
-    [H_kv, n_s, D]. Returns per sequence what :func:`top_k_proposal` returns."""
+    [H_kv, n_s, D], ``depths`` per sequence (default: all). Returns per sequence what
+    :func:`top_k_proposal` returns."""
     c = model.config
     rows = torch.arange(c.block_size, device=anchors.device)  # [B]
     blocks = torch.where(rows == 0, anchors[:, None], c.mask_token_id)  # [S, B]: anchor, MASK × (B-1)
     hidden = model.forward_batch(embedding_rows(embed, blocks).to(model.norm.weight.dtype), anchor_positions[:, None] + rows, contexts)  # [S, B, hidden]
-    return proposals_of(model, hidden[:, 1:], lm_head, anchors, top_ks)
+    return proposals_of(model, hidden[:, 1:], lm_head, anchors, top_ks, depths)
 
 
 @torch.inference_mode()
 def proposals_of(
     model: DFlashDraft, rows: torch.Tensor, lm_head: torch.Tensor, anchors: torch.Tensor, top_ks: list[int],
+    depths: list[int] | None = None,
 ) -> list[tuple[torch.Tensor, ...]]:
-    """S blocks' draft rows [S, B-1, hidden] -> per block its top-K ids [B-1, K_s] int32 and
-    log-probs [B-1, K_s] float32, and a DFlash2 draft's pair scores [B-1, K_s, K_s] float32 of
-    those candidates after ``anchors`` [S] (``CandidateSelector.pair_scores``).
+    """S blocks' draft rows [S, B-1, hidden] -> per block its top-K ids [D_s, K_s] int32 and
+    log-probs [D_s, K_s] float32, and a DFlash2 draft's pair scores [D_s, K_s, K_s] float32 of
+    those candidates after ``anchors`` [S] (``CandidateSelector.pair_scores``), for depths
+    1..D_s (``depths``, 0 or none: B-1).
 
+    The LM head and the top-K run over the rows of the deepest depth asked for only: on the
+    2-core CPU they took 4.0 of the built-in draft's 10.6 ms one-sequence pass, and a tree of 3
+    nodes reads 3 of its 15 depths (BENCHMARKS.md, [P13] and [D7]). Each depth's row is its
+    own, whatever the others (every part is per row).
     The top-K runs once per distinct K over the rows of the sequences asking for it, not once
     with the largest K sliced: ``torch.topk`` orders tied values differently for different K, and
     each row must come out as it would alone."""
-    # One [S * (B-1), hidden] matmul: a 3-D operand would run as a batched matmul over the
+    cut = [d or rows.shape[1] for d in depths] if depths else [rows.shape[1]] * len(top_ks)  # D_s
+    rows = rows[:, : max(cut)]  # [S, D, hidden]
+    # One [S * D, hidden] matmul: a 3-D operand would run as a batched matmul over the
     # broadcast LM head (H200, S=32, vocab 152k: 9 ms against well under one).
-    logits = head_logits(rows.flatten(0, 1), lm_head).unflatten(0, rows.shape[:2])  # [S, B-1, vocab]
+    logits = head_logits(rows.flatten(0, 1), lm_head).unflatten(0, rows.shape[:2])  # [S, D, vocab]
     selector = getattr(model, "candidate_selector", None)
     if selector is not None:
         logits = model.draft_logits(logits)
@@ -183,13 +193,13 @@ def proposals_of(
     for k in sorted(set(top_ks)):
         members = [s for s, ks in enumerate(top_ks) if ks == k]
         everyone = len(members) == len(top_ks)
-        chosen = logits if everyone else logits[members]  # [S_k, B-1, vocab]
-        ids, logprobs = (t.unflatten(0, chosen.shape[:2]) for t in top_k_log_softmax(chosen.flatten(0, 1), k))  # [S_k, B-1, K]
+        chosen = logits if everyone else logits[members]  # [S_k, D, vocab]
+        ids, logprobs = (t.unflatten(0, chosen.shape[:2]) for t in top_k_log_softmax(chosen.flatten(0, 1), k))  # [S_k, D, K]
         parts: tuple[torch.Tensor, ...] = (ids, logprobs)
         if selector is not None:
             parts += (selector.pair_scores(rows if everyone else rows[members], logprobs, ids, anchors if everyone else anchors[members]),)
         for j, s in enumerate(members):
-            out[s] = tuple(part[j] for part in parts)
+            out[s] = tuple(part[j, : cut[s]] for part in parts)
     return out
 
 

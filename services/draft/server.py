@@ -55,7 +55,7 @@ class DraftServicer(draft_pb2_grpc.DraftWorkerServicer):
                 raise InvalidArgument(f"features: {exc}") from exc
         step = ProposeStep(
             request.sequence_id, request.anchor_token, request.anchor_position, features, request.top_k, request.window,
-            list(request.tokens), request.context,
+            list(request.tokens), request.context, request.depths,
         )
         proposal = await self.proposer.submit(step)
         self.metrics.forward("propose", proposal.forward_ns)

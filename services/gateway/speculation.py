@@ -327,12 +327,18 @@ class SpeculativeSequence:
             self.draft_context = next_draft_context()  # a fresh context: steps of the released one stay refused
         self.draft_live = True
         history = self._tokens(self.draft_synced, start)
+        budget = min(opts.budget, max_nodes)
+        if opts.mode is Mode.CHAIN:
+            budget = size = min(budget, max_depth)
+        else:
+            size = min(budget, self.budget_policy.tree_budget()) if opts.adaptive else budget
         timeout = self._timeout(opts.draft_timeout_s)
         asked = time.perf_counter()
         try:
+            # A tree of `size` nodes reaches that depth at most: the draft's head runs for those depths only.
             proposed = await self.draft.propose(
                 self.sequence_id, anchor, start, history, features, opts.top_k, opts.draft_window,
-                timeout=timeout, context=self.draft_context,
+                timeout=timeout, context=self.draft_context, depths=max(1, min(size, max_depth, self.shape.block_size - 1)),
             )
             self.draft_synced = start
             self.draft_s = time.perf_counter() - asked
@@ -348,18 +354,15 @@ class SpeculativeSequence:
                 self.on_draft_failure()
             await self._forget_draft()
             return DraftTree.empty(), exc.code().name.lower(), None
-        budget = min(opts.budget, max_nodes)
         top_ids, pairs = proposed.top_ids, proposed.pair_scores if opts.lattice else None
         try:
             if opts.mode is Mode.CHAIN:
-                budget = min(budget, max_depth)
                 if pairs is None:
                     return build_chain(top_ids, budget), "", budget
                 top_ids, pairs = check_lattice(top_ids, pairs)
                 t = self.sampling.temperature
                 path = sampled_path(pairs, budget, t, self.walk_rng) if t > 0 else selector_path(pairs, budget)
                 return path_chain(top_ids, path), "", budget
-            size = min(budget, self.budget_policy.tree_budget()) if opts.adaptive else budget
             if pairs is None:
                 tree = build_ddtree(top_ids, proposed.top_logprobs, size, chain_seed=opts.chain_seed, max_depth=max_depth)
             else:

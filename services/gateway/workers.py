@@ -260,9 +260,11 @@ class DraftClient(WorkerClient):
         window: int,
         timeout: float | None,
         context: int = 0,
+        depths: int = 0,
     ) -> Proposed:
-        """The draft's candidates for the block after the anchor. ``context`` numbers the draft
-        context this step belongs to (``ProposeRequest.context``; 0 = unnumbered)."""
+        """The draft's candidates for the block after the anchor, for depths 1..``depths`` (0: all).
+        ``context`` numbers the draft context this step belongs to (``ProposeRequest.context``;
+        0 = unnumbered)."""
         r = await self._step(
             draft_pb2.ProposeRequest(
                 sequence_id=sequence_id,
@@ -273,6 +275,7 @@ class DraftClient(WorkerClient):
                 top_k=top_k,
                 window=window,
                 context=context,
+                depths=depths,
             ),
             timeout,
         )

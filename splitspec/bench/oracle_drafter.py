@@ -102,9 +102,10 @@ class OracleDrafter:
 
     def propose(
         self, sequence_id: str, anchor_token: int, anchor_position: int, features, top_k: int, window: int = 0, tokens=(),
-        context: int = 0,
+        context: int = 0, depths: int = 0,
     ) -> Proposal:
-        result = self.propose_batch([ProposeStep(sequence_id, anchor_token, anchor_position, features, top_k, window, tokens, context)])[0]
+        step = ProposeStep(sequence_id, anchor_token, anchor_position, features, top_k, window, tokens, context, depths)
+        result = self.propose_batch([step])[0]
         if isinstance(result, BaseException):
             raise result
         return result
@@ -114,6 +115,8 @@ class OracleDrafter:
         context, tokens = step.context, step.tokens
         if not 1 <= top_k <= min(self.max_top_k, self.vocab_size - 1):
             raise InvalidArgument(f"top_k: {top_k} is outside [1, {min(self.max_top_k, self.vocab_size - 1)}]")
+        if step.depths < 0:
+            raise InvalidArgument(f"depths: {step.depths} must be >= 0")
         history = self.sequences.claim(sequence_id, context, list)
         history.extend(tokens)
         if len(history) != anchor_position:
@@ -141,7 +144,8 @@ class OracleDrafter:
             on_path = ids == true[:, None]  # [depth, K]: the true token among each depth's candidates
             after = np.concatenate([np.ones((1, top_k), bool), on_path[:-1]])  # [depth, K]: predecessor a on the path
             pairs = torch.from_numpy((logprobs[:, None, :] + SELECTOR_BONUS * (after[:, :, None] & on_path[:, None, :])).astype(np.float32))
-        return Proposal(torch.from_numpy(ids), torch.from_numpy(logprobs), 0, pair_scores=pairs)
+        cut = step.depths or depth  # every depth is drawn above, so a row does not depend on how many are asked for
+        return Proposal(torch.from_numpy(ids[:cut]), torch.from_numpy(logprobs[:cut]), 0, pair_scores=None if pairs is None else pairs[:cut])
 
     def _rank_logprobs(self, top_k: int) -> np.ndarray:
         """``[K]`` float32: the probability that the true token sits at each rank, as the corruption

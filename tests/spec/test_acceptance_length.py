@@ -79,7 +79,7 @@ class ScriptedDraft:
         self.script = script
         self.calls = 0
 
-    async def propose(self, sequence_id, anchor, start, history, features, top_k, window, timeout=None, context=0):
+    async def propose(self, sequence_id, anchor, start, history, features, top_k, window, timeout=None, context=0, depths=0):
         ranks = self.script[self.calls]
         self.calls += 1
         generated = start - len(PROMPT) + 1

@@ -64,6 +64,25 @@ def test_batched_steps_equal_steps_alone(draft, fixed_shapes):
         assert torch.allclose(got.pair_scores, want.pair_scores, atol=1e-5) and got.pair_scores.shape == (cfg.block_size - 1, step.top_k, step.top_k)
 
 
+@pytest.mark.parametrize("fixed_shapes", [False, True], ids=["eager", "fixed-shapes"])
+def test_fewer_depths_are_the_first_rows(draft, fixed_shapes):
+    """Steps asking for depths 1..D (3 and 1 beside one asking for all) get the first D rows of
+    the candidates, log-probs and pair scores they get alone asking for every depth."""
+    model, cfg, embed, head, _ = draft
+    g = torch.Generator().manual_seed(1)
+    steps = [ProposeStep(name, anchor, n, torch.randn(n, cfg.num_taps * cfg.hidden_size, generator=g, dtype=torch.float64), 8, depths=d)
+             for name, anchor, n, d in [("a", 3, 10, 3), ("b", 7, 50, 0), ("c", 11, 33, 1)]]
+    graphs = BlockGraphs(model, embed, head, context=96, sequences=4, capture=False) if fixed_shapes else None
+    together = DraftEngine(model, embed, head, graphs=graphs).propose_batch(steps)
+    alone = DraftEngine(model, embed, head)
+    for step, got in zip(steps, together):
+        want = alone.propose(step.sequence_id, step.anchor_token, step.anchor_position, step.features, step.top_k)
+        d = step.depths or cfg.block_size - 1
+        assert got.top_ids.shape == (d, 8) and got.pair_scores.shape == (d, 8, 8)
+        assert torch.equal(got.top_ids, want.top_ids[:d]) and torch.allclose(got.top_logprobs, want.top_logprobs[:d], atol=1e-9)
+        assert torch.allclose(got.pair_scores, want.pair_scores[:d], atol=1e-5)
+
+
 def test_native_kernels_match_the_reference_path(tmp_path, monkeypatch):
     """float32 proposals with the native kernels (Triton's interpreter: the convolutions, their
     fused add and norm) equal the plain-torch path's, through the fixed-shape pass."""

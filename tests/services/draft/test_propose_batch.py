@@ -3,6 +3,8 @@ gives that sequence alone, and a bad step fails alone."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -121,6 +123,26 @@ def test_batch_matches_each_sequence_alone(drafts, dtype, fixed_shapes, native, 
             assert seq.cache.size <= 2 * window
 
 
+@pytest.mark.parametrize("fixed_shapes", [False, True], ids=["eager", "fixed-shapes"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+def test_depths_are_the_first_rows_of_every_depth(drafts, dtype, fixed_shapes):
+    """A step that asks for depths 1..D gets the first D rows of what it gets asking for every
+    depth (0, or more than the block has: B-1), in a batch of steps asking for different depths
+    and alone, over consecutive steps."""
+    model, cfg, embed, head = drafts[dtype]
+    cut_engine, full_engine = (make_engine(model, embed, head, fixed_shapes) for _ in range(2))
+    cut_script, full_script = Script(cfg, dtype), Script(cfg, dtype)
+    depths = {"a": 1, "b": 3, "c": 0, "d": 40}
+    for members in ROUNDS:
+        steps = [replace(cut_script.step(sid), depths=depths[sid]) for sid in members]
+        full = full_engine.propose_batch([full_script.step(sid) for sid in members])
+        for step, got, want in zip(steps, cut_engine.propose_batch(steps), full):
+            d = min(depths[step.sequence_id] or cfg.block_size - 1, cfg.block_size - 1)
+            assert got.top_ids.shape == got.top_logprobs.shape == (d, step.top_k)
+            assert torch.equal(got.top_ids, want.top_ids[:d])
+            torch.testing.assert_close(got.top_logprobs, want.top_logprobs[:d], rtol=0, atol=TOLERANCE[dtype])
+
+
 def test_ties_break_as_alone(drafts):
     """A vocabulary of tokens in tied groups of four (LM head rows repeated): every top-K cuts
     through ties, and with different top_k in one batch each sequence's ids still come out in the
@@ -174,6 +196,7 @@ def test_bad_steps_fail_alone(draft):
         ProposeStep("", 3, 4, features["x"][:4], 4),  # no sequence_id
         ProposeStep("f", 10**6, 4, features["x"][:4], 4),  # anchor outside the vocabulary
         ProposeStep("g", 3, 4, features["x"][:4], 4, window=-1),
+        ProposeStep("h", 3, 4, features["x"][:4], 4, depths=-1),
     ]
     expected = [
         None,
@@ -189,6 +212,7 @@ def test_bad_steps_fail_alone(draft):
         (InvalidArgument, "sequence_id must not be empty"),
         (InvalidArgument, r"anchor_token: 1000000 is outside \[0, "),
         (InvalidArgument, "window: -1 must be >= 0"),
+        (InvalidArgument, "depths: -1 must be >= 0"),
     ]
     results = engine.propose_batch(steps)
     assert len(results) == len(expected)

@@ -279,19 +279,26 @@ class FakeTarget:
 
 
 class FakeDraft:
-    async def propose(self, sequence_id, anchor, start, history, features, top_k, window, timeout=None, context=0):
-        return Proposed(TOP_IDS, TOP_LOGPROBS)
+    """Answers the depths asked for (``ProposeRequest.depths``), as the draft worker does, and records them."""
+
+    def __init__(self) -> None:
+        self.depths: list[int] = []
+
+    async def propose(self, sequence_id, anchor, start, history, features, top_k, window, timeout=None, context=0, depths=0):
+        self.depths.append(depths)
+        cut = depths or DEPTHS
+        return Proposed(TOP_IDS[:cut], TOP_LOGPROBS[:cut])
 
     async def release(self, sequence_id, context=0) -> None:
         pass
 
 
-def run_sequence(options: SpeculationOptions, policy: BudgetPolicy, max_new_tokens: int = MAX_NEW_TOKENS, target=None):
+def run_sequence(options: SpeculationOptions, policy: BudgetPolicy, max_new_tokens: int = MAX_NEW_TOKENS, target=None, draft=None):
     metrics = GatewayMetrics(CollectorRegistry())
     metrics.model = "m"
     target = target or FakeTarget()
     seq = SpeculativeSequence(
-        "s", target, FakeDraft(), DraftShape(block_size=DEPTHS + 1, taps=()), options, PROMPT, common_pb2.Sampling(),
+        "s", target, draft or FakeDraft(), DraftShape(block_size=DEPTHS + 1, taps=()), options, PROMPT, common_pb2.Sampling(),
         max_new_tokens=max_new_tokens, max_context=4096, on_step=metrics.step_observer(options.mode.value),
         budget_policy=policy,
     )
@@ -322,7 +329,8 @@ def test_an_adaptive_sequence_cuts_the_largest_tree_to_the_choice_and_feeds_the_
     policy = BudgetPolicy(22, 64, warmup_passes=3, hold_passes=0)
     chosen = recording(policy)
     options = SpeculationOptions(budget=64, adaptive=True)
-    trees, budgets = run_sequence(options, policy)
+    draft = FakeDraft()
+    trees, budgets = run_sequence(options, policy, draft=draft)
     assert len(trees) == policy.passes == len(STEP_DEPTHS) and trees[-1] == ([], [])
     assert len(chosen) == len(STEP_DEPTHS) - 1  # every step that drafted
     assert policy.concurrency == 32 and policy.t_other >= 0
@@ -333,6 +341,10 @@ def test_an_adaptive_sequence_cuts_the_largest_tree_to_the_choice_and_feeds_the_
         want = build_ddtree(TOP_IDS, TOP_LOGPROBS, budget, chain_seed=options.chain_seed, max_depth=depth)
         assert (tokens, parents) == (want.tokens.tolist(), want.parents.tolist())
     assert budgets == sum(chosen)
+    # Every depth the tree could reach was asked for (the trees above are those of every depth), and
+    # once the choice fell below the block, the steps that built only its tree asked for fewer.
+    assert all(min(budget, depth) <= asked <= depth for budget, depth, asked in zip(chosen, STEP_DEPTHS, draft.depths))
+    assert any(asked < depth for depth, asked in zip(STEP_DEPTHS, draft.depths))
 
 
 class FeatureTarget(FakeTarget):
@@ -361,7 +373,7 @@ class CheckingDraft(FakeDraft):
         self.proposals: list[tuple[int, list[float]]] = []  # (anchor position, rows' positions)
         self.ends: dict[int, int] = {}  # context -> first position without features
 
-    async def propose(self, sequence_id, anchor, start, history, features, top_k, window, timeout=None, context=0):
+    async def propose(self, sequence_id, anchor, start, history, features, top_k, window, timeout=None, context=0, depths=0):
         rows = array_from_pb(features)[:, 0].tolist()
         assert rows == list(range(self.ends.get(context, start - len(rows)), start)), (start, rows)
         self.ends[context] = start
@@ -396,8 +408,10 @@ def test_a_target_only_step_of_budget_0_does_not_ask_the_draft_and_keeps_its_fea
 def test_a_fixed_budget_wins_over_the_policy_and_still_teaches_it():
     policy = BudgetPolicy(22, 64, warmup_passes=3)
     chosen = recording(policy)
-    trees, budgets = run_sequence(SpeculationOptions(budget=12), policy)
+    draft = FakeDraft()
+    trees, budgets = run_sequence(SpeculationOptions(budget=12), policy, draft=draft)
     assert chosen == [] and policy.passes == len(STEP_DEPTHS) and policy.concurrency == 32
+    assert draft.depths == [min(12, depth) for depth in STEP_DEPTHS[:-1]]  # a 12-node tree reaches depth 12 at most
     # 12 nodes a step, but at depth 1 (one token left before the bonus) the draft's 8 candidates.
     assert [len(tokens) for tokens, _ in trees] == [12] * (len(STEP_DEPTHS) - 2) + [8, 0]
     assert budgets == 12 * (len(STEP_DEPTHS) - 1)
