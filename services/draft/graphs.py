@@ -178,6 +178,7 @@ def proposals_of(
     2-core CPU they took 4.0 of the built-in draft's 10.6 ms one-sequence pass, and a tree of 3
     nodes reads 3 of its 15 depths (BENCHMARKS.md, [P13] and [D7]). Each depth's row is its
     own, whatever the others (every part is per row).
+
     The top-K runs once per distinct K over the rows of the sequences asking for it, not once
     with the largest K sliced: ``torch.topk`` orders tied values differently for different K, and
     each row must come out as it would alone."""
