@@ -296,7 +296,7 @@ class BudgetPolicy:
         held = self._pass_weight - self._chosen_at < self.hold_passes
         if not len(current) or (not held and rates[best] > (1 + HYSTERESIS) * rates[current[0]]):
             logger.info(
-                "adaptive budget %s -> %d: %.0f tok/s expected at %.1f sequences a pass, %.2f passes a round, "
+                "adaptive budget %s -> %d: %.0f tok/s expected of a pass's %.1f sequences (not the gateway's aggregate), %.2f passes a round, "
                 "t_other %.1f ms (draft %.1f) (%s)",
                 self.choice, candidates[best], rates[best], self.concurrency, self.passes_per_round, 1e3 * self.t_other, 1e3 * self.t_draft,
                 ", ".join(f"{b}: {r:.0f}" for b, r in zip(candidates, rates)),
