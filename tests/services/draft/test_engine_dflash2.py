@@ -49,17 +49,24 @@ def test_incremental_proposals_match_the_equations(draft, fixed_shapes):
         assert engine.sequences.get("s").cache.k[0].shape[1] == 96
 
 
-@pytest.mark.parametrize("fixed_shapes", [False, True], ids=["eager", "fixed-shapes"])
-def test_batched_steps_equal_steps_alone(draft, fixed_shapes):
+def batched_and_alone(draft, fixed_shapes: bool, steps: list[tuple[str, int, int, int, int]]):
+    """Steps ``(name, anchor, rows, top_k, depths)`` of fresh contexts proposed in one batch, each
+    with what an engine of its own gives it asking for every depth: ``(step, batched, alone)``."""
     model, cfg, embed, head, _ = draft
     g = torch.Generator().manual_seed(1)
-    steps = [ProposeStep(name, anchor, n, torch.randn(n, cfg.num_taps * cfg.hidden_size, generator=g, dtype=torch.float64), k)
-             for name, anchor, n, k in [("a", 3, 10, 8), ("b", 7, 50, 8), ("c", 11, 33, 5)]]
+    steps = [ProposeStep(name, anchor, n, torch.randn(n, cfg.num_taps * cfg.hidden_size, generator=g, dtype=torch.float64), k, depths=d)
+             for name, anchor, n, k, d in steps]
     graphs = BlockGraphs(model, embed, head, context=96, sequences=4, capture=False) if fixed_shapes else None
     together = DraftEngine(model, embed, head, graphs=graphs).propose_batch(steps)
     alone = DraftEngine(model, embed, head)
     for step, got in zip(steps, together):
-        want = alone.propose(step.sequence_id, step.anchor_token, step.anchor_position, step.features, step.top_k)
+        yield step, got, alone.propose(step.sequence_id, step.anchor_token, step.anchor_position, step.features, step.top_k)
+
+
+@pytest.mark.parametrize("fixed_shapes", [False, True], ids=["eager", "fixed-shapes"])
+def test_batched_steps_equal_steps_alone(draft, fixed_shapes):
+    cfg = draft[1]
+    for step, got, want in batched_and_alone(draft, fixed_shapes, [("a", 3, 10, 8, 0), ("b", 7, 50, 8, 0), ("c", 11, 33, 5, 0)]):
         assert got.pass_sequences == 3 and torch.equal(got.top_ids, want.top_ids)
         assert torch.allclose(got.pair_scores, want.pair_scores, atol=1e-5) and got.pair_scores.shape == (cfg.block_size - 1, step.top_k, step.top_k)
 
@@ -68,15 +75,8 @@ def test_batched_steps_equal_steps_alone(draft, fixed_shapes):
 def test_fewer_depths_are_the_first_rows(draft, fixed_shapes):
     """Steps asking for depths 1..D (3 and 1 beside one asking for all) get the first D rows of
     the candidates, log-probs and pair scores they get alone asking for every depth."""
-    model, cfg, embed, head, _ = draft
-    g = torch.Generator().manual_seed(1)
-    steps = [ProposeStep(name, anchor, n, torch.randn(n, cfg.num_taps * cfg.hidden_size, generator=g, dtype=torch.float64), 8, depths=d)
-             for name, anchor, n, d in [("a", 3, 10, 3), ("b", 7, 50, 0), ("c", 11, 33, 1)]]
-    graphs = BlockGraphs(model, embed, head, context=96, sequences=4, capture=False) if fixed_shapes else None
-    together = DraftEngine(model, embed, head, graphs=graphs).propose_batch(steps)
-    alone = DraftEngine(model, embed, head)
-    for step, got in zip(steps, together):
-        want = alone.propose(step.sequence_id, step.anchor_token, step.anchor_position, step.features, step.top_k)
+    cfg = draft[1]
+    for step, got, want in batched_and_alone(draft, fixed_shapes, [("a", 3, 10, 8, 3), ("b", 7, 50, 8, 0), ("c", 11, 33, 8, 1)]):
         d = step.depths or cfg.block_size - 1
         assert got.top_ids.shape == (d, 8) and got.pair_scores.shape == (d, 8, 8)
         assert torch.equal(got.top_ids, want.top_ids[:d]) and torch.allclose(got.top_logprobs, want.top_logprobs[:d], atol=1e-9)
