@@ -7,6 +7,7 @@ import logging
 import time
 
 from splitspec.models import keep_quantized
+from splitspec.spec.tree import DEFAULT_TOP_K
 from splitspec.transport import busypoll, rpc
 from splitspec.transport.security import ServerSecurity, add_server_arguments
 from splitspec.transport.stepwire import add_step_socket_argument, step_server_from_args
@@ -38,10 +39,11 @@ def add_arguments(p: argparse.ArgumentParser, model: bool = True) -> None:
     )
     p.add_argument("--graph-context", type=int, default=4096, help="context positions of each slot (--graph-sequences)")
     p.add_argument(
-        "--warm-up-top-k", type=int, default=0,
+        "--warm-up-top-k", type=int, default=-1,
         help="before serving, capture the batched CUDA graphs of 2 to --graph-sequences sequences at key spans 256, 512 and "
-        "1024, appending and not, for steps asking this top-K (the gateway's --top-k: 8 unless set), so that no step waits "
-        "for their capture (0.1-0.4 s each, seconds while Triton compiles); 0 = capture each at its first use (the default)",
+        "1024, appending and not, for steps asking this top-K (the gateway's --top-k), so that no step waits "
+        "for their capture (0.1-0.4 s each, seconds while Triton compiles); 0 = capture each at its first use; "
+        f"-1 = {DEFAULT_TOP_K}, the gateway's default --top-k (only where graphs are captured: on CUDA)",
     )
     p.add_argument(
         "--memory-cap-gb", type=float, default=0.0,
@@ -154,10 +156,15 @@ async def run(args: argparse.Namespace, build=load_engine) -> None:
             )
             logger.info("%s", plan.describe())
             plan.check()  # before the context slots' pool, which the first sequence allocates
-            if graphs is not None and graphs.capture and args.warm_up_top_k > 0:
-                t1 = time.perf_counter()
-                passes = graphs.warm_up(args.warm_up_top_k)
-                logger.info("warmed up %d batched block graphs (top-%d) in %.1f s", passes, args.warm_up_top_k, time.perf_counter() - t1)
+            top_k = args.warm_up_top_k if args.warm_up_top_k >= 0 else DEFAULT_TOP_K
+            if graphs is not None and graphs.capture and top_k > 0:
+                torch.cuda.empty_cache()  # as each capture does: what is reserved afterwards is the slots' and the graphs'
+                t1, held = time.perf_counter(), torch.cuda.memory_reserved(graphs.device)
+                passes = graphs.warm_up(top_k)
+                logger.info(
+                    "warmed up %d batched block graphs (top-%d) in %.1f s, %.0f MiB more device memory reserved (the context slots with it)",
+                    passes, top_k, time.perf_counter() - t1, (torch.cuda.memory_reserved(graphs.device) - held) / 2**20,
+                )
         geometry = model_geometry(target_config, dtype, device, str(args.target_model))
         servicer.host.attach(engine, (geometry, str(args.model)))
         metrics.describe(device=device, backend=backend_name(torch.device(device)), dtype=dtype, draft=model_name(args.model))

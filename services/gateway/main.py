@@ -8,6 +8,7 @@ import logging
 
 from services.gateway.budget import AUTO, DEFAULT_BUDGET, DEFAULT_MAX_BUDGET, parse_budget
 from services.gateway.workers import WIRES
+from splitspec.spec.tree import DEFAULT_TOP_K
 from splitspec.transport import busypoll, rpc
 from splitspec.transport.security import ServerSecurity, add_client_arguments, add_server_arguments, client_security
 
@@ -40,7 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "budget 22 it lowered AL, greedy 3.41 -> 3.14 and sampled 1.89 -> 1.79 on 40 HumanEval prompts)",
     )
     p.add_argument(
-        "--top-k", type=int, default=8,
+        "--top-k", type=int, default=DEFAULT_TOP_K,
         help="candidates per depth asked of the draft (capped by the budget; a DFlash2 draft scored by its lattice is "
         "asked for at least the top-K its selector was trained at)",
     )

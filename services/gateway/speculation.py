@@ -42,7 +42,7 @@ from services.gateway.stats import SequenceStats, StepStats
 from services.gateway.workers import DraftClient, Prefilled, TargetClient, Verified
 from splitspec.errors import UpstreamError
 from splitspec.spec.lattice import build_lattice_tree, check_lattice, path_chain, sampled_path, selector_path
-from splitspec.spec.tree import DraftTree, build_chain, build_ddtree
+from splitspec.spec.tree import DEFAULT_TOP_K, DraftTree, build_chain, build_ddtree
 from splitspec.transport.tensors import concat_rows, last_rows
 from splitspec.v1 import common_pb2, target_pb2
 
@@ -76,7 +76,7 @@ class SpeculationOptions:
     # A DFlash2 draft's candidates: chained by the selector's walk and grown into trees by its pair
     # scores (splitspec.spec.lattice), or by each depth's log-probabilities alone (False).
     lattice: bool = True
-    top_k: int = 8  # candidates per depth asked of the draft
+    top_k: int = DEFAULT_TOP_K  # candidates per depth asked of the draft
     draft_window: int = 0  # context positions the draft attends to (0 = all)
     feature_dtype: str = ""  # wire dtype of tap features ("" = the target's compute dtype)
     draft_timeout_s: float = 5.0

@@ -47,6 +47,7 @@ from dataclasses import dataclass
 import numpy as np
 
 __all__ = [
+    "DEFAULT_TOP_K",
     "DraftTree",
     "check_top_ids",
     "grow_best_first",
@@ -56,6 +57,8 @@ __all__ = [
     "tree_attention_mask",
     "validate_tree",
 ]
+
+DEFAULT_TOP_K = 8  # candidates per depth a gateway asks of the draft unless told otherwise (its --top-k)
 
 
 @dataclass(frozen=True, eq=False)
