@@ -38,7 +38,7 @@ from services.draft.graphs import BlockGraphs
 from services.target.engine import TargetEngine, TargetLimits
 from splitspec.bench.random_weights import quant_types, random_blocks, random_draft, random_shape, random_target, random_target_head
 from splitspec.spec.sampling import SamplingParams
-from splitspec.spec.tree import build_ddtree
+from splitspec.spec.tree import DEFAULT_TOP_K, build_ddtree
 
 GREEDY = SamplingParams()
 
@@ -152,7 +152,7 @@ def time_target(
 
 
 def time_draft(
-    target_path: str, device: torch.device, dtype: torch.dtype, prompt_len: int, iters: int, top_k: int = 8
+    target_path: str, device: torch.device, dtype: torch.dtype, prompt_len: int, iters: int, top_k: int = DEFAULT_TOP_K
 ) -> dict[str, float]:
     """Median ms of one 16-token block proposal with a grown context (one feature row per step),
     per path: the CUDA-graph block pass (on a GPU) and eager."""
