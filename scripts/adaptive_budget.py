@@ -1,11 +1,13 @@
 """The adaptive tree budget against fixed budgets, through the three services at several concurrencies.
 
-Random weights of ``--shape`` on a GPU; the draft is the benchmark-only OracleDrafter (the target's
-recorded output corrupted at ``--corruption`` per depth), so the acceptance is realistic while the
-budget's cost is the target's real verify pass. For each concurrency N and each budget (fixed, and
-``auto``: the gateway's BudgetPolicy) N clients generate at once; the figure is the aggregate
-tok/s. The adaptive budget's goal: at least 95% of the best fixed budget at each N, and above
-every single fixed budget over all N together (the sum of the aggregates).
+Random weights of ``--shape`` on a GPU (a ``-q4km`` shape's blocks kept quantized, as ``splitspec
+bench`` serves them); the draft is the benchmark-only OracleDrafter (the target's recorded output
+corrupted at ``--corruption`` per depth), so the acceptance is realistic while the budget's cost is
+the target's real verify pass. For each concurrency N and each budget (fixed, and ``auto``: the
+gateway's BudgetPolicy) N clients generate at once; the figure is the aggregate tok/s, beside AR's
+(budget 0, which the adaptive budget may choose as well). The adaptive budget's goal: at least 95%
+of the best fixed budget at each N, and above every single fixed budget over all N together (the
+sum of the aggregates).
 
 Usage: python scripts/adaptive_budget.py [--shape qwen3-8b] [--levels 1,8,32] [--budgets 4,8,16,22,32]
 """
@@ -19,8 +21,8 @@ from pathlib import Path
 
 from gpu_services_split import free_port, per_pass, scrape  # this folder is on the path of a script run from it
 
-from splitspec.bench.random_weights import random_target_config
-from splitspec.bench.system import Cluster, measure, plan_levels, random_prompts, synthetic_tokenizer
+from splitspec.bench.random_weights import random_shape, random_target_config
+from splitspec.bench.system import Cluster, measure, plan_levels, random_prompts, synthetic_tokenizer, worker_flags
 from splitspec.transport import busypoll
 from splitspec.v1 import gateway_pb2
 
@@ -73,7 +75,8 @@ def main() -> None:
         table.write_text("")
         spin = busypoll.spin_us_for("auto", args.device.startswith("cuda"), busypoll.usable_cpus())
         with Cluster(log_dir, spin) as c:
-            target = c.start("target", "random-target", "--model", model, "--device", args.device, "--max-kv-tokens", str(kv_tokens))
+            keep, _ = worker_flags(random_shape(model).quantized, 0.0, 0.0, shared=True)  # a -q4km shape served quantized, as bench does
+            target = c.start("target", "random-target", "--model", model, "--device", args.device, "--max-kv-tokens", str(kv_tokens), *keep)
             draft = c.start("oracle", "oracle-draft", "--table", str(table), "--corruption", str(args.corruption), "--target-model", model)
             ports = [free_port() for _ in range(args.gateways)]
             gateways = [
@@ -82,7 +85,9 @@ def main() -> None:
                 for g, port in enumerate(ports)
             ]
             for level in plan:
-                _, outputs = measure(gateways, level, Spec(mode=Spec.OFF), args.max_tokens, "off (AR)", "socket", "off")
+                ar, outputs = measure(gateways, level, Spec(mode=Spec.OFF), args.max_tokens, "off (AR)", "socket", "off")
+                results.setdefault("AR", {})[level.concurrency] = ar.tokens_per_s
+                print(f"concurrency {level.concurrency} AR: {ar.tokens_per_s:.0f} tok/s, {ar.ms_per_step:.2f} ms/step", flush=True)
                 with table.open("a") as f:  # the oracle re-reads its table when the file changes
                     f.writelines(json.dumps({"tokens": p + out}) + "\n" for p, out in zip(level.warm + level.timed, outputs))
                 for budget in [*budgets, 0]:  # 0: the request names none, the gateway's adaptive budget decides
@@ -101,7 +106,8 @@ def main() -> None:
         print(f"| {name} | " + " | ".join(f"{by_level[n]:.0f}" for n in levels) + f" | {sum(by_level.values()):.0f} |")
     for n in levels:
         best = max(fixed, key=lambda name: results[name][n])
-        print(f"concurrency {n}: auto {results['auto'][n]:.0f} tok/s = {results['auto'][n] / results[best][n]:.3f} of the best fixed ({best})")
+        print(f"concurrency {n}: auto {results['auto'][n]:.0f} tok/s = {results['auto'][n] / results[best][n]:.3f} of the best fixed ({best}), "
+              f"{results['auto'][n] / results['AR'][n]:.3f} of AR")
     total = {name: sum(by_level.values()) for name, by_level in results.items()}
     best_total = max(fixed, key=total.get)
     print(f"over all levels: auto {total['auto']:.0f} against the best single fixed budget {best_total} {total[best_total]:.0f} "
