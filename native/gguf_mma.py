@@ -75,9 +75,10 @@ def default_n_tiles(m: int) -> int:
 
 
 @functools.cache
-def _extension(min_blocks: int = 0):
+def _extension(min_blocks: int):
     """The compiled extension, or None (logged once) where it cannot be built. ``min_blocks`` > 0
-    builds a variant whose IQ4_XS kernel must fit that many blocks a multiprocessor (benchmarks)."""
+    builds a variant whose IQ4_XS kernel must fit that many blocks a multiprocessor (benchmarks).
+    (No default: the cache keys ``f()`` and ``f(0)`` apart, and each loaded the extension again.)"""
     name = "splitspec_gguf_mma" + (f"_mb{min_blocks}" if min_blocks else "")
     try:
         from torch.utils.cpp_extension import _get_build_directory, load
@@ -108,7 +109,7 @@ def usable(x: torch.Tensor, raw: torch.Tensor, qtype: Q) -> bool:
         return False
     if qtype not in A_OPERAND_TYPES and (x.data_ptr() % 4 or x.stride(0) % 2):  # the others: ``matmul`` aligns x itself
         return False
-    return _extension() is not None
+    return _extension(0) is not None
 
 
 def default_splits(n_programs: int, super_blocks: int, sms: int) -> int:
