@@ -98,10 +98,12 @@ __device__ __forceinline__ void wait_for_x() {
 }
 
 template <typename... Params, typename... Args>
-void launch_dependent(void (*kernel)(Params...), dim3 grid, int threads, cudaStream_t stream, Args&&... args) {
+void launch_dependent(void (*kernel)(Params...), dim3 grid, int threads, size_t shared_bytes, cudaStream_t stream,
+                      Args&&... args) {
   cudaLaunchConfig_t config = {};
   config.gridDim = grid;
   config.blockDim = dim3(threads);
+  config.dynamicSmemBytes = shared_bytes;
   config.stream = stream;
   cudaLaunchAttribute overlap;
   overlap.id = cudaLaunchAttributeProgrammaticStreamSerialization;
@@ -110,6 +112,55 @@ void launch_dependent(void (*kernel)(Params...), dim3 grid, int threads, cudaStr
   config.numAttrs = MMA_PDL && at::cuda::getCurrentDeviceProperties()->major >= 9 ? 1 : 0;
   C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
 }
+
+#ifndef X_STAGED_MIN_NB  // the fewest n-tiles whose kernels read x from shared memory (benchmarks compare)
+#define X_STAGED_MIN_NB 3
+#endif
+
+// x of the A-operand kernels staged in shared memory, one super-block at a time for the whole
+// block: x's prepared layout keeps each super-block's part of an array contiguous, so a stage is a
+// few contiguous copies, made by cp.async (16 bytes a thread, through L2 only) while the block
+// computes the super-block before. Read straight from global memory by every warp, x's loads were
+// where the mma stalled in 20-35% of the samples at 23-32 rows (ncu on an H200, 27B Q4_K
+// gate/up), and the registers of their 64-bit addresses made the kernels spill. Staged, the 27B
+// calls ran 1.05-1.5x faster at 17-32 rows; at 1-16 rows the barrier a super-block cost more than
+// it saved (BENCHMARKS.md, [Z2]), so those kernels still read x from global memory.
+// `Regions` (x's arrays: a global base and 16-byte units a super-block) are copied into stage
+// sb % 2 one after the other; the kernels read them there.
+template <int Regions>
+struct XStages {
+  const uint4* base[Regions];
+  int units[Regions];  // 16-byte units a super-block
+  int stage_units;     // their sum: one stage
+
+  __device__ __forceinline__ uint4* stage(uint4* shared, int sb) const { return shared + (sb & 1) * stage_units; }
+
+  // Every thread of the block: start copying super-block sb's x into its stage.
+  __device__ __forceinline__ void fetch(uint4* shared, int sb) const {
+    uint4* dst = stage(shared, sb);
+#pragma unroll
+    for (int r = 0; r < Regions; ++r) {
+      const uint4* src = base[r] + static_cast<int64_t>(sb) * units[r];
+      for (int i = threadIdx.x; i < units[r]; i += blockDim.x) {
+        const uint32_t to = static_cast<uint32_t>(__cvta_generic_to_shared(dst + i));
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(to), "l"(src + i) : "memory");
+      }
+      dst += units[r];
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+  }
+
+  // Every thread of the block, once a super-block in order from `begin`: wait for sb's stage
+  // (fetching it first at `begin`), then start sb + 1's into the other stage, which every warp
+  // has finished reading once all have passed the barrier.
+  __device__ __forceinline__ uint4* next(uint4* shared, int sb, int begin, int end) const {
+    if (sb == begin) fetch(shared, sb);
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
+    __syncthreads();
+    if (sb + 1 < end) fetch(shared, sb + 1);
+    return stage(shared, sb);
+  }
+};
 
 // Called by every thread of a block after it wrote its float32 partial sums of features
 // [first, first + tile) to partial[split] ([splits, M, N]): the block that arrives last at its

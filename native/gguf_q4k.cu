@@ -150,11 +150,15 @@ __global__ void prepare_x_kernel(const __nv_bfloat16* __restrict__ x, uint2* __r
 
 // One super-block of a warp's 16 features into acc: the mma over its 16 k steps, the minimums' mma,
 // and the float32 step that applies d, dmin and x's scale.
+// x_sb, xs_sb and scale_sb: super-block sb's part of prepare_x_kernel's arrays, in shared memory
+// (XStages) or in global memory.
 template <int NB>
-__device__ __forceinline__ void accumulate(float (&acc)[NB][4], Q4K (&f)[2], int sb, const uint2* __restrict__ xq,
-                                           const uint2* __restrict__ xs, const float* __restrict__ xscale, int M, int g,
-                                           int c, uint32_t low, uint32_t high, uint32_t magic, uint32_t pick_t, uint32_t pick_u) {
+__device__ __forceinline__ void accumulate(float (&acc)[NB][4], Q4K (&f)[2], const uint4* x_sb, const uint2* xs_sb,
+                                           const float* scale_sb, int M, int g, int c, uint32_t low, uint32_t high,
+                                           uint32_t magic, uint32_t pick_t, uint32_t pick_u) {
   constexpr int kRowsPadded = 8 * NB;
+  constexpr bool kShared = NB >= X_STAGED_MIN_NB;
+  const auto load = [](const auto* p) { return kShared ? *p : __ldg(p); };
 #pragma unroll
   for (int i = 0; i < 2; ++i) f[i].prepare(c, pick_t, pick_u, magic);
   float part[NB][4], by_min[NB][4];
@@ -162,9 +166,9 @@ __device__ __forceinline__ void accumulate(float (&acc)[NB][4], Q4K (&f)[2], int
   for (int nb = 0; nb < NB; ++nb)
 #pragma unroll
     for (int e = 0; e < 4; ++e) part[nb][e] = by_min[nb][e] = 0.0f;
-  // xq[sb][i][r][c]: lane (g, c)'s B registers of steps 2i and 2i + 1 for row r (a uint4), the
+  // x_sb[i][r][c]: lane (g, c)'s B registers of steps 2i and 2i + 1 for row r (a uint4), the
   // warp's loads of one i and n-tile contiguous.
-  const uint4* x_sb = reinterpret_cast<const uint4*>(xq) + (static_cast<int64_t>(sb) * 8 * kRowsPadded + g) * 4 + c;
+  x_sb += g * 4 + c;
 #pragma unroll
   for (int s = 0; s < 16; s += 2) {
     uint32_t a[4], a2[4];
@@ -174,7 +178,7 @@ __device__ __forceinline__ void accumulate(float (&acc)[NB][4], Q4K (&f)[2], int
     f[1].fragment(s + 1, low, high, magic, a2[1], a2[3]);
 #pragma unroll
     for (int nb = 0; nb < NB; ++nb) {
-      const uint4 b = 8 * nb + g < M ? __ldg(x_sb + (s / 2 * kRowsPadded + 8 * nb) * 4) : make_uint4(0u, 0u, 0u, 0u);
+      const uint4 b = 8 * nb + g < M ? load(x_sb + (s / 2 * kRowsPadded + 8 * nb) * 4) : make_uint4(0u, 0u, 0u, 0u);
       mma_f16(part[nb], a, b.x, b.y);
       mma_f16(part[nb], a2, b.z, b.w);
     }
@@ -183,9 +187,9 @@ __device__ __forceinline__ void accumulate(float (&acc)[NB][4], Q4K (&f)[2], int
 #pragma unroll
   for (int nb = 0; nb < NB; ++nb) {
     const int r = 8 * nb + g;
-    const uint2 b = r < M ? __ldg(xs + (static_cast<int64_t>(sb) * kRowsPadded + r) * 4 + c) : make_uint2(0u, 0u);
+    const uint2 b = r < M ? load(xs_sb + r * 4 + c) : make_uint2(0u, 0u);
     mma_f16(by_min[nb], m, b.x, b.y);
-    const float2 sx = __ldg(reinterpret_cast<const float2*>(xscale + static_cast<int64_t>(sb) * kRowsPadded + 8 * nb + 2 * c));
+    const float2 sx = load(reinterpret_cast<const float2*>(scale_sb + 8 * nb + 2 * c));
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const Q4K& h = f[e >> 1];
@@ -229,8 +233,23 @@ __global__ void __launch_bounds__(kWarps * 32, NB == 1 ? 1 : 3) q4k_kernel(
   const uint32_t t = 2 * (c >> 1);
   const uint32_t pick_t = (0x5050u | t | (t << 8)) | ((0x5050u | (t + 1) | ((t + 1) << 8)) << 16);
   const uint32_t pick_u = 0x5050u | t | ((t + 1) << 8);
+  // x's arrays a super-block, in 16-byte units: xq 32 per row, xs 2, xscale 1 / 4.
+  constexpr int kRowsPadded = 8 * NB;
+  const mma_common::XStages<3> x_stages = {{reinterpret_cast<const uint4*>(xq), reinterpret_cast<const uint4*>(xs),
+                                            reinterpret_cast<const uint4*>(xscale)},
+                                           {32 * kRowsPadded, 2 * kRowsPadded, kRowsPadded / 4},
+                                           32 * kRowsPadded + 2 * kRowsPadded + kRowsPadded / 4};
+  extern __shared__ uint4 x_shared[];
   mma_common::over_super_blocks<Q4K>(rows, c, sb_begin, sb_end, [&](Q4K(&blocks)[2], int sb) {
-    accumulate<NB>(acc, blocks, sb, xq, xs, xscale, M, g, c, low, high, magic, pick_t, pick_u);
+    if constexpr (NB >= X_STAGED_MIN_NB) {
+      const uint4* stage = x_stages.next(x_shared, sb, sb_begin, sb_end);
+      accumulate<NB>(acc, blocks, stage, reinterpret_cast<const uint2*>(stage + 32 * kRowsPadded),
+                     reinterpret_cast<const float*>(stage + 34 * kRowsPadded), M, g, c, low, high, magic, pick_t, pick_u);
+    } else {
+      accumulate<NB>(acc, blocks, reinterpret_cast<const uint4*>(xq) + static_cast<int64_t>(sb) * 32 * kRowsPadded,
+                     xs + static_cast<int64_t>(sb) * 4 * kRowsPadded, xscale + static_cast<int64_t>(sb) * kRowsPadded,
+                     M, g, c, low, high, magic, pick_t, pick_u);
+    }
   });
 
   mma_common::store_c<NB>(acc, out, partial, counters, M, N, n0, g, c, split, splits);
@@ -250,8 +269,9 @@ void launch(const torch::Tensor& x, const torch::Tensor& w, torch::Tensor& out, 
       reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()), reinterpret_cast<uint2*>(xq.data_ptr()),
       reinterpret_cast<uint2*>(xs.data_ptr()), xscale.data_ptr<float>(), M, rows_padded, x.stride(0), sbs);
   const int tiles = (N + kWarps * 16 - 1) / (kWarps * 16);
+  const size_t shared_bytes = NB >= X_STAGED_MIN_NB ? 2 * 16 * (34 * rows_padded + rows_padded / 4) : 0;  // XStages
   mma_common::launch_dependent(
-      q4k_kernel<NB>, dim3(tiles, splits), kWarps * 32, stream, reinterpret_cast<const uint2*>(xq.data_ptr()),
+      q4k_kernel<NB>, dim3(tiles, splits), kWarps * 32, shared_bytes, stream, reinterpret_cast<const uint2*>(xq.data_ptr()),
       reinterpret_cast<const uint2*>(xs.data_ptr()), static_cast<const float*>(xscale.data_ptr<float>()),
       static_cast<const uint8_t*>(w.data_ptr<uint8_t>()), reinterpret_cast<__nv_bfloat16*>(out.data_ptr()),
       splits > 1 ? partial.data_ptr<float>() : nullptr, splits > 1 ? counters.data_ptr<int>() : nullptr, M, N,

@@ -214,12 +214,15 @@ __global__ void prepare_x_kernel(const __nv_bfloat16* __restrict__ x, uint4* __r
 
 // One super-block of a warp's 16 features into acc: the mma over its 16 k steps and the float32
 // step that applies d and x's scale.
+// x_sb and scale_sb: super-block sb's part of prepare_x_kernel's arrays, in shared memory (XStages)
+// or in global memory.
 template <int NB>
 __device__ __forceinline__ void accumulate(float (&acc)[NB][4], Q6K<NB> (&f)[2], const uint32_t (&shift)[2],
-                                           const bool (&odd)[2], int sb,
-                                           const uint4* __restrict__ xq, const float* __restrict__ xscale, int g, int c,
+                                           const bool (&odd)[2], const uint4* x_sb, const float* scale_sb, int g, int c,
                                            uint32_t magic, uint32_t pick_scale, uint32_t magic_scale) {
   constexpr int kRowsPadded = 8 * NB;
+  constexpr bool kShared = NB >= X_STAGED_MIN_NB;
+  const auto load = [](const auto* p) { return kShared ? *p : __ldg(p); };
 #pragma unroll
   for (int i = 0; i < 2; ++i) f[i].prepare(shift[i], odd[i], pick_scale, magic_scale);
   float part[NB][4];
@@ -227,9 +230,9 @@ __device__ __forceinline__ void accumulate(float (&acc)[NB][4], Q6K<NB> (&f)[2],
   for (int nb = 0; nb < NB; ++nb)
 #pragma unroll
     for (int e = 0; e < 4; ++e) part[nb][e] = 0.0f;
-  // xq[sb][i][r][c]: lane (g, c)'s B registers of steps 2i and 2i + 1 for row r, the warp's loads
+  // x_sb[i][r][c]: lane (g, c)'s B registers of steps 2i and 2i + 1 for row r, the warp's loads
   // of one i and n-tile contiguous.
-  const uint4* x_sb = xq + (static_cast<int64_t>(sb) * 8 * kRowsPadded + g) * 4 + c;
+  x_sb += g * 4 + c;
 #pragma unroll
   for (int s = 0; s < 16; s += 2) {
     uint32_t a[4], a2[4];
@@ -239,15 +242,14 @@ __device__ __forceinline__ void accumulate(float (&acc)[NB][4], Q6K<NB> (&f)[2],
     f[1].fragment(s + 1, shift[1], magic, a2[1], a2[3]);
 #pragma unroll
     for (int nb = 0; nb < NB; ++nb) {
-      const uint4 b = __ldg(x_sb + (s / 2 * kRowsPadded + 8 * nb) * 4);
+      const uint4 b = load(x_sb + (s / 2 * kRowsPadded + 8 * nb) * 4);
       mma_f16(part[nb], a, b.x, b.y);
       mma_f16(part[nb], a2, b.z, b.w);
     }
   }
 #pragma unroll
   for (int nb = 0; nb < NB; ++nb) {
-    const float2 sx =
-        __ldg(reinterpret_cast<const float2*>(xscale + static_cast<int64_t>(sb) * kRowsPadded + 8 * nb + 2 * c));
+    const float2 sx = load(reinterpret_cast<const float2*>(scale_sb + 8 * nb + 2 * c));
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc[nb][e] = fmaf(f[e >> 1].d * part[nb][e], (e & 1) ? sx.y : sx.x, acc[nb][e]);
   }
@@ -284,6 +286,12 @@ __global__ void __launch_bounds__(kWarps * 32, NB == 4 ? 2 : 3) q6k_kernel(
   const uint32_t hidden = static_cast<uint32_t>(splits) >> 31;
   const uint32_t magic = 0x64006400u | hidden, magic_scale = 0x54005400u | hidden;
   const uint32_t pick_scale = (c & 1) ? 0x5351u : 0x5250u;  // bytes {j, 0x54, j + 2, 0x54} of (scales, magic_scale)
+  // x's arrays a super-block, in 16-byte units: xq 32 per row, xscale 1 / 4.
+  constexpr int kRowsPadded = 8 * NB;
+  const mma_common::XStages<2> x_stages = {{xq, reinterpret_cast<const uint4*>(xscale)},
+                                           {32 * kRowsPadded, kRowsPadded / 4},
+                                           32 * kRowsPadded + kRowsPadded / 4};
+  extern __shared__ uint4 x_shared[];
   mma_common::over_super_blocks<Q6K<NB>>(rows, c, sb_begin, sb_end, [&](Q6K<NB>(&blocks)[2], int sb) {
     // The blocks' address mod 4 (0 or 2 bytes) as the funnel shift that realigns their runs
     // (recomputed here rather than kept per stage: registers are short).
@@ -295,7 +303,14 @@ __global__ void __launch_bounds__(kWarps * 32, NB == 4 ? 2 : 3) q6k_kernel(
       shift[i] = static_cast<uint32_t>(block & 2) * 8;
       odd[i] = (block >> 2) & 1;
     }
-    accumulate<NB>(acc, blocks, shift, odd, sb, xq, xscale, g, c, magic, pick_scale, magic_scale);
+    if constexpr (NB >= X_STAGED_MIN_NB) {
+      const uint4* stage = x_stages.next(x_shared, sb, sb_begin, sb_end);
+      accumulate<NB>(acc, blocks, shift, odd, stage, reinterpret_cast<const float*>(stage + 32 * kRowsPadded), g, c,
+                     magic, pick_scale, magic_scale);
+    } else {
+      accumulate<NB>(acc, blocks, shift, odd, xq + static_cast<int64_t>(sb) * 32 * kRowsPadded,
+                     xscale + static_cast<int64_t>(sb) * kRowsPadded, g, c, magic, pick_scale, magic_scale);
+    }
   });
 
   mma_common::store_c<NB>(acc, out, partial, counters, M, N, n0, g, c, split, splits);
@@ -313,8 +328,9 @@ void launch(const torch::Tensor& x, const torch::Tensor& w, torch::Tensor& out, 
       reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()), reinterpret_cast<uint4*>(xq.data_ptr()),
       xscale.data_ptr<float>(), M, rows_padded, x.stride(0), sbs);
   const int tiles = (N + kWarps * 16 - 1) / (kWarps * 16);
+  const size_t shared_bytes = NB >= X_STAGED_MIN_NB ? 2 * 16 * (32 * rows_padded + rows_padded / 4) : 0;  // XStages
   mma_common::launch_dependent(
-      q6k_kernel<NB>, dim3(tiles, splits), kWarps * 32, stream, reinterpret_cast<const uint4*>(xq.data_ptr()),
+      q6k_kernel<NB>, dim3(tiles, splits), kWarps * 32, shared_bytes, stream, reinterpret_cast<const uint4*>(xq.data_ptr()),
       static_cast<const float*>(xscale.data_ptr<float>()), static_cast<const uint8_t*>(w.data_ptr<uint8_t>()),
       reinterpret_cast<__nv_bfloat16*>(out.data_ptr()), splits > 1 ? partial.data_ptr<float>() : nullptr,
       splits > 1 ? counters.data_ptr<int>() : nullptr, M, N, static_cast<int64_t>(w.stride(0)), sbs, splits);

@@ -4,7 +4,9 @@ against the kernels as they are, and a sweep of K splits (GPU, nvcc; benchmark-o
 Each variant is the committed source with one text patch behind a macro (``patch``): Q4_K's weights
 with a 256-byte or 128-byte L2 hint (``q4l2h``, ``q4l2h128``: the first won here and lost in the 27B
 step, BENCHMARKS.md's [V1], so time a winner in the step too) or allocated in L1 as before [K1]
-(``q4l1``); x's B registers evicted from L1 last (``xl``); Q6_K's runs loaded a 32-bit word at a
+(``q4l1``); x read from global memory by every warp at every row count, as before its staging
+in shared memory from three n-tiles (``xldg``), or staged from one or two n-tiles (``xs1``,
+``xs2``); Q6_K's runs loaded a 32-bit word at a
 time at one n-tile too, as before [K2] (``q6words``; the words lost 2-28% not allocated in L1 [K1],
 and with a 256-byte L2 hint [V1]), or as 8-byte pairs up to two n-tiles (``q6pairs2``); the
 super-block two ahead prefetched into L2 with ``cp.async.bulk.prefetch`` (``pf2``); the k steps' two
@@ -47,7 +49,9 @@ VARIANTS = {
     "mb4": {"PROBE_MB1": 4},  # one n-tile capped at 4 blocks (121 registers)
     "q6nb4mb3": {"PROBE_Q6_MB4": 3},  # Q6_K at 4 n-tiles (25-32 rows) at 3 blocks (spills; the kernels before [V1])
     "q4l1": {"PROBE_Q4_LOAD": 0},  # Q4_K's weights allocated in L1 (the kernel before [K1])
-    "xl": {"PROBE_X_LOAD": 1},  # x's B registers evicted from L1 last
+    "xldg": {"X_STAGED_MIN_NB": 5},  # x read from global memory by every warp (before XStages)
+    "xs1": {"X_STAGED_MIN_NB": 1},  # x staged in shared memory at every row count
+    "xs2": {"X_STAGED_MIN_NB": 2},  # x staged from two n-tiles (9 rows) on
     "q6words": {"Q6K_PAIRS_MAX_NB": 0},  # Q6_K's runs loaded a word at a time at one n-tile too (before [K2])
     "q6pairs2": {"Q6K_PAIRS_MAX_NB": 2},  # Q6_K's runs loaded as 8-byte pairs up to two n-tiles
 }
@@ -87,9 +91,6 @@ def patch() -> None:
 #ifndef PROBE_Q6_MB1
 #define PROBE_Q6_MB1 3
 #endif
-#ifndef PROBE_X_LOAD
-#define PROBE_X_LOAD 0
-#endif
 namespace mma_common {""")
     start = h.index("__device__ __forceinline__ uint4 load16(")
     end = h.index("\n}\n", start) + 3
@@ -105,15 +106,6 @@ __device__ __forceinline__ uint4 load16(const uint8_t* p) {
   uint4 v;
   asm("ld.global.nc" PROBE_HINT(PROBE_Q4_LOAD) ".v4.u32 {%0,%1,%2,%3}, [%4];"
       : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-  return v;
-#endif
-}
-__device__ __forceinline__ uint4 load_x16(const uint4* p) {
-#if PROBE_X_LOAD == 0
-  return __ldg(p);
-#else
-  uint4 v;
-  asm("ld.global.nc.L1::evict_last.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
   return v;
 #endif
 }
@@ -142,7 +134,6 @@ __device__ __forceinline__ void bulk_prefetch(const uint8_t* p, int bytes) {
       for (int e = 0; e < 4; ++e) part[nb][e] += part2[nb][e];
   const uint32_t m[4] = {f[0].mins""")
     q4 = sub(q4, "NB == 1 ? 1 : 3", "NB == 1 ? PROBE_MB1 : 3")
-    q4 = sub(q4, "__ldg(x_sb + (s / 2", "mma_common::load_x16(x_sb + (s / 2")
     (SRC / "gguf_q4k.cu").write_text(q4)
 
     q6 = (ROOT / "native/gguf_q6k.cu").read_text()
@@ -160,7 +151,6 @@ __device__ __forceinline__ void bulk_prefetch(const uint8_t* p, int bytes) {
   for (int nb = 0; nb < NB; ++nb) {
     const float2 sx =""")
     q6 = sub(q6, "NB == 4 ? 2 : 3", "NB == 1 ? PROBE_Q6_MB1 : NB == 4 ? PROBE_Q6_MB4 : 3")
-    q6 = sub(q6, "__ldg(x_sb + (s / 2", "mma_common::load_x16(x_sb + (s / 2")
     (SRC / "gguf_q6k.cu").write_text(q6)
     (SRC / "bind.cpp").write_text(BIND)
 
