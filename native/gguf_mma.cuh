@@ -123,7 +123,7 @@ void launch_dependent(void (*kernel)(Params...), dim3 grid, int threads, size_t 
 // computes the super-block before. Read straight from global memory by every warp, x's loads were
 // where the mma stalled in 20-35% of the samples at 23-32 rows (ncu on an H200, 27B Q4_K
 // gate/up), and the registers of their 64-bit addresses made the kernels spill. Staged, the 27B
-// calls ran 1.05-1.5x faster at 17-32 rows; at 1-16 rows the barrier a super-block cost more than
+// calls ran 1.0-1.5x faster at 23-32 rows; at 1-16 rows the barrier a super-block cost more than
 // it saved (BENCHMARKS.md, [Z2]), so those kernels still read x from global memory.
 // `Regions` (x's arrays: a global base and 16-byte units a super-block) are copied into stage
 // sb % 2 one after the other; the kernels read them there.

@@ -5,8 +5,8 @@ bytes over the card's bandwidth, provided that expanding the bytes costs fewer i
 the memory system takes to deliver them. ``native.gguf_matmul``'s Triton kernels reach 27-32% of
 copy bandwidth at one row and take 2.3-4.0x that time at 23 rows on ``tl.dot`` tiles (27B shapes,
 BENCHMARKS.md). The kernels here take the weights as the file's bytes (nothing is repacked at
-load) into registers and feed ``mma.sync.m16n8k16`` without shared memory or a tile of expanded
-weights, so the tensor cores take 8 or 16 rows of x for the price of one.
+load) into registers and feed ``mma.sync.m16n8k16`` without a tile of expanded weights in shared
+memory, so the tensor cores take 8 or 16 rows of x for the price of one.
 
 **Q4_K and Q6_K** (``gguf_q4k.cu``, ``gguf_q6k.cu``: nearly all of a Q4_K_M file's bytes): the
 weights are the A operand, 16 features a warp, x the B operand, 8 rows an n-tile. Q4_K: a lane
@@ -21,6 +21,8 @@ a super-block. A launch before the matmul writes x as fp16 scaled by a power of 
 256 values (so fp16's range holds every value and sum) in the operand's order; on sm_90 the
 matmul is launched as that launch's programmatic dependent, so its blocks start and load their
 first weights while x is prepared (about 4% of the 27B decode step on an H100, BENCHMARKS.md).
+From 17 rows a block copies each super-block's x into shared memory once for its four warps
+(``XStages`` in ``gguf_mma.cuh``: 7-17% off the 27B verify's 23-row calls, BENCHMARKS.md [Z2]).
 
 **IQ4_XS** (``gguf_mma.cu``): each lane expands its bytes to float32 in registers (a byte
 permute, a subtract and one fused multiply-add a value, exact as the dequantizer's arithmetic)
