@@ -148,6 +148,9 @@ __global__ void prepare_x_kernel(const __nv_bfloat16* __restrict__ x, uint2* __r
   }
 }
 
+// x's arrays a super-block, in 16-byte units (one XStages stage): xq 32 a row, xs 2, xscale 1 / 4.
+__host__ __device__ constexpr int x_stage_units(int rows_padded) { return 32 * rows_padded + 2 * rows_padded + rows_padded / 4; }
+
 // One super-block of a warp's 16 features into acc: the mma over its 16 k steps, the minimums' mma,
 // and the float32 step that applies d, dmin and x's scale.
 // x_sb, xs_sb and scale_sb: super-block sb's part of prepare_x_kernel's arrays, in shared memory
@@ -233,12 +236,11 @@ __global__ void __launch_bounds__(kWarps * 32, NB == 1 ? 1 : 3) q4k_kernel(
   const uint32_t t = 2 * (c >> 1);
   const uint32_t pick_t = (0x5050u | t | (t << 8)) | ((0x5050u | (t + 1) | ((t + 1) << 8)) << 16);
   const uint32_t pick_u = 0x5050u | t | ((t + 1) << 8);
-  // x's arrays a super-block, in 16-byte units: xq 32 per row, xs 2, xscale 1 / 4.
   constexpr int kRowsPadded = 8 * NB;
   const mma_common::XStages<3> x_stages = {{reinterpret_cast<const uint4*>(xq), reinterpret_cast<const uint4*>(xs),
                                             reinterpret_cast<const uint4*>(xscale)},
                                            {32 * kRowsPadded, 2 * kRowsPadded, kRowsPadded / 4},
-                                           32 * kRowsPadded + 2 * kRowsPadded + kRowsPadded / 4};
+                                           x_stage_units(kRowsPadded)};
   extern __shared__ uint4 x_shared[];
   mma_common::over_super_blocks<Q4K>(rows, c, sb_begin, sb_end, [&](Q4K(&blocks)[2], int sb) {
     if constexpr (NB >= X_STAGED_MIN_NB) {
@@ -269,7 +271,7 @@ void launch(const torch::Tensor& x, const torch::Tensor& w, torch::Tensor& out, 
       reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()), reinterpret_cast<uint2*>(xq.data_ptr()),
       reinterpret_cast<uint2*>(xs.data_ptr()), xscale.data_ptr<float>(), M, rows_padded, x.stride(0), sbs);
   const int tiles = (N + kWarps * 16 - 1) / (kWarps * 16);
-  const size_t shared_bytes = NB >= X_STAGED_MIN_NB ? 2 * 16 * (34 * rows_padded + rows_padded / 4) : 0;  // XStages
+  const size_t shared_bytes = NB >= X_STAGED_MIN_NB ? 2 * sizeof(uint4) * x_stage_units(rows_padded) : 0;  // XStages' two stages
   mma_common::launch_dependent(
       q4k_kernel<NB>, dim3(tiles, splits), kWarps * 32, shared_bytes, stream, reinterpret_cast<const uint2*>(xq.data_ptr()),
       reinterpret_cast<const uint2*>(xs.data_ptr()), static_cast<const float*>(xscale.data_ptr<float>()),

@@ -212,6 +212,9 @@ __global__ void prepare_x_kernel(const __nv_bfloat16* __restrict__ x, uint4* __r
   xq[((static_cast<int64_t>(sb) * 8 + i) * rows_padded + r) * 4 + c] = make_uint4(b[0], b[1], b[2], b[3]);
 }
 
+// x's arrays a super-block, in 16-byte units (one XStages stage): xq 32 a row, xscale 1 / 4.
+__host__ __device__ constexpr int x_stage_units(int rows_padded) { return 32 * rows_padded + rows_padded / 4; }
+
 // One super-block of a warp's 16 features into acc: the mma over its 16 k steps and the float32
 // step that applies d and x's scale.
 // x_sb and scale_sb: super-block sb's part of prepare_x_kernel's arrays, in shared memory (XStages)
@@ -286,11 +289,10 @@ __global__ void __launch_bounds__(kWarps * 32, NB == 4 ? 2 : 3) q6k_kernel(
   const uint32_t hidden = static_cast<uint32_t>(splits) >> 31;
   const uint32_t magic = 0x64006400u | hidden, magic_scale = 0x54005400u | hidden;
   const uint32_t pick_scale = (c & 1) ? 0x5351u : 0x5250u;  // bytes {j, 0x54, j + 2, 0x54} of (scales, magic_scale)
-  // x's arrays a super-block, in 16-byte units: xq 32 per row, xscale 1 / 4.
   constexpr int kRowsPadded = 8 * NB;
   const mma_common::XStages<2> x_stages = {{xq, reinterpret_cast<const uint4*>(xscale)},
                                            {32 * kRowsPadded, kRowsPadded / 4},
-                                           32 * kRowsPadded + kRowsPadded / 4};
+                                           x_stage_units(kRowsPadded)};
   extern __shared__ uint4 x_shared[];
   mma_common::over_super_blocks<Q6K<NB>>(rows, c, sb_begin, sb_end, [&](Q6K<NB>(&blocks)[2], int sb) {
     // The blocks' address mod 4 (0 or 2 bytes) as the funnel shift that realigns their runs
@@ -328,7 +330,7 @@ void launch(const torch::Tensor& x, const torch::Tensor& w, torch::Tensor& out, 
       reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()), reinterpret_cast<uint4*>(xq.data_ptr()),
       xscale.data_ptr<float>(), M, rows_padded, x.stride(0), sbs);
   const int tiles = (N + kWarps * 16 - 1) / (kWarps * 16);
-  const size_t shared_bytes = NB >= X_STAGED_MIN_NB ? 2 * 16 * (32 * rows_padded + rows_padded / 4) : 0;  // XStages
+  const size_t shared_bytes = NB >= X_STAGED_MIN_NB ? 2 * sizeof(uint4) * x_stage_units(rows_padded) : 0;  // XStages' two stages
   mma_common::launch_dependent(
       q6k_kernel<NB>, dim3(tiles, splits), kWarps * 32, shared_bytes, stream, reinterpret_cast<const uint4*>(xq.data_ptr()),
       static_cast<const float*>(xscale.data_ptr<float>()), static_cast<const uint8_t*>(w.data_ptr<uint8_t>()),
