@@ -295,11 +295,13 @@ class BudgetPolicy:
         current = np.flatnonzero(candidates == self.choice)
         held = self._pass_weight - self._chosen_at < self.hold_passes
         if not len(current) or (not held and rates[best] > (1 + HYSTERESIS) * rates[current[0]]):
+            # The pass costs it learned go in too: a choice is only as good as they are.
             logger.info(
                 "adaptive budget %s -> %d: %.0f tok/s expected of a pass's %.1f sequences (not the gateway's aggregate), %.2f passes a round, "
-                "t_other %.1f ms (draft %.1f) (%s)",
+                "t_other %.1f ms (draft %.1f) (%s); pass ms by rows (%s)",
                 self.choice, candidates[best], rates[best], self.concurrency, self.passes_per_round, 1e3 * self.t_other, 1e3 * self.t_draft,
                 ", ".join(f"{b}: {r:.0f}" for b, r in zip(candidates, rates)),
+                ", ".join(f"{r.value:.0f}: {1e3 * s.value:.1f}" for r, s in sorted(self._buckets.values(), key=lambda point: point[0].value)),
             )
             self.choice, self._chosen_at = int(candidates[best]), self._pass_weight
             self._explored_at = self._pass_weight - 1.0  # a choice of 0 explores EXPLORE_PASSES from now

@@ -80,6 +80,21 @@ def test_it_learns_the_cost_curve_from_the_passes_it_sees():
     assert np.all(np.diff(policy.cost(np.arange(1, 5000))) >= 0)
 
 
+def test_a_new_choice_is_logged_with_the_pass_costs_it_rests_on(caplog):
+    """The log line of a choice names the learned pass time of each row bucket, so that a strange
+    choice can be traced to the costs it was made from."""
+    policy = BudgetPolicy(22, 64)
+    with caplog.at_level("INFO", logger="services.gateway.budget"):
+        run_steps(policy, 4, 40, np.random.default_rng(1))
+    lines = [r.getMessage() for r in caplog.records if "adaptive budget" in r.getMessage()]
+    assert lines, "no choice was logged"
+    costs = lines[-1].split("pass ms by rows (")[1].rstrip(")")
+    points = [tuple(float(v) for v in point.split(": ")) for point in costs.split(", ")]  # (rows, ms)
+    assert points and [r for r, _ in points] == sorted(r for r, _ in points)
+    for rows, ms in points:
+        assert ms == pytest.approx(1e3 * flat_then_linear(rows), rel=0.02), (rows, ms)
+
+
 def test_it_learns_the_per_depth_calibration():
     """The target accepts each depth with probability 0.6 where the draft says 0.75: observed over
     predicted acceptance at depth d tends to (0.6 / 0.75) ** d on a chain of top-1 tokens."""
