@@ -131,9 +131,13 @@ template <int Regions>
 struct XStages {
   const uint4* base[Regions];
   int units[Regions];  // 16-byte units a super-block
-  int stage_units;     // their sum: one stage
 
-  __device__ __forceinline__ uint4* stage(uint4* shared, int sb) const { return shared + (sb & 1) * stage_units; }
+  __device__ __forceinline__ uint4* stage(uint4* shared, int sb) const {
+    int stage_units = 0;
+#pragma unroll
+    for (int r = 0; r < Regions; ++r) stage_units += units[r];
+    return shared + (sb & 1) * stage_units;
+  }
 
   // Every thread of the block: start copying super-block sb's x into its stage.
   __device__ __forceinline__ void fetch(uint4* shared, int sb) const {

@@ -148,7 +148,7 @@ __global__ void prepare_x_kernel(const __nv_bfloat16* __restrict__ x, uint2* __r
   }
 }
 
-// x's arrays a super-block, in 16-byte units (one XStages stage): xq 32 a row, xs 2, xscale 1 / 4.
+// x's arrays a super-block, in 16-byte units (one XStages stage; the launch's shared memory): xq 32 a row, xs 2, xscale 1 / 4.
 __host__ __device__ constexpr int x_stage_units(int rows_padded) { return 32 * rows_padded + 2 * rows_padded + rows_padded / 4; }
 
 // One super-block of a warp's 16 features into acc: the mma over its 16 k steps, the minimums' mma,
@@ -239,8 +239,7 @@ __global__ void __launch_bounds__(kWarps * 32, NB == 1 ? 1 : 3) q4k_kernel(
   constexpr int kRowsPadded = 8 * NB;
   const mma_common::XStages<3> x_stages = {{reinterpret_cast<const uint4*>(xq), reinterpret_cast<const uint4*>(xs),
                                             reinterpret_cast<const uint4*>(xscale)},
-                                           {32 * kRowsPadded, 2 * kRowsPadded, kRowsPadded / 4},
-                                           x_stage_units(kRowsPadded)};
+                                           {32 * kRowsPadded, 2 * kRowsPadded, kRowsPadded / 4}};
   extern __shared__ uint4 x_shared[];
   mma_common::over_super_blocks<Q4K>(rows, c, sb_begin, sb_end, [&](Q4K(&blocks)[2], int sb) {
     if constexpr (NB >= X_STAGED_MIN_NB) {

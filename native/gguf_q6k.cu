@@ -212,7 +212,7 @@ __global__ void prepare_x_kernel(const __nv_bfloat16* __restrict__ x, uint4* __r
   xq[((static_cast<int64_t>(sb) * 8 + i) * rows_padded + r) * 4 + c] = make_uint4(b[0], b[1], b[2], b[3]);
 }
 
-// x's arrays a super-block, in 16-byte units (one XStages stage): xq 32 a row, xscale 1 / 4.
+// x's arrays a super-block, in 16-byte units (one XStages stage; the launch's shared memory): xq 32 a row, xscale 1 / 4.
 __host__ __device__ constexpr int x_stage_units(int rows_padded) { return 32 * rows_padded + rows_padded / 4; }
 
 // One super-block of a warp's 16 features into acc: the mma over its 16 k steps and the float32
@@ -291,8 +291,7 @@ __global__ void __launch_bounds__(kWarps * 32, NB == 4 ? 2 : 3) q6k_kernel(
   const uint32_t pick_scale = (c & 1) ? 0x5351u : 0x5250u;  // bytes {j, 0x54, j + 2, 0x54} of (scales, magic_scale)
   constexpr int kRowsPadded = 8 * NB;
   const mma_common::XStages<2> x_stages = {{xq, reinterpret_cast<const uint4*>(xscale)},
-                                           {32 * kRowsPadded, kRowsPadded / 4},
-                                           x_stage_units(kRowsPadded)};
+                                           {32 * kRowsPadded, kRowsPadded / 4}};
   extern __shared__ uint4 x_shared[];
   mma_common::over_super_blocks<Q6K<NB>>(rows, c, sb_begin, sb_end, [&](Q6K<NB>(&blocks)[2], int sb) {
     // The blocks' address mod 4 (0 or 2 bytes) as the funnel shift that realigns their runs
