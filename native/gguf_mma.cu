@@ -26,9 +26,6 @@ void q4k_mma(torch::Tensor x, torch::Tensor w, torch::Tensor out, torch::Tensor 
              int64_t splits);
 void q6k_mma(torch::Tensor x, torch::Tensor w, torch::Tensor out, torch::Tensor partial, torch::Tensor counters,
              int64_t splits);
-// native/gguf_gemm.cu
-void gguf_gemm(torch::Tensor x, torch::Tensor w, torch::Tensor out, torch::Tensor partial, torch::Tensor counters, int64_t qtype,
-               int64_t splits, int64_t block_rows);
 
 namespace {
 
@@ -282,7 +279,4 @@ void gguf_mma(torch::Tensor x, torch::Tensor w, torch::Tensor out, torch::Tensor
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("gguf_mma", &gguf_mma, "y = x @ W^T from GGUF blocks on tensor cores, 1-64 rows");
-  m.def("gguf_gemm", &gguf_gemm, "y = x @ W^T from Q4_K/Q6_K blocks expanded in shared memory, many rows");
-}
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("gguf_mma", &gguf_mma, "y = x @ W^T from GGUF blocks on tensor cores"); }

@@ -66,7 +66,7 @@ WARPS = 4  # warps per program (kWarps in gguf_mma.cuh)
 A_OPERAND_TYPES = (Q.Q4_K, Q.Q6_K)  # their kernels take the weights as the A operand, 32 rows of x a launch
 A_OPERAND_FEATURES = 16 * WARPS  # features a program of those kernels computes
 MAX_TILES = 1 << 15  # programs along N that the split counters cover (a 248K vocabulary at 1 tile: 7,760)
-SOURCES = [Path(__file__).with_name(name) for name in ("gguf_mma.cu", "gguf_q4k.cu", "gguf_q6k.cu", "gguf_gemm.cu")]
+SOURCES = [Path(__file__).with_name(name) for name in ("gguf_mma.cu", "gguf_q4k.cu", "gguf_q6k.cu")]
 
 
 def default_n_tiles(m: int) -> int:
@@ -94,19 +94,9 @@ def _extension(min_blocks: int):
         return None
 
 
-def extension():
-    """The default build of the extension (``gguf_mma`` and ``native.gguf_gemm``'s ``gguf_gemm``), or None."""
-    return _extension(0)
-
-
 @functools.cache
 def _capable(index: int) -> bool:
     return torch.cuda.get_device_capability(index) >= (8, 0)
-
-
-def capable(x: torch.Tensor) -> bool:
-    """Whether the kernels may run for x's device: kernels on (``native.use_triton``) and bf16 tensor cores."""
-    return use_triton(x, "gguf_mma") and _capable(x.device.index if x.device.index is not None else torch.cuda.current_device())
 
 
 def usable(x: torch.Tensor, raw: torch.Tensor, qtype: Q) -> bool:
@@ -114,14 +104,14 @@ def usable(x: torch.Tensor, raw: torch.Tensor, qtype: Q) -> bool:
     of 1-64 rows on a CUDA GPU with bf16 tensor cores, aligned as the kernels load, and built."""
     if qtype not in MMA_TYPES or x.dtype != torch.bfloat16 or not x.is_cuda or not 1 <= x.shape[0] <= MAX_ROWS:
         return False
-    if not capable(x):
+    if not use_triton(x, "gguf_mma") or not _capable(x.device.index if x.device.index is not None else torch.cuda.current_device()):
         return False
     aligned = ALIGNMENT[qtype]
     if raw.data_ptr() % aligned or raw.stride(0) % aligned:
         return False
     if qtype not in A_OPERAND_TYPES and (x.data_ptr() % 4 or x.stride(0) % 2):  # the others: ``matmul`` aligns x itself
         return False
-    return extension() is not None
+    return _extension(0) is not None
 
 
 def default_splits(n_programs: int, super_blocks: int, sms: int) -> int:
@@ -144,7 +134,7 @@ def a_operand_splits(n_programs: int, super_blocks: int, sms: int) -> int:
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
-def counters(device: torch.device) -> torch.Tensor:
+def _counters(device: torch.device) -> torch.Tensor:
     """Arrival counters of split programs, one per program along N, zero between launches (the last
     program of a tile resets its own). Made by the first call on a device, which must come before
     any CUDA graph capture, as the extension's build must (the engines' warm-up runs each shape
@@ -176,6 +166,6 @@ def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: Q, out_features: int, n_ti
     n_tiles = n_tiles or default_n_tiles(M)
     out = torch.empty(M, out_features, dtype=torch.bfloat16, device=x.device)
     partial = torch.empty(splits, partial_rows, out_features, dtype=torch.float32, device=x.device) if splits > 1 else out
-    arrivals = counters(x.device)  # made at the first call, whatever its splits: before any capture
-    _extension(min_blocks).gguf_mma(x, raw, out, partial, arrivals, MMA_TYPES[qtype], splits, n_tiles)
+    counters = _counters(x.device)  # made at the first call, whatever its splits: before any capture
+    _extension(min_blocks).gguf_mma(x, raw, out, partial, counters, MMA_TYPES[qtype], splits, n_tiles)
     return out
