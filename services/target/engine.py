@@ -129,7 +129,7 @@ class VerifyResult:
     next_token: int
     features: torch.Tensor | None  # [len(committed_tokens), taps * hidden]
     committed_length: int
-    forward_ns: int  # of the whole pass; 0 when it captured a CUDA graph (then its time measures the capture)
+    forward_ns: int  # of the whole pass; 0 when it captured a CUDA graph or ran eagerly until its capture (no measure of its shape)
     # When the sequence asked for logprobs: those of committed_tokens[1:] + [next_token], in order.
     logprobs: list[TokenLogprob] | None = None
     pass_rows: int = 0  # rows of every sequence in the pass
@@ -445,7 +445,7 @@ class TargetEngine:
 
     def _verify_pass(self, work: list[_Work]) -> list[VerifyResult]:
         t0 = time.perf_counter_ns()
-        graphs = self.runner.graphs  # a pass that captures one is no measure of a pass
+        unmeasured = self.runner.unmeasured  # a capture, or an eager stopgap until one, is no measure of a pass
         taps = _union_taps([item.state.taps for item in work])
         layout = pass_layout(
             self.kv, [w.row_tokens for w in work], [w.rows for w in work], [w.state.length for w in work],
@@ -479,7 +479,7 @@ class TargetEngine:
                 feature_rows.append(torch.tensor([first + a for a in accepted], dtype=torch.int64))
             results.append(VerifyResult(committed, accepted[1:], int(next_token), None, state.length, 0, logprobs))
         self._attach_features(work, results, features, feature_rows, taps)
-        elapsed = time.perf_counter_ns() - t0 if self.runner.graphs == graphs else 0
+        elapsed = time.perf_counter_ns() - t0 if self.runner.unmeasured == unmeasured else 0
         for result in results:
             result.forward_ns, result.pass_rows, result.pass_sequences = elapsed, layout.num_rows, len(work)
         return results

@@ -161,6 +161,10 @@ class PassRunner:
         # the logits buffer at the size the memory plan counts.
         self.capture_rows = max_rows
         self.graphs = 0  # CUDA graphs captured so far
+        # Passes whose time is no measure of a pass of their shape: captures, and eager runs of a
+        # shape that is captured at its hot pass (on an H200 the 27B's took 75-200 ms against a
+        # 24 ms replay; reported as its cost, one made the adaptive budget's cost curve flat).
+        self.unmeasured = 0
         self.stand_in_passes = 0  # passes run in a captured pass of another shape (stand_in)
 
     def run(
@@ -270,8 +274,9 @@ class PassRunner:
             if slots is not None:  # the replay rewrote this pass's kept rows; no Python said so
                 slots.pending = p.pending
             return p.logits, p.features
-        hot = p.passes >= self.hot_passes and (prompt_chunk or p.inputs.shape[0] <= self.capture_rows)
-        if not self.capture or not (self._warming or hot):
+        capturable = prompt_chunk or p.inputs.shape[0] <= self.capture_rows
+        if not self.capture or not (self._warming or (capturable and p.passes >= self.hot_passes)):
+            self.unmeasured += self.capture and capturable  # replayed once hot: this run is a stopgap
             return compute()
 
         def into_buffers():
@@ -281,6 +286,7 @@ class PassRunner:
         t0 = time.perf_counter()
         p.graph, (p.logits, p.features) = capture(into_buffers, self.device, self._pool)
         self.graphs += 1
+        self.unmeasured += 1
         n, b, t, s = p.inputs.shape
         logger.info(
             "captured the %s graph of %d rows (%d sequences of up to %d) over %d positions, taps %s, %s, in %.0f ms (%d graphs)",

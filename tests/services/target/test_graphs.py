@@ -208,3 +208,28 @@ def test_passes_run_in_their_stand_ins_give_what_the_exact_passes_give(model, mo
     # Budgets 0, 1 and 3 ran in the pass of two 8-row blocks, b's step in that of one; 5 and 22
     # (tapped: one sequence wants features) in their own warmed passes.
     assert fixed.runner.stand_in_passes == 4
+
+
+def test_an_eager_pass_until_its_shape_is_captured_reports_no_time(model):
+    """A shape met while serving runs eagerly until its hot pass captures it: those runs take many
+    times a replay (launches, compiles), so their passes report no time (forward_ns 0), as a capture
+    does, and the adaptive budget's cost curve never learns them. A shape too large to capture
+    always runs eagerly: that is its cost, reported. (On the CPU capture is off; switched on here,
+    these passes stop before their hot pass, so nothing is captured.)"""
+    _, fixed = engines(model)
+    runner = fixed.runner
+    rng = np.random.default_rng(11)
+    vocab = model.config.vocab_size
+    fixed.prefill("a", rng.integers(0, vocab, 20).tolist(), GREEDY, reserve_tokens=300)
+
+    def pass_time(budget: int) -> int:
+        tree = random_tree(rng, vocab, budget)
+        return fixed.verify_batch([VerifyStep("a", tree.tokens.tolist(), tree.parents.tolist(), False)])[0].forward_ns
+
+    assert pass_time(3) > 0  # capture off: every pass is the measure of its shape
+    runner.capture = True
+    assert runner.hot_passes == 3
+    assert [pass_time(5) for _ in range(2)] == [0, 0]  # a new shape, captured at its third pass
+    runner.capture_rows = 4  # shapes above 4 rows are never captured: their eager time is their cost
+    assert pass_time(5) > 0
+    assert runner.graphs == 0 and runner.unmeasured == 2
