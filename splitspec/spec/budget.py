@@ -113,19 +113,26 @@ def verify_cost(rows: np.ndarray, known_rows: np.ndarray, known_seconds: np.ndar
 
     Returns:
         ``[m]`` float64. Points are made non-decreasing in rows (a pass with more rows never costs
-        less: noise, or a point from a busier moment, must not make larger trees look cheaper) and
-        joined linearly. Outside the observed rows the end segments continue (flat with one
-        point), below the fewest rows no cheaper per row than there. Both are optimistic guesses
-        where the curve bends (flat, then linear), so that a pass of an unseen size gets tried, and
-        so measured, rather than ruled out unseen.
+        less) by lowering a point to the cheapest one of more rows: a pass only runs slower than its
+        shape's cost by accident (a kernel compiled, a busier moment), so the low points are the
+        ones to trust. (Raising the later points to the dearest earlier one instead let one stale
+        point flatten the curve: on an H200, the 27B's first passes of 1 and 4 rows timed at
+        262-320 ms lifted every larger pass to 320 ms, and 64-node trees at 32 users looked as
+        cheap as 3-node ones, BENCHMARKS.md [J4].) Points are joined linearly. Below the fewest
+        rows the first segment continues, no cheaper per row than there; above the most rows the
+        last segment continues, rising at least as fast as the line from the first point to the last (two
+        equal points at the top say little of what a larger pass costs); with one point the curve
+        is flat. Both ends are optimistic guesses where the curve bends (flat, then linear), so
+        that a pass of an unseen size gets tried, and so measured, rather than ruled out unseen.
     """
     rows = np.asarray(rows, dtype=np.float64)
     order = np.argsort(known_rows)
     x = np.asarray(known_rows, dtype=np.float64)[order]  # [k]
-    y = np.maximum.accumulate(np.asarray(known_seconds, dtype=np.float64)[order])  # [k]
+    y = np.minimum.accumulate(np.asarray(known_seconds, dtype=np.float64)[order][::-1])[::-1]  # [k]
     t = np.interp(rows, x, y)  # [m], flat outside [x[0], x[-1]]
     if len(x) >= 2:
-        first, last = (y[1] - y[0]) / (x[1] - x[0]), (y[-1] - y[-2]) / (x[-1] - x[-2])
+        first = (y[1] - y[0]) / (x[1] - x[0])
+        last = max((y[-1] - y[-2]) / (x[-1] - x[-2]), (y[-1] - y[0]) / (x[-1] - x[0]))
         below = np.maximum(y[0] - first * (x[0] - rows), y[0] * rows / x[0])
         t = np.where(rows < x[0], below, np.where(rows > x[-1], y[-1] + last * (rows - x[-1]), t))
     return t

@@ -124,10 +124,10 @@ def test_a_target_only_step_wins_when_rows_are_dear_and_candidates_are_respected
 
 def test_verify_cost_is_monotone_interpolated_and_extrapolated_optimistically():
     rows = np.array([8.0, 64.0, 256.0, 1024.0])
-    seconds = np.array([0.020, 0.019, 0.030, 0.100])  # 64 rows measured cheaper than 8: noise
+    seconds = np.array([0.020, 0.019, 0.030, 0.100])  # 8 rows measured dearer than 64: a slow moment
     t = verify_cost(np.array([1, 8, 36, 64, 160, 256, 640, 1024, 2048]), rows, seconds)
-    assert t[:4].tolist() == [0.020, 0.020, 0.020, 0.020]  # flat below the fewest rows; the dip lifted
-    assert t[4] == pytest.approx(0.025) and t[6] == pytest.approx(0.065)  # linear between points
+    assert t[:4].tolist() == [0.019, 0.019, 0.019, 0.019]  # flat below the fewest rows; the bump lowered
+    assert t[4] == pytest.approx(0.0245) and t[6] == pytest.approx(0.065)  # linear between points
     assert t[8] == pytest.approx(0.100 + (0.070 / 768) * 1024)  # beyond: the last segment's slope
     assert np.all(np.diff(t) >= 0)
     assert verify_cost(np.array([1, 500]), np.array([23.0]), np.array([0.02])).tolist() == [0.02, 0.02]
@@ -137,6 +137,27 @@ def test_verify_cost_is_monotone_interpolated_and_extrapolated_optimistically():
     assert linear == pytest.approx([0.0808 - 1e-4 * 704, 0.0808 - 1e-4 * 480])
     steep = verify_cost(np.array([10, 50]), np.array([100.0, 200.0]), np.array([0.01, 0.03]))  # the line reaches 0 at 50
     assert steep == pytest.approx([0.001, 0.005])
+
+
+def test_stale_slow_points_of_few_rows_do_not_flatten_the_cost_curve():
+    """The points one gateway had learned on an H200 (27B Q4_K_M, 32 users, BENCHMARKS.md [J4]): its
+    first 1- and 4-row passes timed at 262-320 ms, never seen again. Raised to them, every pass
+    cost 320 ms and the policy chose 64-node trees (88 tok/s expected) and kept them; the round
+    took 488 ms against 239 at budget 7. Lowered instead, the curve is the other points', rising
+    beyond the largest pass seen, and the choice is a small tree."""
+    rows = np.array([1, 4, 9, 12, 19, 29, 37, 52, 73, 106, 140, 214, 256], dtype=np.float64)
+    ms = np.array([262.0, 319.8, 15.2, 15.8, 19.5, 23.1, 32.4, 39.5, 49.4, 56.2, 109.9, 70.8, 70.2])
+    t = verify_cost(rows, rows, ms / 1e3)
+    assert t[:3].tolist() == [0.0152] * 3 and t[10] == pytest.approx(0.0702)  # slow points lowered to a larger pass's
+    beyond = verify_cost(np.array([715.0]), rows, ms / 1e3)[0]  # 11 sequences x 65 rows
+    assert beyond == pytest.approx(0.0702 + (0.0702 - 0.0152) / 255 * 459)  # the line from the first point to the last
+    # E[AL] by budget through the run's (b3 3.18, b7 4.73), 11 sequences a pass, 3.15 passes a round.
+    budgets = np.arange(65)
+    expected_al = 1 + 5.19 * (1 - np.exp(-budgets / 5.5))
+    q, cost = 3.15, (lambda r: 3.15 * verify_cost(r, rows, ms / 1e3))
+    assert choose_budget(expected_al, cost, 0.0101, 11, candidates=[1, 3, 7, 15, 23, 31, 47, 63, 64]) == 7
+    flat = lambda r: q * np.maximum(verify_cost(r, rows, ms / 1e3), 0.3198)  # noqa: E731 - the old curve, raised to 320 ms
+    assert choose_budget(expected_al, flat, 0.0101, 11, candidates=[1, 3, 7, 15, 23, 31, 47, 63, 64]) == 64
 
 
 def test_row_buckets_are_half_octaves():
