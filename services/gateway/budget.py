@@ -8,7 +8,8 @@ exponential moving average (EMA), so they follow the load as it changes:
   passes, fed by every ``VerifyResponse`` (``pass_rows``, ``forward_ns``);
 - ``t_other``: a speculating step's time minus its verify pass and its wait for that pass, and of
   it ``t_draft``, the draft's proposal as the gateway waits for it;
-- the passes a round holds ``q``: its pass and its wait in the target over its pass. Sequences out
+- the passes a round holds ``q``: its pass and its wait in the target behind other passes (not
+  behind prompts, which is ``t_other``'s) over its pass. Sequences out
   of step make the target alternate between groups of them, so a round waits for the other
   groups' passes, whose rows grow with the budget as its own do: a round costs
   ``t_other + q * t(rows)`` (at 8 users on an H200, ``q`` near 2: priced as one pass, the policy
@@ -157,17 +158,22 @@ class BudgetPolicy:
         self._pass_weight += weight
 
     def observe_round(
-        self, seconds: float, verify_forward_s: float, verify_queue_s: float = 0.0, pass_sequences: int = 1, draft_s: float = 0.0
+        self, seconds: float, verify_forward_s: float, verify_queue_s: float = 0.0, pass_sequences: int = 1, draft_s: float = 0.0,
+        prompt_wait_s: float = 0.0,
     ) -> None:
         """A speculating step took ``seconds`` from its proposal to its verify response, of which its
         verify pass of ``pass_sequences`` sequences took ``verify_forward_s``, its wait in the
-        target for that pass ``verify_queue_s`` and its proposal ``draft_s``; the rest but the
-        proposal is ``t_other``'s other part. Weighed as a pass's report (:meth:`observe_pass`)."""
+        target for that pass ``verify_queue_s`` (of it ``prompt_wait_s`` behind other sequences'
+        prompts) and its proposal ``draft_s``. The wait behind other passes counts in ``q``; the
+        rest, the wait behind prompts included, is ``t_other`` (its part beside the proposal): on
+        an H200 at 16-32 users ``q`` read 16-24 at times (BENCHMARKS.md [J7]), as 16 of the 27B's
+        86 ms prompts read as passes would make it. Weighed as a pass's report (:meth:`observe_pass`)."""
         weight = 1.0 / max(1, pass_sequences)
-        self._other.add(max(0.0, seconds - verify_forward_s - verify_queue_s), weight)
+        behind_passes = verify_queue_s - min(max(prompt_wait_s, 0.0), verify_queue_s)
+        self._other.add(max(0.0, seconds - verify_forward_s - behind_passes), weight)
         self._draft.add(min(draft_s, self._other.value), weight)
         if verify_forward_s > 0:
-            self._passes_per_round.add((verify_forward_s + verify_queue_s) / verify_forward_s, weight)
+            self._passes_per_round.add((verify_forward_s + behind_passes) / verify_forward_s, weight)
 
     def observe_acceptance(self, tree: DraftTree, accepted_depth: int) -> None:
         """A step verified ``tree`` (with its scores) and accepted ``accepted_depth`` nodes: update the

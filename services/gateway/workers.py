@@ -64,6 +64,7 @@ class Verified:
     pass_rows: int = 0
     pass_sequences: int = 0
     queue_ns: int = 0  # how long the step waited in the target for its pass
+    queue_prompt_ns: int = 0  # of queue_ns, the target's time in other sequences' prompts meanwhile
 
 
 class StepStream(rpc.StepConnection):
@@ -240,7 +241,7 @@ class TargetClient(WorkerClient):
         features = r.features if r.HasField("features") else None
         return Verified(
             list(r.committed_tokens), r.next_token, r.committed_length, features, r.forward_ns, list(r.logprobs) or None,
-            r.pass_rows, r.pass_sequences, r.queue_ns,
+            r.pass_rows, r.pass_sequences, r.queue_ns, r.queue_prompt_ns,
         )
 
 

@@ -135,6 +135,7 @@ class VerifyResult:
     pass_rows: int = 0  # rows of every sequence in the pass
     pass_sequences: int = 0
     queue_ns: int = 0  # how long the step waited for its pass to start (set by the worker's batcher)
+    queue_prompt_ns: int = 0  # of queue_ns, the engine's time in other sequences' prompts meanwhile
 
 
 @dataclass

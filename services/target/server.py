@@ -125,6 +125,7 @@ class TargetServicer(target_pb2_grpc.TargetWorkerServicer):
             pass_rows=result.pass_rows,
             pass_sequences=result.pass_sequences,
             queue_ns=result.queue_ns,
+            queue_prompt_ns=result.queue_prompt_ns,
         )
 
     async def VerifyStream(self, requests, context):

@@ -52,6 +52,9 @@ class EngineHost:
         self.inline_steps = os.environ.get("SPLITSPEC_INLINE_STEPS", "1") != "0"
         self.inline_max_s = float(os.environ.get("SPLITSPEC_INLINE_STEP_MAX_MS", self.INLINE_STEP_MAX_S * 1000)) / 1000
         self.last_step_s = math.inf  # how long the last step took (where it ran); unknown until the first
+        # Seconds the engine thread has spent in ``open`` work (prompts) so far: a step's wait, less
+        # the prompts run meanwhile, is its wait behind other steps' passes. Written by that thread only.
+        self.opened_s = 0.0
         # Calls handed to the engine thread and not finished there (queued or running): counted until
         # the thread is done with them, not until their caller stops waiting (a cancelled call's
         # work still runs), so a step never runs inline while the thread still works.
@@ -109,7 +112,14 @@ class EngineHost:
         (the target's Prefill). If the caller goes away first (its gRPC call cancelled or past its
         deadline, its step socket closed), work still queued is dropped, and work already running
         finishes and has whatever sequence it made released: nobody is left to release it."""
-        future = self._submit(work)
+        def timed(engine: Any) -> T:
+            t0 = time.perf_counter()
+            try:
+                return work(engine)
+            finally:
+                self.opened_s += time.perf_counter() - t0
+
+        future = self._submit(timed)
         waited = asyncio.wrap_future(future)
         try:
             return await asyncio.shield(waited)
@@ -186,7 +196,7 @@ class StepBatcher:
         self.host, self.run, self.key = host, run, key
         self.max_batch, self.max_gather_s, self.gather_gap_s = max_batch, max_gather_s, gather_gap_s
         self._lock = threading.Lock()
-        self._waiting: list[tuple[Any, asyncio.Future, float]] = []  # (item, its future, when it arrived)
+        self._waiting: list[tuple[Any, asyncio.Future, float, float]] = []  # (item, its future, when it arrived, host.opened_s then)
         self._running = False
         self._in_flight: list | None = None  # the batch of the pass on the engine thread
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -211,7 +221,7 @@ class StepBatcher:
         future = loop.create_future()
         self._last_arrival = loop.time()
         with self._lock:
-            self._waiting.append((item, future, self._last_arrival))
+            self._waiting.append((item, future, self._last_arrival, self.host.opened_s))
         self._maybe_start()
         return await future
 
@@ -228,7 +238,7 @@ class StepBatcher:
             self._waiting = [w for w in self._waiting if not w[1].done()]  # cancelled callers leave
             if not self._waiting:
                 return
-            back = {self.key(item) for item, _, _ in self._waiting}
+            back = {self.key(item) for item, *_ in self._waiting}
         sequences = self.host.engine.sequences
         if self._all_back(back) or self._gather_s() <= 0:
             self._start()
@@ -278,7 +288,7 @@ class StepBatcher:
         there are none, or, ``chained``, unless a step of every live sequence is waiting), and the
         batcher's running state to match."""
         self._waiting = [w for w in self._waiting if not w[1].done()]
-        back = {self.key(item) for item, _, _ in self._waiting}
+        back = {self.key(item) for item, *_ in self._waiting}
         # Chained, other work queued for the engine thread (a prefill) goes first, as it would
         # between two passes started from the loop: a chain must not hold new sequences back.
         queued = self.host._pending > 1  # the pass that just ended is one
@@ -303,29 +313,30 @@ class StepBatcher:
         (see the class), every pass's results handed to the loop as it ends."""
         while batch is not None:
             now = self._loop.time()  # the loop's clock (monotonic), readable from any thread
-            waits = [now - arrived for _, _, arrived in batch]
+            waits = [now - arrived for _, _, arrived, _ in batch]
+            prompt_waits = [min(wait, self.host.opened_s - opened) for (*_, opened), wait in zip(batch, waits)]
             t0 = time.perf_counter()
             try:
-                results = self.run(engine, [item for item, _, _ in batch])
+                results = self.run(engine, [item for item, *_ in batch])
             except Exception as exc:  # noqa: BLE001 - the pass's steps fail with it; the batcher goes on
                 results = [exc] * len(batch)
             seconds = time.perf_counter() - t0
             with self._lock:
                 following = self._take(chained=True)
             try:
-                self._loop.call_soon_threadsafe(self._deliver, batch, results, waits, seconds, following is None)
+                self._loop.call_soon_threadsafe(self._deliver, batch, results, waits, prompt_waits, seconds, following is None)
             except RuntimeError:  # the loop closed (shutting down): nobody is left to answer
                 return
             batch = following
 
-    def _deliver(self, batch: list, results: list, waits: list[float], seconds: float, last: bool) -> None:
+    def _deliver(self, batch: list, results: list, waits: list[float], prompt_waits: list[float], seconds: float, last: bool) -> None:
         self._last_pass_s = self.host.last_step_s = seconds
         self.on_pass(results, waits)
-        for (_, future, _), result, wait in zip(batch, results, waits):
+        for (_, future, *_), result, wait, prompt_wait in zip(batch, results, waits, prompt_waits):
             if future.done():
                 continue  # its caller went away; the pass ran anyway, keeping the engine consistent
             if hasattr(result, "queue_ns"):
-                result.queue_ns = int(wait * 1e9)
+                result.queue_ns, result.queue_prompt_ns = int(wait * 1e9), int(prompt_wait * 1e9)
             if isinstance(result, BaseException):
                 future.set_exception(result)
             else:
@@ -341,7 +352,7 @@ class StepBatcher:
             return
         with self._lock:
             batch, self._running, self._in_flight = self._in_flight or [], False, None
-        self._deliver(batch, [error] * len(batch), [0.0] * len(batch), 0.0, True)
+        self._deliver(batch, [error] * len(batch), [0.0] * len(batch), [0.0] * len(batch), 0.0, True)
 
     def _remember(self, cohort: set[str]) -> None:
         """``cohort`` ran together. Sequences gone from the engine are forgotten when the memory

@@ -331,6 +331,37 @@ def test_each_result_learns_how_long_its_step_waited_for_its_pass():
 
     first, second = asyncio.run(run())
     assert 0 <= first.queue_ns < 0.02e9 and 0.02e9 < second.queue_ns < 0.2e9
+    assert first.queue_prompt_ns == second.queue_prompt_ns == 0  # no prompt ran meanwhile
+
+
+def test_a_step_waiting_behind_a_prompt_learns_that_part_of_its_wait():
+    """A step that arrives while another sequence's prompt (``host.open``, 80 ms) runs waits for it,
+    then for a 50 ms pass of a step that came before: its ``queue_prompt_ns`` is the prompt's share
+    of its wait, which the gateway's budget prices as a constant, not as passes."""
+
+    class Result:
+        queue_ns = queue_prompt_ns = -1
+
+    async def run():
+        host = EngineHost("target")
+        engine = PassRecordingEngine(3)
+        host.attach(engine, None)
+        batcher = StepBatcher(host, lambda e, items: [Result() for _ in e.run(items)], key=lambda item: item[0], max_gather_s=0.0)
+        try:
+            first = asyncio.ensure_future(batcher.submit(("s0", "a")))  # its pass runs 50 ms
+            await asyncio.sleep(0.01)
+            prompt = asyncio.ensure_future(host.open("s9", lambda e: time.sleep(0.08)))  # queued behind that pass
+            await asyncio.sleep(0.01)
+            second = asyncio.ensure_future(batcher.submit(("s1", "b")))  # behind the pass, then the prompt
+            await prompt
+            return await asyncio.gather(first, second)
+        finally:
+            host.executor.shutdown()
+
+    first, second = asyncio.run(run())
+    assert first.queue_prompt_ns == 0
+    assert 0.07e9 < second.queue_prompt_ns < 0.12e9 and 0.1e9 < second.queue_ns < 0.3e9
+    assert second.queue_ns - second.queue_prompt_ns > 0.02e9  # and the rest of the pass before
 
 
 def test_a_caller_gone_before_its_pass_leaves_it():

@@ -477,3 +477,19 @@ def test_a_pass_that_captured_a_graph_teaches_the_policy_nothing_of_costs():
     assert policy.passes == len(trees) - 2  # the two capturing passes: no cost point, no round
     assert policy._other.count == len(trees) - 3  # every other drafted step's round (the last step drafts nothing)
     assert policy._observed and policy._observed[1].count > 0  # acceptance is learned from every step
+
+
+def test_a_wait_behind_prompts_is_t_other_not_passes():
+    """A round of 60 ms: a 20 ms pass, 30 ms of waiting of which 20 ms behind another sequence's
+    prompt, and 10 ms elsewhere. The 10 ms behind other passes count in q (they grow with the
+    trees); the prompt's 20 ms join t_other (they do not)."""
+    policy = BudgetPolicy(22, 64, warmup_passes=1)
+    for _ in range(5):
+        policy.observe_round(0.060, 0.020, 0.030, 1, prompt_wait_s=0.020)
+    assert policy.passes_per_round == pytest.approx(1.5) and policy.t_other == pytest.approx(0.030)
+    blind = BudgetPolicy(22, 64, warmup_passes=1)
+    blind.observe_round(0.060, 0.020, 0.030, 1)  # a target that does not report the prompts' share
+    assert blind.passes_per_round == pytest.approx(2.5) and blind.t_other == pytest.approx(0.010)
+    odd = BudgetPolicy(22, 64, warmup_passes=1)
+    odd.observe_round(0.060, 0.020, 0.030, 1, prompt_wait_s=0.050)  # more than the wait: capped at it
+    assert odd.passes_per_round == pytest.approx(1.0) and odd.t_other == pytest.approx(0.040)
