@@ -276,7 +276,8 @@ class PassRunner:
             return p.logits, p.features
         capturable = prompt_chunk or p.inputs.shape[0] <= self.capture_rows
         if not self.capture or not (self._warming or (capturable and p.passes >= self.hot_passes)):
-            self.unmeasured += self.capture and capturable  # replayed once hot: this run is a stopgap
+            if self.capture and capturable:  # replayed once hot: this run is a stopgap
+                self.unmeasured += 1
             return compute()
 
         def into_buffers():

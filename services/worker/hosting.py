@@ -52,8 +52,9 @@ class EngineHost:
         self.inline_steps = os.environ.get("SPLITSPEC_INLINE_STEPS", "1") != "0"
         self.inline_max_s = float(os.environ.get("SPLITSPEC_INLINE_STEP_MAX_MS", self.INLINE_STEP_MAX_S * 1000)) / 1000
         self.last_step_s = math.inf  # how long the last step took (where it ran); unknown until the first
-        # Seconds the engine thread has spent in ``open`` work (prompts) so far: a step's wait, less
-        # the prompts run meanwhile, is its wait behind other steps' passes. Written by that thread only.
+        # Seconds the engine thread has spent in ``open`` work (prompts) so far, counted as each
+        # ends: a step's wait, less the prompts that ended meanwhile (at most its wait), is its wait
+        # behind other steps' passes. Written by that thread only.
         self.opened_s = 0.0
         # Calls handed to the engine thread and not finished there (queued or running): counted until
         # the thread is done with them, not until their caller stops waiting (a cancelled call's
