@@ -161,9 +161,9 @@ class PassRunner:
         # the logits buffer at the size the memory plan counts.
         self.capture_rows = max_rows
         self.graphs = 0  # CUDA graphs captured so far
-        # Passes whose time is no measure of a pass of their shape: captures, and eager runs of a
-        # shape that is captured at its hot pass (on an H200 the 27B's took 75-200 ms against a
-        # 24 ms replay; reported as its cost, one made the adaptive budget's cost curve flat).
+        # Passes whose time is no measure of a pass of their shape: captures, and eager runs or
+        # larger stand-ins of a shape that is captured at its hot pass (on an H200 the 27B's eager
+        # runs took 75-200 ms against a 24 ms replay; the adaptive budget learns pass costs).
         self.unmeasured = 0
         self.stand_in_passes = 0  # passes run in a captured pass of another shape (stand_in)
 
@@ -192,6 +192,8 @@ class PassRunner:
             if other not in (None, key) and (other[:4] == shape or p.passes < self.hot_passes):
                 run, features_wanted = self._passes[other], bool(taps)
                 self.stand_in_passes += 1
+                if other[:4] != shape:  # a larger pass's time, until this shape's capture
+                    self.unmeasured += 1
         # The chunk's last real row is read inside the pass: one graph serves every chunk length.
         run.inputs.fill(layout, run.staged.writable(), layout.num_rows - 1)
         run.staged.upload()

@@ -208,6 +208,7 @@ def test_passes_run_in_their_stand_ins_give_what_the_exact_passes_give(model, mo
     # Budgets 0, 1 and 3 ran in the pass of two 8-row blocks, b's step in that of one; 5 and 22
     # (tapped: one sequence wants features) in their own warmed passes.
     assert fixed.runner.stand_in_passes == 4
+    assert fixed.runner.unmeasured == 4  # all four larger: their times are the stand-ins', not their steps' shapes'
 
 
 def test_an_eager_pass_until_its_shape_is_captured_reports_no_time(model):
