@@ -92,15 +92,23 @@ class EngineHost:
         work already running finishes (the engine's state stays consistent)."""
         return await asyncio.wrap_future(self._submit(work))
 
-    def _timed(self, work: Callable[[Any], T]) -> Callable[[Any], T]:
+    @staticmethod
+    def _timed(work: Callable[[Any], T], record: Callable[[float], None]) -> Callable[[Any], T]:
+        """``work`` that hands its seconds to ``record`` when it ends (also when it raises)."""
         def timed(engine: Any) -> T:
             t0 = time.perf_counter()
             try:
                 return work(engine)
             finally:
-                self.last_step_s = time.perf_counter() - t0
+                record(time.perf_counter() - t0)
 
         return timed
+
+    def _step_took(self, seconds: float) -> None:
+        self.last_step_s = seconds
+
+    def _opened(self, seconds: float) -> None:
+        self.opened_s += seconds
 
     def inline_now(self, engine: Any) -> bool:
         """Whether a step now runs on the event loop's thread (see the class; ``StepBatcher.submit``)."""
@@ -113,14 +121,7 @@ class EngineHost:
         (the target's Prefill). If the caller goes away first (its gRPC call cancelled or past its
         deadline, its step socket closed), work still queued is dropped, and work already running
         finishes and has whatever sequence it made released: nobody is left to release it."""
-        def timed(engine: Any) -> T:
-            t0 = time.perf_counter()
-            try:
-                return work(engine)
-            finally:
-                self.opened_s += time.perf_counter() - t0
-
-        future = self._submit(timed)
+        future = self._submit(self._timed(work, self._opened))
         waited = asyncio.wrap_future(future)
         try:
             return await asyncio.shield(waited)
@@ -215,7 +216,7 @@ class StepBatcher:
         """``item``'s result, from the pass it ran in (its exception raised here)."""
         engine = self.host.require()
         if not self._running and not self._waiting and self.host.inline_now(engine):
-            results = self.host._timed(lambda e: self.run(e, [item]))(engine)
+            results = self.host._timed(lambda e: self.run(e, [item]), self.host._step_took)(engine)
             self.on_pass(results, [0.0])
             return self._one(results)
         loop = asyncio.get_running_loop()
