@@ -129,7 +129,7 @@ class VerifyResult:
     next_token: int
     features: torch.Tensor | None  # [len(committed_tokens), taps * hidden]
     committed_length: int
-    forward_ns: int  # of the whole pass; 0 when it captured a CUDA graph or ran eagerly until its capture (no measure of its shape)
+    forward_ns: int  # of the whole pass; 0 when it captured a CUDA graph or stood in until its capture (PassRunner.unmeasured)
     # When the sequence asked for logprobs: those of committed_tokens[1:] + [next_token], in order.
     logprobs: list[TokenLogprob] | None = None
     pass_rows: int = 0  # rows of every sequence in the pass
@@ -446,7 +446,7 @@ class TargetEngine:
 
     def _verify_pass(self, work: list[_Work]) -> list[VerifyResult]:
         t0 = time.perf_counter_ns()
-        unmeasured = self.runner.unmeasured  # a capture, or an eager stopgap until one, is no measure of a pass
+        unmeasured = self.runner.unmeasured  # a capture, or a stopgap until one, is no measure of a pass
         taps = _union_taps([item.state.taps for item in work])
         layout = pass_layout(
             self.kv, [w.row_tokens for w in work], [w.rows for w in work], [w.state.length for w in work],
