@@ -8,8 +8,8 @@ exponential moving average (EMA), so they follow the load as it changes:
   passes, fed by every ``VerifyResponse`` (``pass_rows``, ``forward_ns``);
 - ``t_other``: a speculating step's time minus its verify pass and its wait for that pass, and of
   it ``t_draft``, the draft's proposal as the gateway waits for it;
-- the passes a round holds ``q``: its pass and its wait in the target behind other passes (not
-  behind prompts, which is ``t_other``'s) over its pass. Sequences out
+- the passes a round holds ``q``: its pass and its wait in the target behind other passes over
+  its pass. (A wait behind other sequences' prompts counts nowhere: see :meth:`BudgetPolicy.observe_round`.) Sequences out
   of step make the target alternate between groups of them, so a round waits for the other
   groups' passes, whose rows grow with the budget as its own do: a round costs
   ``t_other + q * t(rows)`` (at 8 users on an H200, ``q`` near 2: priced as one pass, the policy
@@ -165,12 +165,17 @@ class BudgetPolicy:
         verify pass of ``pass_sequences`` sequences took ``verify_forward_s``, its wait in the
         target for that pass ``verify_queue_s`` (of it ``prompt_wait_s`` behind other sequences'
         prompts) and its proposal ``draft_s``. The wait behind other passes counts in ``q``; the
-        rest, the wait behind prompts included, is ``t_other`` (its part beside the proposal): on
-        an H200 at 16-32 users ``q`` read 16-24 at times (BENCHMARKS.md [J7]), as 16 of the 27B's
-        86 ms prompts read as passes would make it. Weighed as a pass's report (:meth:`observe_pass`)."""
+        rest of the round beside the pass and its wait is ``t_other``. The wait behind prompts
+        counts in neither: the target spends the same seconds on the prompts whatever the budget,
+        so they take a share of the time off every budget alike. Counted per round, in ``t_other``,
+        they argued for larger trees, which commit more per round and so seem to share the wait
+        out: on an H200 (27B, each wave of requests starting with its prompts) ``t_other`` read
+        24-62 ms at 8 users and 128 ms at 32 with a 3-9 ms draft, and the policy chose 15- and
+        23-node trees and got 0.80 of a fixed budget of 3 at 8 users. Counted as passes they made ``q`` read 16-24 at 16-32 users
+        (BENCHMARKS.md [J7]; the 8 users: [O1]). Weighed as a pass's report (:meth:`observe_pass`)."""
         weight = 1.0 / max(1, pass_sequences)
         behind_passes = verify_queue_s - min(max(prompt_wait_s, 0.0), verify_queue_s)
-        self._other.add(max(0.0, seconds - verify_forward_s - behind_passes), weight)
+        self._other.add(max(0.0, seconds - verify_forward_s - verify_queue_s), weight)
         self._draft.add(min(draft_s, self._other.value), weight)
         if verify_forward_s > 0:
             self._passes_per_round.add((verify_forward_s + behind_passes) / verify_forward_s, weight)

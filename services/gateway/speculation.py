@@ -265,7 +265,7 @@ class SpeculativeSequence:
             if drafted:
                 # The wait behind other sequences' passes is priced as passes (BudgetPolicy's q), not as
                 # t_other: as a constant it would argue for larger trees, which lengthen it. The wait
-                # behind their prompts does not grow with the tree: t_other's.
+                # behind their prompts is priced nowhere: no budget changes it.
                 policy.observe_round(step_s, forward_s, verified.queue_ns / 1e9, verified.pass_sequences or 1, self.draft_s,
                                      verified.queue_prompt_ns / 1e9)
         if drafted:

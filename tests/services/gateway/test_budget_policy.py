@@ -34,13 +34,14 @@ def flat_then_linear(rows: float) -> float:
 
 def run_steps(
     policy: BudgetPolicy, sequences: int, steps: int, rng: np.random.Generator, true_q: np.ndarray | None = None, waits: int = 0,
-    other_s: float = 0.003,
+    other_s: float = 0.003, prompt_s: float = 0.0,
 ) -> list[int]:
     """``steps`` steps of ``sequences`` sequences sharing each pass, every one choosing as the policy
     says: feed it what the gateway would see, the target priced by ``flat_then_linear`` and accepting
     each depth with probability ``true_q[d]`` given the depth before (default: as the draft predicts);
     each round also waits for ``waits`` passes of other sequences like its own, and spends
-    ``other_s`` outside the target. Returns the budgets chosen."""
+    ``other_s`` outside the target and ``prompt_s`` in it behind other sequences' prompts. Returns
+    the budgets chosen."""
     chosen = []
     for _ in range(steps):
         budget = policy.choose(TREE)
@@ -50,7 +51,8 @@ def run_steps(
         forward = flat_then_linear(rows)
         for _ in range(sequences):
             policy.observe_pass(rows, sequences, forward)
-            policy.observe_round(other_s + (1 + waits) * forward, forward, waits * forward, sequences)
+            wait = waits * forward + prompt_s
+            policy.observe_round(other_s + forward + wait, forward, wait, sequences, prompt_wait_s=prompt_s)
             reach = depth_mass(tree.scores, tree.depths, DEPTHS) if true_q is None else np.cumprod(np.r_[1.0, true_q])
             accepted = int(np.sum(rng.random() < reach[1 : int(tree.depths.max(initial=0)) + 1]))
             policy.observe_acceptance(tree, accepted)
@@ -479,17 +481,28 @@ def test_a_pass_that_captured_a_graph_teaches_the_policy_nothing_of_costs():
     assert policy._observed and policy._observed[1].count > 0  # acceptance is learned from every step
 
 
-def test_a_wait_behind_prompts_is_t_other_not_passes():
+def test_a_wait_behind_prompts_is_neither_t_other_nor_passes():
     """A round of 60 ms: a 20 ms pass, 30 ms of waiting of which 20 ms behind another sequence's
     prompt, and 10 ms elsewhere. The 10 ms behind other passes count in q (they grow with the
-    trees); the prompt's 20 ms join t_other (they do not)."""
+    trees); the prompt's 20 ms count nowhere (no budget changes them)."""
     policy = BudgetPolicy(22, 64, warmup_passes=1)
     for _ in range(5):
         policy.observe_round(0.060, 0.020, 0.030, 1, prompt_wait_s=0.020)
-    assert policy.passes_per_round == pytest.approx(1.5) and policy.t_other == pytest.approx(0.030)
+    assert policy.passes_per_round == pytest.approx(1.5) and policy.t_other == pytest.approx(0.010)
     blind = BudgetPolicy(22, 64, warmup_passes=1)
     blind.observe_round(0.060, 0.020, 0.030, 1)  # a target that does not report the prompts' share
     assert blind.passes_per_round == pytest.approx(2.5) and blind.t_other == pytest.approx(0.010)
     odd = BudgetPolicy(22, 64, warmup_passes=1)
     odd.observe_round(0.060, 0.020, 0.030, 1, prompt_wait_s=0.050)  # more than the wait: capped at it
-    assert odd.passes_per_round == pytest.approx(1.0) and odd.t_other == pytest.approx(0.040)
+    assert odd.passes_per_round == pytest.approx(1.0) and odd.t_other == pytest.approx(0.010)
+
+
+def test_prompts_that_hold_every_round_up_change_no_choice():
+    """8 sequences a pass, every round also waiting 80 ms behind other sequences' prompts (a wave
+    of requests starting): the target spends those seconds whatever the budget, so the policy
+    chooses as it does without them, where a constant 80 ms a round would argue for larger trees."""
+    quiet = run_steps(BudgetPolicy(22, 64), 8, 60, np.random.default_rng(5))
+    busy = run_steps(BudgetPolicy(22, 64), 8, 60, np.random.default_rng(5), prompt_s=0.080)
+    assert busy == quiet
+    priced = run_steps(BudgetPolicy(22, 64), 8, 60, np.random.default_rng(5), other_s=0.083)
+    assert priced[-1] > quiet[-1], (priced[-1], quiet[-1])
