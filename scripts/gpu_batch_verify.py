@@ -30,7 +30,7 @@ GREEDY = SamplingParams()
 def check(shape: str, device: str) -> bool:
     model, config = random_target(f"random:{shape}", device, torch.float32)
     eager = TargetEngine(model, TargetLimits(max_kv_tokens=16 * 1024))
-    graphed = TargetEngine(model, TargetLimits(max_kv_tokens=16 * 1024), fixed_shapes=True, capture=device == "cuda", hot_passes=1)
+    graphed = TargetEngine(model, TargetLimits(max_kv_tokens=16 * 1024), fixed_shapes=True, capture=device == "cuda", hot_passes=1, hot_padding=0)
     rng = np.random.default_rng(0)
     ids = [f"s{i}" for i in range(6)]
     for sid in ids:
@@ -91,7 +91,7 @@ def bench(shape: str, batches: list[int], prompt: int, budget: int, iters: int, 
     model, config = random_target(f"random:{shape}", device, torch.bfloat16 if device == "cuda" else torch.float32)
     top = max(batches)
     engine = TargetEngine(
-        model, TargetLimits(max_sequences=top, max_kv_tokens=top * (prompt + 2048)), fixed_shapes=True, capture=device == "cuda", hot_passes=1
+        model, TargetLimits(max_sequences=top, max_kv_tokens=top * (prompt + 2048)), fixed_shapes=True, capture=device == "cuda", hot_passes=1, hot_padding=0
     )
     rng = np.random.default_rng(1)
     print(f"{shape} {next(model.parameters()).dtype}, prompts of {prompt}, random weights (benchmark-only), paged KV, CUDA graphs", flush=True)

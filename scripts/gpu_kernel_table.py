@@ -107,7 +107,7 @@ def profile_engine(model, config, args, label: str) -> None:
     print(f"--- {label}")
     rng = np.random.default_rng(0)
     context = args.prompt + 64 * (args.reps + 60)
-    engine = TargetEngine(model, TargetLimits(max_sequences=1, max_tree_nodes=args.budget, max_kv_tokens=context + 64), fixed_shapes=True, capture=True, hot_passes=1)
+    engine = TargetEngine(model, TargetLimits(max_sequences=1, max_tree_nodes=args.budget, max_kv_tokens=context + 64), fixed_shapes=True, capture=True, hot_passes=1, hot_padding=0)
     engine.prefill("p", rng.integers(0, config.vocab_size, args.prompt).tolist(), SamplingParams(), reserve_tokens=context)
     tokens, parents = random_tree(rng, config.vocab_size, args.budget)
     ar = median_ms(lambda: engine.verify("p", [], []), 20, 3, device)

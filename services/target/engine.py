@@ -39,7 +39,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from services.target.graphs import HOT_PASSES, PREFILL_CHUNK, PassRunner, pass_row_limit
+from services.target.graphs import HOT_PADDING, HOT_PASSES, PREFILL_CHUNK, PassRunner, pass_row_limit
 from services.worker.hosting import SequenceTable
 from splitspec.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, ServiceError
 from splitspec.models.paged import PagedState, PassInputs, pass_layout
@@ -155,10 +155,10 @@ class _Work:
 class TargetEngine:
     def __init__(
         self, model: TargetModel, limits: TargetLimits | None = None, fixed_shapes: bool = False, capture: bool = False,
-        hot_passes: int = HOT_PASSES,
+        hot_passes: int = HOT_PASSES, hot_padding: float = HOT_PADDING,
     ) -> None:
         """``fixed_shapes``: pad passes to bucketed shapes (``services.target.graphs``), captured as CUDA
-        graphs with ``capture`` on a GPU (``hot_passes``: see :class:`PassRunner`); otherwise every
+        graphs with ``capture`` on a GPU (``hot_passes``, ``hot_padding``: see :class:`PassRunner`); otherwise every
         pass runs eagerly at its exact shape."""
         self.model = model
         self.config = model.config
@@ -169,7 +169,7 @@ class TargetEngine:
         self.state = model.new_pool(blocks, self.limits.block_size, self.limits.max_sequences, self.device, self.dtype)
         # A recurrent family's fixed-shape tree passes are bounded by the rows its slots reserve.
         max_rows = pass_row_limit(self.state.slots is not None, self.limits.max_sequences)
-        self.runner = PassRunner(model, self.state, fixed_shapes, capture, max_rows, hot_passes)
+        self.runner = PassRunner(model, self.state, fixed_shapes, capture, max_rows, hot_passes, hot_padding)
         self.sequences = SequenceTable(on_drop=lambda state: self._give_back(state.holding))  # of SequenceState
         self._admissions = itertools.count(1)
         # Held by the engine thread for a whole call (reentrant: a preemption gives back inside one).

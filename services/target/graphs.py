@@ -21,10 +21,14 @@ budget chooses (``WARM_BLOCKS``; the gateway's policy gives all its sequences on
 that a draft's steps replay them. A shape first met while serving is captured at its
 ``HOT_PASSES``-th pass: a capture stalls every sequence of the pass for two passes and the graph's
 instantiation (on an H200, 60-120 ms for the 8B once warm-up compiled the Triton kernels), worth
-it only for a shape that comes again. Before that it replays a captured pass that covers it
-(:func:`stand_in`: more rows, sequences or keys, padded), or else runs eagerly at its fixed shape,
-far slower than a replay where launches, not kernels, take the time (on an H200, 75-200 ms for the
-27B hybrid against a 24 ms replay). A pass that wants no features replays a tapped graph of its
+it only for a shape that comes again. Until then it runs eagerly at its fixed shape, far slower
+than a replay where launches, not kernels, take the time (on an H200, 75-200 ms for the 27B
+hybrid against a 24 ms replay), unless a captured pass covers it (:func:`stand_in`: more rows,
+sequences or keys, padded). That one it replays for as long as padding costs less than a capture
+would: until the passes' padding (:func:`padding`) adds up to ``HOT_PADDING`` passes, about what a
+capture costs, so that a shape which comes and goes (two gateways' budgets mixed in one pass
+while one of them changes its choice) is never captured, and one that stays pays at most about
+twice what the best choice in hindsight would. A pass that wants no features replays a tapped graph of its
 shape for good. Graphs share one memory pool and write their logits and
 features into buffers of the runner, so a graph keeps no memory of its own beyond the pool. Without
 ``capture`` (a CPU) the fixed shapes run eagerly (how CI tests this path); with ``fixed_shapes``
@@ -65,6 +69,9 @@ WARM_TREE_ROWS = 24  # a budget-22 tree (23 rows), padded: the default budget's 
 # each a bucket), the default budget's among them.
 WARM_BLOCKS = tuple(b + 1 for b in ADAPTIVE_BUDGETS)
 HOT_PASSES = 3  # the pass of a shape not warmed up at which it is captured
+# A capture's cost in passes: on an H200 the 27B's captures while serving took 184-345 ms against
+# 17-75 ms for passes of those shapes (BENCHMARKS.md [O1], [O2]).
+HOT_PADDING = 8.0
 
 
 def warm_up_start(span: int, rows: int) -> int:
@@ -123,6 +130,14 @@ def stand_in(key: tuple, captured) -> tuple | None:
     return min(fits, key=lambda k: (k[0], k[3], k[1], k[2], len(k[4])), default=None)
 
 
+def padding(shape: tuple, other: tuple) -> float:
+    """The share of a pass of ``other`` ``(N, B, T, S, ...)`` that is padding when it stands in for
+    one of ``shape``: ``1 - `` the smallest ratio of their rows, sequences, block rows or keys. (A
+    pass's time grows with each, none faster than in proportion; where it is flat this overstates
+    the waste, which only brings a capture forward.)"""
+    return 1.0 - min(a / b for a, b in zip(shape[:4], other[:4]))
+
+
 @dataclass
 class _Pass:
     """One fixed shape: its input buffers, and once captured its graph and the outputs its replays rewrite."""
@@ -130,6 +145,7 @@ class _Pass:
     staged: StagedInputs  # the inputs' bytes: written on the host, one copy to the device a pass
     inputs: PassInputs  # views of the staged device bytes
     passes: int = 0  # passes run at this shape
+    padding: float = 0.0  # the passes of it that larger stand-ins ran, weighed by their padding
     logits: torch.Tensor | None = None  # [N or 1, vocab] float32 once captured, a view of the runner's buffer
     features: torch.Tensor | None = None  # [N, taps * hidden], likewise
     graph: torch.cuda.CUDAGraph | None = None
@@ -140,16 +156,18 @@ class PassRunner:
     """Runs :meth:`forward_paged` of a target over a :class:`PassLayout`."""
 
     def __init__(
-        self, model, state: PagedState, fixed_shapes: bool, capture: bool, max_rows: int = ROW_BUCKETS[-1], hot_passes: int = HOT_PASSES
+        self, model, state: PagedState, fixed_shapes: bool, capture: bool, max_rows: int = ROW_BUCKETS[-1], hot_passes: int = HOT_PASSES,
+        hot_padding: float = HOT_PADDING,
     ) -> None:
         """``max_rows``: the most rows of a fixed-shape tree (verify or decode) pass; larger ones run
         eagerly at their exact shape. A recurrent family's state slots reserve their tree rows for it.
-        ``hot_passes``: the pass at which a shape not warmed up is captured (1: at its first, as
-        tools that time one shape want)."""
+        A shape not warmed up is captured at its ``hot_passes``-th pass, and where a larger captured
+        pass stands in for it not before their padding adds up to ``hot_padding`` passes (1 and 0:
+        at its first, as tools that time one shape want)."""
         self.model, self.state = model, state
         self.device = state.kv.k.device
         self.fixed_shapes, self.capture = fixed_shapes, capture and fixed_shapes
-        self.max_rows, self.hot_passes = max_rows, hot_passes
+        self.max_rows, self.hot_passes, self.hot_padding = max_rows, hot_passes, hot_padding
         if fixed_shapes and state.slots is not None:
             state.slots.reserve(max_rows)
         self._passes: dict[tuple, _Pass] = {}
@@ -189,10 +207,12 @@ class PassRunner:
             other = stand_in(key, self._captured())
             # A stand-in of the same shape (its taps' features dropped) serves for good; a larger one
             # until this shape's own capture: either replays in a fraction of an eager pass's time.
-            if other not in (None, key) and (other[:4] == shape or p.passes < self.hot_passes):
+            hot = p.passes >= self.hot_passes and p.padding >= self.hot_padding
+            if other not in (None, key) and (other[:4] == shape or not hot):
                 run, features_wanted = self._passes[other], bool(taps)
                 self.stand_in_passes += 1
                 if other[:4] != shape:  # a larger pass's time, until this shape's capture
+                    p.padding += padding(shape, other)
                     self.unmeasured += 1
         # The chunk's last real row is read inside the pass: one graph serves every chunk length.
         run.inputs.fill(layout, run.staged.writable(), layout.num_rows - 1)

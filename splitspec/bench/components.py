@@ -130,7 +130,7 @@ def time_target(
     for label, capture in paths.items():
         # Two live sequences at most ("bench" and a prefill's): a hybrid target's state slots are per sequence.
         limits = TargetLimits(max_sequences=2, max_tree_nodes=max(budgets), max_kv_tokens=2 * context + 64)
-        engine = TargetEngine(model, limits, fixed_shapes=label != "eager", capture=capture, hot_passes=1)  # each shape timed is captured at once
+        engine = TargetEngine(model, limits, fixed_shapes=label != "eager", capture=capture, hot_passes=1, hot_padding=0)  # each shape timed is captured at once
         engine.prefill("bench", prompt, GREEDY, reserve_tokens=context)
 
         def prefill() -> None:  # a second sequence

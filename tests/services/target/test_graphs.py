@@ -211,6 +211,34 @@ def test_passes_run_in_their_stand_ins_give_what_the_exact_passes_give(model, mo
     assert fixed.runner.unmeasured == 4  # all four larger: their times are the stand-ins', not their steps' shapes'
 
 
+def test_a_stand_in_serves_until_its_padding_adds_up_to_a_capture(model, monkeypatch):
+    """A shape with a larger captured pass runs in it, not at its third pass captured, until the
+    passes' padding adds up to ``hot_padding`` passes (what a capture costs): a shape that comes and
+    goes costs no capture. Here a 4-row tree in the warmed 8-row pass is half padding, so with
+    ``hot_padding`` 2 the first four passes stand in and the fifth runs at its own shape (on a GPU,
+    captured). Every warmed pass counts as captured, as in the test above."""
+    assert graphs.padding((48, 8, 8, 1024), (64, 8, 8, 1024)) == 0.25
+    assert graphs.padding((16, 2, 8, 512), (32, 2, 16, 512)) == 0.5  # block rows padded most
+    assert graphs.padding((8, 1, 8, 512), (8, 1, 8, 1024)) == 0.5  # keys too
+    _, fixed = engines(model)
+    runner = fixed.runner
+    assert (runner.hot_passes, runner.hot_padding) == (graphs.HOT_PASSES, graphs.HOT_PADDING)
+    runner.warm_up(1, blocks=(8,), spans=(256,))
+    warmed = list(runner._passes)
+    monkeypatch.setattr(runner, "_captured", lambda: warmed)
+    runner.hot_padding = 2.0
+    rng = np.random.default_rng(12)
+    vocab = model.config.vocab_size
+    fixed.prefill("a", rng.integers(0, vocab, 20).tolist(), GREEDY, reserve_tokens=300)
+    stood_in = []
+    for _ in range(6):
+        tree = random_tree(rng, vocab, 3)
+        fixed.verify_batch([VerifyStep("a", tree.tokens.tolist(), tree.parents.tolist(), False)])
+        stood_in.append(runner.stand_in_passes)
+    assert stood_in == [1, 2, 3, 4, 4, 4]
+    assert runner._passes[(4, 1, 4, 256, (), False)].padding == 2.0
+
+
 def test_an_eager_pass_until_its_shape_is_captured_reports_no_time(model):
     """A shape met while serving runs eagerly until its hot pass captures it: those runs take many
     times a replay (launches, compiles), so their passes report no time (forward_ns 0), as a capture
