@@ -69,9 +69,10 @@ WARM_TREE_ROWS = 24  # a budget-22 tree (23 rows), padded: the default budget's 
 # each a bucket), the default budget's among them.
 WARM_BLOCKS = tuple(b + 1 for b in ADAPTIVE_BUDGETS)
 HOT_PASSES = 3  # the pass of a shape not warmed up at which it is captured
-# A capture's cost in passes: on an H200 the 27B's captures while serving took 184-345 ms against
-# 17-75 ms for passes of those shapes (BENCHMARKS.md [O1], [O2]).
-HOT_PADDING = 8.0
+# A capture's cost in passes: on an H200 the 27B's captures while serving took 184-345 ms, 3-5
+# passes of 64-384 rows (42-84 ms) and 10-11 of 16-32 (17-22 ms), where padding costs little
+# (BENCHMARKS.md [O1], [O2]).
+HOT_PADDING = 4.0
 
 
 def warm_up_start(span: int, rows: int) -> int:
