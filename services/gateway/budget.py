@@ -26,11 +26,14 @@ passes then join trees of one size, shapes its CUDA graphs were warmed up for
 (``services.target.graphs.WARM_BLOCKS``). Trees chosen one by one from their own scores made
 passes of mixed sizes, each mix a new shape; on an H200 (8B, 32 users) those passes ran eagerly
 or stalled for captures, and the adaptive rounds took 85 ms against a fixed budget's 55-84 ms. A
-new choice replaces the current one only when its rate is ``HYSTERESIS`` higher, and not before
-``hold_passes`` passes since the last change have shown what the current one costs: at 8 users on
-an H200, with 3% and no hold, the choice moved between 7 and 64 nodes several times a second as
+new choice replaces the current one only when its rate is ``HYSTERESIS`` higher, and one that
+reverses the last change (larger trees after smaller, or smaller after larger) not before
+``hold_passes`` passes since that change have shown what the current one costs: at 8 users on an
+H200, with 3% and no hold, the choice moved between 7 and 64 nodes several times a second as
 ``t_other`` and ``q`` wandered, its passes mixed tree sizes, and the rounds took 44 ms against a
-fixed budget's 30.
+fixed budget's 30. A change onward, the way the last one went, needs no wait: as load arrives the
+figures move over ``1 / alpha`` passes, and a choice held from the first of them (one pass into a
+wave of 32 users, the concurrency read 4) stayed 10 passes behind the load (BENCHMARKS.md [O3]).
 
 **Budget 0 skips the draft.** While the choice is 0 the gateway's steps are target-only: they do
 not ask the draft (:meth:`BudgetPolicy.drafts` says no), so they cost ``t_other - t_draft``, which
@@ -99,8 +102,8 @@ class BudgetPolicy:
             last ``1 / alpha`` passes count.
         calibration_alpha: EMA weight of one step's acceptance. A step's acceptance at a depth is 0
             or 1, so this averages over more steps.
-        hold_passes: passes after a change of the choice before it may change again (default
-            ``1 / alpha``: the passes the figures average over).
+        hold_passes: passes after a change of the choice before it may change back the other way
+            (default ``1 / alpha``: the passes the figures average over).
     """
 
     def __init__(
@@ -134,9 +137,11 @@ class BudgetPolicy:
         self.hold_passes = 1.0 / alpha if hold_passes is None else hold_passes
         self._pass_weight = 0.0  # passes observed, each counted once (its reports weigh 1 / its sequences)
         self._chosen_at = 0.0  # _pass_weight at the last change
+        self._direction = 0  # the sign of the last change: +1 to larger trees, -1 to smaller, 0 none yet
         self._mass_fed = -1  # int(_pass_weight) when a largest tree last fed the draft's mass
         self._mass_feeds = 0  # trees that fed it
         self._cached: tuple[tuple[int, int], tuple[np.ndarray, np.ndarray]] | None = None  # (key, rates())
+        self._logged: tuple[int, int] | None = None  # the _cached key of the last "keeps" line
 
     def observe_pass(self, rows: int, pass_sequences: int, forward_s: float) -> None:
         """A verify pass of ``rows`` rows over ``pass_sequences`` sequences took ``forward_s`` seconds.
@@ -304,21 +309,32 @@ class BudgetPolicy:
         candidates, rates = self._rates_now()
         best = int(np.argmax(rates))
         current = np.flatnonzero(candidates == self.choice)
-        held = self._pass_weight - self._chosen_at < self.hold_passes
+        onward = self.choice is not None and np.sign(candidates[best] - self.choice) == self._direction != 0
+        held = self._pass_weight - self._chosen_at < self.hold_passes and not onward
         if not len(current) or (not held and rates[best] > (1 + HYSTERESIS) * rates[current[0]]):
-            # The pass costs it learned go in too: a choice is only as good as they are.
-            logger.info(
-                "adaptive budget %s -> %d: %.0f tok/s expected of a pass's %.1f sequences (not the gateway's aggregate), %.2f passes a round, "
-                "t_other %.1f ms (draft %.1f) (%s); pass ms by rows (%s)",
-                self.choice, candidates[best], rates[best], self.concurrency, self.passes_per_round, 1e3 * self.t_other, 1e3 * self.t_draft,
-                ", ".join(f"{b}: {r:.0f}" for b, r in zip(candidates, rates)),
-                ", ".join(f"{r.value:.0f}: {1e3 * s.value:.1f}" for r, s in sorted(self._buckets.values(), key=lambda point: point[0].value)),
-            )
+            self._log_choice("adaptive budget %s -> %d", candidates, rates, best, logging.INFO)
+            if self.choice is not None:
+                self._direction = int(np.sign(candidates[best] - self.choice))
             self.choice, self._chosen_at = int(candidates[best]), self._pass_weight
             self._explored_at = self._pass_weight - 1.0  # a choice of 0 explores EXPLORE_PASSES from now
+        elif candidates[best] != self.choice and self._logged != self._cached[0]:  # once a pass
+            self._logged = self._cached[0]
+            self._log_choice("adaptive budget keeps %s, not %d" + (" (held)" if held else ""), candidates, rates, best, logging.DEBUG)
         if self.choice == 0:  # a step that drafts while 0 is chosen explores: the best of the others
             return min(_best_drafting(candidates, rates), most)
         return min(self.choice, most)
+
+    def _log_choice(self, what: str, candidates: np.ndarray, rates: np.ndarray, best: int, level: int) -> None:
+        """Log ``what`` (formatted with the current choice and the best candidate) with the figures
+        the choice rests on, the pass costs learned among them: a choice is only as good as they are."""
+        logger.log(
+            level,
+            what + ": %.0f tok/s expected of a pass's %.1f sequences (not the gateway's aggregate), %.2f passes a round, "
+            "t_other %.1f ms (draft %.1f) (%s); pass ms by rows (%s)",
+            self.choice, candidates[best], rates[best], self.concurrency, self.passes_per_round, 1e3 * self.t_other, 1e3 * self.t_draft,
+            ", ".join(f"{b}: {r:.0f}" for b, r in zip(candidates, rates)),
+            ", ".join(f"{r.value:.0f}: {1e3 * s.value:.1f}" for r, s in sorted(self._buckets.values(), key=lambda point: point[0].value)),
+        )
 
 
 def _best_drafting(candidates: np.ndarray, rates: np.ndarray) -> int:
