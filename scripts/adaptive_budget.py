@@ -80,8 +80,9 @@ def main() -> None:
             draft = c.start("oracle", "oracle-draft", "--table", str(table), "--corruption", str(args.corruption), "--target-model", model)
             ports = [free_port() for _ in range(args.gateways)]
             gateways = [
+                # At debug the gateways' logs also say, once a pass, what choice the policy keeps against the one its figures prefer.
                 c.start(f"gateway{g}", "gateway", "--target", target, "--draft", draft, "--tokenizer", str(tokenizer), "--budget", "auto",
-                        "--metrics-port", str(port))
+                        "--metrics-port", str(port), "--log-level", "debug")
                 for g, port in enumerate(ports)
             ]
             for level in plan:
