@@ -32,8 +32,9 @@ reverses the last change (larger trees after smaller, or smaller after larger) n
 H200, with 3% and no hold, the choice moved between 7 and 64 nodes several times a second as
 ``t_other`` and ``q`` wandered, its passes mixed tree sizes, and the rounds took 44 ms against a
 fixed budget's 30. A change onward, the way the last one went, needs no wait: as load arrives the
-figures move over ``1 / alpha`` passes, and a choice held from the first of them (one pass into a
-wave of 32 users, the concurrency read 4) stayed 10 passes behind the load (BENCHMARKS.md [O3]).
+figures move over ``1 / alpha`` passes, and the hold kept the choice made at the first of them
+(one pass into a load of 32 sequences, the concurrency reads 4) for ten passes behind the load
+(``test_a_choice_follows_a_ramp_at_once_and_turns_back_only_after_the_hold``).
 
 **Budget 0 skips the draft.** While the choice is 0 the gateway's steps are target-only: they do
 not ask the draft (:meth:`BudgetPolicy.drafts` says no), so they cost ``t_other - t_draft``, which
