@@ -9,8 +9,8 @@ exponential moving average (EMA), so they follow the load as it changes:
 - ``t_other``: a speculating step's time minus its verify pass and its wait for that pass, and of
   it ``t_draft``, the draft's proposal as the gateway waits for it;
 - the passes a round holds ``q``: its pass and its wait in the target behind other passes over
-  its pass. (A wait behind other sequences' prompts counts nowhere: see :meth:`BudgetPolicy.observe_round`.) Sequences out
-  of step make the target alternate between groups of them, so a round waits for the other
+  its pass (a wait behind other sequences' prompts counts nowhere: :meth:`BudgetPolicy.observe_round`).
+  Sequences out of step make the target alternate between groups of them, so a round waits for the other
   groups' passes, whose rows grow with the budget as its own do: a round costs
   ``t_other + q * t(rows)`` (at 8 users on an H200, ``q`` near 2: priced as one pass, the policy
   chose trees of 48-64 nodes where 16-23 were faster);
@@ -177,8 +177,9 @@ class BudgetPolicy:
         they argued for larger trees, which commit more per round and so seem to share the wait
         out: on an H200 (27B, each wave of requests starting with its prompts) ``t_other`` read
         24-62 ms at 8 users and 128 ms at 32 with a 3-9 ms draft, and the policy chose 15- and
-        23-node trees and got 0.80 of a fixed budget of 3 at 8 users. Counted as passes they made ``q`` read 16-24 at 16-32 users
-        (BENCHMARKS.md [J7]; the 8 users: [O1]). Weighed as a pass's report (:meth:`observe_pass`)."""
+        23-node trees and got 0.80 of a fixed budget of 3 at 8 users (BENCHMARKS.md [O1]).
+        Counted as passes they made ``q`` read 16-24 at 16-32 users ([J7]). Weighed as a pass's
+        report (:meth:`observe_pass`)."""
         weight = 1.0 / max(1, pass_sequences)
         behind_passes = verify_queue_s - min(max(prompt_wait_s, 0.0), verify_queue_s)
         self._other.add(max(0.0, seconds - verify_forward_s - verify_queue_s), weight)

@@ -27,9 +27,9 @@ hybrid against a 24 ms replay), unless a captured pass covers it (:func:`stand_i
 sequences or keys, padded). That one it replays for as long as padding costs less than a capture
 would: until the passes' padding (:func:`padding`) adds up to ``HOT_PADDING`` passes, about what a
 capture costs, so that a shape which comes and goes (two gateways' budgets mixed in one pass
-while one of them changes its choice) is never captured, and one that stays pays at most about
-twice what the best choice in hindsight would. A pass that wants no features replays a tapped graph of its
-shape for good. Graphs share one memory pool and write their logits and
+while one of them changes its choice) is never captured, and one that stays pays about twice
+what the best choice in hindsight would at most (rent until the rent adds up to the price). A
+pass that wants no features replays a tapped graph of its shape for good. Graphs share one memory pool and write their logits and
 features into buffers of the runner, so a graph keeps no memory of its own beyond the pool. Without
 ``capture`` (a CPU) the fixed shapes run eagerly (how CI tests this path); with ``fixed_shapes``
 off every pass runs eagerly at its exact shape.
@@ -69,8 +69,8 @@ WARM_TREE_ROWS = 24  # a budget-22 tree (23 rows), padded: the default budget's 
 # each a bucket), the default budget's among them.
 WARM_BLOCKS = tuple(b + 1 for b in ADAPTIVE_BUDGETS)
 HOT_PASSES = 3  # the pass of a shape not warmed up at which it is captured
-# A capture's cost in passes: on an H200 the 27B's captures while serving took 184-345 ms, 3-5
-# passes of 64-384 rows (42-84 ms) and 10-11 of 16-32 (17-22 ms), where padding costs little
+# A capture's cost in passes: on an H200 the 27B's captures while serving took 184-345 ms, 3-6
+# passes of 64-384 rows (42-84 ms) and 11-12 of 16-32 (17-22 ms), where padding costs little
 # (BENCHMARKS.md [O1], [O2]).
 HOT_PADDING = 4.0
 
