@@ -120,6 +120,7 @@ class VerifyStep:
     tokens: Sequence[int]
     parents: Sequence[int]
     return_features: bool = False
+    next_step_late: bool = False  # the sequence's next step comes after its pass's others' (VerifyRequest)
 
 
 @dataclass

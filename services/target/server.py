@@ -56,7 +56,9 @@ class TargetServicer(target_pb2_grpc.TargetWorkerServicer):
         self.step_server = None  # the worker's StepSocketServer (splitspec/stepwire.py), set by main
         self.metrics = metrics
         # Verify steps of every sequence that is ready run as one pass (TargetEngine.verify_batch).
-        self.verifier = StepBatcher(self.host, lambda engine, steps: engine.verify_batch(steps), key=lambda step: step.sequence_id)
+        self.verifier = StepBatcher(
+            self.host, lambda engine, steps: engine.verify_batch(steps), key=lambda step: step.sequence_id, late=lambda step: step.next_step_late
+        )
         self.verifier.on_pass = lambda results, waits: metrics.batched("verify", results, waits)
 
     async def Info(self, request, context):
@@ -110,7 +112,7 @@ class TargetServicer(target_pb2_grpc.TargetWorkerServicer):
         )
 
     async def Verify(self, request, context):
-        step = VerifyStep(request.sequence_id, list(request.tokens), list(request.parents), request.return_features)
+        step = VerifyStep(request.sequence_id, list(request.tokens), list(request.parents), request.return_features, request.next_step_late)
         result = await self.verifier.submit(step)
         if result.forward_ns:  # 0: the pass captured a CUDA graph, its time no pass's
             self.metrics.forward("verify", result.forward_ns)

@@ -180,7 +180,10 @@ class StepBatcher:
     The cohort is each waiting sequence's own last pass, not the last pass run: speculating
     sequences settle into two cohorts that take turns (one verifies while the other is at the
     draft), and waiting for the cohort that ran the last pass, which is away, would idle the
-    engine for the whole window before every pass.
+    engine for the whole window before every pass. A step that says its sequence's next one comes
+    late (``late(item)``: the target's ``VerifyRequest.next_step_late``, a sequence that goes to
+    the draft while the others of its pass decode on) leaves that sequence out of its pass's
+    cohort, and out of "every live sequence" until its next step arrives: no pass waits for it.
 
     When a pass ends with a step of every live sequence already waiting (pipelined decode steps,
     read ahead by ``rpc.sequence_stream``) and no other work queued for the engine thread (a
@@ -194,8 +197,9 @@ class StepBatcher:
     def __init__(
         self, host: EngineHost, run: Callable[[Any, list[Any]], list[Any]], key: Callable[[Any], str],
         max_batch: int = 64, max_gather_s: float = 0.004, gather_gap_s: float = GATHER_GAP_S,
+        late: Callable[[Any], bool] = lambda item: False,
     ) -> None:
-        self.host, self.run, self.key = host, run, key
+        self.host, self.run, self.key, self.late = host, run, key, late
         self.max_batch, self.max_gather_s, self.gather_gap_s = max_batch, max_gather_s, gather_gap_s
         self._lock = threading.Lock()
         self._waiting: list[tuple[Any, asyncio.Future, float, float]] = []  # (item, its future, when it arrived, host.opened_s then)
@@ -204,6 +208,7 @@ class StepBatcher:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._cohorts: dict[str, frozenset[str]] = {}  # sequence -> the sequences of its last pass
         self._last: frozenset[str] = frozenset()  # the sequences of the last pass run
+        self._away: set[str] = set()  # sequences whose last step said their next comes late, not back yet
         self._last_arrival = 0.0  # loop time of the newest waiting step
         self._quiet: asyncio.TimerHandle | None = None  # looks again once arrivals pause
         self._last_pass_s = 0.0
@@ -224,6 +229,7 @@ class StepBatcher:
         self._last_arrival = loop.time()
         with self._lock:
             self._waiting.append((item, future, self._last_arrival, self.host.opened_s))
+            self._away.discard(self.key(item))
         self._maybe_start()
         return await future
 
@@ -241,8 +247,9 @@ class StepBatcher:
             if not self._waiting:
                 return
             back = {self.key(item) for item, *_ in self._waiting}
+            all_back = self._all_back(back)
         sequences = self.host.engine.sequences
-        if self._all_back(back) or self._gather_s() <= 0:
+        if all_back or self._gather_s() <= 0:
             self._start()
             return
         loop = asyncio.get_running_loop()
@@ -260,8 +267,11 @@ class StepBatcher:
             self._timer = loop.call_later(self._gather_s(), self._start)
 
     def _all_back(self, back: set[str]) -> bool:
-        """A step of every live sequence (or of a full batch) is waiting: ``back`` are their keys."""
-        return len(back) >= min(len(self.host.engine.sequences), self.max_batch)
+        """Under ``_lock``: a step of every live sequence not away (or of a full batch) is waiting:
+        ``back`` are their keys."""
+        sequences = self.host.engine.sequences
+        away = sum(1 for k in self._away if k in sequences and k not in back)
+        return len(back) >= min(len(sequences) - away, self.max_batch)
 
     def _look_again(self) -> None:
         self._quiet = None
@@ -307,7 +317,9 @@ class StepBatcher:
                 batch.append(entry)
         self._waiting = rest
         self._running, self._in_flight = True, batch
-        self._remember(seen)
+        late = {self.key(item) for item, *_ in batch if self.late(item)}
+        self._away |= late
+        self._remember(seen, late)
         return batch
 
     def _drive(self, engine: Any, batch: list) -> None:
@@ -356,15 +368,17 @@ class StepBatcher:
             batch, self._running, self._in_flight = self._in_flight or [], False, None
         self._deliver(batch, [error] * len(batch), [0.0] * len(batch), [0.0] * len(batch), 0.0, True)
 
-    def _remember(self, cohort: set[str]) -> None:
-        """``cohort`` ran together. Sequences gone from the engine are forgotten when the memory
-        outgrows twice the live sequences (or the batch size), so it stays bounded."""
-        members = self._last = frozenset(cohort)
-        for k in members:
+    def _remember(self, cohort: set[str], late: set[str]) -> None:
+        """``cohort`` ran together, and of it ``late`` come back later than the rest: their cohort is
+        the rest. Sequences gone from the engine are forgotten when the memory outgrows twice the
+        live sequences (or the batch size), so it stays bounded."""
+        members = self._last = frozenset(cohort - late)
+        for k in cohort:
             self._cohorts[k] = members
         sequences = self.host.engine.sequences
         if len(self._cohorts) > 2 * max(len(sequences), self.max_batch):
             self._cohorts = {k: c for k, c in self._cohorts.items() if k in sequences}
+            self._away = {k for k in self._away if k in sequences}
 
 
 class SequenceTable:

@@ -142,17 +142,19 @@ class PassRecordingEngine:
 def batched(live: int, scenario, seconds: float = 0.05, max_gather_s: float = 0.002, gap_s: float = 0.0, cohorts=()):
     """``scenario(batcher)`` against ``live`` sequences whose passes take ``seconds``, with the
     batcher's gather window and gap; ``cohorts`` (sets of sequence ids) ran together before, in
-    that order, and the last pass took ``seconds``."""
+    that order, and the last pass took ``seconds``. A step ``(sid, "late")`` says its sequence's
+    next step comes late."""
 
     async def run():
         host = EngineHost("target")
         engine = PassRecordingEngine(live, seconds)
         host.attach(engine, None)
         batcher = StepBatcher(
-            host, lambda e, items: e.run(items), key=lambda item: item[0], max_gather_s=max_gather_s, gather_gap_s=gap_s
+            host, lambda e, items: e.run(items), key=lambda item: item[0], max_gather_s=max_gather_s, gather_gap_s=gap_s,
+            late=lambda item: item[1] == "late",
         )
         for cohort in cohorts:
-            batcher._remember(set(cohort))
+            batcher._remember(set(cohort), set())
         if cohorts:
             batcher._last_pass_s = seconds
         try:
@@ -274,6 +276,28 @@ def test_two_cohorts_take_turns_without_waiting_for_each_other():
     assert started and waits_for_s3
     assert results == ["s0:b", "s1:b", "s2:b", "s3:b"]
     assert passes == [["s0", "s1"], ["s2", "s3"]]
+
+
+@pytest.mark.parametrize("late", [True, False])
+def test_no_pass_waits_for_a_sequence_whose_last_step_said_its_next_comes_late(late):
+    """A sequence that goes to the draft while the others of its pass decode on (its last step's
+    ``next_step_late``: the adaptive budget's explorer) is left out of its pass's cohort and out
+    of every live sequence until it is back: the others' next pass starts as soon as their steps
+    are, on the engine thread, where without the flag it waits out the gather window (half the
+    last pass here) for it. Its own step, when it comes, runs in a later pass."""
+
+    async def scenario(batcher):
+        first = [asyncio.ensure_future(batcher.submit((sid, what))) for sid, what in (("s0", "a"), ("s1", "a"), ("s2", "late" if late else "a"))]
+        await asyncio.sleep(0.01)  # the first pass runs (50 ms); s0 and s1 send their next steps meanwhile
+        second = [asyncio.ensure_future(batcher.submit((sid, "b"))) for sid in ("s0", "s1")]
+        await asyncio.gather(*first, *second)
+        await batcher.submit(("s2", "b"))
+        return batcher.host.engine.started
+
+    started, passes = batched(3, scenario, max_gather_s=1.0, cohorts=[{"s0", "s1", "s2"}])
+    assert passes == [["s0", "s1", "s2"], ["s0", "s1"], ["s2"]]
+    waited = started[1] - started[0] - 0.05  # between the first pass's end and the second's start
+    assert waited < 0.015 if late else waited > 0.02, waited
 
 
 def test_the_cohort_memory_forgets_released_sequences():
