@@ -16,6 +16,8 @@ exponential moving average (EMA), so they follow the load as it changes:
   chose trees of 48-64 nodes where 16-23 were faster);
 - the concurrency ``n``: sequences per pass (``pass_sequences``). The target counts every sequence
   of the pass, so other gateways' sequences are in it too;
+- ``t_other``, ``q`` and ``n`` apart for the rounds of target-only steps (budget 0), which meet
+  in the target as drafting rounds do not (:meth:`BudgetPolicy.round_figures`);
 - the calibration ``c(d)``: per depth, the observed and the predicted acceptance;
 - the draft's mass by budget and depth (``prefix_depth_mass``) of the largest tree, built once a
   pass (:meth:`BudgetPolicy.tree_budget`; the pass's other steps build only the chosen size).
@@ -36,13 +38,14 @@ figures move over ``1 / alpha`` passes, and the hold kept the choice made at the
 (one pass into a load of 32 sequences, the concurrency reads 4) for ten passes behind the load
 (``test_a_choice_follows_a_ramp_at_once_and_turns_back_only_after_the_hold``).
 
-**Budget 0 skips the draft.** While the choice is 0 the gateway's steps are target-only: they do
-not ask the draft (:meth:`BudgetPolicy.drafts` says no), so they cost ``t_other - t_draft``, which
-is how 0 is priced; the tap features of those steps are joined and sent with the next proposal.
-Every ``EXPLORE_PASSES`` passes, steps of one pass draft again, each with the best tree of the
-other budgets (:meth:`BudgetPolicy.choose`), so that acceptance, the draft's mass and ``t_draft``
-stay observed and the choice can leave 0. On the 2-core CPU with the built-in pair, 8 clients got
-0.77 of AR's tok/s when budget 0 still paid the draft.
+**Budget 0 skips the draft.** While the choice is 0 the gateway's sequences take target-only
+steps, in pipelined runs that do not ask the draft (``services.gateway.speculation.TARGET_ONLY_RUN``);
+their rounds price 0 once seen, and before that the drafting rounds' figures without ``t_draft``
+do. After each run a sequence drafts one step, with the best tree of the other budgets
+(:meth:`BudgetPolicy.choose`), so that acceptance, the draft's mass and ``t_draft`` stay observed
+and the choice can leave 0; the tap features of the run go to the draft with that proposal. On
+the 2-core CPU with the built-in pair, 8 clients got 0.77 of AR's tok/s when budget 0 still paid
+the draft.
 
 Its methods never await, so on the gateway's one event loop each runs whole between steps of
 other sequences; no lock is needed.
@@ -64,7 +67,6 @@ AUTO = "auto"
 DEFAULT_BUDGET = 22  # before the policy has cost data, and the chain length of chain mode under auto
 DEFAULT_MAX_BUDGET = 64
 HYSTERESIS = 0.10  # how much faster a budget must be to replace the current choice
-EXPLORE_PASSES = 20  # while the choice is 0 (no draft), the passes between passes whose steps draft
 
 
 def parse_budget(text: str) -> str | int:
@@ -90,6 +92,20 @@ class _Ema:
         """Observe ``x``; ``weight`` scales ``alpha`` (a report that is one of several of one event)."""
         self.value = x if self.count == 0 else self.value + min(1.0, self.alpha * weight) * (x - self.value)
         self.count += 1
+
+
+class _Rounds:
+    """Running figures of one kind of step's rounds (drafting, or target-only): ``t_other``, the
+    passes a round holds ``q``, and the sequences of the pass each round ran in ``n``."""
+
+    def __init__(self, alpha: float) -> None:
+        self.other, self.passes, self.sequences = _Ema(alpha), _Ema(alpha), _Ema(alpha)
+
+    def observe(self, other_s: float, passes: float | None, sequences: int, weight: float) -> None:
+        self.other.add(other_s, weight)
+        self.sequences.add(sequences, weight)
+        if passes is not None:
+            self.passes.add(passes, weight)
 
 
 class BudgetPolicy:
@@ -125,10 +141,9 @@ class BudgetPolicy:
         self.alpha, self.calibration_alpha = alpha, calibration_alpha
         self.passes = 0
         self._buckets: dict[int, tuple[_Ema, _Ema]] = {}  # row bucket -> (EMA of rows, EMA of seconds)
-        self._other = _Ema(alpha)  # t_other, seconds
-        self._passes_per_round = _Ema(alpha)  # q
+        self._drafting = _Rounds(alpha)  # t_other (seconds), q and n of the steps that drafted
+        self._target_only = _Rounds(alpha)  # the same of the steps that did not (the choice was 0)
         self._draft = _Ema(alpha)  # t_draft, seconds
-        self._explored_at = 0.0  # _pass_weight when the last exploring pass began
         self._concurrency = _Ema(alpha)  # sequences per pass
         self._observed: list[_Ema] = []  # [depth] EMA of the steps' acceptance at that depth (index 0 unused)
         self._predicted: list[_Ema] = []  # [depth] EMA of the draft's probability mass at that depth
@@ -165,7 +180,7 @@ class BudgetPolicy:
 
     def observe_round(
         self, seconds: float, verify_forward_s: float, verify_queue_s: float = 0.0, pass_sequences: int = 1, draft_s: float = 0.0,
-        prompt_wait_s: float = 0.0,
+        prompt_wait_s: float = 0.0, target_only: bool = False,
     ) -> None:
         """A speculating step took ``seconds`` from its proposal to its verify response, of which its
         verify pass of ``pass_sequences`` sequences took ``verify_forward_s``, its wait in the
@@ -179,13 +194,22 @@ class BudgetPolicy:
         24-62 ms at 8 users and 128 ms at 32 with a 3-9 ms draft, and the policy chose 15- and
         23-node trees and got 0.80 of a fixed budget of 3 at 8 users (BENCHMARKS.md [O1]).
         Counted as passes they made ``q`` read 16-24 at 16-32 users ([J7]). Weighed as a pass's
-        report (:meth:`observe_pass`)."""
+        report (:meth:`observe_pass`).
+
+        ``target_only``: the step did not ask the draft (the choice was 0; ``draft_s`` is unused).
+        Its figures price budget 0 apart (:meth:`round_figures`): without the draft between their
+        steps, a gateway's sequences meet in the target at once, in fewer passes of more sequences.
+        On the 2-core CPU with the built-in pair at 8 users, drafting rounds met 3-7 sequences a
+        pass; priced with their figures, 0 was expected at 0.7-1.2 of what mode off's steps ran at
+        in the same bench, and the choice moved between 0 and 7 every few seconds (BENCHMARKS.md
+        [O5], [N2])."""
         weight = 1.0 / max(1, pass_sequences)
         behind_passes = verify_queue_s - min(max(prompt_wait_s, 0.0), verify_queue_s)
-        self._other.add(max(0.0, seconds - verify_forward_s - verify_queue_s), weight)
-        self._draft.add(min(draft_s, self._other.value), weight)
-        if verify_forward_s > 0:
-            self._passes_per_round.add((verify_forward_s + behind_passes) / verify_forward_s, weight)
+        rounds = self._target_only if target_only else self._drafting
+        passes = (verify_forward_s + behind_passes) / verify_forward_s if verify_forward_s > 0 else None
+        rounds.observe(max(0.0, seconds - verify_forward_s - verify_queue_s), passes, max(1, pass_sequences), weight)
+        if not target_only:
+            self._draft.add(min(draft_s, rounds.other.value), weight)
 
     def observe_acceptance(self, tree: DraftTree, accepted_depth: int) -> None:
         """A step verified ``tree`` (with its scores) and accepted ``accepted_depth`` nodes: update the
@@ -215,7 +239,8 @@ class BudgetPolicy:
 
     @property
     def t_other(self) -> float:
-        return self._other.value
+        """A drafting round's ``t_other``, seconds."""
+        return self._drafting.other.value
 
     @property
     def t_draft(self) -> float:
@@ -223,8 +248,22 @@ class BudgetPolicy:
 
     @property
     def passes_per_round(self) -> float:
-        """``q`` (1.0 before a round was observed)."""
-        return self._passes_per_round.value if self._passes_per_round.count else 1.0
+        """A drafting round's ``q`` (1.0 before one was observed)."""
+        return self._drafting.passes.value if self._drafting.passes.count else 1.0
+
+    def round_figures(self, target_only: bool = False) -> tuple[float, float, float]:
+        """``(t_other, q, n)`` of a drafting round, or of a target-only one, as :meth:`rates` prices
+        them. ``n`` is :attr:`concurrency`, the sequences of the passes now. Target-only, before
+        such a round was seen: the drafting round's without the draft; after, its own, ``n`` at
+        least :attr:`concurrency` (its own from before a load came would price 0 at a lighter
+        load than its steps would meet)."""
+        n = self.concurrency
+        if not target_only:
+            return self.t_other, self.passes_per_round, n
+        own = self._target_only
+        if not own.other.count:
+            return max(0.0, self.t_other - self.t_draft), self.passes_per_round, n
+        return own.other.value, own.passes.value if own.passes.count else 1.0, max(own.sequences.value, n)
 
     def calibration(self, max_depth: int) -> np.ndarray:
         """``c(d)`` for ``d = 0 .. max_depth``: ``[max_depth + 1]`` float64, 1.0 where unobserved."""
@@ -244,34 +283,26 @@ class BudgetPolicy:
     @property
     def ready(self) -> bool:
         """Whether the policy has seen enough to choose: ``warmup_passes`` passes and one speculating step."""
-        return self.passes >= self.warmup_passes and self._other.count > 0
+        return self.passes >= self.warmup_passes and self._drafting.other.count > 0
 
     def rates(self) -> tuple[np.ndarray, np.ndarray]:
         """The budgets the policy chooses among (``[m]``: ``ADAPTIVE_BUDGETS`` below ``max_budget``,
         and ``max_budget``; 0 once ``1 / calibration_alpha`` verified trees have calibrated the
-        draft's acceptance) and the committed tokens per second it expects of each (``[m]``); needs
-        :attr:`ready` and a tree seen by :meth:`choose`."""
+        draft's acceptance) and the committed tokens per second it expects of a sequence at each
+        (``[m]``); 0 priced by target-only rounds (:meth:`round_figures`); needs :attr:`ready` and
+        a tree seen by :meth:`choose`."""
         # 0 stops the drafting that teaches the calibration: it waits for ~1 / calibration_alpha steps of
         # it. (The built-in pair's draft under-reports its acceptance; trusted at once, it chose 0.)
         known = self.verified_trees >= 1.0 / self.calibration_alpha
         candidates = np.array([b for b in ADAPTIVE_BUDGETS if 0 < b < self.max_budget or (b == 0 and known)] + [self.max_budget])  # [m]
         expected_al = 1.0 + self._mass @ self.calibration(self.max_budget)  # [max_budget + 1]
-        q = self.passes_per_round
+        drafting, target_only = self.round_figures(), self.round_figures(target_only=True)
+        other, q, n = (np.where(candidates == 0, a, b) for a, b in zip(target_only, drafting))  # [m] each
 
         def round_cost(rows: np.ndarray) -> np.ndarray:
             return q * self.cost(rows)
 
-        other = np.where(candidates == 0, max(0.0, self.t_other - self.t_draft), self.t_other)  # [m]: 0 skips the draft
-        return candidates, budget_rates(expected_al, round_cost, other, self.concurrency, candidates)
-
-    def drafts(self) -> bool:
-        """Whether an adaptive step should ask the draft: yes unless the choice is 0, and then during
-        one pass in every ``EXPLORE_PASSES`` (the steps that keep the figures observed)."""
-        if self.choice != 0:
-            return True
-        if self._pass_weight - self._explored_at >= EXPLORE_PASSES:
-            self._explored_at = self._pass_weight
-        return self._pass_weight - self._explored_at < 1.0
+        return candidates, budget_rates(expected_al, round_cost, other, n, candidates)
 
     def tree_budget(self) -> int:
         """How many nodes this adaptive step's tree should be built with: ``max_budget`` while the
@@ -300,7 +331,8 @@ class BudgetPolicy:
         current choice among ``ADAPTIVE_BUDGETS`` below ``max_budget`` and ``max_budget`` itself,
         or the tree's size when that is smaller; cut the tree to it with ``tree.prefix``. A full
         tree's scores join the running figures the choice is made from. While the choice is 0 only
-        exploring steps draft (:meth:`drafts`), and they get the best other budget."""
+        exploring steps draft (one after each run of target-only steps), and they get the best
+        other budget."""
         most = min(tree.num_nodes, self.max_budget)
         if full and tree.num_nodes and tree.scores is not None:
             mass = prefix_depth_mass(tree.scores, tree.depths, self.max_budget)
@@ -318,7 +350,6 @@ class BudgetPolicy:
             if self.choice is not None:
                 self._direction = int(np.sign(candidates[best] - self.choice))
             self.choice, self._chosen_at = int(candidates[best]), self._pass_weight
-            self._explored_at = self._pass_weight - 1.0  # a choice of 0 explores EXPLORE_PASSES from now
         elif candidates[best] != self.choice and self._logged != self._cached[0]:  # once a pass
             self._logged = self._cached[0]
             self._log_choice("adaptive budget keeps %s, not %d" + (" (held)" if held else ""), candidates, rates, best, logging.DEBUG)
@@ -329,12 +360,15 @@ class BudgetPolicy:
     def _log_choice(self, what: str, candidates: np.ndarray, rates: np.ndarray, best: int, level: int) -> None:
         """Log ``what`` (formatted with the current choice and the best candidate) with the figures
         the choice rests on, the pass costs learned among them: a choice is only as good as they are."""
+        other, q, n = self.round_figures()
+        other_0, q_0, n_0 = self.round_figures(target_only=True)
+        seen = "" if self._target_only.other.count else " (none seen yet: the drafting rounds' without the draft)"
         logger.log(
             level,
-            what + ": %.0f tok/s expected of a pass's %.1f sequences (not the gateway's aggregate), %.2f passes a round, "
-            "t_other %.1f ms (draft %.1f) (%s); pass ms by rows (%s)",
-            self.choice, candidates[best], rates[best], self.concurrency, self.passes_per_round, 1e3 * self.t_other, 1e3 * self.t_draft,
-            ", ".join(f"{b}: {r:.0f}" for b, r in zip(candidates, rates)),
+            what + ": %.1f tok/s expected of a sequence (%s); drafting rounds: %.1f sequences a pass, %.2f passes, "
+            "t_other %.1f ms (draft %.1f); target-only rounds%s: %.1f sequences, %.2f passes, t_other %.1f ms; pass ms by rows (%s)",
+            self.choice, candidates[best], rates[best], ", ".join(f"{b}: {r:.1f}" for b, r in zip(candidates, rates)),
+            n, q, 1e3 * other, 1e3 * self.t_draft, seen, n_0, q_0, 1e3 * other_0,
             ", ".join(f"{r.value:.0f}: {1e3 * s.value:.1f}" for r, s in sorted(self._buckets.values(), key=lambda point: point[0].value)),
         )
 

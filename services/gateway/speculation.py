@@ -102,6 +102,12 @@ class Committed(list):
         self.logprobs = logprobs
 
 
+# Target-only steps an adaptive sequence takes in one pipelined run while the budget is 0; then it
+# drafts one step (explores: the policy keeps observing the draft, and may leave 0). Each sequence
+# explores on its own, so the draft's context misses at most this many positions' features.
+TARGET_ONLY_RUN = 20
+
+
 class SpeculativeSequence:
     MAX_DRAFT_RESUMES = 3  # a draft that keeps failing for this sequence is given up on
 
@@ -142,6 +148,7 @@ class SpeculativeSequence:
         self.draft_synced = 0  # positions whose token ids the draft has been sent
         self.resumes = 0
         self.draft_s = 0.0  # the last proposal's time, as the gateway waited for it
+        self.explore = False  # a run of target-only steps ended: the next adaptive step drafts
         self.generated: list[int] = []  # every token yielded so far
         # Draws the selector walks of chain mode under sampling (seeded requests repeat their drafts).
         self.walk_rng = np.random.default_rng([sampling.seed, 0x5E1EC7] if sampling.seed else None)
@@ -194,29 +201,36 @@ class SpeculativeSequence:
             max_depth = min(self.max_new_tokens - len(self.generated) - 1, max_nodes)
             if max_depth < 0:
                 return
+            # Features are missing after steps run without the draft; a resumed draft needs them.
+            speculating = self._speculating() and (features is not None or not self.shape.taps)
+            run = 0  # pipelined target-only steps to take now
             if self.options.mode is Mode.OFF:
+                run = min(self.max_new_tokens - len(self.generated), max_nodes + 1)
+            elif speculating and self.options.adaptive and max_depth > 0 and self.budget_policy.choice == 0 and not self.explore:
+                run = min(self.max_new_tokens - len(self.generated), max_nodes + 1, TARGET_ONLY_RUN)  # the adaptive budget is 0
+                self.explore = True
+            if run:
                 try:
-                    async for new in self._decode(min(self.max_new_tokens - len(self.generated), max_nodes + 1)):
+                    async for new, verified in self._decode(run, adaptive=self.options.mode is not Mode.OFF):
+                        anchor = verified.next_token
+                        if self.options.mode is not Mode.OFF:  # the draft's next proposal takes these rows
+                            features = await self._behind(features, verified.features)
                         yield new
                     continue
                 except grpc.aio.AioRpcError as exc:
                     if exc.code() != grpc.StatusCode.NOT_FOUND:
                         raise upstream("target", exc) from exc
                 prefilled = await self._recover()
-                yield self._committed([prefilled.next_token], [prefilled.logprob])
+                anchor, features = prefilled.next_token, prefilled.features
+                yield self._committed([anchor], [prefilled.logprob])
                 continue
             step_start = time.perf_counter()
-            tree, fallback, budget, skipped = DraftTree.empty(), "", None, False
-            # Features are missing after steps run without the draft; a resumed draft needs them.
-            if self._speculating() and (features is not None or not self.shape.taps):
-                if self.options.adaptive and max_depth > 0 and not self.budget_policy.drafts():
-                    budget, skipped = 0, True  # the adaptive budget is 0: a target-only step, draft not asked
-                else:
-                    tree, fallback, budget = await self._draft_tree(anchor, start, features, max_depth, max_nodes)
-            elif self.wants_draft:
-                fallback = "draft_down"
-            elif self.options.mode is not Mode.OFF:
-                fallback = "no_draft"
+            tree, fallback, budget = DraftTree.empty(), "", None
+            if speculating:
+                tree, fallback, budget = await self._draft_tree(anchor, start, features, max_depth, max_nodes)
+                self.explore = False
+            else:
+                fallback = "draft_down" if self.wants_draft else "no_draft"
             try:
                 verified = await self.target.verify(
                     self.sequence_id, tree.tokens, tree.parents, self._speculating() and bool(self.shape.taps),
@@ -230,20 +244,33 @@ class SpeculativeSequence:
                 yield self._committed([anchor], [prefilled.logprob])
                 continue
             accepted = len(verified.committed_tokens) - 1
-            self._observe(tree, budget is not None and not skipped, verified, accepted, time.perf_counter() - step_start)
+            self._observe(tree, budget is not None, verified, accepted, time.perf_counter() - step_start)
             new = self._advance(verified, StepStats(tree.num_nodes, int(tree.depths.max(initial=0)), accepted, fallback, budget))
-            anchor = verified.next_token
-            features = await self._behind(features, verified.features) if skipped else verified.features
+            anchor, features = verified.next_token, verified.features
             yield self._committed(new, verified.logprobs)
 
-    async def _decode(self, steps: int) -> AsyncIterator[Committed]:
-        """Mode off: ``steps`` decode steps (trees of no node), pipelined (``TargetClient.decode``).
-        A step past the one that finishes the request (an EOS, a stop string) may already wait at
-        the target: it runs, its token is never yielded, and the sequence is released after."""
-        async with contextlib.aclosing(self.target.decode(self.sequence_id, steps, self._timeout)) as decoded:
+    async def _decode(self, steps: int, adaptive: bool = False) -> AsyncIterator[tuple[Committed, Verified]]:
+        """``steps`` target-only decode steps (trees of no node), pipelined (``TargetClient.decode``):
+        mode off's, or, ``adaptive``, a run of them while the adaptive budget is 0. Pipelined, each
+        step waits at the target while the one before runs, so the sequences of a gateway whose
+        budget is 0 all join each pass, as mode off's do; as single steps, the two groups that had
+        taken turns at the draft and the target kept taking turns (``StepBatcher`` starts a group
+        that is back), every step waiting for the other group's pass (on the 2-core CPU at 8 users,
+        ``q`` 1.95 with 4 sequences a pass). An adaptive run's steps return their rows' tap
+        features for the draft's next proposal, count as budget 0 and price target-only rounds
+        (:meth:`_observe`). A step past the one that finishes the request (an EOS, a stop string)
+        may already wait at the target: it runs, its token is never yielded, and the sequence is
+        released after."""
+        want = adaptive and self._speculating() and bool(self.shape.taps)
+        answered = time.perf_counter()
+        # The step after a run drafts: the target holds no pass for it meanwhile.
+        async with contextlib.aclosing(self.target.decode(self.sequence_id, steps, self._timeout, want, late_last=adaptive)) as decoded:
             async for verified in decoded:
-                self._observe(DraftTree.empty(), False, verified, 0, 0.0)
-                yield self._committed(self._advance(verified, StepStats(0, 0, 0, "", None)), verified.logprobs)
+                now = time.perf_counter()
+                self._observe(DraftTree.empty(), False, verified, 0, now - answered, target_only=adaptive)
+                answered = now
+                step = StepStats(0, 0, 0, "", 0 if adaptive else None)
+                yield self._committed(self._advance(verified, step), verified.logprobs), verified
 
     def _advance(self, verified: Verified, step: StepStats) -> list[int]:
         """Count a verified step and take its new tokens (the accepted nodes' and the bonus)."""
@@ -253,8 +280,10 @@ class SpeculativeSequence:
         self.generated.extend(new)
         return new
 
-    def _observe(self, tree: DraftTree, drafted: bool, verified: Verified, accepted: int, step_s: float) -> None:
-        """Feed the budget policy a verified step; ``drafted``: the step proposed and built ``tree``."""
+    def _observe(self, tree: DraftTree, drafted: bool, verified: Verified, accepted: int, step_s: float, target_only: bool = False) -> None:
+        """Feed the budget policy a verified step; ``drafted``: the step proposed and built ``tree``;
+        ``target_only``: a pipelined step of an adaptive run at budget 0 (:meth:`_decode`), its
+        ``step_s`` the time since the answer before."""
         policy = self.budget_policy
         if policy is None:
             return
@@ -262,12 +291,14 @@ class SpeculativeSequence:
         if forward_s > 0:  # 0: the pass captured a CUDA graph; its time says nothing of a pass or a round
             # A target that does not batch reports no pass figures: its pass was this step's alone.
             policy.observe_pass(verified.pass_rows or tree.num_nodes + 1, verified.pass_sequences or 1, forward_s)
-            if drafted:
+            if drafted or target_only:
                 # The wait behind other sequences' passes is priced as passes (BudgetPolicy's q), not as
                 # t_other: as a constant it would argue for larger trees, which lengthen it. The wait
-                # behind their prompts is priced nowhere: no budget changes it.
-                policy.observe_round(step_s, forward_s, verified.queue_ns / 1e9, verified.pass_sequences or 1, self.draft_s,
-                                     verified.queue_prompt_ns / 1e9)
+                # behind their prompts is priced nowhere: no budget changes it. A pipelined step waited
+                # behind its own step before, not others': its round is the time between answers.
+                prompt_s = verified.queue_prompt_ns / 1e9
+                queue_s = prompt_s if target_only else verified.queue_ns / 1e9
+                policy.observe_round(step_s, forward_s, queue_s, verified.pass_sequences or 1, self.draft_s, prompt_s, target_only=target_only)
         if drafted:
             policy.observe_acceptance(tree, accepted)
 

@@ -208,8 +208,12 @@ class TargetClient(WorkerClient):
         )
         return self._verified(r)
 
-    async def decode(self, sequence_id: str, steps: int, timeout: Callable[[], float | None]) -> AsyncIterator[Verified]:
-        """``steps`` target-only decode steps (trees of no node, no features), answered in order.
+    async def decode(
+        self, sequence_id: str, steps: int, timeout: Callable[[], float | None], return_features: bool = False, late_last: bool = False,
+    ) -> AsyncIterator[Verified]:
+        """``steps`` target-only decode steps (trees of no node; each with its row's tap features if
+        ``return_features``), answered in order; ``late_last``: the last says the sequence's next
+        step comes late (``VerifyRequest.next_step_late``: it goes to the draft).
         On the socket and stream wires they are pipelined, ``rpc.PIPELINE_DEPTH`` requests in
         flight: a decode step's request does not depend on the answer before it, so the next one
         waits at the target while this one's pass runs and joins the next pass at once (on unary,
@@ -217,17 +221,18 @@ class TargetClient(WorkerClient):
         exchange's. Stopping early closes the stream, so an unread answer is never read as a later
         step's (close it with ``contextlib.aclosing``: a generator left to the garbage collector
         closes late; until then the sequence's next step opens a new stream)."""
-        request = target_pb2.VerifyRequest(sequence_id=sequence_id)
+        request = target_pb2.VerifyRequest(sequence_id=sequence_id, return_features=return_features)
+        last = target_pb2.VerifyRequest(sequence_id=sequence_id, return_features=return_features, next_step_late=late_last)
         if self.active_wire == "unary":
-            for _ in range(steps):
-                yield self._verified(await self._step(request, timeout()))
+            for i in range(steps):
+                yield self._verified(await self._step(last if i == steps - 1 else request, timeout()))
             return
         stream = self._stream(sequence_id)
         sent = received = 0
         try:
             while received < steps:
                 while sent < min(steps, received + rpc.PIPELINE_DEPTH):
-                    await stream.send(request, timeout())
+                    await stream.send(last if sent == steps - 1 else request, timeout())
                     sent += 1
                 response = await self._observed(self._rpc, request, stream.receive(timeout()))
                 received += 1

@@ -33,8 +33,9 @@ cost ``t(rows)``
     Seconds of a step outside the verify pass: the draft's proposal, the wire, the gateway's work.
 
 Choice: every sequence in a pass is assumed to choose alike, so a pass of ``n`` sequences at budget
-``b`` has ``n * (b + 1)`` rows and commits ``n * E[AL](b)`` tokens per ``t_other + t(n * (b + 1))``
-seconds; :func:`choose_budget` maximizes that rate.
+``b`` has ``n * (b + 1)`` rows, and each sequence commits ``E[AL](b)`` tokens per round of
+``t_other + t(n * (b + 1))`` seconds; :func:`choose_budget` maximizes that rate. The sequences
+live are the same whatever the budget, so the most tokens per second of each is the most of all.
 """
 
 from __future__ import annotations
@@ -145,7 +146,7 @@ def choose_budget(
     concurrency: float,
     candidates: Sequence[int] | None = None,
 ) -> int:
-    """The budget that maximizes the pass's committed tokens per second.
+    """The budget that maximizes each sequence's committed tokens per second.
 
     Args:
         expected_al: ``[B + 1]`` float, E[AL](b) for ``b = 0 .. B`` (:func:`expected_acceptance`).
@@ -155,17 +156,19 @@ def choose_budget(
         candidates: budgets to consider, each in ``[0, B]`` (default: all of ``0 .. B``).
 
     Returns:
-        ``argmax_b n * E[AL](b) / (t_other + t(n * (b + 1)))``; among equal rates, the smallest ``b``.
+        ``argmax_b E[AL](b) / (t_other + t(n * (b + 1)))``; among equal rates, the smallest ``b``.
     """
     b = np.arange(len(expected_al)) if candidates is None else np.asarray(candidates, dtype=np.int64)  # [m]
     return int(b[np.argmax(budget_rates(expected_al, cost, t_other, concurrency, b))])
 
 
 def budget_rates(
-    expected_al: np.ndarray, cost: Callable[[np.ndarray], np.ndarray], t_other: float | np.ndarray, concurrency: float,
+    expected_al: np.ndarray, cost: Callable[[np.ndarray], np.ndarray], t_other: float | np.ndarray, concurrency: float | np.ndarray,
     budgets: np.ndarray,
 ) -> np.ndarray:
-    """``[m]`` committed tokens per second of a pass at each of ``budgets`` (``[m]`` int): the rate
-    :func:`choose_budget` maximizes, with its arguments (``t_other`` may be ``[m]``, one per budget)."""
+    """``[m]`` committed tokens per second of a sequence at each of ``budgets`` (``[m]`` int): the
+    rate :func:`choose_budget` maximizes, with its arguments. ``t_other`` and ``concurrency`` may
+    be ``[m]``, one per budget, where a budget changes them (a target-only step asks no draft, and
+    its sequences meet in fewer, larger passes: ``services.gateway.budget``)."""
     expected_al = np.asarray(expected_al, dtype=np.float64)
-    return concurrency * expected_al[budgets] / (t_other + cost(concurrency * (budgets + 1)))  # [m]
+    return expected_al[budgets] / (t_other + cost(concurrency * (budgets + 1)))  # [m]

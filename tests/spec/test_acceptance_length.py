@@ -63,10 +63,10 @@ class ScriptedTarget:
         self.generated += len(rows)
         return Verified([TRUTH[n - 1]] + [tokens[r - 1] for r in rows[1:]], bonus, 0, None, 0)
 
-    async def decode(self, sequence_id, steps, timeout):
+    async def decode(self, sequence_id, steps, timeout, return_features=False, late_last=False):
         """Target-only steps, as ``TargetClient.decode`` answers them."""
         for _ in range(steps):
-            yield await self.verify(sequence_id, np.zeros(0, np.int64), np.zeros(0, np.int64), False)
+            yield await self.verify(sequence_id, np.zeros(0, np.int64), np.zeros(0, np.int64), return_features)
 
     async def release(self, sequence_id) -> None:
         pass

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from services.gateway.workers import DraftClient, StepStream, TargetClient
+from splitspec.transport.tensors import array_from_pb
 from splitspec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from tests.worker_steps import BAD_TREE, PROMPT, TREES, client_on, prefill, run, steps
 
@@ -102,6 +103,40 @@ def test_pipelined_decode_steps_equal_one_at_a_time_steps(workers, wire):
             await left.aclose()
             ran = after.committed_length - len(PROMPT) - 1  # steps before this one: 7, or 8 if the dropped one ran
             assert ran in ((7,) if wire == "unary" else (7, 8)) and (after.committed_tokens, after.next_token) == want[ran]
+            await client.release(sid)
+            await reference.release(ref)
+        finally:
+            await client.close()
+            await reference.close()
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("wire", [*STREAMED_WIRES, "unary"])
+def test_pipelined_decode_steps_return_the_features_of_one_at_a_time_steps(workers, wire):
+    """The adaptive budget's target-only runs ask ``TargetClient.decode`` for each step's tap
+    features (the draft's next proposal takes them): pipelined, each answer carries its own row's,
+    as a verify step of no node does one by one."""
+    empty = (np.zeros(0, np.int64), np.zeros(0, np.int64))
+    sid, ref = f"decoded-features-{wire}", f"one-by-one-features-{wire}"
+
+    async def tapped(client, sequence_id):
+        request = target_pb2.PrefillRequest(sequence_id=sequence_id, tokens=PROMPT, reserve_tokens=128, tap_layer_ids=[0, 1])
+        return await client.prefill(request, timeout=30)
+
+    async def scenario():
+        client, reference = await client_on(wire, TargetClient, workers["target"]), TargetClient(workers["target"], wire="unary")
+        try:
+            width = array_from_pb((await tapped(client, sid)).features).shape[1]  # both taps' hidden states
+            await tapped(reference, ref)
+            want = [await reference.verify(ref, *empty, True, timeout=30) for _ in range(5)]
+            got = [v async for v in client.decode(sid, 5, lambda: 30, return_features=True, late_last=True)]
+            assert [(g.committed_tokens, g.next_token) for g in got] == [(w.committed_tokens, w.next_token) for w in want]
+            for g, w in zip(got, want):
+                assert array_from_pb(g.features).shape == (1, width)
+                np.testing.assert_array_equal(array_from_pb(g.features), array_from_pb(w.features))
+            plain = [v async for v in client.decode(sid, 2, lambda: 30)]
+            assert all(v.features is None for v in plain)  # none asked for, none sent
             await client.release(sid)
             await reference.release(ref)
         finally:
