@@ -5,8 +5,9 @@ Each service process keeps its own registry and serves it at ``/metrics`` on its
 it listens on a Unix socket). Names start with ``splitspec_`` and end in their unit. Every series
 carries ``model`` (the served target's file name, see :func:`model_name`); the only other labels
 have small fixed value sets: ``mode`` (ddtree, chain, off), ``rpc`` (``Service/Method`` of a worker
-call), ``phase`` (prefill, verify, propose), ``position`` (draft depth, 1 .. block size - 1) and
-``reason`` (a finish reason, a gRPC status code or a fallback cause, lower case).
+call), ``phase`` (prefill, verify, propose), ``position`` (draft depth, 1 .. block size - 1),
+``reason`` (a finish reason, a gRPC status code or a fallback cause, lower case), ``kind``
+(drafting, target_only) and ``budget`` (the adaptive budget's candidates, at most ten).
 
 Terms. A *step* is one verify pass. It commits the root (last step's bonus token) plus the
 *accepted* draft nodes: accepted + 1 tokens, bonus included as in the literature. The *acceptance
@@ -85,6 +86,23 @@ PromQL (add ``{model="..."}`` matchers or ``by (model)`` for several models):
 
     histogram_quantile(0.99, sum by (le, phase) (rate(splitspec_worker_queue_seconds_bucket[5m])))
 
+- the gateway's adaptive budget (``--budget auto``): its choice, the committed tok/s it expects
+  of a sequence at each candidate budget, and what it prices a round of each kind (``kind``:
+  drafting, or target_only while the choice is 0) with: ``t_other``, the passes a round holds
+  ``q`` and the sequences of its pass ``n`` (``services.gateway.budget``)::
+
+    splitspec_adaptive_budget_nodes
+
+    splitspec_adaptive_budget_expected_tokens_per_second
+
+    splitspec_adaptive_budget_round_other_seconds
+
+  (``splitspec_adaptive_budget_round_passes`` is ``q``, ``splitspec_adaptive_budget_pass_sequences``
+  ``n``, each by ``kind``), and the draft's share of a drafting round's time outside its pass::
+
+    splitspec_adaptive_budget_draft_seconds
+      / on (instance, model) splitspec_adaptive_budget_round_other_seconds{kind="drafting"}
+
 - paged KV cache of the target, blocks held vs in all, and the share held (at 1 the newest
   sequence is preempted and prefills wait for blocks)::
 
@@ -106,11 +124,13 @@ from typing import TYPE_CHECKING
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, disable_created_metrics, start_http_server
+from prometheus_client.core import GaugeMetricFamily
 
 from splitspec import __version__
 from splitspec.errors import ServiceError
 
 if TYPE_CHECKING:
+    from services.gateway.budget import BudgetFigures
     from services.gateway.stats import StepStats
 
 # `_created` series would double every counter and histogram for a timestamp nobody graphs.
@@ -260,8 +280,58 @@ class GatewayMetrics(_Metrics):
     def step_observer(self, mode: str) -> Callable[[StepStats], None]:
         return lambda step: self.observe_step(mode, step)
 
+    def watch_budget(self, figures: Callable[[], BudgetFigures]) -> None:
+        """Export the adaptive budget's ``figures()`` (``BudgetPolicy.figures``), read at each scrape."""
+        self.registry.register(_BudgetCollector(self, figures))
+
     def interceptor(self) -> RpcObserver:
         return RpcObserver(self)
+
+
+class _BudgetCollector:
+    """The adaptive budget's figures as gauges, read when scraped: a series exists once its figure
+    does (the choice once made, a kind of round once seen)."""
+
+    def __init__(self, metrics: GatewayMetrics, figures: Callable[[], BudgetFigures]) -> None:
+        self.metrics, self.figures = metrics, figures
+
+    def collect(self):
+        f, model = self.figures(), self.metrics.model
+        families = {
+            "nodes": GaugeMetricFamily(
+                "splitspec_adaptive_budget_nodes", "Tree budget --budget auto gives adaptive steps now (0: target-only runs)", labels=["model"]
+            ),
+            "expected": GaugeMetricFamily(
+                "splitspec_adaptive_budget_expected_tokens_per_second",
+                "Committed tokens per second the adaptive budget expects of a sequence at each candidate budget", labels=["model", "budget"],
+            ),
+            "draft": GaugeMetricFamily(
+                "splitspec_adaptive_budget_draft_seconds", "The draft's proposal as the gateway waits for it (t_draft)", labels=["model"]
+            ),
+            "other": GaugeMetricFamily(
+                "splitspec_adaptive_budget_round_other_seconds", "A round's time outside its verify pass and its wait (t_other), by kind",
+                labels=["model", "kind"],
+            ),
+            "passes": GaugeMetricFamily(
+                "splitspec_adaptive_budget_round_passes", "Verify passes a round holds, its own and those it waits behind (q), by kind",
+                labels=["model", "kind"],
+            ),
+            "sequences": GaugeMetricFamily(
+                "splitspec_adaptive_budget_pass_sequences", "Sequences of the verify passes a round is priced at (n), by kind",
+                labels=["model", "kind"],
+            ),
+        }
+        if f.choice is not None:
+            families["nodes"].add_metric([model], f.choice)
+        for budget, rate in f.expected.items():
+            families["expected"].add_metric([model, str(budget)], rate)
+        if f.rounds:
+            families["draft"].add_metric([model], f.draft_s)
+        for kind, (other_s, passes, sequences) in f.rounds.items():
+            families["other"].add_metric([model, kind], other_s)
+            families["passes"].add_metric([model, kind], passes)
+            families["sequences"].add_metric([model, kind], sequences)
+        yield from families.values()
 
 
 class RequestObserver:

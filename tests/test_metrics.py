@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
 import urllib.request
 
 import pytest
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, generate_latest
 
 from services.gateway.stats import SequenceStats, StepStats
 from services.metrics import GatewayMetrics, WorkerMetrics, model_name, serve_metrics
 from splitspec.errors import InvalidArgument, ResourceExhausted
-from tests.tools import free_port
+from tests.tools import free_port, require
 
 
 def value(registry: CollectorRegistry, name: str, **labels) -> float:
@@ -103,6 +104,37 @@ def test_worker_gauges_are_read_at_scrape_time():
     assert value(r, "splitspec_worker_forward_duration_seconds_sum", phase="verify") == pytest.approx(0.0025)
     with pytest.raises(KeyError):
         metrics.watch(no_such_gauge=lambda: 1)
+
+
+def test_the_adaptive_budgets_figures_are_read_at_scrape_time(gateway):
+    """Nothing before the policy has seen a round; then the choice, the rates it was made from and
+    the drafting rounds' figures; the target-only rounds' once 0's steps ran. Each equals the
+    policy's own, and the exposition passes promtool's lint."""
+    import numpy as np
+
+    from services.gateway.budget import BudgetPolicy
+    from tests.services.gateway.test_budget_policy import run_steps
+
+    policy = BudgetPolicy(22, 64)
+    gateway.watch_budget(policy.figures)
+    r = gateway.registry
+    assert r.get_sample_value("splitspec_adaptive_budget_nodes", {"model": "m"}) is None
+    run_steps(policy, 8, 30, np.random.default_rng(0))
+    assert value(r, "splitspec_adaptive_budget_nodes") == policy.choice > 0
+    candidates, rates = policy._rates_now()
+    assert [value(r, "splitspec_adaptive_budget_expected_tokens_per_second", budget=str(b)) for b in candidates] == list(rates)
+    assert value(r, "splitspec_adaptive_budget_round_other_seconds", kind="drafting") == policy.t_other > 0
+    assert value(r, "splitspec_adaptive_budget_round_passes", kind="drafting") == policy.passes_per_round
+    assert value(r, "splitspec_adaptive_budget_pass_sequences", kind="drafting") == policy.concurrency == 8
+    assert value(r, "splitspec_adaptive_budget_draft_seconds") == policy.t_draft
+    assert r.get_sample_value("splitspec_adaptive_budget_round_other_seconds", {"model": "m", "kind": "target_only"}) is None
+    policy.observe_pass(8, 8, 0.01)
+    policy.observe_round(0.012, 0.01, 0.0, 8, target_only=True)
+    assert value(r, "splitspec_adaptive_budget_round_other_seconds", kind="target_only") == pytest.approx(0.002)
+    assert value(r, "splitspec_adaptive_budget_pass_sequences", kind="target_only") == 8
+    promtool = require("promtool", "prometheus")
+    done = subprocess.run([promtool, "check", "metrics"], input=generate_latest(r).decode(), capture_output=True, text=True)
+    assert done.returncode == 0 and not (done.stdout + done.stderr).strip(), done.stdout + done.stderr
 
 
 def test_metrics_are_served_on_the_listen_host_and_a_busy_port_is_one_clear_error():

@@ -151,7 +151,10 @@ def system(module_services, tiny_pair, tmp_path_factory):
         "draft", "oracle-draft", "--table", str(table), "--corruption", "0.3", "--target-model", str(tiny_pair.target),
         "--metrics-port", str(ports["draft"]),
     )
-    gateway = s.start("gateway", "gateway", "--target", target, "--draft", draft, "--metrics-port", str(ports["gateway"]), "--log-json")
+    # --budget auto: a request that names no budget gets the adaptive budget's (its metrics need one).
+    gateway = s.start(
+        "gateway", "gateway", "--target", target, "--draft", draft, "--metrics-port", str(ports["gateway"]), "--log-json", "--budget", "auto"
+    )
     # A drafter slower than the fallback gateway's draft deadline: every proposal misses it.
     slow_draft = s.start(
         "slow-draft", "oracle-draft", "--table", str(table), "--delay", "0.5", "--target-model", str(tiny_pair.target),
@@ -176,6 +179,7 @@ def system(module_services, tiny_pair, tmp_path_factory):
         for case in cases:
             for mode, spec in SPEC_MODES.items():
                 done["gateway"].append((mode, generate(gateway, speculation=spec, **case)))
+        done["gateway"].append(("ddtree", generate(gateway, speculation=Spec(mode=Spec.DDTREE), **cases[0])))  # adaptive
         with pytest.raises(grpc.RpcError) as failed:
             generate(gateway, text="x", max_tokens=0)
         assert failed.value.code() == grpc.StatusCode.INVALID_ARGUMENT

@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -92,6 +93,16 @@ class _Ema:
         """Observe ``x``; ``weight`` scales ``alpha`` (a report that is one of several of one event)."""
         self.value = x if self.count == 0 else self.value + min(1.0, self.alpha * weight) * (x - self.value)
         self.count += 1
+
+
+@dataclass(frozen=True)
+class BudgetFigures:
+    """What a gateway's adaptive budget rests on now (:meth:`BudgetPolicy.figures`), for its metrics."""
+
+    choice: int | None  # the budget adaptive steps get (0: target-only runs; None: not chosen yet)
+    draft_s: float  # t_draft, seconds
+    rounds: dict[str, tuple[float, float, float]]  # kind of round seen (drafting, target_only) -> (t_other s, q, n)
+    expected: dict[int, float]  # candidate budget -> committed tok/s expected of a sequence (empty before a choice)
 
 
 class _Rounds:
@@ -264,6 +275,15 @@ class BudgetPolicy:
         if not own.other.count:
             return max(0.0, self.t_other - self.t_draft), self.passes_per_round, n
         return own.other.value, own.passes.value if own.passes.count else 1.0, max(own.sequences.value, n)
+
+    def figures(self) -> BudgetFigures:
+        """The figures the last choice was made from: the rates computed at the last pass
+        (:meth:`_rates_now`), not recomputed here (a metrics scrape reads them from another thread)."""
+        kinds = {"drafting": self._drafting, "target_only": self._target_only}
+        rounds = {kind: self.round_figures(kind == "target_only") for kind, seen in kinds.items() if seen.other.count}
+        cached = self._cached
+        expected = {int(b): float(r) for b, r in zip(*cached[1])} if cached is not None else {}
+        return BudgetFigures(self.choice, self.t_draft, rounds, expected)
 
     def calibration(self, max_depth: int) -> np.ndarray:
         """``c(d)`` for ``d = 0 .. max_depth``: ``[max_depth + 1]`` float64, 1.0 where unobserved."""

@@ -223,6 +223,7 @@ async def run(args: argparse.Namespace) -> None:
     )
     state = GatewayState(target_info, draft_info, tokenizer, chat, chat_problem, chat_special_tokens=args.chat_special_tokens)
     policy = BudgetPolicy(min(DEFAULT_BUDGET, args.max_budget), args.max_budget)
+    metrics.watch_budget(policy.figures)
     servicer = GatewayServicer(target, draft, state, defaults, admission, monitor, metrics, policy, identity=identity)
     server, health = rpc.create_server(
         "gateway", [lambda s: gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, s)], [SERVICE],
