@@ -211,9 +211,9 @@ class BudgetPolicy:
         Its figures price budget 0 apart (:meth:`round_figures`): without the draft between their
         steps, a gateway's sequences meet in the target at once, in fewer passes of more sequences.
         On the 2-core CPU with the built-in pair at 8 users, drafting rounds met 3-7 sequences a
-        pass; priced with their figures, 0 was expected at 0.8-1.2 of what mode off's steps ran at
-        in the same bench, and the choice moved between 0 and 7 every few seconds (BENCHMARKS.md
-        [N2], [N3])."""
+        pass; priced with their figures, 0 was expected at 0.8-1.2 of what mode off's steps ran
+        at in the same bench, and the choice moved between 0 and 3 or 7 every few seconds
+        (BENCHMARKS.md [N2], [N3], [N5])."""
         weight = 1.0 / max(1, pass_sequences)
         behind_passes = verify_queue_s - min(max(prompt_wait_s, 0.0), verify_queue_s)
         rounds = self._target_only if target_only else self._drafting
