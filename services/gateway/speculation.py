@@ -210,12 +210,15 @@ class SpeculativeSequence:
                 run = min(self.max_new_tokens - len(self.generated), max_nodes + 1, TARGET_ONLY_RUN)  # the adaptive budget is 0
                 self.explore = True
             if run:
+                missed = []  # the run's tap features, for the draft's next proposal (mode off asks for none)
                 try:
                     async for new, verified in self._decode(run, adaptive=self.options.mode is not Mode.OFF):
                         anchor = verified.next_token
-                        if self.options.mode is not Mode.OFF:  # the draft's next proposal takes these rows
-                            features = await self._behind(features, verified.features)
+                        if verified.features is not None:
+                            missed.append(verified.features)
                         yield new
+                    if missed:
+                        features = await self._behind(features, concat_rows(*missed))
                     continue
                 except grpc.aio.AioRpcError as exc:
                     if exc.code() != grpc.StatusCode.NOT_FOUND:
@@ -320,8 +323,8 @@ class SpeculativeSequence:
         return prefilled
 
     async def _behind(self, features: common_pb2.Tensor | None, new: common_pb2.Tensor | None) -> common_pb2.Tensor | None:
-        """The tap features the draft has not seen, after a step it was not asked for: ``features``
-        (the rows since its last proposal) then the step's ``new`` rows. A windowed draft attends to
+        """The tap features the draft has not seen, after steps it was not asked for: ``features``
+        (the rows since its last proposal) then those steps' ``new`` rows. A windowed draft attends to
         its last ``draft_window`` positions only: past that many rows its context is released, and
         the next proposal starts a fresh one from the last rows."""
         if features is None or new is None:

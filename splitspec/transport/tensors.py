@@ -44,13 +44,18 @@ def _checked(msg: common_pb2.Tensor) -> tuple[tuple[int, ...], bytes]:
     return shape, data
 
 
-def concat_rows(first: common_pb2.Tensor, second: common_pb2.Tensor) -> common_pb2.Tensor:
-    """``second``'s rows after ``first``'s (both ``[rows, ...]`` of one dtype and row shape), without
-    decoding either: the gateway joins the tap features of steps the draft did not see."""
-    (shape_a, data_a), (shape_b, data_b) = _checked(first), _checked(second)
-    if first.dtype != second.dtype or len(shape_a) < 1 or shape_a[1:] != shape_b[1:]:
-        raise TensorFormatError(f"cannot join rows of {first.dtype} {shape_a} and {second.dtype} {shape_b}")
-    return common_pb2.Tensor(dtype=first.dtype, shape=[shape_a[0] + shape_b[0], *shape_a[1:]], data=data_a + data_b)
+def concat_rows(first: common_pb2.Tensor, *rest: common_pb2.Tensor) -> common_pb2.Tensor:
+    """The rows of ``first`` then of each of ``rest`` (all ``[rows, ...]`` of one dtype and row
+    shape), without decoding any, in one copy: the gateway joins the tap features of the steps the
+    draft did not see (a run of them at once, not one by one, which would copy the run's rows again
+    at each step)."""
+    checked = [_checked(t) for t in (first, *rest)]
+    shape = checked[0][0]
+    for t, (other, _) in zip(rest, checked[1:]):
+        if t.dtype != first.dtype or len(shape) < 1 or other[1:] != shape[1:]:
+            raise TensorFormatError(f"cannot join rows of {first.dtype} {shape} and {t.dtype} {other}")
+    rows = sum(s[0] for s, _ in checked)
+    return common_pb2.Tensor(dtype=first.dtype, shape=[rows, *shape[1:]], data=b"".join(data for _, data in checked))
 
 
 def last_rows(msg: common_pb2.Tensor, rows: int) -> common_pb2.Tensor:

@@ -46,7 +46,12 @@ def test_rows_join_and_cut_without_decoding(dtype):
     assert torch.equal(tensor_from_pb(joined), torch.cat([a, b]))
     assert torch.equal(tensor_from_pb(last_rows(joined, 5)), torch.cat([a, b])[-5:])
     assert last_rows(joined, 7) is joined and last_rows(joined, 9) is joined
+    c = torch.randn(1, 2, 5).to(dtype)
+    assert torch.equal(tensor_from_pb(concat_rows(*(tensor_to_pb(t) for t in (a, b, c)))), torch.cat([a, b, c]))
+    assert torch.equal(tensor_from_pb(concat_rows(tensor_to_pb(a))), a)
     with pytest.raises(TensorFormatError, match="cannot join"):
         concat_rows(tensor_to_pb(a), tensor_to_pb(torch.randn(4, 2, 6).to(dtype)))
     with pytest.raises(TensorFormatError, match="cannot join"):
         concat_rows(tensor_to_pb(a), tensor_to_pb(b.float() if dtype == torch.bfloat16 else b.half()))
+    with pytest.raises(TensorFormatError, match="cannot join"):
+        concat_rows(tensor_to_pb(a), tensor_to_pb(b), tensor_to_pb(torch.randn(1, 3, 5).to(dtype)))
