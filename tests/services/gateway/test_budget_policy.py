@@ -276,7 +276,7 @@ def test_budget_0_is_chosen_once_the_drafts_acceptance_is_calibrated():
 
 def cpu_pass(rows: float) -> float:
     """The built-in target's pass on the 2-core CPU: 15 ms at one row, 26 at 8, 57 at 48 (the
-    gateway's logs of BENCHMARKS.md [O5])."""
+    gateway's logs of BENCHMARKS.md [N2])."""
     return 0.0135 + 0.0016 * min(rows, 8) + 0.00075 * max(0.0, rows - 8)
 
 
