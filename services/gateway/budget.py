@@ -106,15 +106,14 @@ class BudgetFigures:
 
 
 class _Rounds:
-    """Running figures of one kind of step's rounds (drafting, or target-only): ``t_other``, the
-    passes a round holds ``q``, and the sequences of the pass each round ran in ``n``."""
+    """Running figures of one kind of step's rounds (drafting, or target-only): ``t_other`` and
+    the passes a round holds ``q``."""
 
     def __init__(self, alpha: float) -> None:
-        self.other, self.passes, self.sequences = _Ema(alpha), _Ema(alpha), _Ema(alpha)
+        self.other, self.passes = _Ema(alpha), _Ema(alpha)
 
-    def observe(self, other_s: float, passes: float | None, sequences: int, weight: float) -> None:
+    def observe(self, other_s: float, passes: float | None, weight: float) -> None:
         self.other.add(other_s, weight)
-        self.sequences.add(sequences, weight)
         if passes is not None:
             self.passes.add(passes, weight)
 
@@ -154,6 +153,7 @@ class BudgetPolicy:
         self._buckets: dict[int, tuple[_Ema, _Ema]] = {}  # row bucket -> (EMA of rows, EMA of seconds)
         self._drafting = _Rounds(alpha)  # t_other (seconds), q and n of the steps that drafted
         self._target_only = _Rounds(alpha)  # the same of the steps that did not (the choice was 0)
+        self._target_only_sequences = _Ema(alpha)  # n of the target-only rounds' passes (drafting ones: the concurrency)
         self._draft = _Ema(alpha)  # t_draft, seconds
         self._concurrency = _Ema(alpha)  # sequences per pass
         self._observed: list[_Ema] = []  # [depth] EMA of the steps' acceptance at that depth (index 0 unused)
@@ -218,8 +218,10 @@ class BudgetPolicy:
         behind_passes = verify_queue_s - min(max(prompt_wait_s, 0.0), verify_queue_s)
         rounds = self._target_only if target_only else self._drafting
         passes = (verify_forward_s + behind_passes) / verify_forward_s if verify_forward_s > 0 else None
-        rounds.observe(max(0.0, seconds - verify_forward_s - verify_queue_s), passes, max(1, pass_sequences), weight)
-        if not target_only:
+        rounds.observe(max(0.0, seconds - verify_forward_s - verify_queue_s), passes, weight)
+        if target_only:
+            self._target_only_sequences.add(max(1, pass_sequences), weight)
+        else:
             self._draft.add(min(draft_s, rounds.other.value), weight)
 
     def observe_acceptance(self, tree: DraftTree, accepted_depth: int) -> None:
@@ -274,7 +276,7 @@ class BudgetPolicy:
         own = self._target_only
         if not own.other.count:
             return max(0.0, self.t_other - self.t_draft), self.passes_per_round, n
-        return own.other.value, own.passes.value if own.passes.count else 1.0, max(own.sequences.value, n)
+        return own.other.value, own.passes.value if own.passes.count else 1.0, max(self._target_only_sequences.value, n)
 
     def figures(self) -> BudgetFigures:
         """The figures the last choice was made from: the rates computed at the last pass

@@ -204,11 +204,11 @@ class SpeculativeSequence:
             # Features are missing after steps run without the draft; a resumed draft needs them.
             speculating = self._speculating() and (features is not None or not self.shape.taps)
             run = 0  # pipelined target-only steps to take now
+            fits = min(self.max_new_tokens - len(self.generated), max_nodes + 1)  # decode steps still wanted and reserved
             if self.options.mode is Mode.OFF:
-                run = min(self.max_new_tokens - len(self.generated), max_nodes + 1)
+                run = fits
             elif speculating and self.options.adaptive and max_depth > 0 and self.budget_policy.choice == 0 and not self.explore:
-                run = min(self.max_new_tokens - len(self.generated), max_nodes + 1, TARGET_ONLY_RUN)  # the adaptive budget is 0
-                self.explore = True
+                run, self.explore = min(fits, TARGET_ONLY_RUN), True  # the adaptive budget is 0
             if run:
                 missed = []  # the run's tap features, for the draft's next proposal (mode off asks for none)
                 try:
