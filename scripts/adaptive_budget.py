@@ -88,7 +88,8 @@ def main() -> None:
             for level in plan:
                 ar, outputs = measure(gateways, level, Spec(mode=Spec.OFF), args.max_tokens, "off (AR)", "socket", "off")
                 results.setdefault("AR", {})[level.concurrency] = ar.tokens_per_s
-                print(f"concurrency {level.concurrency} AR: {ar.tokens_per_s:.0f} tok/s, {ar.ms_per_step:.2f} ms/step", flush=True)
+                print(f"concurrency {level.concurrency} AR: {ar.tokens_per_s:.0f} tok/s ({ar.decode_tokens_per_s:.0f} while all decode), "
+                      f"{ar.ms_per_step:.2f} ms/step", flush=True)
                 with table.open("a") as f:  # the oracle re-reads its table when the file changes
                     f.writelines(json.dumps({"tokens": p + out}) + "\n" for p, out in zip(level.warm + level.timed, outputs))
                 for budget in [*budgets, 0]:  # 0: the request names none, the gateway's adaptive budget decides
@@ -97,7 +98,8 @@ def main() -> None:
                     before = scrape(ports)
                     row, _ = measure(gateways, level, spec, args.max_tokens, name, "socket", "oracle", args.corruption)
                     results.setdefault(name, {})[level.concurrency] = row.tokens_per_s
-                    print(f"concurrency {level.concurrency} budget {name}: {row.tokens_per_s:.0f} tok/s, AL {row.acceptance_length:.2f}, "
+                    print(f"concurrency {level.concurrency} budget {name}: {row.tokens_per_s:.0f} tok/s ({row.decode_tokens_per_s:.0f} while all decode), "
+                          f"AL {row.acceptance_length:.2f}, "
                           f"{row.ms_per_step:.2f} ms/step (oracle drafter, benchmark-only); {budgets_chosen(before, scrape(ports))}", flush=True)
     fixed = [f"b{b}" for b in budgets]
     print(f"\n{args.shape} (random weights), OracleDrafter corruption {args.corruption} (benchmark-only), {args.gateways} gateways")

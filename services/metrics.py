@@ -103,6 +103,13 @@ PromQL (add ``{model="..."}`` matchers or ``by (model)`` for several models):
     splitspec_adaptive_budget_draft_seconds
       / on (instance, model) splitspec_adaptive_budget_round_other_seconds{kind="drafting"}
 
+- the target's agreed budget over every adaptive gateway's votes, and the votes it counts (each
+  gateway follows the agreed budget while one is live: ``splitspec.spec.budget_choice``)::
+
+    splitspec_worker_agreed_budget_nodes
+
+    splitspec_worker_budget_votes
+
 - paged KV cache of the target, blocks held vs in all, and the share held (at 1 the newest
   sequence is preempted and prefills wait for blocks)::
 
@@ -483,3 +490,27 @@ class WorkerMetrics(_Metrics):
         """Read gauges at scrape time: ``live_sequences=lambda: ...`` sets ``splitspec_worker_live_sequences``."""
         for key, read in readers.items():
             self.child(self._gauges[f"splitspec_worker_{key}"]).set_function(read)
+
+    def watch_board(self, figures: Callable[[], tuple[int | None, int]]) -> None:
+        """Export the target's budget board (``BudgetBoard.figures``: the agreed budget, or None, and
+        the live votes), read at each scrape."""
+        self.registry.register(_BoardCollector(self.model, figures))
+
+
+class _BoardCollector:
+    """The budget board's figures as gauges, read when scraped; the agreed budget only while one is."""
+
+    def __init__(self, model: str, figures: Callable[[], tuple[int | None, int]]) -> None:
+        self.model, self.figures = model, figures
+
+    def collect(self):
+        agreed, votes = self.figures()
+        budget = GaugeMetricFamily(
+            "splitspec_worker_agreed_budget_nodes", "Tree budget the target agreed over the adaptive gateways' votes", labels=["model"]
+        )
+        if agreed is not None:
+            budget.add_metric([self.model], agreed)
+        count = GaugeMetricFamily("splitspec_worker_budget_votes", "Adaptive gateways whose budget votes the target counts now", labels=["model"])
+        count.add_metric([self.model], votes)
+        yield budget
+        yield count

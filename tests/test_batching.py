@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
@@ -72,6 +73,7 @@ def system(request, module_services, tiny_pair, tiny_qwen35_pair, tmp_path_facto
     gw_oracle = s.start(f"b-{arch}-gw-oracle", "gateway", "--target", target, "--draft", oracle, "--metrics-port", "0")
     gw_dflash = s.start(f"b-{arch}-gw-dflash", "gateway", "--target", target, "--draft", dflash, "--metrics-port", "0")
     gw_auto = s.start(f"b-{arch}-gw-auto", "gateway", "--target", target, "--draft", dflash, "--metrics-port", "0", "--budget", "auto")
+    gw_auto2 = s.start(f"b-{arch}-gw-auto2", "gateway", "--target", target, "--draft", dflash, "--metrics-port", "0", "--budget", "auto")
     cases = _cases(read_target_config(model).vocab_size, 32)
     # Single-stream, target-only: one request at a time.
     references = [generate(gw_oracle, speculation=Spec(mode=Spec.OFF), **case).tokens for case in cases]
@@ -80,8 +82,8 @@ def system(request, module_services, tiny_pair, tiny_qwen35_pair, tmp_path_facto
             assert len(ref) == NEW_TOKENS
             f.write(json.dumps({"tokens": list(case["tokens"].ids) + ref}) + "\n")
     yield {"target": target, "oracle": oracle, "dflash": dflash, "gw_oracle": gw_oracle, "gw_dflash": gw_dflash, "gw_auto": gw_auto,
-           "cases": cases, "references": references, "metrics": f"http://127.0.0.1:{port}/metrics"}
-    for name in ("gw-auto", "gw-dflash", "gw-oracle", "dflash", "oracle", "target"):
+           "gw_auto2": gw_auto2, "cases": cases, "references": references, "metrics": f"http://127.0.0.1:{port}/metrics"}
+    for name in ("gw-auto2", "gw-auto", "gw-dflash", "gw-oracle", "dflash", "oracle", "target"):
         s.stop(f"b-{arch}-{name}")
 
 
@@ -108,11 +110,35 @@ def test_real_draft_outputs_under_batching_equal_single_stream(system, name, spe
     assert outputs == system["references"]
 
 
+def budget_votes(metrics_url: str) -> float:
+    """The adaptive gateways whose budget votes the target counts now."""
+    text = urllib.request.urlopen(metrics_url, timeout=5).read().decode()
+    return float(re.search(r"^splitspec_worker_budget_votes\{[^}]*\} (\S+)$", text, re.M).group(1))
+
+
 def test_adaptive_budget_outputs_under_batching_equal_single_stream(system):
-    """``--budget auto`` with the real draft: whatever budgets the gateway's policy picks (0 among
-    them: steps that skip the draft and send it the missed features later), the target's output."""
-    outputs = run_concurrently(system["gw_auto"], system["cases"], 8, Spec(mode=Spec.DDTREE))
+    """``--budget auto`` with the real draft on two gateways at once, which vote to the target and
+    follow the budget it agrees over both: whatever budgets they pick (0 among them: steps that
+    skip the draft and send it the missed features later), the target's output."""
+    cases, half = system["cases"], len(system["cases"]) // 2
+    votes, done = [], threading.Event()
+
+    def watch():
+        while not done.wait(0.1):
+            votes.append(budget_votes(system["metrics"]))
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            first = pool.submit(run_concurrently, system["gw_auto"], cases[:half], 8, Spec(mode=Spec.DDTREE))
+            second = pool.submit(run_concurrently, system["gw_auto2"], cases[half:], 8, Spec(mode=Spec.DDTREE))
+            outputs = first.result() + second.result()
+    finally:
+        done.set()
+        watcher.join()
     assert outputs == system["references"]
+    assert max(votes) == 2, votes  # both gateways' votes counted together
 
 
 def test_no_state_left_behind(system):

@@ -36,7 +36,14 @@ H200, with 3% and no hold, the choice moved between 7 and 64 nodes several times
 fixed budget's 30. A change onward, the way the last one went, needs no wait: as load arrives the
 figures move over ``1 / alpha`` passes, and the hold kept the choice made at the first of them
 (one pass into a load of 32 sequences, the concurrency reads 4) for ten passes behind the load
-(``test_a_choice_follows_a_ramp_at_once_and_turns_back_only_after_the_hold``).
+(``test_a_choice_follows_a_ramp_at_once_and_turns_back_only_after_the_hold``;
+:class:`splitspec.spec.budget_choice.ChoiceRule`).
+
+**One budget for all gateways.** Each pass the policy's rates go to the target with a step as a
+vote (:meth:`BudgetPolicy.take_vote`, ``VerifyRequest.budget_vote``), and every answer carries the
+budget the target's board chose over the live votes of every gateway
+(:class:`splitspec.spec.budget_choice.BudgetBoard`), which the policy then follows; its own rule
+decides only while the target agrees none (a target that keeps no board, or no vote live).
 
 **Budget 0 skips the draft.** While the choice is 0 the gateway's sequences take target-only
 steps, in pipelined runs that do not ask the draft (``services.gateway.speculation.TARGET_ONLY_RUN``);
@@ -55,11 +62,13 @@ from __future__ import annotations
 
 import argparse
 import logging
+import uuid
 from dataclasses import dataclass
 
 import numpy as np
 
 from splitspec.spec.budget import ADAPTIVE_BUDGETS, budget_rates, depth_mass, prefix_depth_mass, row_bucket, verify_cost
+from splitspec.spec.budget_choice import BudgetVote, ChoiceRule
 from splitspec.spec.tree import DraftTree
 
 logger = logging.getLogger(__name__)
@@ -67,7 +76,6 @@ logger = logging.getLogger(__name__)
 AUTO = "auto"
 DEFAULT_BUDGET = 22  # before the policy has cost data, and the chain length of chain mode under auto
 DEFAULT_MAX_BUDGET = 64
-HYSTERESIS = 0.10  # how much faster a budget must be to replace the current choice
 
 
 def parse_budget(text: str) -> str | int:
@@ -160,11 +168,14 @@ class BudgetPolicy:
         self._predicted: list[_Ema] = []  # [depth] EMA of the draft's probability mass at that depth
         self._mass: np.ndarray | None = None  # [max_budget + 1, max_budget + 1] EMA of prefix_depth_mass
         self.verified_trees = 0  # steps whose acceptance the calibration has seen
-        self.choice: int | None = None  # the budget every adaptive step gets now (None: not ready)
-        self.hold_passes = 1.0 / alpha if hold_passes is None else hold_passes
+        # The choice (None: not ready) in a clock of _pass_weight, moved by this gateway's figures
+        # while the target agrees no budget over every gateway's votes.
+        self.rule = ChoiceRule(1.0 / alpha if hold_passes is None else hold_passes)
+        self.voter = uuid.uuid4().hex[:12]  # this gateway, to the target's BudgetBoard
+        self.sequences = 0  # adaptive sequences running now (Speculation.run counts them)
+        self.agreed: int | None = None  # the target's agreed budget that the choice follows (:meth:`agree`)
+        self._voted: tuple[int, int] | None = None  # the _cached key of the last vote taken
         self._pass_weight = 0.0  # passes observed, each counted once (its reports weigh 1 / its sequences)
-        self._chosen_at = 0.0  # _pass_weight at the last change
-        self._direction = 0  # the sign of the last change: +1 to larger trees, -1 to smaller, 0 none yet
         self._mass_fed = -1  # int(_pass_weight) when a largest tree last fed the draft's mass
         self._mass_feeds = 0  # trees that fed it
         self._cached: tuple[tuple[int, int], tuple[np.ndarray, np.ndarray]] | None = None  # (key, rates())
@@ -363,25 +374,52 @@ class BudgetPolicy:
         if not self.ready or self._mass is None:
             return min(self.default_budget, most)
         candidates, rates = self._rates_now()
-        best = int(np.argmax(rates))
-        current = np.flatnonzero(candidates == self.choice)
-        onward = self.choice is not None and np.sign(candidates[best] - self.choice) == self._direction != 0
-        held = self._pass_weight - self._chosen_at < self.hold_passes and not onward
-        if not len(current) or (not held and rates[best] > (1 + HYSTERESIS) * rates[current[0]]):
-            self._log_choice("adaptive budget %s -> %d", candidates, rates, best, logging.INFO)
-            if self.choice is not None:
-                self._direction = int(np.sign(candidates[best] - self.choice))
-            self.choice, self._chosen_at = int(candidates[best]), self._pass_weight
-        elif candidates[best] != self.choice and self._logged != self._cached[0]:  # once a pass
-            self._logged = self._cached[0]
-            self._log_choice("adaptive budget keeps %s, not %d" + (" (held)" if held else ""), candidates, rates, best, logging.DEBUG)
+        best, before = int(np.argmax(rates)), self.choice
+        if self.agreed is None:  # else the target's agreed choice, followed as it came (:meth:`agree`)
+            changed, held = self.rule.update(candidates, rates, self._pass_weight)
+            if changed:
+                self._log_choice("adaptive budget %s -> %d", before, self.choice, candidates, rates, logging.INFO)
+            elif candidates[best] != self.choice and self._logged != self._cached[0]:  # once a pass
+                self._logged = self._cached[0]
+                what = "adaptive budget keeps %s, not %d" + (" (held)" if held else "")
+                self._log_choice(what, self.choice, int(candidates[best]), candidates, rates, logging.DEBUG)
         if self.choice == 0:  # a step that drafts while 0 is chosen explores: the best of the others
             return min(_best_drafting(candidates, rates), most)
         return min(self.choice, most)
 
-    def _log_choice(self, what: str, candidates: np.ndarray, rates: np.ndarray, best: int, level: int) -> None:
-        """Log ``what`` (formatted with the current choice and the best candidate) with the figures
-        the choice rests on, the pass costs learned among them: a choice is only as good as they are."""
+    @property
+    def choice(self) -> int | None:
+        """The budget every adaptive step gets now (None: not ready)."""
+        return self.rule.choice
+
+    def agree(self, budget: int | None) -> None:
+        """The target's agreed budget over every gateway's votes, as a step's answer said (None: it
+        agreed none). Followed from the next step on, its tree built at that size, where it is among
+        this gateway's budgets; otherwise (a gateway of another ``--max-budget`` voted it, or this
+        one is not ready) the gateway's own rule decides."""
+        self.agreed = None
+        if budget is None or not self.ready or self._mass is None:
+            return
+        candidates, rates = self._rates_now()
+        if budget not in candidates:
+            return
+        before, self.agreed = self.choice, budget
+        self.rule.adopt(budget, self._pass_weight)
+        if self.choice != before:
+            self._log_choice("adaptive budget %s -> %d (agreed by the target)", before, budget, candidates, rates, logging.INFO)
+
+    def take_vote(self) -> BudgetVote | None:
+        """This gateway's rates and sequences for the target's budget board, once each time the rates
+        are computed anew (once a pass); None before the policy is ready and between."""
+        if self._cached is None or self._cached[0] == self._voted or not self.ready:
+            return None
+        self._voted = self._cached[0]
+        candidates, rates = self._cached[1]
+        return BudgetVote(self.voter, candidates, rates, float(self.sequences))
+
+    def _log_choice(self, what: str, first: int | None, second: int, candidates: np.ndarray, rates: np.ndarray, level: int) -> None:
+        """Log ``what`` (formatted with ``first`` and ``second``, a candidate) with the figures the
+        choice rests on, the pass costs learned among them: a choice is only as good as they are."""
         other, q, n = self.round_figures()
         other_0, q_0, n_0 = self.round_figures(target_only=True)
         seen = "" if self._target_only.other.count else " (none seen yet: the drafting rounds' without the draft)"
@@ -389,7 +427,7 @@ class BudgetPolicy:
             level,
             what + ": %.1f tok/s expected of a sequence (%s); drafting rounds: %.1f sequences a pass, %.2f passes, "
             "t_other %.1f ms (draft %.1f); target-only rounds%s: %.1f sequences, %.2f passes, t_other %.1f ms; pass ms by rows (%s)",
-            self.choice, candidates[best], rates[best], ", ".join(f"{b}: {r:.1f}" for b, r in zip(candidates, rates)),
+            first, second, rates[candidates == second][0], ", ".join(f"{b}: {r:.1f}" for b, r in zip(candidates, rates)),
             n, q, 1e3 * other, 1e3 * self.t_draft, seen, n_0, q_0, 1e3 * other_0,
             ", ".join(f"{r.value:.0f}: {1e3 * s.value:.1f}" for r, s in sorted(self._buckets.values(), key=lambda point: point[0].value)),
         )

@@ -41,6 +41,7 @@ from services.gateway.budget import BudgetPolicy
 from services.gateway.stats import SequenceStats, StepStats
 from services.gateway.workers import DraftClient, Prefilled, TargetClient, Verified
 from splitspec.errors import UpstreamError
+from splitspec.spec.budget_choice import BudgetVote
 from splitspec.spec.lattice import build_lattice_tree, check_lattice, path_chain, sampled_path, selector_path
 from splitspec.spec.tree import DEFAULT_TOP_K, DraftTree, build_chain, build_ddtree
 from splitspec.transport.tensors import concat_rows, last_rows
@@ -189,6 +190,22 @@ class SpeculativeSequence:
 
     async def run(self) -> AsyncIterator[list[int]]:
         """Yield newly committed tokens after prefill and after every step, until ``max_new_tokens``."""
+        policy = self.budget_policy if self.options.adaptive else None
+        if policy is not None:
+            policy.sequences += 1  # its votes weigh the sequences they speak for
+        try:
+            async with contextlib.aclosing(self._run()) as steps:
+                async for tokens in steps:
+                    yield tokens
+        finally:
+            if policy is not None:
+                policy.sequences -= 1
+
+    def _vote(self) -> BudgetVote | None:
+        """The gateway's budget vote for this step's request, where it is due (an adaptive step's)."""
+        return self.budget_policy.take_vote() if self.options.adaptive else None
+
+    async def _run(self) -> AsyncIterator[list[int]]:
         prefilled = await self._prefill(self.prompt)
         anchor, features = prefilled.next_token, prefilled.features
         self.generated.append(anchor)
@@ -237,7 +254,7 @@ class SpeculativeSequence:
             try:
                 verified = await self.target.verify(
                     self.sequence_id, tree.tokens, tree.parents, self._speculating() and bool(self.shape.taps),
-                    timeout=self._timeout(),
+                    timeout=self._timeout(), vote=self._vote(),
                 )
             except grpc.aio.AioRpcError as exc:
                 if exc.code() != grpc.StatusCode.NOT_FOUND:
@@ -267,7 +284,8 @@ class SpeculativeSequence:
         want = adaptive and self._speculating() and bool(self.shape.taps)
         answered = time.perf_counter()
         # The step after a run drafts: the target holds no pass for it meanwhile.
-        async with contextlib.aclosing(self.target.decode(self.sequence_id, steps, self._timeout, want, late_last=adaptive)) as decoded:
+        decoded = self.target.decode(self.sequence_id, steps, self._timeout, want, late_last=adaptive, vote=self._vote())
+        async with contextlib.aclosing(decoded):
             async for verified in decoded:
                 now = time.perf_counter()
                 self._observe(DraftTree.empty(), False, verified, 0, now - answered, target_only=adaptive)
@@ -290,6 +308,7 @@ class SpeculativeSequence:
         policy = self.budget_policy
         if policy is None:
             return
+        policy.agree(verified.agreed_budget)
         forward_s = verified.forward_ns / 1e9
         if forward_s > 0:  # 0: the pass captured a CUDA graph; its time says nothing of a pass or a round
             # A target that does not batch reports no pass figures: its pass was this step's alone.

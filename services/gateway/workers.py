@@ -28,6 +28,7 @@ import numpy as np
 
 from services.metrics import RpcObserver
 from splitspec.errors import FailedPrecondition
+from splitspec.spec.budget_choice import BudgetVote
 from splitspec.transport import rpc
 from splitspec.transport.security import ClientSecurity
 from splitspec.transport.stepwire import StepSocket
@@ -52,6 +53,12 @@ class Prefilled:
     logprob: common_pb2.TokenLogprob | None = None  # next_token's, when the prefill asked for logprobs
 
 
+def budget_vote_pb(vote: BudgetVote | None) -> target_pb2.BudgetVote | None:
+    if vote is None:
+        return None
+    return target_pb2.BudgetVote(voter=vote.voter, budgets=vote.budgets.tolist(), tokens_per_s=vote.rates.tolist(), sequences=vote.sequences)
+
+
 @dataclass
 class Verified:
     committed_tokens: list[int]  # root + accepted nodes
@@ -65,6 +72,7 @@ class Verified:
     pass_sequences: int = 0
     queue_ns: int = 0  # how long the step waited in the target for its pass
     queue_prompt_ns: int = 0  # of queue_ns, the target's time in other sequences' prompts meanwhile
+    agreed_budget: int | None = None  # the target's budget over every gateway's votes (None: it agreed none)
 
 
 class StepStream(rpc.StepConnection):
@@ -198,11 +206,14 @@ class TargetClient(WorkerClient):
         return Prefilled(r.next_token, r.features if r.HasField("features") else None, logprob)
 
     async def verify(
-        self, sequence_id: str, tokens: np.ndarray, parents: np.ndarray, return_features: bool, timeout: float | None
+        self, sequence_id: str, tokens: np.ndarray, parents: np.ndarray, return_features: bool, timeout: float | None,
+        vote: BudgetVote | None = None,
     ) -> Verified:
+        """One step's tree verified; ``vote``: the gateway's budget vote, sent with it."""
         r = await self._step(
             target_pb2.VerifyRequest(
-                sequence_id=sequence_id, tokens=tokens.tolist(), parents=parents.tolist(), return_features=return_features
+                sequence_id=sequence_id, tokens=tokens.tolist(), parents=parents.tolist(), return_features=return_features,
+                budget_vote=budget_vote_pb(vote),
             ),
             timeout,
         )
@@ -210,10 +221,11 @@ class TargetClient(WorkerClient):
 
     async def decode(
         self, sequence_id: str, steps: int, timeout: Callable[[], float | None], return_features: bool = False, late_last: bool = False,
+        vote: BudgetVote | None = None,
     ) -> AsyncIterator[Verified]:
         """``steps`` target-only decode steps (trees of no node; each with its row's tap features if
         ``return_features``), answered in order; ``late_last``: the last says the sequence's next
-        step comes late (``VerifyRequest.next_step_late``: it goes to the draft).
+        step comes late (``VerifyRequest.next_step_late``: it goes to the draft); ``vote`` goes with the first.
         On the socket and stream wires they are pipelined, ``rpc.PIPELINE_DEPTH`` requests in
         flight: a decode step's request does not depend on the answer before it, so the next one
         waits at the target while this one's pass runs and joins the next pass at once (on unary,
@@ -223,16 +235,23 @@ class TargetClient(WorkerClient):
         closes late; until then the sequence's next step opens a new stream)."""
         request = target_pb2.VerifyRequest(sequence_id=sequence_id, return_features=return_features)
         last = target_pb2.VerifyRequest(sequence_id=sequence_id, return_features=return_features, next_step_late=late_last)
+        first = target_pb2.VerifyRequest(sequence_id=sequence_id, return_features=return_features, budget_vote=budget_vote_pb(vote))
+        if steps == 1:
+            first.next_step_late = late_last
+
+        def nth(i: int) -> target_pb2.VerifyRequest:
+            return first if i == 0 else last if i == steps - 1 else request
+
         if self.active_wire == "unary":
             for i in range(steps):
-                yield self._verified(await self._step(last if i == steps - 1 else request, timeout()))
+                yield self._verified(await self._step(nth(i), timeout()))
             return
         stream = self._stream(sequence_id)
         sent = received = 0
         try:
             while received < steps:
                 while sent < min(steps, received + rpc.PIPELINE_DEPTH):
-                    await stream.send(last if sent == steps - 1 else request, timeout())
+                    await stream.send(nth(sent), timeout())
                     sent += 1
                 response = await self._observed(self._rpc, request, stream.receive(timeout()))
                 received += 1
@@ -246,7 +265,7 @@ class TargetClient(WorkerClient):
         features = r.features if r.HasField("features") else None
         return Verified(
             list(r.committed_tokens), r.next_token, r.committed_length, features, r.forward_ns, list(r.logprobs) or None,
-            r.pass_rows, r.pass_sequences, r.queue_ns, r.queue_prompt_ns,
+            r.pass_rows, r.pass_sequences, r.queue_ns, r.queue_prompt_ns, r.agreed_budget if r.HasField("agreed_budget") else None,
         )
 
 

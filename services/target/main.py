@@ -252,6 +252,7 @@ async def run(args: argparse.Namespace, build=load_model) -> None:
             kv_cache_reserved_tokens=lambda: engine.reserved_tokens, kv_cache_capacity_tokens=lambda: engine.capacity_tokens,
             kv_blocks_used=lambda: engine.kv.usable_blocks - engine.kv.free_blocks, kv_blocks_capacity=lambda: engine.kv.usable_blocks,
         )
+        metrics.watch_board(servicer.budget_board.figures)
         logger.info(
             "loaded target %s: %d layers, hidden %d, vocab %d, on %s (%s, %s) in %.1f s; serving on %s",
             args.model, config.num_layers, config.hidden_size, config.vocab_size, device, backend_name(device),

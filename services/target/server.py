@@ -7,11 +7,14 @@ import contextlib
 import logging
 from dataclasses import dataclass
 
+import numpy as np
+
 from services.metrics import WorkerMetrics
 from services.target.engine import KVBlocksBusy, TargetEngine, VerifyStep
 from services.worker.hosting import EngineHost, StepBatcher
 from splitspec.errors import InvalidArgument
 from splitspec.models.devices import DTYPES
+from splitspec.spec.budget_choice import BudgetBoard, BudgetVote
 from splitspec.spec.sampling import SamplingParams
 from splitspec.transport.rpc import sequence_stream
 from splitspec.transport.tensors import tensor_to_pb
@@ -39,6 +42,10 @@ def token_logprob_pb(logprob) -> common_pb2.TokenLogprob:
     return common_pb2.TokenLogprob(id=token, logprob=value, top=[common_pb2.TopLogprob(id=i, logprob=v) for i, v in top])
 
 
+def budget_vote_from_pb(msg: target_pb2.BudgetVote) -> BudgetVote:
+    return BudgetVote(msg.voter, np.array(msg.budgets, dtype=np.int64), np.array(msg.tokens_per_s, dtype=np.float64), msg.sequences)
+
+
 @dataclass
 class TargetDescription:
     """Static facts the Info RPC reports."""
@@ -60,6 +67,7 @@ class TargetServicer(target_pb2_grpc.TargetWorkerServicer):
             self.host, lambda engine, steps: engine.verify_batch(steps), key=lambda step: step.sequence_id, late=lambda step: step.next_step_late
         )
         self.verifier.on_pass = lambda results, waits: metrics.batched("verify", results, waits)
+        self.budget_board = BudgetBoard()  # one adaptive budget over every gateway's votes
 
     async def Info(self, request, context):
         engine: TargetEngine = self.host.require()
@@ -113,10 +121,17 @@ class TargetServicer(target_pb2_grpc.TargetWorkerServicer):
 
     async def Verify(self, request, context):
         step = VerifyStep(request.sequence_id, list(request.tokens), list(request.parents), request.return_features, request.next_step_late)
+        if request.HasField("budget_vote"):
+            try:
+                self.budget_board.vote(budget_vote_from_pb(request.budget_vote))
+            except ValueError as exc:
+                raise InvalidArgument(f"budget_vote: {exc}") from exc
         result = await self.verifier.submit(step)
         if result.forward_ns:  # 0: the pass captured a CUDA graph, its time no pass's
             self.metrics.forward("verify", result.forward_ns)
+        self.budget_board.tick(result.pass_sequences)
         return target_pb2.VerifyResponse(
+            agreed_budget=self.budget_board.agreed,
             committed_tokens=result.committed_tokens,
             accepted_nodes=result.accepted_nodes,
             next_token=result.next_token,

@@ -52,7 +52,7 @@ class ScriptedTarget:
         self.generated = 1
         return Prefilled(next_token=TRUTH[0], features=None)
 
-    async def verify(self, sequence_id, tokens, parents, return_features, timeout=None) -> Verified:
+    async def verify(self, sequence_id, tokens, parents, return_features, timeout=None, vote=None) -> Verified:
         tokens, parents = np.asarray(tokens).tolist(), np.asarray(parents).tolist()
         n = self.generated
         paths = [[]]  # node tokens from the root to each row
@@ -63,7 +63,7 @@ class ScriptedTarget:
         self.generated += len(rows)
         return Verified([TRUTH[n - 1]] + [tokens[r - 1] for r in rows[1:]], bonus, 0, None, 0)
 
-    async def decode(self, sequence_id, steps, timeout, return_features=False, late_last=False):
+    async def decode(self, sequence_id, steps, timeout, return_features=False, late_last=False, vote=None):
         """Target-only steps, as ``TargetClient.decode`` answers them."""
         for _ in range(steps):
             yield await self.verify(sequence_id, np.zeros(0, np.int64), np.zeros(0, np.int64), return_features)

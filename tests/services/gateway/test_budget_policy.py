@@ -9,13 +9,14 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
 
-from services.gateway.budget import HYSTERESIS, BudgetPolicy, parse_budget
+from services.gateway.budget import BudgetPolicy, parse_budget
 from services.gateway.server import GatewayServicer, GatewayState
 from services.gateway.speculation import TARGET_ONLY_RUN, DraftShape, Mode, SpeculationOptions, SpeculativeSequence
 from services.gateway.workers import Prefilled, Proposed, Verified
 from services.metrics import GatewayMetrics
 from splitspec.errors import InvalidArgument
 from splitspec.spec.budget import ADAPTIVE_BUDGETS, depth_mass
+from splitspec.spec.budget_choice import HYSTERESIS
 from splitspec.spec.tree import build_ddtree
 from splitspec.transport.tensors import array_from_pb, array_to_pb
 from splitspec.v1 import common_pb2, gateway_pb2, target_pb2
@@ -191,10 +192,10 @@ def test_every_sequence_gets_the_gateways_one_budget_until_the_figures_move_it()
     near = [int(b) for b, r in zip(candidates, rates) if best > r > best / (1 + HYSTERESIS)]
     far = [int(b) for b, r in zip(candidates, rates) if r < best / (1 + HYSTERESIS)]
     assert near and far, (candidates, rates)
-    policy.hold_passes = 0
-    policy.choice = near[0]
+    policy.rule.hold = 0
+    policy.rule.choice = near[0]
     assert policy.choose(TREE) == near[0]
-    policy.choice = far[0]
+    policy.rule.choice = far[0]
     chosen = policy.choose(TREE)
     candidates, rates = policy.rates()  # as choose saw them (it took TREE into its figures first)
     assert chosen == int(candidates[np.argmax(rates)]) != far[0]
@@ -265,7 +266,7 @@ def test_budget_0_is_chosen_once_the_drafts_acceptance_is_calibrated():
     assert policy.choose(TREE) > 0 and 0 not in policy.rates()[0]  # 0 waits for a calibrated acceptance
     for _ in range(int(1 / policy.calibration_alpha)):
         policy.observe_acceptance(TREE, 3)
-    policy.choice = None  # as if unchosen: no hold
+    policy.rule.choice = None  # as if unchosen: no hold
     explored = policy.choose(TREE)
     assert policy.choice == 0 and explored > 0  # the step that drafted explores
     candidates, rates = policy.rates()
@@ -322,7 +323,7 @@ def test_budget_0_is_priced_by_its_own_rounds_and_kept_where_the_draft_never_pay
     rng = np.random.default_rng(11)
     drafting = run_cpu_load(policy, 100, rng)
     assert 0 not in drafting  # 0 priced by the drafting rounds' figures: no better than drafting
-    policy.choice, policy._chosen_at = 0, policy._pass_weight  # as their noise made it on the CPU
+    policy.rule.adopt(0, policy._pass_weight)  # as their noise made it on the CPU
     kept = run_cpu_load(policy, 400, rng)
     assert kept == [0] * 400
     candidates, rates = policy.rates()
@@ -367,12 +368,12 @@ class FakeTarget:
     async def prefill(self, request, timeout=None) -> Prefilled:
         return Prefilled(next_token=500, features=None)
 
-    async def verify(self, sequence_id, tokens, parents, return_features, timeout=None) -> Verified:
+    async def verify(self, sequence_id, tokens, parents, return_features, timeout=None, vote=None) -> Verified:
         self.trees.append((np.asarray(tokens).tolist(), np.asarray(parents).tolist()))
         rows = 32 * (len(tokens) + 1)
         return Verified([500], 500, 0, None, int(flat_then_linear(rows) * 1e9), pass_rows=rows, pass_sequences=32)
 
-    async def decode(self, sequence_id, steps, timeout, return_features=False, late_last=False):
+    async def decode(self, sequence_id, steps, timeout, return_features=False, late_last=False, vote=None):
         """Target-only steps, as ``TargetClient.decode`` answers them."""
         self.runs.append((steps, late_last))
         for _ in range(steps):
@@ -463,7 +464,7 @@ class FeatureTarget(FakeTarget):
         self.length = len(request.tokens)
         return Prefilled(next_token=500, features=array_to_pb(np.arange(self.length, dtype=np.float32)[:, None]))
 
-    async def verify(self, sequence_id, tokens, parents, return_features, timeout=None) -> Verified:
+    async def verify(self, sequence_id, tokens, parents, return_features, timeout=None, vote=None) -> Verified:
         self.trees.append((np.asarray(tokens).tolist(), np.asarray(parents).tolist()))
         features = array_to_pb(np.array([[self.length]], dtype=np.float32)) if return_features else None
         self.length += 1
@@ -491,7 +492,7 @@ def test_target_only_steps_of_budget_0_run_pipelined_without_the_draft_and_keep_
     pass), each run followed by one step that drafts; the features of the steps the draft missed
     reach it, joined, with that proposal, every row once and in order."""
     policy = BudgetPolicy(22, 64, warmup_passes=1, hold_passes=float("inf"))
-    policy.choice = 0  # held: a draft whose proposals cost more than they save
+    policy.rule.choice = 0  # held: a draft whose proposals cost more than they save
     policy.verified_trees = int(1 / policy.calibration_alpha)  # as after that many steps: 0 may be chosen
     target, draft = FeatureTarget(), CheckingDraft()
     seq = SpeculativeSequence(
@@ -558,7 +559,7 @@ def test_a_requests_own_budget_wins_over_the_adaptive_default():
 class CapturingTarget(FakeTarget):
     """Its first two passes capture a CUDA graph each: they report no time (forward_ns 0)."""
 
-    async def verify(self, sequence_id, tokens, parents, return_features, timeout=None) -> Verified:
+    async def verify(self, sequence_id, tokens, parents, return_features, timeout=None, vote=None) -> Verified:
         verified = await super().verify(sequence_id, tokens, parents, return_features, timeout)
         if len(self.trees) <= 2:
             verified.forward_ns = 0
@@ -598,3 +599,45 @@ def test_prompts_that_hold_every_round_up_change_no_choice():
     assert busy == quiet
     priced = run_steps(BudgetPolicy(22, 64), 8, 60, np.random.default_rng(5), other_s=0.083)
     assert priced[-1] > quiet[-1], (priced[-1], quiet[-1])
+
+
+class VotingTarget(FakeTarget):
+    """Records the budget votes the steps bring and answers each with ``agreed`` as the target's agreed budget."""
+
+    def __init__(self, agreed: int | None) -> None:
+        super().__init__()
+        self.agreed, self.votes = agreed, []
+
+    async def verify(self, sequence_id, tokens, parents, return_features, timeout=None, vote=None) -> Verified:
+        if vote is not None:
+            self.votes.append(vote)
+        verified = await super().verify(sequence_id, tokens, parents, return_features)
+        verified.agreed_budget = self.agreed
+        return verified
+
+
+def test_an_adaptive_sequence_votes_once_a_pass_and_follows_the_targets_agreed_budget():
+    """The gateway's rates go to the target with its steps, once each time they are computed anew,
+    weighed by the gateway's adaptive sequences; the budget the target agrees over every gateway's
+    votes is the one its steps take, and without one the gateway's own rule goes on from it."""
+    policy = BudgetPolicy(22, 64, warmup_passes=3, hold_passes=0)
+    chosen = recording(policy)
+    target = VotingTarget(agreed=None)
+    run_sequence(SpeculationOptions(budget=64, adaptive=True), policy, target=target)
+    own = chosen[-1]
+    assert target.votes and own == policy.choice > 0, chosen  # the figures chose alone, and voted
+    assert all(v.voter == policy.voter and v.sequences == 1 for v in target.votes)  # this sequence, while it ran
+    assert policy.sequences == 0  # and not after
+    assert len({id(v.rates) for v in target.votes}) == len(target.votes)  # no vote twice
+    candidates, rates = policy.rates()
+    np.testing.assert_array_equal(target.votes[-1].budgets, candidates)
+    agreed = next(b for b in (7, 15, 1) if b != own)
+    target, before = VotingTarget(agreed=agreed), len(chosen)
+    run_sequence(SpeculationOptions(budget=64, adaptive=True), policy, target=target)
+    second = chosen[before:]
+    assert second[0] == own and set(second[1:]) == {agreed} and policy.choice == agreed, second  # from the first answer on
+    assert all(len(tokens) == agreed for tokens, _ in target.trees[1:-1])  # each tree built at that size (the last: no node)
+    policy.agree(99)  # not among its budgets (a gateway of a larger --max-budget voted): its own rule
+    assert policy.agreed is None
+    policy.rule.hold = float("inf")
+    assert policy.choose(TREE) == agreed  # held: it goes on from the agreed choice

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from services.gateway.workers import DraftClient, StepStream, TargetClient
+from splitspec.spec.budget_choice import BudgetVote
 from splitspec.transport.tensors import array_from_pb
 from splitspec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from tests.worker_steps import BAD_TREE, PROMPT, TREES, client_on, prefill, run, steps
@@ -288,5 +289,44 @@ def test_a_step_in_flight_cannot_bring_back_a_released_context(workers, wire):
                 await draft.release(sid, number)
         finally:
             await draft.close()
+
+    run(scenario())
+
+
+def test_the_target_agrees_one_budget_over_the_gateways_votes_on_every_wire(workers):
+    """Votes ride the steps of any wire (``VerifyRequest.budget_vote``) and every answer carries the
+    budget the target agreed over them (``VerifyResponse.agreed_budget``), the same on every wire;
+    a malformed vote fails its step with INVALID_ARGUMENT and leaves the sequence as it was."""
+    budgets = np.array([0, 3, 7, 15])
+    alone = BudgetVote("gateway-a", budgets, np.array([10.0, 30.0, 28.0, 20.0]), 2)  # alone: 3
+    crowd = BudgetVote("gateway-b", budgets, np.array([10.0, 20.0, 40.0, 30.0]), 6)  # with it: 7
+    empty = (np.zeros(0, np.int64), np.zeros(0, np.int64))
+
+    async def scenario():
+        clients = {wire: await client_on(wire, TargetClient, workers["target"]) for wire in ("unary", *STREAMED_WIRES)}
+        try:
+            for wire, client in clients.items():
+                await prefill(client, f"voting-{wire}")
+            first = await clients["unary"].verify("voting-unary", *empty, False, timeout=30, vote=alone)
+            assert first.agreed_budget == 3
+            held = await clients["stream"].verify("voting-stream", *empty, False, timeout=30, vote=crowd)
+            assert held.agreed_budget == 3  # a change back from the first choice waits for the hold's passes
+            ticked = [v.agreed_budget async for v in clients["socket"].decode("voting-socket", 12, lambda: 30)]
+            assert ticked == [3] * 12
+            again = await clients["socket"].verify("voting-socket", *empty, False, timeout=30, vote=crowd)
+            assert again.agreed_budget == 7
+            bad = BudgetVote("gateway-c", budgets, np.array([1.0, float("nan"), 2.0, 3.0]), 1)
+            last = {"unary": first, "stream": held, "socket": again}
+            for wire, client in clients.items():
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await client.verify(f"voting-{wire}", *empty, False, timeout=30, vote=bad)
+                assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "budget_vote" in refused.value.details()
+                after = await client.verify(f"voting-{wire}", *empty, False, timeout=30)  # the sequence goes on
+                assert after.agreed_budget == 7 and after.committed_length == last[wire].committed_length + 1
+            for wire, client in clients.items():
+                await client.release(f"voting-{wire}")
+        finally:
+            for client in clients.values():
+                await client.close()
 
     run(scenario())

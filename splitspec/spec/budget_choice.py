@@ -1,0 +1,151 @@
+"""One budget for every sequence of a target, chosen from expected rates that wander (numpy only).
+
+Terms (see :mod:`splitspec.spec.budget` for the rates)
+-----
+rates
+    ``[m]`` committed tokens per second expected of a sequence at each of ``[m]`` candidate budgets.
+choice
+    The budget every adaptive step gets now. A :class:`ChoiceRule` moves it only when another budget
+    is expected ``hysteresis`` faster, and back the way it came only ``hold`` passes after the last
+    change: expected rates wander by several percent from pass to pass, and every change mixes tree
+    sizes in the target's passes for a while.
+vote
+    A gateway's rates and how many sequences it runs at them (:class:`BudgetVote`), sent to the
+    target with its steps (``VerifyRequest.budget_vote``).
+board
+    The target's :class:`BudgetBoard`: one choice over every gateway's latest vote, the budget that
+    maximizes the committed tokens per second of all their sequences together, sent back with every
+    step (``VerifyResponse.agreed_budget``). Each gateway choosing alone from its own view split
+    the passes: on an H200 (27B, 2 gateways, 32 users) one gateway kept 15 nodes and the other 3,
+    each within its hysteresis of what its figures preferred, and the passes' mixed trees ran at
+    0.82 of a fixed budget of 3 (BENCHMARKS.md [I1]).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import numpy as np
+
+__all__ = ["HYSTERESIS", "BudgetBoard", "BudgetVote", "ChoiceRule"]
+
+logger = logging.getLogger(__name__)
+
+HYSTERESIS = 0.10  # how much faster a budget must be expected to replace the current choice
+
+
+@dataclass
+class ChoiceRule:
+    """The current choice and when and which way it last moved, in a clock of passes.
+
+    A change onward, the way the last one went, needs no hold: as load arrives the figures move
+    over many passes, and a hold kept the choice made at the first of them behind the load."""
+
+    hold: float  # passes after a change before the choice may move back the other way
+    hysteresis: float = HYSTERESIS
+    choice: int | None = None
+    chosen_at: float = 0.0  # the clock at the last change
+    direction: int = 0  # the sign of the last change: +1 to larger trees, -1 to smaller, 0 none yet
+
+    def update(self, candidates: np.ndarray, rates: np.ndarray, now: float) -> tuple[bool, bool]:
+        """Move the choice to the best of ``candidates`` (``[m]`` int, with their ``rates``, ``[m]``)
+        where the rule lets it. Returns ``(changed, held)``: whether it moved, and whether the hold
+        kept it from moving back."""
+        best = int(np.argmax(rates))
+        current = np.flatnonzero(candidates == self.choice)
+        onward = self.choice is not None and np.sign(candidates[best] - self.choice) == self.direction != 0
+        held = now - self.chosen_at < self.hold and not onward
+        if len(current) and (held or rates[best] <= (1 + self.hysteresis) * rates[current[0]]):
+            return False, held
+        self.adopt(int(candidates[best]), now)
+        return True, False
+
+    def adopt(self, budget: int, now: float) -> None:
+        """Make ``budget`` the choice (a change from the current one counts as one)."""
+        if budget == self.choice:
+            return
+        if self.choice is not None:
+            self.direction = int(np.sign(budget - self.choice))
+        self.choice, self.chosen_at = budget, now
+
+
+@dataclass
+class BudgetVote:
+    """A gateway's view: the tokens per second it expects of one of its ``sequences`` at each budget."""
+
+    voter: str  # the gateway (an id it draws at start)
+    budgets: np.ndarray  # [m] int
+    rates: np.ndarray  # [m] float, committed tokens per second of one sequence
+    sequences: float  # the gateway's adaptive sequences now
+    at: float = 0.0  # the board's clock when it came
+
+
+@dataclass
+class BudgetBoard:
+    """The target's one adaptive budget over the votes of every gateway that sends them.
+
+    The clock counts passes, each once (:meth:`tick` weighs a step's report by ``1 / sequences``
+    of its pass). A vote lasts ``ttl`` passes: a gateway that stopped voting (its adaptive requests
+    ended, or it went away) no longer counts, and once none counts the board agrees nothing and
+    each gateway chooses alone."""
+
+    hold: float = 10.0  # ChoiceRule.hold, passes; a gateway's BudgetPolicy holds as long by default
+    ttl: float = 40.0
+    passes: float = 0.0
+    votes: dict[str, BudgetVote] = field(default_factory=dict)
+    rule: ChoiceRule = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.rule = ChoiceRule(self.hold)
+
+    def tick(self, pass_sequences: int) -> None:
+        """A step of a pass of ``pass_sequences`` sequences was answered."""
+        self.passes += 1.0 / max(1, pass_sequences)
+
+    def vote(self, vote: BudgetVote) -> None:
+        """Take ``vote`` (replacing its voter's last one) and choose again over the live votes."""
+        if not vote.voter:
+            raise ValueError("a budget vote needs its voter")
+        if len(vote.budgets) == 0 or len(vote.budgets) != len(vote.rates) or not np.all(np.isfinite(vote.rates)):
+            raise ValueError(f"a budget vote needs one finite rate per budget, got {len(vote.rates)} rates for {len(vote.budgets)} budgets")
+        if np.min(vote.budgets) < 0 or not np.isfinite(vote.sequences) or vote.sequences < 0:
+            raise ValueError(f"budgets and sequences must be >= 0, got budgets {list(vote.budgets)} and {vote.sequences} sequences")
+        order = np.argsort(vote.budgets)  # [m]
+        vote.budgets, vote.rates, vote.at = np.asarray(vote.budgets)[order], np.asarray(vote.rates, dtype=np.float64)[order], self.passes
+        self.votes[vote.voter] = vote
+        live = self._live()
+        self.votes = {v.voter: v for v in live}  # a gateway gone (restarted: a new voter) is forgotten
+        candidates = live[0].budgets
+        for v in live[1:]:
+            candidates = np.intersect1d(candidates, v.budgets)
+        if not len(candidates):
+            return  # gateways of disjoint budgets (their --max-budget) share no choice
+        weights = np.array([v.sequences for v in live])  # [voters]; a gateway that runs none now has no stake
+        if weights.sum() <= 0:
+            weights = np.ones(len(live))
+        total = np.zeros(len(candidates))  # [m] committed tokens per second of all the voters' sequences
+        for w, v in zip(weights, live):
+            total += w * v.rates[np.searchsorted(v.budgets, candidates)]
+        before = self.rule.choice
+        changed, _ = self.rule.update(candidates, total, self.passes)
+        if changed:
+            logger.info(
+                "agreed budget %s -> %d over %d gateways' votes: %s tok/s expected of all their sequences",
+                before, self.rule.choice, len(live), ", ".join(f"{b}: {r:.0f}" for b, r in zip(candidates, total)),
+            )
+
+    @property
+    def agreed(self) -> int | None:
+        """The budget every voter's adaptive steps should take, or None while no vote is live."""
+        return self.figures()[0]
+
+    def figures(self) -> tuple[int | None, int]:
+        """``(agreed, live votes)``, read without changing the board (a metrics scrape reads them
+        from another thread)."""
+        live = len(self._live())
+        return (self.rule.choice if live else None), live
+
+    def _live(self) -> list[BudgetVote]:
+        """The votes of the last ``ttl`` passes."""
+        return [v for v in list(self.votes.values()) if self.passes - v.at <= self.ttl]

@@ -1,0 +1,98 @@
+"""The choice rule and the target's budget board (pure: no services)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from splitspec.spec.budget_choice import HYSTERESIS, BudgetBoard, BudgetVote, ChoiceRule
+
+BUDGETS = np.array([0, 3, 7, 15])
+
+
+def vote(voter: str, rates, sequences: float = 1.0, budgets=BUDGETS) -> BudgetVote:
+    return BudgetVote(voter, np.asarray(budgets), np.asarray(rates, dtype=np.float64), sequences)
+
+
+def ticks(board: BudgetBoard, passes: int) -> None:
+    for _ in range(passes):
+        board.tick(1)
+
+
+def test_the_rule_moves_past_the_hysteresis_and_back_only_after_the_hold():
+    rule = ChoiceRule(hold=5)
+    assert rule.update(BUDGETS, np.array([1.0, 2.0, 3.0, 1.0]), now=0) == (True, False)
+    assert rule.choice == 7
+    slightly = np.array([1.0, 3.0 * (1 + HYSTERESIS) * 0.99, 3.0, 1.0])
+    assert rule.update(BUDGETS, slightly, now=10) == (False, False) and rule.choice == 7  # within the hysteresis
+    smaller = np.array([1.0, 5.0, 3.0, 1.0])
+    assert rule.update(BUDGETS, smaller, now=10) == (True, False) and rule.choice == 3
+    larger = np.array([1.0, 3.0, 5.0, 1.0])
+    assert rule.update(BUDGETS, larger, now=12) == (False, True) and rule.choice == 3  # back the way it came: held
+    assert rule.update(BUDGETS, np.array([5.0, 3.0, 1.0, 1.0]), now=12) == (True, False) and rule.choice == 0  # onward: at once
+    assert rule.update(BUDGETS, larger, now=17) == (True, False) and rule.choice == 7  # the hold has passed
+
+
+def test_the_board_agrees_the_budget_of_most_tokens_over_all_voters_sequences():
+    """Each gateway alone would choose its own best (3 and 15); the board chooses the budget of the
+    most committed tokens per second over both gateways' sequences, weighed by how many each runs."""
+    many, few = vote("many", [10, 31, 28, 20], sequences=6), vote("few", [10, 20, 26, 40], sequences=2)
+    board = BudgetBoard()
+    assert board.agreed is None  # no vote: every gateway chooses alone
+    board.vote(few)
+    assert board.agreed == 15
+    ticks(board, 20)  # past the hold of the first choice
+    board.vote(many)
+    totals = 6 * many.rates + 2 * few.rates  # 3: 226, 7: 220, 15: 200
+    assert board.agreed == BUDGETS[np.argmax(totals)] == 3
+    fresh = BudgetBoard()
+    fresh.vote(vote("many", [10, 31, 28, 20], sequences=1))
+    ticks(fresh, 20)
+    fresh.vote(vote("few", [10, 20, 26, 40], sequences=9))
+    assert fresh.agreed == 15  # the same views, the other way round in sequences
+
+
+def test_the_board_chooses_among_the_budgets_every_voter_offers():
+    board = BudgetBoard()
+    board.vote(vote("calibrated", [50, 10, 9, 8]))  # 0 best by far
+    assert board.agreed == 0
+    board.vote(vote("young", [10, 9, 8], budgets=[3, 7, 15]))  # not calibrated yet: no 0 among its budgets
+    assert board.agreed == 3
+    ticks(board, 20)
+    board.vote(vote("young", [30, 1, 1], budgets=[15, 3, 7]))  # any order of budgets
+    assert board.agreed == 15
+
+
+def test_votes_expire_and_then_the_board_agrees_nothing():
+    board = BudgetBoard(ttl=10)
+    board.vote(vote("a", [1, 2, 3, 4]))
+    ticks(board, 6)
+    board.vote(vote("b", [1, 2, 3, 4]))
+    ticks(board, 5)  # a's vote is 11 passes old, b's 5
+    assert board.figures() == (15, 1)  # b's alone
+    board.tick(4)  # a pass of 4 sequences is one pass, whichever of them reports it
+    for _ in range(3):
+        board.tick(4)
+    ticks(board, 5)  # b's vote is 11 passes old
+    assert board.figures() == (None, 0)
+    board.vote(vote("c", [4, 3, 2, 1]))
+    assert list(board.votes) == ["c"]  # the expired are forgotten
+
+
+@pytest.mark.parametrize(
+    "bad,message",
+    [
+        (vote("", [1, 2, 3, 4]), "needs its voter"),
+        (vote("x", [1, 2, 3]), "one finite rate per budget"),
+        (vote("x", [1, 2, float("nan"), 4]), "one finite rate per budget"),
+        (vote("x", [1], budgets=[]), "one finite rate per budget"),
+        (vote("x", [1, 2, 3, 4], budgets=[-1, 3, 7, 15]), "must be >= 0"),
+        (vote("x", [1, 2, 3, 4], sequences=-2), "must be >= 0"),
+    ],
+)
+def test_a_malformed_vote_is_refused_and_changes_nothing(bad, message):
+    board = BudgetBoard()
+    board.vote(vote("good", [1, 2, 3, 4]))
+    with pytest.raises(ValueError, match=message):
+        board.vote(bad)
+    assert list(board.votes) == ["good"] and board.agreed == 15
