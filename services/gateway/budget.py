@@ -374,15 +374,16 @@ class BudgetPolicy:
         if not self.ready or self._mass is None:
             return min(self.default_budget, most)
         candidates, rates = self._rates_now()
-        best, before = int(np.argmax(rates)), self.choice
         if self.agreed is None:  # else the target's agreed choice, followed as it came (:meth:`agree`)
+            before = self.choice
             changed, held = self.rule.update(candidates, rates, self._pass_weight)
+            best = int(candidates[np.argmax(rates)])
             if changed:
                 self._log_choice("adaptive budget %s -> %d", before, self.choice, candidates, rates, logging.INFO)
-            elif candidates[best] != self.choice and self._logged != self._cached[0]:  # once a pass
+            elif best != self.choice and self._logged != self._cached[0]:  # once a pass
                 self._logged = self._cached[0]
                 what = "adaptive budget keeps %s, not %d" + (" (held)" if held else "")
-                self._log_choice(what, self.choice, int(candidates[best]), candidates, rates, logging.DEBUG)
+                self._log_choice(what, self.choice, best, candidates, rates, logging.DEBUG)
         if self.choice == 0:  # a step that drafts while 0 is chosen explores: the best of the others
             return min(_best_drafting(candidates, rates), most)
         return min(self.choice, most)
