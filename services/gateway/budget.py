@@ -179,7 +179,7 @@ class BudgetPolicy:
         self._mass_fed = -1  # int(_pass_weight) when a largest tree last fed the draft's mass
         self._mass_feeds = 0  # trees that fed it
         self._cached: tuple[tuple[int, int], tuple[np.ndarray, np.ndarray]] | None = None  # (key, rates())
-        self._logged: tuple[int, int] | None = None  # the _cached key of the last "keeps" line
+        self._logged = -1  # int(_pass_weight) of the last "keeps" line
 
     def observe_pass(self, rows: int, pass_sequences: int, forward_s: float) -> None:
         """A verify pass of ``rows`` rows over ``pass_sequences`` sequences took ``forward_s`` seconds.
@@ -380,8 +380,8 @@ class BudgetPolicy:
             best = int(candidates[np.argmax(rates)])
             if changed:
                 self._log_choice("adaptive budget %s -> %d", before, self.choice, candidates, rates, logging.INFO)
-            elif best != self.choice and self._logged != self._cached[0]:  # once a pass
-                self._logged = self._cached[0]
+            elif best != self.choice and self._logged != int(self._pass_weight):  # once a pass
+                self._logged = int(self._pass_weight)
                 what = "adaptive budget keeps %s, not %d" + (" (held)" if held else "")
                 self._log_choice(what, self.choice, best, candidates, rates, logging.DEBUG)
         if self.choice == 0:  # a step that drafts while 0 is chosen explores: the best of the others

@@ -118,6 +118,11 @@ def test_a_choice_kept_against_a_better_one_says_why_at_debug(caplog):
     assert kept[0].getMessage().startswith(f"adaptive budget keeps {small}, not ") and "(held)" in kept[0].getMessage()
     assert "pass ms by rows (" in kept[0].getMessage()
     assert len(kept) <= 12  # a line a pass, not one a step
+    caplog.clear()
+    with caplog.at_level("DEBUG", logger="services.gateway.budget"):
+        for _ in range(5):  # five sequences' steps in one pass, each tree fed to the draft's mass
+            policy.choose(TREE)
+    assert policy.choice == small and len([r for r in caplog.records if "keeps" in r.getMessage()]) == 1
 
 
 def test_it_learns_the_per_depth_calibration():
