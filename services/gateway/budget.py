@@ -337,6 +337,14 @@ class BudgetPolicy:
 
         return candidates, budget_rates(expected_al, round_cost, other, n, candidates)
 
+    def guessed(self, candidates: np.ndarray) -> np.ndarray:
+        """``[m]`` bool: whether the rate of each of ``candidates`` (``[m]``, as :meth:`rates` gives
+        them) rests on a guessed cost, its pass's rows in a row bucket beyond the measured ones
+        (:func:`splitspec.spec.budget.verify_cost` extrapolates there); needs one pass."""
+        n = np.where(candidates == 0, self.round_figures(target_only=True)[2], self.concurrency)  # [m]
+        buckets = np.array([row_bucket(int(round(rows))) for rows in n * (candidates + 1)])  # [m]
+        return (buckets < min(self._buckets)) | (buckets > max(self._buckets))
+
     def tree_budget(self) -> int:
         """How many nodes this adaptive step's tree should be built with: ``max_budget`` while the
         policy is not ready and once a pass after that (that tree feeds the draft's mass by budget,
@@ -376,7 +384,7 @@ class BudgetPolicy:
         candidates, rates = self._rates_now()
         if self.agreed is None:  # else the target's agreed choice, followed as it came (:meth:`agree`)
             before = self.choice
-            changed, held = self.rule.update(candidates, rates, self._pass_weight)
+            changed, held = self.rule.update(candidates, rates, self._pass_weight, self.guessed(candidates))
             best = int(candidates[np.argmax(rates)])
             if changed:
                 self._log_choice("adaptive budget %s -> %d", before, self.choice, candidates, rates, logging.INFO)
@@ -416,7 +424,7 @@ class BudgetPolicy:
             return None
         self._voted = self._cached[0]
         candidates, rates = self._cached[1]
-        return BudgetVote(self.voter, candidates, rates, float(self.sequences))
+        return BudgetVote(self.voter, candidates, rates, float(self.sequences), self.guessed(candidates))
 
     def _log_choice(self, what: str, first: int | None, second: int, candidates: np.ndarray, rates: np.ndarray, level: int) -> None:
         """Log ``what`` (formatted with ``first`` and ``second``, a candidate) with the figures the

@@ -56,7 +56,9 @@ class Prefilled:
 def budget_vote_pb(vote: BudgetVote | None) -> target_pb2.BudgetVote | None:
     if vote is None:
         return None
-    return target_pb2.BudgetVote(voter=vote.voter, budgets=vote.budgets.tolist(), tokens_per_s=vote.rates.tolist(), sequences=vote.sequences)
+    guessed = [] if vote.guessed is None else vote.guessed.tolist()
+    return target_pb2.BudgetVote(voter=vote.voter, budgets=vote.budgets.tolist(), tokens_per_s=vote.rates.tolist(), sequences=vote.sequences,
+                                 guessed=guessed)
 
 
 @dataclass

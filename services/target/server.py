@@ -43,7 +43,8 @@ def token_logprob_pb(logprob) -> common_pb2.TokenLogprob:
 
 
 def budget_vote_from_pb(msg: target_pb2.BudgetVote) -> BudgetVote:
-    return BudgetVote(msg.voter, np.array(msg.budgets, dtype=np.int64), np.array(msg.tokens_per_s, dtype=np.float64), msg.sequences)
+    guessed = np.array(msg.guessed, dtype=bool) if len(msg.guessed) else None
+    return BudgetVote(msg.voter, np.array(msg.budgets, dtype=np.int64), np.array(msg.tokens_per_s, dtype=np.float64), msg.sequences, guessed)
 
 
 @dataclass

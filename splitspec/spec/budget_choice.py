@@ -40,34 +40,49 @@ class ChoiceRule:
     """The current choice and when and which way it last moved, in a clock of passes.
 
     A change onward, the way the last one went, needs no hold: as load arrives the figures move
-    over many passes, and a hold kept the choice made at the first of them behind the load."""
+    over many passes, and a hold kept the choice made at the first of them behind the load.
+
+    A choice whose rate rested on a guessed cost (a pass of more or fewer rows than any measured:
+    :func:`splitspec.spec.budget.verify_cost` guesses optimistically there, so that such a pass
+    gets tried) is *provisional*: once its rate rests on measured costs, the rule chooses again
+    with neither hysteresis nor hold. On an H200 (27B, one user) a gateway chose 23 nodes from
+    costs of passes of up to 8 rows; 24 rows then ran at 18.5 ms, not the 14.3 guessed, and the
+    hysteresis kept 23 against the 7 that ran faster (BENCHMARKS.md [I1])."""
 
     hold: float  # passes after a change before the choice may move back the other way
     hysteresis: float = HYSTERESIS
     choice: int | None = None
     chosen_at: float = 0.0  # the clock at the last change
     direction: int = 0  # the sign of the last change: +1 to larger trees, -1 to smaller, 0 none yet
+    provisional: bool = False  # the choice was made on a guessed cost, not yet measured
 
-    def update(self, candidates: np.ndarray, rates: np.ndarray, now: float) -> tuple[bool, bool]:
+    def update(self, candidates: np.ndarray, rates: np.ndarray, now: float, guessed: np.ndarray | None = None) -> tuple[bool, bool]:
         """Move the choice to the best of ``candidates`` (``[m]`` int, with their ``rates``, ``[m]``)
-        where the rule lets it. Returns ``(changed, held)``: whether it moved, and whether the hold
-        kept it from moving back."""
+        where the rule lets it; ``guessed`` (``[m]`` bool, default none) marks the rates that rest
+        on a guessed cost. Returns ``(changed, held)``: whether it moved, and whether the hold kept
+        it from moving back."""
+        guessed = np.zeros(len(candidates), dtype=bool) if guessed is None else np.asarray(guessed, dtype=bool)  # [m]
         best = int(np.argmax(rates))
         current = np.flatnonzero(candidates == self.choice)
+        if len(current) and self.provisional and not guessed[current[0]]:  # measured now: choose again, freely
+            self.provisional = False
+            self.adopt(int(candidates[best]), now, bool(guessed[best]))
+            return best != current[0], False
         onward = self.choice is not None and np.sign(candidates[best] - self.choice) == self.direction != 0
         held = now - self.chosen_at < self.hold and not onward
         if len(current) and (held or rates[best] <= (1 + self.hysteresis) * rates[current[0]]):
             return False, held
-        self.adopt(int(candidates[best]), now)
+        self.adopt(int(candidates[best]), now, bool(guessed[best]))
         return True, False
 
-    def adopt(self, budget: int, now: float) -> None:
-        """Make ``budget`` the choice (a change from the current one counts as one)."""
+    def adopt(self, budget: int, now: float, guessed: bool = False) -> None:
+        """Make ``budget`` the choice (a change from the current one counts as one), provisional
+        where its rate rests on a guessed cost."""
         if budget == self.choice:
             return
         if self.choice is not None:
             self.direction = int(np.sign(budget - self.choice))
-        self.choice, self.chosen_at = budget, now
+        self.choice, self.chosen_at, self.provisional = budget, now, guessed
 
 
 @dataclass
@@ -78,6 +93,7 @@ class BudgetVote:
     budgets: np.ndarray  # [m] int
     rates: np.ndarray  # [m] float, committed tokens per second of one sequence
     sequences: float  # the gateway's adaptive sequences now
+    guessed: np.ndarray | None = None  # [m] bool: the rates that rest on a guessed cost (ChoiceRule); None: none
     at: float = 0.0  # the board's clock when it came
 
 
@@ -111,8 +127,12 @@ class BudgetBoard:
             raise ValueError(f"a budget vote needs one finite rate per budget, got {len(vote.rates)} rates for {len(vote.budgets)} budgets")
         if np.min(vote.budgets) < 0 or not np.isfinite(vote.sequences) or vote.sequences < 0:
             raise ValueError(f"budgets and sequences must be >= 0, got budgets {list(vote.budgets)} and {vote.sequences} sequences")
+        guessed = np.zeros(len(vote.budgets), dtype=bool) if vote.guessed is None else np.asarray(vote.guessed, dtype=bool)  # [m]
+        if len(guessed) != len(vote.budgets):
+            raise ValueError(f"a budget vote's guessed marks are one per budget, got {len(guessed)} for {len(vote.budgets)} budgets")
         order = np.argsort(vote.budgets)  # [m]
-        vote.budgets, vote.rates, vote.at = np.asarray(vote.budgets)[order], np.asarray(vote.rates, dtype=np.float64)[order], self.passes
+        vote.budgets, vote.rates, vote.guessed = np.asarray(vote.budgets)[order], np.asarray(vote.rates, dtype=np.float64)[order], guessed[order]
+        vote.at = self.passes
         self.votes[vote.voter] = vote
         live = self._live()
         self.votes = {v.voter: v for v in live}  # a gateway gone (restarted: a new voter) is forgotten
@@ -125,10 +145,13 @@ class BudgetBoard:
         if weights.sum() <= 0:
             weights = np.ones(len(live))
         total = np.zeros(len(candidates))  # [m] committed tokens per second of all the voters' sequences
+        guessed = np.zeros(len(candidates), dtype=bool)  # [m] a rate a voter with a stake guessed
         for w, v in zip(weights, live):
-            total += w * v.rates[np.searchsorted(v.budgets, candidates)]
+            at = np.searchsorted(v.budgets, candidates)  # [m]
+            total += w * v.rates[at]
+            guessed |= (w > 0) & v.guessed[at]
         before = self.rule.choice
-        changed, _ = self.rule.update(candidates, total, self.passes)
+        changed, _ = self.rule.update(candidates, total, self.passes, guessed)
         if changed:
             logger.info(
                 "agreed budget %s -> %d over %d gateways' votes: %s tok/s expected of all their sequences",

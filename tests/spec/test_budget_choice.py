@@ -10,8 +10,8 @@ from splitspec.spec.budget_choice import HYSTERESIS, BudgetBoard, BudgetVote, Ch
 BUDGETS = np.array([0, 3, 7, 15])
 
 
-def vote(voter: str, rates, sequences: float = 1.0, budgets=BUDGETS) -> BudgetVote:
-    return BudgetVote(voter, np.asarray(budgets), np.asarray(rates, dtype=np.float64), sequences)
+def vote(voter: str, rates, sequences: float = 1.0, budgets=BUDGETS, guessed=None) -> BudgetVote:
+    return BudgetVote(voter, np.asarray(budgets), np.asarray(rates, dtype=np.float64), sequences, None if guessed is None else np.asarray(guessed))
 
 
 def ticks(board: BudgetBoard, passes: int) -> None:
@@ -31,6 +31,40 @@ def test_the_rule_moves_past_the_hysteresis_and_back_only_after_the_hold():
     assert rule.update(BUDGETS, larger, now=12) == (False, True) and rule.choice == 3  # back the way it came: held
     assert rule.update(BUDGETS, np.array([5.0, 3.0, 1.0, 1.0]), now=12) == (True, False) and rule.choice == 0  # onward: at once
     assert rule.update(BUDGETS, larger, now=17) == (True, False) and rule.choice == 7  # the hold has passed
+
+
+def test_a_choice_made_on_a_guessed_cost_is_chosen_again_freely_once_measured():
+    """A choice whose rate rested on a guessed cost is provisional: the first update whose rate for
+    it is measured chooses the best, within the hysteresis and the hold; one made on measured
+    costs keeps both."""
+    rule = ChoiceRule(hold=50)
+    guess_15 = np.array([False, False, False, True])
+    assert rule.update(BUDGETS, np.array([1.0, 3.0, 3.1, 4.0]), now=0, guessed=guess_15) == (True, False)
+    assert rule.choice == 15 and rule.provisional
+    assert rule.update(BUDGETS, np.array([1.0, 3.0, 3.3, 3.0]), now=1, guessed=guess_15) == (False, True)  # still a guess: kept
+    measured = np.zeros(4, dtype=bool)
+    assert rule.update(BUDGETS, np.array([1.0, 3.0, 3.2, 3.0]), now=2, guessed=measured) == (True, False)
+    assert rule.choice == 7 and not rule.provisional  # 1.07x: within the hysteresis, and back before the hold
+    assert rule.update(BUDGETS, np.array([1.0, 3.0, 3.0, 3.6]), now=3, guessed=measured) == (False, True)  # an ordinary choice: held
+    kept = ChoiceRule(hold=50)
+    kept.update(BUDGETS, np.array([1.0, 3.0, 3.1, 4.0]), now=0, guessed=guess_15)
+    assert kept.update(BUDGETS, np.array([1.0, 3.0, 3.0, 4.2]), now=1, guessed=measured) == (False, False)  # measured and still best
+    assert kept.choice == 15 and not kept.provisional
+    assert kept.update(BUDGETS, np.array([1.0, 3.0, 4.3, 4.0]), now=2, guessed=measured) == (False, True)  # then the rule as ever
+
+
+def test_the_board_chooses_again_once_every_voter_with_a_stake_measured_its_choice():
+    board = BudgetBoard(hold=50)
+    guess_15 = [False, False, False, True]
+    board.vote(vote("a", [1, 3, 3.1, 4], guessed=guess_15))
+    board.vote(vote("idle", [1, 3, 3, 3], sequences=0, guessed=[True] * 4))  # runs no sequence: no stake in the guess
+    assert board.agreed == 15 and board.rule.provisional
+    board.vote(vote("b", [1, 3, 3.2, 3], guessed=guess_15))
+    assert board.agreed == 15  # b guessed it too
+    board.vote(vote("b", [1, 3, 3.2, 3]))  # measured by b; a's latest vote still guessed it
+    assert board.agreed == 15
+    board.vote(vote("a", [1, 3, 3.2, 3]))
+    assert board.agreed == 7 and not board.rule.provisional  # within the hysteresis, before the hold
 
 
 def test_the_board_agrees_the_budget_of_most_tokens_over_all_voters_sequences():
@@ -88,6 +122,7 @@ def test_votes_expire_and_then_the_board_agrees_nothing():
         (vote("x", [1], budgets=[]), "one finite rate per budget"),
         (vote("x", [1, 2, 3, 4], budgets=[-1, 3, 7, 15]), "must be >= 0"),
         (vote("x", [1, 2, 3, 4], sequences=-2), "must be >= 0"),
+        (vote("x", [1, 2, 3, 4], guessed=[True, False]), "guessed marks are one per budget"),
     ],
 )
 def test_a_malformed_vote_is_refused_and_changes_nothing(bad, message):

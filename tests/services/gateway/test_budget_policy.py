@@ -125,6 +125,35 @@ def test_a_choice_kept_against_a_better_one_says_why_at_debug(caplog):
     assert policy.choice == small and len([r for r in caplog.records if "keeps" in r.getMessage()]) == 1
 
 
+def test_a_choice_on_guessed_costs_is_chosen_again_once_its_pass_is_measured():
+    """One user, passes of up to 8 rows measured flat: larger passes are guessed as cheap, and the
+    first choice is the largest tree. Its pass, measured at 0.1 ms a row more, makes a 24-node tree
+    the best by less than the hysteresis (a choice made on measured costs would stay): it moves
+    there at the next step."""
+
+    def cost(rows: int) -> float:
+        return 0.012 + 1e-4 * max(0, rows - 8)
+
+    policy = BudgetPolicy(22, 64)
+    for rows in (1, 4, 8) * 4:
+        policy.observe_pass(rows, 1, cost(rows))
+    policy.observe_round(0.0125, 0.012)
+    chosen = []
+    for _ in range(4):
+        budget = policy.choose(TREE)
+        chosen.append(budget)
+        if len(chosen) == 1:
+            candidates = policy.rates()[0]
+            assert policy.rule.provisional and list(candidates[policy.guessed(candidates)]) == [15, 23, 31, 47, 63, 64]
+        policy.observe_pass(budget + 1, 1, cost(budget + 1))
+        policy.observe_round(0.001 + cost(budget + 1), cost(budget + 1))
+        policy.observe_acceptance(TREE.prefix(budget), 3)
+    candidates, rates = policy.rates()
+    best = candidates[np.argmax(rates)]
+    assert chosen == [64] + [best] * 3 and best < 64 and not policy.rule.provisional
+    assert rates.max() < (1 + HYSTERESIS) * rates[candidates == 64][0]
+
+
 def test_it_learns_the_per_depth_calibration():
     """The target accepts each depth with probability 0.6 where the draft says 0.75: observed over
     predicted acceptance at depth d tends to (0.6 / 0.75) ** d on a chain of top-1 tokens."""

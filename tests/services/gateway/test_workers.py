@@ -15,7 +15,8 @@ import grpc
 import numpy as np
 import pytest
 
-from services.gateway.workers import DraftClient, StepStream, TargetClient
+from services.gateway.workers import DraftClient, StepStream, TargetClient, budget_vote_pb
+from services.target.server import budget_vote_from_pb
 from splitspec.spec.budget_choice import BudgetVote
 from splitspec.transport.tensors import array_from_pb
 from splitspec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
@@ -315,12 +316,16 @@ def test_the_target_agrees_one_budget_over_the_gateways_votes_on_every_wire(work
             assert ticked == [3] * 12
             again = await clients["socket"].verify("voting-socket", *empty, False, timeout=30, vote=crowd)
             assert again.agreed_budget == 7
-            bad = BudgetVote("gateway-c", budgets, np.array([1.0, float("nan"), 2.0, 3.0]), 1)
+            bad = [
+                BudgetVote("gateway-c", budgets, np.array([1.0, float("nan"), 2.0, 3.0]), 1),
+                BudgetVote("gateway-c", budgets, np.array([1.0, 2.0, 3.0, 4.0]), 1, np.array([True])),
+            ]
             last = {"unary": first, "stream": held, "socket": again}
             for wire, client in clients.items():
-                with pytest.raises(grpc.aio.AioRpcError) as refused:
-                    await client.verify(f"voting-{wire}", *empty, False, timeout=30, vote=bad)
-                assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "budget_vote" in refused.value.details()
+                for vote in bad:
+                    with pytest.raises(grpc.aio.AioRpcError) as refused:
+                        await client.verify(f"voting-{wire}", *empty, False, timeout=30, vote=vote)
+                    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "budget_vote" in refused.value.details()
                 after = await client.verify(f"voting-{wire}", *empty, False, timeout=30)  # the sequence goes on
                 assert after.agreed_budget == 7 and after.committed_length == last[wire].committed_length + 1
             for wire, client in clients.items():
@@ -330,3 +335,13 @@ def test_the_target_agrees_one_budget_over_the_gateways_votes_on_every_wire(work
                 await client.close()
 
     run(scenario())
+
+
+def test_a_budget_vote_keeps_its_guessed_marks_on_the_wire():
+    """``BudgetVote.guessed`` crosses the wire as it was; a vote without marks (an older gateway's)
+    arrives as one that guessed nothing."""
+    marked = BudgetVote("g", np.array([0, 3, 7]), np.array([1.0, 2.0, 3.0]), 4.0, np.array([False, False, True]))
+    back = budget_vote_from_pb(target_pb2.BudgetVote.FromString(budget_vote_pb(marked).SerializeToString()))
+    assert back.guessed.tolist() == [False, False, True] and back.budgets.tolist() == [0, 3, 7] and back.sequences == 4.0
+    plain = BudgetVote("g", np.array([0, 3]), np.array([1.0, 2.0]), 1.0)
+    assert budget_vote_from_pb(budget_vote_pb(plain)).guessed is None
