@@ -119,11 +119,13 @@ class _Rounds:
 
     def __init__(self, alpha: float) -> None:
         self.other, self.passes = _Ema(alpha), _Ema(alpha)
+        self.seen = 0.0  # passes' worth of rounds observed (each report weighs 1 / its pass's sequences)
 
     def observe(self, other_s: float, passes: float | None, weight: float) -> None:
         self.other.add(other_s, weight)
         if passes is not None:
             self.passes.add(passes, weight)
+        self.seen += weight
 
 
 class BudgetPolicy:
@@ -278,15 +280,19 @@ class BudgetPolicy:
     def round_figures(self, target_only: bool = False) -> tuple[float, float, float]:
         """``(t_other, q, n)`` of a drafting round, or of a target-only one, as :meth:`rates` prices
         them. ``n`` is :attr:`concurrency`, the sequences of the passes now. Target-only, before
-        such a round was seen: the drafting round's without the draft; after, its own, ``n`` at
-        least :attr:`concurrency` (its own from before a load came would price 0 at a lighter
-        load than its steps would meet)."""
+        such a round was seen: the drafting round's ``t_other`` without the draft, and the ``n q``
+        sequences of a drafting round's passes in one pass (target-only steps are pipelined, so
+        they all meet in each pass; priced as drafting rounds met, with their ``n`` and ``q``, 0
+        was expected at 25 tok/s a sequence on an H200 at 32 users of the 27B, BENCHMARKS.md
+        [I1], where mode off's steps ran at 38 while all users decoded, [Y1]); after, its own,
+        ``n`` at least :attr:`concurrency` (its own from before a load came would price 0 at a
+        lighter load than its steps would meet)."""
         n = self.concurrency
         if not target_only:
             return self.t_other, self.passes_per_round, n
         own = self._target_only
         if not own.other.count:
-            return max(0.0, self.t_other - self.t_draft), self.passes_per_round, n
+            return max(0.0, self.t_other - self.t_draft), 1.0, n * self.passes_per_round
         return own.other.value, own.passes.value if own.passes.count else 1.0, max(self._target_only_sequences.value, n)
 
     def figures(self) -> BudgetFigures:
@@ -343,7 +349,8 @@ class BudgetPolicy:
         (:func:`splitspec.spec.budget.verify_cost` extrapolates there); needs one pass."""
         n = np.where(candidates == 0, self.round_figures(target_only=True)[2], self.concurrency)  # [m]
         buckets = np.array([row_bucket(int(round(rows))) for rows in n * (candidates + 1)])  # [m]
-        return (buckets < min(self._buckets)) | (buckets > max(self._buckets))
+        unseen_rounds = self._target_only.seen < 1.0 / self.alpha  # 0 priced by the drafting rounds' figures, or its own still settling
+        return (buckets < min(self._buckets)) | (buckets > max(self._buckets)) | ((candidates == 0) & unseen_rounds)
 
     def tree_budget(self) -> int:
         """How many nodes this adaptive step's tree should be built with: ``max_budget`` while the
