@@ -47,8 +47,9 @@ decides only while the target agrees none (a target that keeps no board, or no v
 
 **Budget 0 skips the draft.** While the choice is 0 the gateway's sequences take target-only
 steps, in pipelined runs that do not ask the draft (``services.gateway.speculation.TARGET_ONLY_RUN``);
-their rounds price 0 once seen, and before that the drafting rounds' figures without ``t_draft``
-do. After each run a sequence drafts one step, with the best tree of the other budgets
+their rounds price 0 once seen, and before that the drafting rounds' figures without ``t_draft``,
+their sequences all in one pass, do (a guess, so a choice of 0 made on it is provisional:
+:class:`splitspec.spec.budget_choice.ChoiceRule`). After each run a sequence drafts one step, with the best tree of the other budgets
 (:meth:`BudgetPolicy.choose`), so that acceptance, the draft's mass and ``t_draft`` stay observed
 and the choice can leave 0; the tap features of the run go to the draft with that proposal. On
 the 2-core CPU with the built-in pair, 8 clients got 0.77 of AR's tok/s when budget 0 still paid
