@@ -49,8 +49,8 @@ decides only while the target agrees none (a target that keeps no board, or no v
 steps, in pipelined runs that do not ask the draft (``services.gateway.speculation.TARGET_ONLY_RUN``);
 their rounds price 0 once seen, and before that the drafting rounds' figures without ``t_draft``,
 their sequences all in one pass, do (a guess, so a choice of 0 made on it is provisional:
-:class:`splitspec.spec.budget_choice.ChoiceRule`). After each run a sequence drafts one step, with the best tree of the other budgets
-(:meth:`BudgetPolicy.choose`), so that acceptance, the draft's mass and ``t_draft`` stay observed
+:class:`splitspec.spec.budget_choice.ChoiceRule`). After each run a sequence drafts one step,
+with the best tree of the other budgets (:meth:`BudgetPolicy.choose`), so that acceptance, the draft's mass and ``t_draft`` stay observed
 and the choice can leave 0; the tap features of the run go to the draft with that proposal. On
 the 2-core CPU with the built-in pair, 8 clients got 0.77 of AR's tok/s when budget 0 still paid
 the draft.
@@ -346,8 +346,9 @@ class BudgetPolicy:
 
     def guessed(self, candidates: np.ndarray) -> np.ndarray:
         """``[m]`` bool: whether the rate of each of ``candidates`` (``[m]``, as :meth:`rates` gives
-        them) rests on a guessed cost, its pass's rows in a row bucket beyond the measured ones
-        (:func:`splitspec.spec.budget.verify_cost` extrapolates there); needs one pass."""
+        them) rests on a guess: its pass's rows in a row bucket beyond the measured ones
+        (:func:`splitspec.spec.budget.verify_cost` extrapolates there), or, for 0, target-only
+        rounds not yet seen for ``1 / alpha`` passes (:meth:`round_figures`); needs one pass."""
         n = np.where(candidates == 0, self.round_figures(target_only=True)[2], self.concurrency)  # [m]
         buckets = np.array([row_bucket(int(round(rows))) for rows in n * (candidates + 1)])  # [m]
         unseen_rounds = self._target_only.seen < 1.0 / self.alpha  # 0 priced by the drafting rounds' figures, or its own still settling
@@ -439,7 +440,7 @@ class BudgetPolicy:
         choice rests on, the pass costs learned among them: a choice is only as good as they are."""
         other, q, n = self.round_figures()
         other_0, q_0, n_0 = self.round_figures(target_only=True)
-        seen = "" if self._target_only.other.count else " (none seen yet: the drafting rounds' without the draft)"
+        seen = "" if self._target_only.other.count else " (none seen yet: the drafting rounds' without the draft, in one pass)"
         logger.log(
             level,
             what + ": %.1f tok/s expected of a sequence (%s); drafting rounds: %.1f sequences a pass, %.2f passes, "
