@@ -121,7 +121,7 @@ def test_the_adaptive_budgets_figures_are_read_at_scrape_time(gateway):
     assert r.get_sample_value("splitspec_adaptive_budget_nodes", {"model": "m"}) is None
     run_steps(policy, 8, 30, np.random.default_rng(0))
     assert value(r, "splitspec_adaptive_budget_nodes") == policy.choice > 0
-    candidates, rates = policy._rates_now()
+    candidates, rates, _ = policy._rates_now()
     assert [value(r, "splitspec_adaptive_budget_expected_tokens_per_second", budget=str(b)) for b in candidates] == list(rates)
     assert value(r, "splitspec_adaptive_budget_round_other_seconds", kind="drafting") == policy.t_other > 0
     assert value(r, "splitspec_adaptive_budget_round_passes", kind="drafting") == policy.passes_per_round

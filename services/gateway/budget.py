@@ -50,8 +50,8 @@ steps, in pipelined runs that do not ask the draft (``services.gateway.speculati
 their rounds price 0 once seen, and before that the drafting rounds' figures without ``t_draft``,
 their sequences all in one pass, do (a guess, so a choice of 0 made on it is provisional:
 :class:`splitspec.spec.budget_choice.ChoiceRule`). After each run a sequence drafts one step,
-with the best tree of the other budgets (:meth:`BudgetPolicy.choose`), so that acceptance, the draft's mass and ``t_draft`` stay observed
-and the choice can leave 0; the tap features of the run go to the draft with that proposal. On
+with the best tree of the other budgets (:meth:`BudgetPolicy.choose`), so that acceptance, the
+draft's mass and ``t_draft`` stay observed and the choice can leave 0; the tap features of the run go to the draft with that proposal. On
 the 2-core CPU with the built-in pair, 8 clients got 0.77 of AR's tok/s when budget 0 still paid
 the draft.
 
@@ -181,7 +181,7 @@ class BudgetPolicy:
         self._pass_weight = 0.0  # passes observed, each counted once (its reports weigh 1 / its sequences)
         self._mass_fed = -1  # int(_pass_weight) when a largest tree last fed the draft's mass
         self._mass_feeds = 0  # trees that fed it
-        self._cached: tuple[tuple[int, int], tuple[np.ndarray, np.ndarray]] | None = None  # (key, rates())
+        self._cached: tuple[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] | None = None  # (key, _rates_now())
         self._logged = -1  # int(_pass_weight) of the last "keeps" line
 
     def observe_pass(self, rows: int, pass_sequences: int, forward_s: float) -> None:
@@ -302,7 +302,7 @@ class BudgetPolicy:
         kinds = {"drafting": self._drafting, "target_only": self._target_only}
         rounds = {kind: self.round_figures(kind == "target_only") for kind, seen in kinds.items() if seen.other.count}
         cached = self._cached
-        expected = {int(b): float(r) for b, r in zip(*cached[1])} if cached is not None else {}
+        expected = {int(b): float(r) for b, r in zip(*cached[1][:2])} if cached is not None else {}
         return BudgetFigures(self.choice, self.t_draft, rounds, expected)
 
     def calibration(self, max_depth: int) -> np.ndarray:
@@ -336,20 +336,25 @@ class BudgetPolicy:
         known = self.verified_trees >= 1.0 / self.calibration_alpha
         candidates = np.array([b for b in ADAPTIVE_BUDGETS if 0 < b < self.max_budget or (b == 0 and known)] + [self.max_budget])  # [m]
         expected_al = 1.0 + self._mass @ self.calibration(self.max_budget)  # [max_budget + 1]
-        drafting, target_only = self.round_figures(), self.round_figures(target_only=True)
-        other, q, n = (np.where(candidates == 0, a, b) for a, b in zip(target_only, drafting))  # [m] each
+        other, q, n = self._round_terms(candidates)
 
         def round_cost(rows: np.ndarray) -> np.ndarray:
             return q * self.cost(rows)
 
         return candidates, budget_rates(expected_al, round_cost, other, n, candidates)
 
+    def _round_terms(self, candidates: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(t_other, q, n)`` of each of ``candidates`` (``[m]`` each): 0's target-only rounds, the
+        others' drafting ones (:meth:`round_figures`)."""
+        drafting, target_only = self.round_figures(), self.round_figures(target_only=True)
+        return tuple(np.where(candidates == 0, a, b) for a, b in zip(target_only, drafting))
+
     def guessed(self, candidates: np.ndarray) -> np.ndarray:
         """``[m]`` bool: whether the rate of each of ``candidates`` (``[m]``, as :meth:`rates` gives
         them) rests on a guess: its pass's rows in a row bucket beyond the measured ones
         (:func:`splitspec.spec.budget.verify_cost` extrapolates there), or, for 0, target-only
         rounds not yet seen for ``1 / alpha`` passes (:meth:`round_figures`); needs one pass."""
-        n = np.where(candidates == 0, self.round_figures(target_only=True)[2], self.concurrency)  # [m]
+        n = self._round_terms(candidates)[2]  # [m]
         buckets = np.array([row_bucket(int(round(rows))) for rows in n * (candidates + 1)])  # [m]
         unseen_rounds = self._target_only.seen < 1.0 / self.alpha  # 0 priced by the drafting rounds' figures, or its own still settling
         return (buckets < min(self._buckets)) | (buckets > max(self._buckets)) | ((candidates == 0) & unseen_rounds)
@@ -364,15 +369,17 @@ class BudgetPolicy:
         if not self.ready or self._mass is None or int(self._pass_weight) != self._mass_fed:
             return self.max_budget
         if self.choice is None or self.choice == 0:  # not chosen yet, or an exploring step of budget 0
-            return _best_drafting(*self._rates_now())
+            return _best_drafting(*self._rates_now()[:2])
         return self.choice
 
-    def _rates_now(self) -> tuple[np.ndarray, np.ndarray]:
-        """:meth:`rates`, computed once a pass (each counted once, as in :meth:`observe_pass`) and
-        again when the draft's mass moves; in between the steps of a pass share it."""
+    def _rates_now(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """:meth:`rates` and their :meth:`guessed` marks (``[m]`` each), computed once a pass (each
+        counted once, as in :meth:`observe_pass`) and again when the draft's mass moves; in between
+        the steps of a pass share them."""
         key = (int(self._pass_weight), self._mass_feeds)
         if self._cached is None or self._cached[0] != key:
-            self._cached = (key, self.rates())
+            candidates, rates = self.rates()
+            self._cached = (key, (candidates, rates, self.guessed(candidates)))
         return self._cached[1]
 
     def choose(self, tree: DraftTree, full: bool = True) -> int:
@@ -390,10 +397,10 @@ class BudgetPolicy:
             self._mass_fed, self._mass_feeds = int(self._pass_weight), self._mass_feeds + 1
         if not self.ready or self._mass is None:
             return min(self.default_budget, most)
-        candidates, rates = self._rates_now()
+        candidates, rates, guessed = self._rates_now()
         if self.agreed is None:  # else the target's agreed choice, followed as it came (:meth:`agree`)
             before = self.choice
-            changed, held = self.rule.update(candidates, rates, self._pass_weight, self.guessed(candidates))
+            changed, held = self.rule.update(candidates, rates, self._pass_weight, guessed)
             best = int(candidates[np.argmax(rates)])
             if changed:
                 self._log_choice("adaptive budget %s -> %d", before, self.choice, candidates, rates, logging.INFO)
@@ -418,7 +425,7 @@ class BudgetPolicy:
         self.agreed = None
         if budget is None or not self.ready or self._mass is None:
             return
-        candidates, rates = self._rates_now()
+        candidates, rates, _ = self._rates_now()
         if budget not in candidates:
             return
         before, self.agreed = self.choice, budget
@@ -432,8 +439,8 @@ class BudgetPolicy:
         if self._cached is None or self._cached[0] == self._voted or not self.ready:
             return None
         self._voted = self._cached[0]
-        candidates, rates = self._cached[1]
-        return BudgetVote(self.voter, candidates, rates, float(self.sequences), self.guessed(candidates))
+        candidates, rates, guessed = self._cached[1]
+        return BudgetVote(self.voter, candidates, rates, float(self.sequences), guessed)
 
     def _log_choice(self, what: str, first: int | None, second: int, candidates: np.ndarray, rates: np.ndarray, level: int) -> None:
         """Log ``what`` (formatted with ``first`` and ``second``, a candidate) with the figures the
