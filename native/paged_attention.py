@@ -13,7 +13,8 @@ as one more grid axis: programs over (sequence x K/V head, key split, row block)
 online softmax over their key tiles (the ``group`` query heads of one K/V head are ``group * T``
 rows of one program), then a small kernel combines the splits and writes ``[B, T, H * D]``. A
 program's loop stops at its sequence's last key tile, so the short sequences of a batch with
-long ones cost little, and splits past it store nothing (the combine skips them).
+long ones cost little, and splits past it store nothing (the combine skips them). A pass's
+ragged rows (``rows``, ``PassAttention.row_index``) are read and written where they lie.
 
 Reference: the plain-torch branch of ``QKVProjection.attend_paged`` in ``splitspec/models/layers.py``.
 """
@@ -75,12 +76,12 @@ if triton is not None:
 
     @triton.jit
     def _paged_partial_kernel(
-        q_ptr, k_ptr, v_ptr, table_ptr, start_ptr, vis_ptr, acc_ptr, stat_ptr, out_ptr,
+        q_ptr, k_ptr, v_ptr, table_ptr, start_ptr, vis_ptr, acc_ptr, stat_ptr, out_ptr, row_ptr,
         T, S, stride_qb, stride_qh, stride_qt, stride_kh, stride_ks, stride_vh, stride_vs,
-        stride_tb, stride_mb, stride_mt, scale_log2, total_rows,
+        stride_tb, stride_mb, stride_mt, stride_rb, scale_log2, total_rows, ragged_rows,
         KV_HEADS: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
         BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr,
-        DIRECT: tl.constexpr, IEEE: tl.constexpr, DYNAMIC_LOOP: tl.constexpr,
+        DIRECT: tl.constexpr, IEEE: tl.constexpr, DYNAMIC_LOOP: tl.constexpr, RAGGED: tl.constexpr,
     ):
         seq = tl.program_id(0) // KV_HEADS
         kv_head = tl.program_id(0) % KV_HEADS
@@ -91,10 +92,15 @@ if triton is not None:
         head = kv_head * GROUP + rows // T  # query head
         d = tl.arange(0, D)
         seq64 = seq.to(tl.int64)
-        q = tl.load(
-            q_ptr + seq64 * stride_qb + head[:, None] * stride_qh + token[:, None] * stride_qt + d[None, :],
-            mask=rows_ok[:, None], other=0.0,
-        )  # [BLOCK_R, D]
+        if RAGGED:
+            # q [H, N, D]: the padded place (seq, token) is ragged row row_ptr[seq, token]; N = a pad place.
+            ragged = tl.load(row_ptr + seq64 * stride_rb + token, mask=rows_ok, other=ragged_rows).to(tl.int64)  # [BLOCK_R]
+            live = rows_ok & (ragged < ragged_rows)
+            q_at = head[:, None] * stride_qh + ragged[:, None] * stride_qt
+        else:
+            live = rows_ok
+            q_at = seq64 * stride_qb + head[:, None] * stride_qh + token[:, None] * stride_qt
+        q = tl.load(q_ptr + q_at + d[None, :], mask=live[:, None], other=0.0)  # [BLOCK_R, D]
         if IEEE:
             q = q.to(tl.float32)
         # Keys this sequence has: its committed prefix and its block's T rows (within the pass's S).
@@ -126,8 +132,9 @@ if triton is not None:
         head_row = (seq * KV_HEADS * GROUP + head) * T + token
         if DIRECT:
             l = tl.where(l > 0, l, 1.0)  # a row that saw nothing (a pad row) stays finite: zeros
-            dst = out_ptr + (seq64 * T + token[:, None]) * (KV_HEADS * GROUP * D) + head[:, None] * D + d[None, :]
-            tl.store(dst, (acc / l[:, None]).to(out_ptr.dtype.element_ty), mask=rows_ok[:, None])
+            out_row = ragged if RAGGED else seq64 * T + token  # [BLOCK_R] row of out
+            dst = out_ptr + out_row[:, None] * (KV_HEADS * GROUP * D) + head[:, None] * D + d[None, :]
+            tl.store(dst, (acc / l[:, None]).to(out_ptr.dtype.element_ty), mask=live[:, None])
         else:
             used = rows_ok & (first < tiles)  # splits past the sequence's keys store nothing
             tl.store(acc_ptr + (split * total_rows + head_row.to(tl.int64))[:, None] * D + d[None, :], acc, mask=used[:, None])
@@ -136,8 +143,8 @@ if triton is not None:
 
     @triton.jit
     def _paged_combine_kernel(
-        acc_ptr, stat_ptr, start_ptr, out_ptr, T, S, heads, total_rows, splits,
-        D: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr,
+        acc_ptr, stat_ptr, start_ptr, out_ptr, row_ptr, T, S, heads, total_rows, splits, stride_rb, ragged_rows,
+        D: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr, RAGGED: tl.constexpr,
     ):
         head_row = tl.program_id(0)  # (seq * H + head) * T + token
         token = head_row % T
@@ -155,8 +162,12 @@ if triton is not None:
         total = tl.sum(l * w, 0)
         total = tl.where(total > 0, total, 1.0)  # a row that saw nothing stays finite
         out = tl.sum(acc * w[:, None], 0) / total
-        dst = out_ptr + (seq.to(tl.int64) * T + token) * (heads * D) + head * D + d
-        tl.store(dst, out.to(out_ptr.dtype.element_ty))
+        if RAGGED:
+            out_row = tl.load(row_ptr + seq.to(tl.int64) * stride_rb + token).to(tl.int64)
+        else:
+            out_row = seq.to(tl.int64) * T + token
+        dst = out_ptr + out_row * (heads * D) + head * D + d
+        tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=(d < D) & (out_row < ragged_rows))  # a pad place stores nothing
 
 
 @dataclass(frozen=True)
@@ -193,23 +204,26 @@ def plan(
     return Plan(block_s, block_r, row_blocks, per_split, triton.cdiv(blocks, per_split), num_warps, stages)
 
 
-def supported(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, visible: torch.Tensor) -> bool:
-    """Shapes the kernel takes: q [B, H, T, D] with H a multiple of the pool's H_kv, a
-    power-of-two head_dim, unit-stride rows, a bool visibility [B, T, S]."""
+def supported(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, visible: torch.Tensor, rows: torch.Tensor | None = None) -> bool:
+    """Shapes the kernel takes: q [B, H, T, D] (or, with ``rows`` [B, T], the ragged [H, N, D]) with
+    H a multiple of the pool's H_kv, a power-of-two head_dim, unit-stride rows, a bool visibility
+    [B, T, S]."""
     d = q.shape[-1]
+    places = (q.shape[0], q.shape[2]) if rows is None else tuple(rows.shape)
     return (
-        triton is not None and q.dim() == 4 and k_pool.dim() == 3 and v_pool.dim() == 3 and visible.dim() == 3
+        triton is not None and q.dim() == (4 if rows is None else 3) and k_pool.dim() == 3 and v_pool.dim() == 3 and visible.dim() == 3
         and q.dtype in (torch.bfloat16, torch.float16, torch.float32) and k_pool.dtype == q.dtype == v_pool.dtype
-        and k_pool.shape == v_pool.shape and k_pool.shape[-1] == d and q.shape[1] % k_pool.shape[0] == 0
+        and k_pool.shape == v_pool.shape and k_pool.shape[-1] == d and q.shape[-3] % k_pool.shape[0] == 0
         and d >= 16 and d & (d - 1) == 0
         and q.stride(-1) == 1 and k_pool.stride(-1) == 1 and v_pool.stride(-1) == 1
         and visible.dtype == torch.bool and visible.stride(-1) == 1
-        and visible.shape[:2] == (q.shape[0], q.shape[2])
+        and tuple(visible.shape[:2]) == places
+        and (rows is None or (rows.dim() == 2 and not rows.is_floating_point()))
     )
 
 
 def paged_tree_attention(
-    q: torch.Tensor,  # [B, H, T, D] each sequence's block rows, padded to T (views are fine)
+    q: torch.Tensor,  # [B, H, T, D] each sequence's block rows, padded to T (views are fine); with rows: [H, N, D]
     k_pool: torch.Tensor,  # [H_kv, slots, D] one layer of the pool
     v_pool: torch.Tensor,
     tables: torch.Tensor,  # [B, S // block_size] int64 block tables (pad block past each sequence's blocks)
@@ -217,11 +231,28 @@ def paged_tree_attention(
     visible: torch.Tensor,  # [B, T, S] bool, True = visible (PassAttention.visible)
     block_size: int,
     launch: Plan | None = None,  # plan()'s, unless given (benchmarks)
+    rows: torch.Tensor | None = None,  # [B, T] ragged row of q at each padded place (N: none), PassAttention.row_index
 ) -> torch.Tensor:
     """Each row's attention over its own sequence's paged keys -> [B, T, H * D] in q's dtype
     (head h's output at columns h * D ..; query head h reads K/V head h // (H / H_kv)). Only key
-    columns below ``starts[b] + T`` are read: entries of ``visible`` past them never matter."""
-    b, h, t, d = q.shape
+    columns below ``starts[b] + T`` are read: entries of ``visible`` past them never matter.
+
+    With ``rows``, q holds a pass's N ragged rows and the result is ``[N, H * D]``: the kernel reads
+    each padded place's query from its ragged row and writes its output there, so a pass of
+    sequences with different row counts needs no padded copy of q and no reordering of the output
+    (four launches a layer, 0.51 ms of a 16-sequence 8B verify pass at budget 22: BENCHMARKS.md [B8]).
+    Rows no place names (a CUDA-graph bucket's pad rows) come out zeros."""
+    if rows is None:
+        b, h, t, d = q.shape
+        out = q.new_empty(b, t, h * d)
+        ragged_rows, stride_q, stride_r = b * t, (q.stride(0), q.stride(1), q.stride(2)), 0
+    else:
+        (h, ragged_rows, d), (b, t) = q.shape, rows.shape
+        out = q.new_zeros(ragged_rows, h * d)  # rows no place names (a graph bucket's pad rows) stay zeros: finite
+        stride_q = (0, q.stride(0), q.stride(1))
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        stride_r = rows.stride(0)
     kv_heads = k_pool.shape[0]
     span = visible.shape[-1]
     group = h // kv_heads
@@ -231,22 +262,23 @@ def paged_tree_attention(
     starts = starts.contiguous()
     p = launch or plan(b, h, kv_heads, t, d, span, q.device)
     total_rows = b * h * t
-    out = q.new_empty(b, t, h * d)
     acc = stat = out  # unused when DIRECT
+    row_ptr = out if rows is None else rows  # unused unless RAGGED
     if p.splits > 1:
         acc = torch.empty(p.splits, total_rows, d, device=q.device, dtype=torch.float32)
         stat = torch.empty(2, p.splits, total_rows, device=q.device, dtype=torch.float32)
     _paged_partial_kernel[(b * kv_heads, p.splits, p.row_blocks)](
-        q, k_pool, v_pool, tables, starts, visible, acc, stat, out,
-        t, span, q.stride(0), q.stride(1), q.stride(2), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
-        tables.stride(0), visible.stride(0), visible.stride(1), math.log2(math.e) / math.sqrt(d), total_rows,
+        q, k_pool, v_pool, tables, starts, visible, acc, stat, out, row_ptr,
+        t, span, *stride_q, k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
+        tables.stride(0), visible.stride(0), visible.stride(1), stride_r, math.log2(math.e) / math.sqrt(d), total_rows, ragged_rows,
         KV_HEADS=kv_heads, GROUP=group, D=d, PAGE=block_size, BLOCK_R=p.block_r, BLOCK_S=p.block_s,
         BLOCKS_PER_SPLIT=p.per_split, DIRECT=p.splits == 1, IEEE=q.dtype == torch.float32 or INTERPRETED, DYNAMIC_LOOP=not INTERPRETED,
-        num_warps=p.num_warps, num_stages=p.num_stages,
+        RAGGED=rows is not None, num_warps=p.num_warps, num_stages=p.num_stages,
     )
     if p.splits > 1:
         _paged_combine_kernel[(total_rows,)](
-            acc, stat, starts, out, t, span, h, total_rows, p.splits,
-            D=d, SPLITS=triton.next_power_of_2(p.splits), BLOCK_S=p.block_s, BLOCKS_PER_SPLIT=p.per_split, num_warps=4,
+            acc, stat, starts, out, row_ptr, t, span, h, total_rows, p.splits, stride_r, ragged_rows,
+            D=d, SPLITS=triton.next_power_of_2(p.splits), BLOCK_S=p.block_s, BLOCKS_PER_SPLIT=p.per_split,
+            RAGGED=rows is not None, num_warps=4,
         )
     return out

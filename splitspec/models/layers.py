@@ -329,26 +329,25 @@ class QKVProjection(nn.Module):
         at: PassAttention,
         gate: torch.Tensor | None = None,  # [N, H * D]
     ) -> torch.Tensor:
-        """Attention of a pass over several sequences, each row over its own sequence's keys: the
-        rows are laid out padded ``[B, T]`` and each sequence's keys gathered ``[B, H_kv, S, D]``
-        from its blocks (the native kernel reads them through the block tables instead: no
-        gathered copy). Returns ``[N, hidden]``."""
+        """Attention of a pass over several sequences, each row over its own sequence's keys, laid
+        out padded ``[B, T]``. The native kernel reads the keys through the block tables; the torch
+        path gathers each sequence's keys ``[B, H_kv, S, D]`` from its blocks. Returns ``[N, hidden]``."""
         h, n, d = q.shape
         b, t = at.row_index.shape
         # One sequence, or one row a sequence (the passes of one user, and decode passes), in a pass
         # of N = B * T rows: padded place (s, j) is ragged row s * T + j, so the padded rows are a
-        # view of q and the output needs no reordering (its pad rows are never read). Gathering
-        # and scattering them cost an 8B AR step 144 kernels and 0.35 ms of an H200 (BENCHMARKS.md).
+        # view of q and the output needs no reordering (its pad rows are computed as pad places).
+        # Gathering and scattering them cost an 8B AR step 144 kernels and 0.35 ms of an H200 (BENCHMARKS.md).
         in_place = n == b * t and (b == 1 or t == 1)
-        if in_place:
-            rows = q.unflatten(1, (b, t)).transpose(0, 1)  # [B, H, T, D]
+        q_in = q.unflatten(1, (b, t)).transpose(0, 1) if in_place else q  # [B, H, T, D] view, or the ragged [H, N, D]
+        by_row = None if in_place else at.row_index
+        if h * t <= TREE_ATTENTION_ROWS and use_triton(q, "paged_attention") and paged_attention.supported(q_in, k_pool, v_pool, at.visible, by_row):
+            # Decode and verify shapes: keys read through the block tables, and the ragged rows
+            # through row_index (no padded copy of q, no reordered output).
+            out = paged_attention.paged_tree_attention(q_in, k_pool, v_pool, at.tables, at.starts, at.visible, at.block_size, rows=by_row)
+            out = out.reshape(n, h * d)
         else:
-            padded = torch.cat([q.transpose(0, 1), q.new_zeros(1, h, d)])[at.row_index]  # [B, T, H, D]; index N is the zero row
-            rows = padded.transpose(1, 2)  # [B, H, T, D]
-        if h * t <= TREE_ATTENTION_ROWS and use_triton(q, "paged_attention") and paged_attention.supported(rows, k_pool, v_pool, at.visible):
-            # Decode and verify shapes: keys read through the block tables, no gathered copy.
-            out = paged_attention.paged_tree_attention(rows, k_pool, v_pool, at.tables, at.starts, at.visible, at.block_size).flatten(0, 1)
-        else:
+            rows = q_in if in_place else torch.cat([q.transpose(0, 1), q.new_zeros(1, h, d)])[at.row_index].transpose(1, 2)  # [B, H, T, D]; index N is the zero row
             kv_heads, pool_slots, _ = k_pool.shape
             key_rows = at.key_rows(kv_heads, pool_slots)  # [B * H_kv * S]
             shape = (b, kv_heads, at.key_slots.shape[1], d)
@@ -358,8 +357,8 @@ class QKVProjection(nn.Module):
                 out = self.attention(rows[0], k[0], v[0], at.visible[0])  # [T, H * D]
             else:
                 out = self.attention(rows, k, v, at.visible).flatten(0, 1)  # [B * T, H * D]
-        if not in_place:
-            out = out[at.out_index]  # [N, H * D]
+            if not in_place:
+                out = out[at.out_index]  # [N, H * D]
         if gate is not None:
             out = out * torch.sigmoid(gate)
         return self.o_proj(out)

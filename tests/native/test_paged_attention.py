@@ -131,6 +131,30 @@ def test_one_split_stores_directly(dtype, monkeypatch):
 
 
 @pytest.mark.parametrize("forced_splits", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ragged_rows_are_read_and_written_through_row_index(dtype, forced_splits, monkeypatch):
+    """q as the pass's N ragged rows (``rows``): each real row gets the output of its padded place,
+    bit for bit as the padded call gives it, and the pass's pad rows (no place names them) zeros."""
+    if not forced_splits:
+        monkeypatch.setattr(paged_attention, "sm_count", lambda device: 1)
+    heads, kv_heads, head_dim, counts = 4, 2, 64, [7, 1, 12]
+    pool, inputs, at = make_pass(8, kv_heads, head_dim, counts, [90, 33, 5], dtype, seed=11)
+    real, n = sum(counts), inputs.tokens.shape[0]
+    assert n == real + 2  # two pad rows, as a graph bucket has
+    q = torch.randn(heads, n, head_dim, generator=torch.Generator().manual_seed(12)).to(dtype)
+    padded = torch.cat([q.transpose(0, 1), q.new_zeros(1, heads, head_dim)])[at.row_index].transpose(1, 2)  # [B, H, T, D]
+    args = (pool.k[0], pool.v[0], at.tables, at.starts, at.visible, at.block_size)
+    assert paged_attention.supported(q, pool.k[0], pool.v[0], at.visible, at.row_index)
+    assert not paged_attention.supported(padded, pool.k[0], pool.v[0], at.visible, at.row_index)
+    out = paged_attention.paged_tree_attention(q, *args, rows=at.row_index)
+    assert out.shape == (n, heads * head_dim) and out.dtype == dtype
+    by_place = paged_attention.paged_tree_attention(padded.contiguous(), *args).flatten(0, 1)  # [B * T, H * D]
+    assert torch.equal(out[:real], by_place[at.out_index[:real]])
+    assert not out[real:].any()
+    check(by_place.view(len(counts) + 1, -1, heads * head_dim), reference(padded, pool.k[0], pool.v[0], at), at, dtype)
+
+
+@pytest.mark.parametrize("forced_splits", [False, True])
 def test_keys_and_visibility_past_each_sequence_never_matter(forced_splits, monkeypatch):
     """Columns at or past ``starts[b] + T`` are never read: NaN K/V there (each sequence owns its
     blocks over all S columns) and ``visible`` set True there change nothing, bit for bit."""
@@ -166,17 +190,19 @@ def test_attend_paged_runs_the_kernel_and_matches_the_torch_path(monkeypatch):
     q, gate = torch.randn(heads, n, head_dim, generator=g), torch.randn(n, heads * head_dim, generator=g)
     calls = []
     kernel = paged_attention.paged_tree_attention
-    monkeypatch.setattr(paged_attention, "paged_tree_attention", lambda *a: calls.append(1) or kernel(*a))
+    monkeypatch.setattr(paged_attention, "paged_tree_attention", lambda *a, **kw: calls.append(kw["rows"]) or kernel(*a, **kw))
     results = []
     for native in ("1", "0"):
         monkeypatch.setenv("SPLITSPEC_NATIVE_CPU", native)
         results.append(attn.attend_paged(q, pool.k[0], pool.v[0], at, gate))
-    assert calls == [1]
+    assert len(calls) == 1 and calls[0] is at.row_index  # a ragged pass: rows read and written through row_index
     monkeypatch.setenv("SPLITSPEC_NATIVE_CPU", "1")
     monkeypatch.setenv("SPLITSPEC_NATIVE_OFF", "paged_attention")
     attn.attend_paged(q, pool.k[0], pool.v[0], at, gate)
-    assert calls == [1]  # switched off by name: the torch path ran
-    assert torch.allclose(results[0], results[1], atol=1e-5), (results[0] - results[1]).abs().max()
+    assert len(calls) == 1  # switched off by name: the torch path ran
+    real = 6 + 1 + 9  # the rows past them pad the pass: each path gives them finite values of its own
+    assert torch.allclose(results[0][:real], results[1][:real], atol=1e-5), (results[0] - results[1])[:real].abs().max()
+    assert torch.isfinite(results[0]).all()
 
 
 @pytest.mark.parametrize("native", ["1", "0"])
