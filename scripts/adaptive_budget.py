@@ -17,9 +17,11 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
+import urllib.request
 from pathlib import Path
 
 from gpu_services_split import free_port, per_pass, scrape  # this folder is on the path of a script run from it
+from prometheus_client.parser import text_string_to_metric_families
 
 from splitspec.bench.random_weights import random_shape, random_target_config
 from splitspec.bench.system import Cluster, measure, plan_levels, random_prompts, synthetic_tokenizer, worker_flags
@@ -44,6 +46,19 @@ def budgets_chosen(before: dict, after: dict) -> str:
             shares.append(f"<={bound:g}: {100 * (cumulative - below) / steps:.0f}%")
         below = cumulative
     return f"budget mean {per_pass(delta, name, ''):.1f} ({', '.join(shares)})"
+
+
+def forecast(ports: list[int], budget: int) -> str:
+    """What the gateways' adaptive-budget model expects of a sequence at the fixed ``budget`` its
+    requests ran (``splitspec_adaptive_budget_forecast_tokens_per_second``), by gateway."""
+    rates = []
+    for port in ports:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        rates += [
+            s.value for family in text_string_to_metric_families(text) for s in family.samples
+            if s.name == "splitspec_adaptive_budget_forecast_tokens_per_second" and s.labels.get("budget") == str(budget)
+        ]
+    return ", ".join(f"{rate:.1f}" for rate in rates) or "none"
 
 
 def main() -> None:
@@ -98,9 +113,12 @@ def main() -> None:
                     before = scrape(ports)
                     row, _ = measure(gateways, level, spec, args.max_tokens, name, "socket", "oracle", args.corruption)
                     results.setdefault(name, {})[level.concurrency] = row.tokens_per_s
-                    print(f"concurrency {level.concurrency} budget {name}: {row.tokens_per_s:.0f} tok/s ({row.decode_tokens_per_s:.0f} while all decode), "
-                          f"AL {row.acceptance_length:.2f}, "
-                          f"{row.ms_per_step:.2f} ms/step (oracle drafter, benchmark-only); {budgets_chosen(before, scrape(ports))}", flush=True)
+                    # A fixed budget's row beside the model's forecast of it: per sequence, x concurrency
+                    # to compare with the rate while all decode (the model prices steady rounds).
+                    model = f"; the model's forecast of a sequence {forecast(ports, budget)} tok/s by gateway" if budget else ""
+                    print(f"concurrency {level.concurrency} budget {name}: {row.tokens_per_s:.0f} tok/s ({row.decode_tokens_per_s:.0f} while all decode, "
+                          f"{row.decode_tokens_per_s / level.concurrency:.1f} a sequence), AL {row.acceptance_length:.2f}, "
+                          f"{row.ms_per_step:.2f} ms/step (oracle drafter, benchmark-only); {budgets_chosen(before, scrape(ports))}{model}", flush=True)
     fixed = [f"b{b}" for b in budgets]
     print(f"\n{args.shape} (random weights), OracleDrafter corruption {args.corruption} (benchmark-only), {args.gateways} gateways")
     print("| budget | " + " | ".join(f"c{n} tok/s" for n in levels) + " | sum |")

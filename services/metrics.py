@@ -7,7 +7,8 @@ carries ``model`` (the served target's file name, see :func:`model_name`); the o
 have small fixed value sets: ``mode`` (ddtree, chain, off), ``rpc`` (``Service/Method`` of a worker
 call), ``phase`` (prefill, verify, propose), ``position`` (draft depth, 1 .. block size - 1),
 ``reason`` (a finish reason, a gRPC status code or a fallback cause, lower case), ``kind``
-(drafting, target_only) and ``budget`` (the adaptive budget's candidates, at most ten).
+(drafting, target_only) and ``budget`` (the adaptive budget's candidates, at most ten, and the
+last ten fixed budgets requests ran).
 
 Terms. A *step* is one verify pass. It commits the root (last step's bonus token) plus the
 *accepted* draft nodes: accepted + 1 tokens, bonus included as in the literature. The *acceptance
@@ -312,6 +313,12 @@ class _BudgetCollector:
                 "splitspec_adaptive_budget_expected_tokens_per_second",
                 "Committed tokens per second the adaptive budget expects of a sequence at each candidate budget", labels=["model", "budget"],
             ),
+            "forecast": GaugeMetricFamily(
+                "splitspec_adaptive_budget_forecast_tokens_per_second",
+                "Committed tokens per second the adaptive budget's model expects of a sequence at each fixed budget that requests ran, "
+                "from their trees: beside the rate measured at that budget, how far the model is off",
+                labels=["model", "budget"],
+            ),
             "draft": GaugeMetricFamily(
                 "splitspec_adaptive_budget_draft_seconds", "The draft's proposal as the gateway waits for it (t_draft)", labels=["model"]
             ),
@@ -332,6 +339,8 @@ class _BudgetCollector:
             families["nodes"].add_metric([model], f.choice)
         for budget, rate in f.expected.items():
             families["expected"].add_metric([model, str(budget)], rate)
+        for budget, rate in f.forecast.items():
+            families["forecast"].add_metric([model, str(budget)], rate)
         if f.rounds:
             families["draft"].add_metric([model], f.draft_s)
         for kind, (other_s, passes, sequences) in f.rounds.items():

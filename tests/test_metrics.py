@@ -113,7 +113,7 @@ def test_the_adaptive_budgets_figures_are_read_at_scrape_time(gateway):
     import numpy as np
 
     from services.gateway.budget import BudgetPolicy
-    from tests.services.gateway.test_budget_policy import run_steps
+    from tests.services.gateway.test_budget_policy import run_fixed, run_steps
 
     policy = BudgetPolicy(22, 64)
     gateway.watch_budget(policy.figures)
@@ -128,6 +128,9 @@ def test_the_adaptive_budgets_figures_are_read_at_scrape_time(gateway):
     assert value(r, "splitspec_adaptive_budget_pass_sequences", kind="drafting") == policy.concurrency == 8
     assert value(r, "splitspec_adaptive_budget_draft_seconds") == policy.t_draft
     assert r.get_sample_value("splitspec_adaptive_budget_round_other_seconds", {"model": "m", "kind": "target_only"}) is None
+    assert r.get_sample_value("splitspec_adaptive_budget_forecast_tokens_per_second", {"model": "m", "budget": "12"}) is None
+    run_fixed(policy, 12, 8, 3, np.random.default_rng(1))
+    assert value(r, "splitspec_adaptive_budget_forecast_tokens_per_second", budget="12") == policy.forecast[12] > 0
     policy.observe_pass(8, 8, 0.01)
     policy.observe_round(0.012, 0.01, 0.0, 8, target_only=True)
     assert value(r, "splitspec_adaptive_budget_round_other_seconds", kind="target_only") == pytest.approx(0.002)

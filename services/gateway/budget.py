@@ -55,6 +55,11 @@ draft's mass and ``t_draft`` stay observed and the choice can leave 0; the tap f
 the 2-core CPU with the built-in pair, 8 clients got 0.77 of AR's tok/s when budget 0 still paid
 the draft.
 
+**A forecast of fixed budgets.** Requests that fix their budget feed the same figures, and the
+draft's mass of their own trees prices a forecast of their rate (:meth:`BudgetPolicy.observe_fixed_tree`):
+held against the rate a fixed budget is measured at, it shows how far the model is off at a load,
+with no adaptive choice moving what it observes.
+
 Its methods never await, so on the gateway's one event loop each runs whole between steps of
 other sequences; no lock is needed.
 """
@@ -77,6 +82,7 @@ logger = logging.getLogger(__name__)
 AUTO = "auto"
 DEFAULT_BUDGET = 22  # before the policy has cost data, and the chain length of chain mode under auto
 DEFAULT_MAX_BUDGET = 64
+FORECAST_BUDGETS = 10  # fixed budgets the forecast follows, the last fed (a metric label each)
 
 
 def parse_budget(text: str) -> str | int:
@@ -112,6 +118,7 @@ class BudgetFigures:
     draft_s: float  # t_draft, seconds
     rounds: dict[str, tuple[float, float, float]]  # kind of round seen (drafting, target_only) -> (t_other s, q, n)
     expected: dict[int, float]  # candidate budget -> committed tok/s expected of a sequence (empty before a choice)
+    forecast: dict[int, float]  # fixed budget requests ran -> committed tok/s the same model expects of a sequence there
 
 
 class _Rounds:
@@ -183,6 +190,9 @@ class BudgetPolicy:
         self._mass_feeds = 0  # trees that fed it
         self._cached: tuple[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] | None = None  # (key, _rates_now())
         self._logged = -1  # int(_pass_weight) of the last "keeps" line
+        self._fixed_mass: dict[int, _Ema] = {}  # fixed budget -> EMA of its trees' depth mass [budget + 1]
+        self.forecast: dict[int, float] = {}  # fixed budget -> the model's tok/s of a sequence (observe_fixed_tree)
+        self._forecast_at = -1  # int(_pass_weight) when forecast was computed
 
     def observe_pass(self, rows: int, pass_sequences: int, forward_s: float) -> None:
         """A verify pass of ``rows`` rows over ``pass_sequences`` sequences took ``forward_s`` seconds.
@@ -259,6 +269,31 @@ class BudgetPolicy:
             observed.add(float(accepted_depth >= depth))
             mass.add(predicted[depth])
 
+    def observe_fixed_tree(self, tree: DraftTree, budget: int) -> None:
+        """A step of a request that fixed its ``budget`` verified ``tree`` (with its scores): the
+        draft's mass of the tree joins that budget's figure, and once a pass :attr:`forecast` gives
+        the rate :meth:`rates`' model expects of a sequence at each fixed budget seen, from the
+        round figures and costs of now. Beside the rate a fixed budget is measured at, the forecast
+        says how far the model the adaptive budget chooses by is off, at that load, with no
+        adaptive choice moving what it observes (``scripts/adaptive_budget.py`` prints both)."""
+        if tree.num_nodes == 0 or tree.scores is None:
+            return
+        mass = depth_mass(tree.scores, tree.depths, budget)  # [budget + 1]; a tree has at most budget nodes
+        figure = self._fixed_mass.pop(budget, None) or _Ema(self.alpha)
+        figure.add(mass, 1.0 / self.concurrency)
+        self._fixed_mass[budget] = figure  # last in the order: the budgets fed longest ago go first
+        while len(self._fixed_mass) > FORECAST_BUDGETS:
+            del self._fixed_mass[next(iter(self._fixed_mass))]
+        if not self.ready or int(self._pass_weight) == self._forecast_at:
+            return
+        self._forecast_at = int(self._pass_weight)
+        budgets = np.array(sorted(self._fixed_mass))  # [m]
+        expected_al = np.zeros(budgets[-1] + 1)  # [max + 1], set at the budgets seen
+        expected_al[budgets] = [1.0 + self._fixed_mass[b].value @ self.calibration(b) for b in budgets]
+        other, q, n = self.round_figures()
+        rates = budget_rates(expected_al, lambda rows: q * self.cost(rows), other, n, budgets)  # [m]
+        self.forecast = {int(b): float(r) for b, r in zip(budgets, rates)}  # one assignment: a metrics scrape may read it
+
     @property
     def concurrency(self) -> float:
         """Sequences per verify pass (1.0 before any pass was observed)."""
@@ -298,12 +333,13 @@ class BudgetPolicy:
 
     def figures(self) -> BudgetFigures:
         """The figures the last choice was made from: the rates computed at the last pass
-        (:meth:`_rates_now`), not recomputed here (a metrics scrape reads them from another thread)."""
+        (:meth:`_rates_now`), and the fixed budgets' :attr:`forecast`, not recomputed here (a
+        metrics scrape reads them from another thread)."""
         kinds = {"drafting": self._drafting, "target_only": self._target_only}
         rounds = {kind: self.round_figures(kind == "target_only") for kind, seen in kinds.items() if seen.other.count}
         cached = self._cached
         expected = {int(b): float(r) for b, r in zip(*cached[1][:2])} if cached is not None else {}
-        return BudgetFigures(self.choice, self.t_draft, rounds, expected)
+        return BudgetFigures(self.choice, self.t_draft, rounds, expected, self.forecast)
 
     def calibration(self, max_depth: int) -> np.ndarray:
         """``c(d)`` for ``d = 0 .. max_depth``: ``[max_depth + 1]`` float64, 1.0 where unobserved."""

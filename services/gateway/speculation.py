@@ -323,6 +323,8 @@ class SpeculativeSequence:
                 policy.observe_round(step_s, forward_s, queue_s, verified.pass_sequences or 1, self.draft_s, prompt_s, target_only=target_only)
         if drafted:
             policy.observe_acceptance(tree, accepted)
+            if not self.options.adaptive and self.options.mode is Mode.DDTREE:
+                policy.observe_fixed_tree(tree, self.options.budget)
 
     def _committed(self, tokens: list[int], logprobs) -> Committed:
         if self.top_logprobs is None:

@@ -288,6 +288,58 @@ def test_the_largest_tree_is_built_once_a_pass_and_the_choice_otherwise():
     assert policy._rates_now() is not first
 
 
+def run_fixed(policy: BudgetPolicy, budget: int, sequences: int, steps: int, rng: np.random.Generator, other_s: float = 0.003) -> float:
+    """``steps`` steps of ``sequences`` sequences whose requests fixed ``budget``, fed to the policy
+    as the gateway feeds it (the world of :func:`run_steps`, the draft's predictions true); returns
+    the committed tok/s a sequence got."""
+    tree = TREE.prefix(budget)
+    rows = sequences * (budget + 1)
+    forward = flat_then_linear(rows)
+    reach = depth_mass(tree.scores, tree.depths, DEPTHS)
+    committed = 0
+    for _ in range(steps):
+        for _ in range(sequences):
+            policy.observe_pass(rows, sequences, forward)
+            policy.observe_round(other_s + forward, forward, 0.0, sequences)
+            accepted = int(np.sum(rng.random() < reach[1 : int(tree.depths.max()) + 1]))
+            policy.observe_acceptance(tree, accepted)
+            policy.observe_fixed_tree(tree, budget)
+            committed += accepted + 1
+    return committed / sequences / (steps * (other_s + forward))
+
+
+def test_the_forecast_of_a_fixed_budget_is_the_adaptive_models_rate_and_near_what_it_ran_at():
+    """Requests that fix their budget teach the policy a forecast of their rate: the rate the
+    adaptive choice would give that budget (the same model, the mass from their own trees), and,
+    where the model's terms are true to the world (here: the draft's predictions, the pass costs),
+    near the rate the steps ran at. At 16 sequences a 63-node tree's passes cost several times a
+    7-node tree's, and the forecasts follow."""
+    rng = np.random.default_rng(5)
+    for sequences in (1, 16):
+        policy = BudgetPolicy(22, 64, warmup_passes=3)
+        assert policy.forecast == {}
+        measured = {budget: run_fixed(policy, budget, sequences, 200, rng) for budget in (7, 63)}
+        assert set(policy.forecast) == {7, 63}
+        policy.observe_pass(sequences * 64, 1, flat_then_linear(sequences * 64))  # a whole pass more: the forecast is due
+        policy.observe_fixed_tree(TREE.prefix(7), 7)
+        policy.choose(TREE)  # the adaptive model's mass, from a largest tree whose prefixes are the fixed trees
+        candidates, rates = policy.rates()  # on the same figures
+        for budget, rate in measured.items():
+            assert policy.forecast[budget] == pytest.approx(rates[candidates == budget][0], rel=1e-6)
+            assert policy.forecast[budget] == pytest.approx(rate, rel=0.1), (sequences, budget)
+        assert (policy.forecast[63] > policy.forecast[7]) == (sequences == 1)
+
+
+def test_the_forecast_follows_the_last_ten_fixed_budgets():
+    policy = BudgetPolicy(22, 64, warmup_passes=1)
+    for budget in range(1, 13):
+        run_fixed(policy, budget, 2, 2, np.random.default_rng(budget))
+    assert set(policy.forecast) == set(range(3, 13))  # a metric label each: bounded
+    run_fixed(policy, 3, 2, 2, np.random.default_rng(0))  # fed again: now the last, not the first to go
+    run_fixed(policy, 13, 2, 2, np.random.default_rng(0))
+    assert set(policy.forecast) == {3, *range(5, 14)}
+
+
 def test_budget_0_is_chosen_once_the_drafts_acceptance_is_calibrated():
     """Where the draft's proposal costs more than its trees save, 0 wins once the draft's
     acceptance is calibrated, priced without the draft (its steps do not ask it); a step that
@@ -563,6 +615,10 @@ def test_a_fixed_budget_wins_over_the_policy_and_still_teaches_it():
     # 12 nodes a step, but at depth 1 (one token left before the bonus) the draft's 8 candidates.
     assert [len(tokens) for tokens, _ in trees] == [12] * (len(STEP_DEPTHS) - 2) + [8, 0]
     assert budgets == 12 * (len(STEP_DEPTHS) - 1)
+    assert set(policy.forecast) == {12}  # its trees price a forecast of budget 12 (BudgetPolicy.observe_fixed_tree)
+    run_sequence(SpeculationOptions(mode=Mode.CHAIN, budget=5), policy)
+    run_sequence(SpeculationOptions(adaptive=True), policy)
+    assert set(policy.forecast) == {12}  # chains and adaptive trees price none
     with pytest.raises(ValueError):
         run_sequence(SpeculationOptions(mode=Mode.CHAIN, adaptive=True), policy)
 
