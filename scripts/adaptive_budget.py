@@ -17,6 +17,8 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
+import threading
+import time
 import urllib.request
 from pathlib import Path
 
@@ -48,17 +50,50 @@ def budgets_chosen(before: dict, after: dict) -> str:
     return f"budget mean {per_pass(delta, name, ''):.1f} ({', '.join(shares)})"
 
 
-def forecast(ports: list[int], budget: int) -> str:
-    """What the gateways' adaptive-budget model expects of a sequence at the fixed ``budget`` its
-    requests ran (``splitspec_adaptive_budget_forecast_tokens_per_second``), by gateway."""
-    rates = []
+def forecasts(ports: list[int]) -> list[dict[int, float]]:
+    """Each gateway's forecasts (``splitspec_adaptive_budget_forecast_tokens_per_second``): what its
+    adaptive-budget model expects of a sequence at each fixed budget its requests ran, and at 0."""
+    out = []
     for port in ports:
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-        rates += [
-            s.value for family in text_string_to_metric_families(text) for s in family.samples
-            if s.name == "splitspec_adaptive_budget_forecast_tokens_per_second" and s.labels.get("budget") == str(budget)
-        ]
-    return ", ".join(f"{rate:.1f}" for rate in rates) or "none"
+        out.append({
+            int(s.labels["budget"]): s.value for family in text_string_to_metric_families(text) for s in family.samples
+            if s.name == "splitspec_adaptive_budget_forecast_tokens_per_second"
+        })
+    return out
+
+
+class ForecastSampler:
+    """Samples the gateways' forecasts every ``period_s`` while a row runs. The model's figures
+    follow the load, so a row's last forecast is of its tail (the last requests finishing: fewer
+    sequences a pass); :meth:`during` averages the samples taken while every client decoded."""
+
+    def __init__(self, ports: list[int], period_s: float = 0.2) -> None:
+        self.ports, self.period_s = ports, period_s
+        self.samples: list[tuple[float, list[dict[int, float]]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            self.samples.append((time.perf_counter(), forecasts(self.ports)))
+
+    def __enter__(self) -> ForecastSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def during(self, windows: tuple[tuple[float, float], ...], budget: int) -> str:
+        """The mean forecast of ``budget`` by gateway over the samples inside ``windows``."""
+        inside = [by_gateway for t, by_gateway in self.samples if any(lo <= t <= hi for lo, hi in windows)]
+        means = []
+        for g in range(len(self.ports)):
+            values = [sample[g][budget] for sample in inside if budget in sample[g]]
+            means.append(f"{sum(values) / len(values):.1f}" if values else "none")
+        return ", ".join(means)
 
 
 def main() -> None:
@@ -111,11 +146,15 @@ def main() -> None:
                     name = f"b{budget}" if budget else "auto"
                     spec = Spec(mode=Spec.DDTREE, budget=budget, chain_seed=False)
                     before = scrape(ports)
-                    row, _ = measure(gateways, level, spec, args.max_tokens, name, "socket", "oracle", args.corruption)
+                    with ForecastSampler(ports) as sampled:
+                        row, _ = measure(gateways, level, spec, args.max_tokens, name, "socket", "oracle", args.corruption)
                     results.setdefault(name, {})[level.concurrency] = row.tokens_per_s
-                    # A fixed budget's row beside the model's forecast of it: per sequence, x concurrency
-                    # to compare with the rate while all decode (the model prices steady rounds).
-                    model = f"; the model's forecast of a sequence {forecast(ports, budget)} tok/s by gateway" if budget else ""
+                    # A fixed budget's row beside the model's forecast of it (and of target-only steps, as
+                    # the AR row ran), while all decode: per sequence, as the rate a sequence got then.
+                    model = ""
+                    if budget:
+                        at = row.all_decoding_windows
+                        model = f"; the model's forecast of a sequence {sampled.during(at, budget)} tok/s by gateway (target-only {sampled.during(at, 0)})"
                     print(f"concurrency {level.concurrency} budget {name}: {row.tokens_per_s:.0f} tok/s ({row.decode_tokens_per_s:.0f} while all decode, "
                           f"{row.decode_tokens_per_s / level.concurrency:.1f} a sequence), AL {row.acceptance_length:.2f}, "
                           f"{row.ms_per_step:.2f} ms/step (oracle drafter, benchmark-only); {budgets_chosen(before, scrape(ports))}{model}", flush=True)

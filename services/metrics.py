@@ -316,7 +316,7 @@ class _BudgetCollector:
             "forecast": GaugeMetricFamily(
                 "splitspec_adaptive_budget_forecast_tokens_per_second",
                 "Committed tokens per second the adaptive budget's model expects of a sequence at each fixed budget that requests ran, "
-                "from their trees: beside the rate measured at that budget, how far the model is off",
+                "from their trees, and at 0 (target-only): beside the rate measured there, how far the model is off",
                 labels=["model", "budget"],
             ),
             "draft": GaugeMetricFamily(

@@ -272,10 +272,11 @@ class BudgetPolicy:
     def observe_fixed_tree(self, tree: DraftTree, budget: int) -> None:
         """A step of a request that fixed its ``budget`` verified ``tree`` (with its scores): the
         draft's mass of the tree joins that budget's figure, and once a pass :attr:`forecast` gives
-        the rate :meth:`rates`' model expects of a sequence at each fixed budget seen, from the
-        round figures and costs of now. Beside the rate a fixed budget is measured at, the forecast
-        says how far the model the adaptive budget chooses by is off, at that load, with no
-        adaptive choice moving what it observes (``scripts/adaptive_budget.py`` prints both)."""
+        the rate :meth:`rates`' model expects of a sequence at each fixed budget seen, and at 0
+        (target-only steps: mode off's rate), from the round figures and costs of now. Beside the
+        rate a fixed budget, or mode off, is measured at, the forecast says how far the model the
+        adaptive budget chooses by is off at that load, with no adaptive choice moving what it
+        observes (``scripts/adaptive_budget.py`` prints both)."""
         if tree.num_nodes == 0 or tree.scores is None:
             return
         mass = depth_mass(tree.scores, tree.depths, budget)  # [budget + 1]; a tree has at most budget nodes
@@ -287,10 +288,10 @@ class BudgetPolicy:
         if not self.ready or int(self._pass_weight) == self._forecast_at:
             return
         self._forecast_at = int(self._pass_weight)
-        budgets = np.array(sorted(self._fixed_mass))  # [m]
+        budgets = np.array([0, *sorted(self._fixed_mass)])  # [m]; 0: target-only steps, as rates() prices them
         expected_al = np.zeros(budgets[-1] + 1)  # [max + 1], set at the budgets seen
-        expected_al[budgets] = [1.0 + self._fixed_mass[b].value @ self.calibration(b) for b in budgets]
-        other, q, n = self.round_figures()
+        expected_al[budgets] = [1.0] + [1.0 + self._fixed_mass[b].value @ self.calibration(b) for b in budgets[1:]]
+        other, q, n = self._round_terms(budgets)  # [m] each
         rates = budget_rates(expected_al, lambda rows: q * self.cost(rows), other, n, budgets)  # [m]
         self.forecast = {int(b): float(r) for b, r in zip(budgets, rates)}  # one assignment: a metrics scrape may read it
 

@@ -80,6 +80,7 @@ class SystemRow:
     # that arrived in them: llama-batched-bench's S_TG measure (:func:`all_decoding`).
     all_decoding_tokens: int = 0
     all_decoding_seconds: float = 0.0
+    all_decoding_windows: tuple[tuple[float, float], ...] = ()  # those times, (start, end) in time.perf_counter()
     draft_fallbacks: int = 0  # steps that ran target-only because the draft failed or was late
     drafter: str = ""  # "off", "oracle" (benchmark-only), "dflash" or "dflash2"
     corruption: float | None = None  # the oracle's corruption rate
@@ -185,6 +186,15 @@ def _intersect(a: list[Interval], b: list[Interval]) -> list[Interval]:
     return out
 
 
+def decoding_windows(clients: list[list[list[tuple[float, int]]]]) -> list[Interval]:
+    """The times when every client was decoding (:func:`all_decoding`), in order."""
+    window: list[Interval] | None = None
+    for requests in clients:
+        mine = sorted((a[0][0], a[-1][0]) for a in requests if a)
+        window = mine if window is None else _intersect(window, mine)
+    return window or []
+
+
 def all_decoding(clients: list[list[list[tuple[float, int]]]]) -> tuple[int, float]:
     """Tokens and seconds of the times when every client was decoding.
 
@@ -195,10 +205,7 @@ def all_decoding(clients: list[list[list[tuple[float, int]]]]) -> tuple[int, flo
     them (a window's start excluded: a first arrival is the prefill's token) over their length is
     the aggregate decode rate alone, which llama-batched-bench reports as S_TG.
     """
-    window: list[Interval] | None = None
-    for requests in clients:
-        mine = sorted((a[0][0], a[-1][0]) for a in requests if a)
-        window = mine if window is None else _intersect(window, mine)
+    window = decoding_windows(clients)
     if not window:
         return 0, 0.0
     tokens = sum(
@@ -249,7 +256,7 @@ def run_batch(
     window_tokens, window_seconds = all_decoding(clients)
     row = SystemRow(
         label, budget, sum(len(o) for o in outputs), steps, sum(committed_tokens(u) for u in usages), seconds, concurrency,
-        wire, decode, window_tokens, window_seconds, sum(u.draft_fallbacks for u in usages), drafter, corruption,
+        wire, decode, window_tokens, window_seconds, tuple(decoding_windows(clients)), sum(u.draft_fallbacks for u in usages), drafter, corruption,
     )
     return row, outputs
 

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from splitspec.bench.report import AR_LABEL, BUILTIN_LABELS, DFLASH_LABEL, concurrency_table, headline_speedups, oracle_label
-from splitspec.bench.system import MAX_CONCURRENCY, all_decoding, parse_concurrency, plan_levels, random_prompts, requests_per_level
+from splitspec.bench.system import MAX_CONCURRENCY, all_decoding, decoding_windows, parse_concurrency, plan_levels, random_prompts, requests_per_level
 
 
 def test_concurrency_levels_are_parsed_ascending():
@@ -66,6 +66,7 @@ def test_all_decoding_counts_only_the_times_every_client_decodes():
     b = [[(3.0, 1), (4.0, 4), (9.0, 1), (13.0, 2), (15.0, 1)]]
     # In the windows: A's 5.0 (2), 10.0 (1), 14.0 (3); B's 4.0 (4), 9.0 (1), 13.0 (2), 15.0 (1).
     assert all_decoding([a, b]) == (14, 10.0)
+    assert decoding_windows([a, b]) == [(3.0, 10.0), (12.0, 15.0)]
     assert all_decoding([a]) == ((1 + 2 + 1) + (3 + 1), 18.0)  # one client: every token after each request's first
     assert all_decoding([a, [[(10.5, 1), (11.5, 1)]]]) == (0, 0.0)  # never both at once
     assert all_decoding([a, []]) == (0, 0.0)  # a client that made no request
