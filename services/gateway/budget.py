@@ -5,7 +5,8 @@ It keeps running figures of what :mod:`splitspec.spec.budget` needs (see its ter
 exponential moving average (EMA), so they follow the load as it changes:
 
 - the verify cost curve ``t(rows)``: per row bucket, the mean rows and seconds of the target's
-  passes, fed by every ``VerifyResponse`` (``pass_rows``, ``forward_ns``);
+  passes, fed by every ``VerifyResponse`` (``pass_rows``, ``forward_ns``); it gives the shape of
+  a pass's cost by its rows, and the rounds' own passes its level (:meth:`BudgetPolicy.rates`);
 - ``t_other``: a speculating step's time minus its verify pass and its wait for that pass, and of
   it ``t_draft``, the draft's proposal as the gateway waits for it;
 - the passes a round holds ``q``: its pass and its wait in the target behind other passes over
@@ -69,6 +70,7 @@ from __future__ import annotations
 import argparse
 import logging
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -122,17 +124,21 @@ class BudgetFigures:
 
 
 class _Rounds:
-    """Running figures of one kind of step's rounds (drafting, or target-only): ``t_other`` and
-    the passes a round holds ``q``."""
+    """Running figures of one kind of step's rounds (drafting, or target-only): ``t_other``, the
+    passes a round holds ``q``, and its own pass's rows and seconds."""
 
     def __init__(self, alpha: float) -> None:
         self.other, self.passes = _Ema(alpha), _Ema(alpha)
+        self.rows, self.forward = _Ema(alpha), _Ema(alpha)
         self.seen = 0.0  # passes' worth of rounds observed (each report weighs 1 / its pass's sequences)
 
-    def observe(self, other_s: float, passes: float | None, weight: float) -> None:
+    def observe(self, other_s: float, passes: float | None, weight: float, rows: int = 0, forward_s: float = 0.0) -> None:
         self.other.add(other_s, weight)
         if passes is not None:
             self.passes.add(passes, weight)
+        if rows > 0 and forward_s > 0:
+            self.rows.add(rows, weight)
+            self.forward.add(forward_s, weight)
         self.seen += weight
 
 
@@ -215,7 +221,7 @@ class BudgetPolicy:
 
     def observe_round(
         self, seconds: float, verify_forward_s: float, verify_queue_s: float = 0.0, pass_sequences: int = 1, draft_s: float = 0.0,
-        prompt_wait_s: float = 0.0, target_only: bool = False,
+        prompt_wait_s: float = 0.0, target_only: bool = False, pass_rows: int = 0,
     ) -> None:
         """A speculating step took ``seconds`` from its proposal to its verify response, of which its
         verify pass of ``pass_sequences`` sequences took ``verify_forward_s``, its wait in the
@@ -231,6 +237,8 @@ class BudgetPolicy:
         Counted as passes they made ``q`` read 16-24 at 16-32 users ([J7]). Weighed as a pass's
         report (:meth:`observe_pass`).
 
+        ``pass_rows``: the rows of its pass, whose seconds then set the cost curve's level (:meth:`rates`).
+
         ``target_only``: the step did not ask the draft (the choice was 0; ``draft_s`` is unused).
         Its figures price budget 0 apart (:meth:`round_figures`): without the draft between their
         steps, a gateway's sequences meet in the target at once, in fewer passes of more sequences.
@@ -242,7 +250,7 @@ class BudgetPolicy:
         behind_passes = verify_queue_s - min(max(prompt_wait_s, 0.0), verify_queue_s)
         rounds = self._target_only if target_only else self._drafting
         passes = (verify_forward_s + behind_passes) / verify_forward_s if verify_forward_s > 0 else None
-        rounds.observe(max(0.0, seconds - verify_forward_s - verify_queue_s), passes, weight)
+        rounds.observe(max(0.0, seconds - verify_forward_s - verify_queue_s), passes, weight, pass_rows, verify_forward_s)
         if target_only:
             self._target_only_sequences.add(max(1, pass_sequences), weight)
         else:
@@ -292,7 +300,7 @@ class BudgetPolicy:
         expected_al = np.zeros(budgets[-1] + 1)  # [max + 1], set at the budgets seen
         expected_al[budgets] = [1.0] + [1.0 + self._fixed_mass[b].value @ self.calibration(b) for b in budgets[1:]]
         other, q, n = self._round_terms(budgets)  # [m] each
-        rates = budget_rates(expected_al, lambda rows: q * self.cost(rows), other, n, budgets)  # [m]
+        rates = budget_rates(expected_al, self._round_cost(budgets, q), other, n, budgets)  # [m]
         self.forecast = {int(b): float(r) for b, r in zip(budgets, rates)}  # one assignment: a metrics scrape may read it
 
     @property
@@ -367,18 +375,37 @@ class BudgetPolicy:
         and ``max_budget``; 0 once ``1 / calibration_alpha`` verified trees have calibrated the
         draft's acceptance) and the committed tokens per second it expects of a sequence at each
         (``[m]``); 0 priced by target-only rounds (:meth:`round_figures`); needs :attr:`ready` and
-        a tree seen by :meth:`choose`."""
+        a tree seen by :meth:`choose`.
+
+        A round's pass costs ``t(rows)`` scaled by the level of its kind's rounds: the seconds their
+        own passes took over what the curve gives their rows. The curve alone priced them low: its
+        row buckets learn slowly (a load's passes of 1 to n sequences spread over several), keep
+        the points of loads before, and are lowered to the cheapest pass of more rows (a pass of
+        every sequence at once, while the draft idles, runs faster than the passes beside its
+        work); on the 2-core CPU at 8 clients drafting budgets were expected 1.2-1.3x faster than
+        they ran, and 1.0-1.2x with the level (BENCHMARKS.md [X3], [X5])."""
         # 0 stops the drafting that teaches the calibration: it waits for ~1 / calibration_alpha steps of
         # it. (The built-in pair's draft under-reports its acceptance; trusted at once, it chose 0.)
         known = self.verified_trees >= 1.0 / self.calibration_alpha
         candidates = np.array([b for b in ADAPTIVE_BUDGETS if 0 < b < self.max_budget or (b == 0 and known)] + [self.max_budget])  # [m]
         expected_al = 1.0 + self._mass @ self.calibration(self.max_budget)  # [max_budget + 1]
         other, q, n = self._round_terms(candidates)
+        return candidates, budget_rates(expected_al, self._round_cost(candidates, q), other, n, candidates)
 
-        def round_cost(rows: np.ndarray) -> np.ndarray:
-            return q * self.cost(rows)
+    def _round_cost(self, candidates: np.ndarray, q: np.ndarray) -> Callable[[np.ndarray], np.ndarray]:
+        """The passes of a round of each of ``candidates`` (``[m]``), ``q`` of them: ``rows`` (``[m]``)
+        -> ``q t(rows)`` at the level of the candidate's kind of round (:meth:`_level`)."""
+        level = np.where(candidates == 0, self._level(target_only=True), self._level())  # [m]
+        return lambda rows: q * level * self.cost(rows)
 
-        return candidates, budget_rates(expected_al, round_cost, other, n, candidates)
+    def _level(self, target_only: bool = False) -> float:
+        """The seconds a kind of round's own passes took over what the cost curve gives their rows
+        (1.0 before such a round was seen): the curve's shape prices a budget's passes, the
+        rounds' own passes its level (:meth:`rates`)."""
+        own = self._target_only if target_only else self._drafting
+        if not own.rows.count:
+            return 1.0
+        return own.forward.value / float(self.cost(np.array([own.rows.value]))[0])
 
     def _round_terms(self, candidates: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(t_other, q, n)`` of each of ``candidates`` (``[m]`` each): 0's target-only rounds, the
@@ -488,10 +515,12 @@ class BudgetPolicy:
         logger.log(
             level,
             what + ": %.1f tok/s expected of a sequence (%s); drafting rounds: %.1f sequences a pass, %.2f passes, "
-            "t_other %.1f ms (draft %.1f); target-only rounds%s: %.1f sequences, %.2f passes, t_other %.1f ms; pass ms by rows (%s)",
+            "t_other %.1f ms (draft %.1f); target-only rounds%s: %.1f sequences, %.2f passes, t_other %.1f ms; pass ms by rows (%s), "
+            "the rounds' passes at %.2fx that (target-only %.2fx)",
             first, second, rates[candidates == second][0], ", ".join(f"{b}: {r:.1f}" for b, r in zip(candidates, rates)),
             n, q, 1e3 * other, 1e3 * self.t_draft, seen, n_0, q_0, 1e3 * other_0,
             ", ".join(f"{r.value:.0f}: {1e3 * s.value:.1f}" for r, s in sorted(self._buckets.values(), key=lambda point: point[0].value)),
+            self._level(), self._level(target_only=True),
         )
 
 

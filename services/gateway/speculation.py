@@ -320,7 +320,10 @@ class SpeculativeSequence:
                 # behind its own step before, not others': its round is the time between answers.
                 prompt_s = verified.queue_prompt_ns / 1e9
                 queue_s = prompt_s if target_only else verified.queue_ns / 1e9
-                policy.observe_round(step_s, forward_s, queue_s, verified.pass_sequences or 1, self.draft_s, prompt_s, target_only=target_only)
+                policy.observe_round(
+                    step_s, forward_s, queue_s, verified.pass_sequences or 1, self.draft_s, prompt_s, target_only=target_only,
+                    pass_rows=verified.pass_rows or tree.num_nodes + 1,
+                )
         if drafted:
             policy.observe_acceptance(tree, accepted)
             if not self.options.adaptive and self.options.mode is Mode.DDTREE:
