@@ -378,12 +378,13 @@ class BudgetPolicy:
         a tree seen by :meth:`choose`.
 
         A round's pass costs ``t(rows)`` scaled by the level of its kind's rounds: the seconds their
-        own passes took over what the curve gives their rows. The curve alone priced them low: its
-        row buckets learn slowly (a load's passes of 1 to n sequences spread over several), keep
-        the points of loads before, and are lowered to the cheapest pass of more rows (a pass of
-        every sequence at once, while the draft idles, runs faster than the passes beside its
-        work); on the 2-core CPU at 8 clients drafting budgets were expected 1.2-1.3x faster than
-        they ran, and 1.0-1.2x with the level (BENCHMARKS.md [X3], [X5])."""
+        own passes took over what the curve gives their rows. The curve alone is off where the
+        rounds run: its row buckets learn slowly (a load's passes of 1 to n sequences spread over
+        several), keep the points of loads before, and are lowered to the cheapest pass of more
+        rows (a pass of every sequence at once, while the draft idles, runs faster than the passes
+        beside its work). On the 2-core CPU at 8 clients drafting budgets were expected 1.2-1.3x
+        faster than they ran, 1.0-1.2x with the level (BENCHMARKS.md [X3], [X5]); on an H100 with
+        the 27B at 32 users the level read 0.79-0.93 ([X7])."""
         # 0 stops the drafting that teaches the calibration: it waits for ~1 / calibration_alpha steps of
         # it. (The built-in pair's draft under-reports its acceptance; trusted at once, it chose 0.)
         known = self.verified_trees >= 1.0 / self.calibration_alpha
