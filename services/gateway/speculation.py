@@ -312,7 +312,8 @@ class SpeculativeSequence:
         forward_s = verified.forward_ns / 1e9
         if forward_s > 0:  # 0: the pass captured a CUDA graph; its time says nothing of a pass or a round
             # A target that does not batch reports no pass figures: its pass was this step's alone.
-            policy.observe_pass(verified.pass_rows or tree.num_nodes + 1, verified.pass_sequences or 1, forward_s)
+            pass_rows = verified.pass_rows or tree.num_nodes + 1
+            policy.observe_pass(pass_rows, verified.pass_sequences or 1, forward_s)
             if drafted or target_only:
                 # The wait behind other sequences' passes is priced as passes (BudgetPolicy's q), not as
                 # t_other: as a constant it would argue for larger trees, which lengthen it. The wait
@@ -321,8 +322,7 @@ class SpeculativeSequence:
                 prompt_s = verified.queue_prompt_ns / 1e9
                 queue_s = prompt_s if target_only else verified.queue_ns / 1e9
                 policy.observe_round(
-                    step_s, forward_s, queue_s, verified.pass_sequences or 1, self.draft_s, prompt_s, target_only=target_only,
-                    pass_rows=verified.pass_rows or tree.num_nodes + 1,
+                    step_s, forward_s, queue_s, verified.pass_sequences or 1, self.draft_s, prompt_s, target_only=target_only, pass_rows=pass_rows,
                 )
         if drafted:
             policy.observe_acceptance(tree, accepted)

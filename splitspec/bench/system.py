@@ -195,7 +195,7 @@ def decoding_windows(clients: list[list[list[tuple[float, int]]]]) -> list[Inter
     return window or []
 
 
-def all_decoding(clients: list[list[list[tuple[float, int]]]]) -> tuple[int, float]:
+def all_decoding(clients: list[list[list[tuple[float, int]]]], window: list[Interval] | None = None) -> tuple[int, float]:
     """Tokens and seconds of the times when every client was decoding.
 
     ``clients[k]`` holds client ``k``'s requests in the order it made them, each as its responses'
@@ -203,9 +203,10 @@ def all_decoding(clients: list[list[list[tuple[float, int]]]]) -> tuple[int, flo
     token) to its last; between requests it waits for the next prefill. Over the times when all
     decode (the intersection of the clients' decoding intervals), the tokens that arrived inside
     them (a window's start excluded: a first arrival is the prefill's token) over their length is
-    the aggregate decode rate alone, which llama-batched-bench reports as S_TG.
+    the aggregate decode rate alone, which llama-batched-bench reports as S_TG. ``window``: those
+    times, where :func:`decoding_windows` already gave them.
     """
-    window = decoding_windows(clients)
+    window = decoding_windows(clients) if window is None else window
     if not window:
         return 0, 0.0
     tokens = sum(
@@ -253,10 +254,11 @@ def run_batch(
         raise RuntimeError(f"{label}: {errors[0].code().name}: {errors[0].details()}")
     steps = sum(u.steps for u in usages)
     decode = sum(a[-1][0] - a[0][0] for mine in clients for a in mine)
-    window_tokens, window_seconds = all_decoding(clients)
+    windows = decoding_windows(clients)
+    window_tokens, window_seconds = all_decoding(clients, windows)
     row = SystemRow(
         label, budget, sum(len(o) for o in outputs), steps, sum(committed_tokens(u) for u in usages), seconds, concurrency,
-        wire, decode, window_tokens, window_seconds, tuple(decoding_windows(clients)), sum(u.draft_fallbacks for u in usages), drafter, corruption,
+        wire, decode, window_tokens, window_seconds, tuple(windows), sum(u.draft_fallbacks for u in usages), drafter, corruption,
     )
     return row, outputs
 
