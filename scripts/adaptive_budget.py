@@ -9,6 +9,11 @@ gateway's BudgetPolicy) N clients generate at once; the figure is the aggregate 
 of the best fixed budget at each N, and above every single fixed budget over all N together (the
 sum of the aggregates).
 
+Beside each row, while every client decoded: a fixed budget's row gives the model's forecast of it
+(and of 0), the auto row what the choice was made from (the expected rate at 0, at each fixed
+budget and at the model's best), each gateway's mean. At debug the gateways' and the target's logs
+say once a pass what budget is kept or followed against the one the figures prefer.
+
 Usage: python scripts/adaptive_budget.py [--shape qwen3-8b] [--levels 1,8,32] [--budgets 4,8,16,22,32]
 """
 
@@ -50,33 +55,39 @@ def budgets_chosen(before: dict, after: dict) -> str:
     return f"budget mean {per_pass(delta, name, ''):.1f} ({', '.join(shares)})"
 
 
-def forecasts(ports: list[int]) -> list[dict[int, float]]:
-    """Each gateway's forecasts (``splitspec_adaptive_budget_forecast_tokens_per_second``): what its
-    adaptive-budget model expects of a sequence at each fixed budget its requests ran, and at 0."""
+FORECAST = "splitspec_adaptive_budget_forecast_tokens_per_second"  # at each fixed budget requests ran, and at 0
+EXPECTED = "splitspec_adaptive_budget_expected_tokens_per_second"  # at each candidate, what the adaptive choice is made from
+
+
+def by_budget(ports: list[int]) -> list[dict[str, dict[int, float]]]:
+    """Each gateway's rates of a sequence by budget, as its adaptive-budget model gives them:
+    ``{FORECAST: {budget: tok/s}, EXPECTED: {...}}``."""
     out = []
     for port in ports:
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-        out.append({
-            int(s.labels["budget"]): s.value for family in text_string_to_metric_families(text) for s in family.samples
-            if s.name == "splitspec_adaptive_budget_forecast_tokens_per_second"
-        })
+        rates: dict[str, dict[int, float]] = {FORECAST: {}, EXPECTED: {}}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name in rates:
+                    rates[sample.name][int(sample.labels["budget"])] = sample.value
+        out.append(rates)
     return out
 
 
 class ForecastSampler:
-    """Samples the gateways' forecasts every ``period_s`` while a row runs. The model's figures
+    """Samples the gateways' forecasts and expected rates (:func:`by_budget`) every ``period_s`` while a row runs. The model's figures
     follow the load, so a row's last forecast is of its tail (the last requests finishing: fewer
     sequences a pass); :meth:`during` averages the samples taken while every client decoded."""
 
     def __init__(self, ports: list[int], period_s: float = 0.2) -> None:
         self.ports, self.period_s = ports, period_s
-        self.samples: list[tuple[float, list[dict[int, float]]]] = []
+        self.samples: list[tuple[float, list[dict[str, dict[int, float]]]]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
         while not self._stop.wait(self.period_s):
-            self.samples.append((time.perf_counter(), forecasts(self.ports)))
+            self.samples.append((time.perf_counter(), by_budget(self.ports)))
 
     def __enter__(self) -> ForecastSampler:
         self._thread.start()
@@ -86,14 +97,28 @@ class ForecastSampler:
         self._stop.set()
         self._thread.join()
 
-    def during(self, windows: tuple[tuple[float, float], ...], budget: int) -> str:
-        """The mean forecast of ``budget`` by gateway over the samples inside ``windows``."""
+    def during(self, windows: tuple[tuple[float, float], ...], budget: int, family: str = FORECAST) -> list[float | None]:
+        """The mean of ``family``'s rate at ``budget``, by gateway, over the samples inside ``windows``."""
         inside = [by_gateway for t, by_gateway in self.samples if any(lo <= t <= hi for lo, hi in windows)]
         means = []
         for g in range(len(self.ports)):
-            values = [sample[g][budget] for sample in inside if budget in sample[g]]
-            means.append(f"{sum(values) / len(values):.1f}" if values else "none")
-        return ", ".join(means)
+            values = [sample[g][family][budget] for sample in inside if budget in sample[g][family]]
+            means.append(sum(values) / len(values) if values else None)
+        return means
+
+    def best(self, windows: tuple[tuple[float, float], ...]) -> list[tuple[int, float] | None]:
+        """By gateway: the candidate of the highest mean expected rate over the samples inside
+        ``windows``, and that rate."""
+        out = []
+        for g in range(len(self.ports)):
+            candidates = {b for t, sample in self.samples if any(lo <= t <= hi for lo, hi in windows) for b in sample[g][EXPECTED]}
+            means = {b: self.during(windows, b, EXPECTED)[g] for b in candidates}
+            out.append(max(means.items(), key=lambda item: item[1]) if means else None)
+        return out
+
+
+def listed(means: list[float | None]) -> str:
+    return ", ".join("none" if m is None else f"{m:.1f}" for m in means)
 
 
 def main() -> None:
@@ -126,7 +151,9 @@ def main() -> None:
         spin = busypoll.spin_us_for("auto", args.device.startswith("cuda"), busypoll.usable_cpus())
         with Cluster(log_dir, spin) as c:
             keep, _ = worker_flags(random_shape(model).quantized, 0.0, 0.0, shared=True)  # a -q4km shape served quantized, as bench does
-            target = c.start("target", "random-target", "--model", model, "--device", args.device, "--max-kv-tokens", str(kv_tokens), *keep)
+            # At debug the target's log says, once a pass, what agreed budget its board keeps against the one the votes prefer.
+            target = c.start("target", "random-target", "--model", model, "--device", args.device, "--max-kv-tokens", str(kv_tokens), *keep,
+                             "--log-level", "debug")
             draft = c.start("oracle", "oracle-draft", "--table", str(table), "--corruption", str(args.corruption), "--target-model", model)
             ports = [free_port() for _ in range(args.gateways)]
             gateways = [
@@ -151,10 +178,14 @@ def main() -> None:
                     results.setdefault(name, {})[level.concurrency] = row.tokens_per_s
                     # A fixed budget's row beside the model's forecast of it (and of target-only steps, as
                     # the AR row ran), while all decode: per sequence, as the rate a sequence got then.
-                    model = ""
+                    model, at = "", row.all_decoding_windows
                     if budget:
-                        at = row.all_decoding_windows
-                        model = f"; the model's forecast of a sequence {sampled.during(at, budget)} tok/s by gateway (target-only {sampled.during(at, 0)})"
+                        model = f"; the model's forecast of a sequence {listed(sampled.during(at, budget))} tok/s by gateway (target-only {listed(sampled.during(at, 0))})"
+                    else:  # what the choice was made from, at the fixed budgets of this run and at its best
+                        best = sampled.best(at)
+                        model = "; the model expected of a sequence " + "; ".join(
+                            f"{b}: {listed(sampled.during(at, b, EXPECTED))}" for b in [0, *budgets]
+                        ) + " tok/s by gateway, its best " + ", ".join("none" if b is None else f"{b[0]} at {b[1]:.1f}" for b in best)
                     print(f"concurrency {level.concurrency} budget {name}: {row.tokens_per_s:.0f} tok/s ({row.decode_tokens_per_s:.0f} while all decode, "
                           f"{row.decode_tokens_per_s / level.concurrency:.1f} a sequence), AL {row.acceptance_length:.2f}, "
                           f"{row.ms_per_step:.2f} ms/step (oracle drafter, benchmark-only); {budgets_chosen(before, scrape(ports))}{model}", flush=True)

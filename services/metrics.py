@@ -99,7 +99,8 @@ PromQL (add ``{model="..."}`` matchers or ``by (model)`` for several models):
     splitspec_adaptive_budget_round_other_seconds
 
   (``splitspec_adaptive_budget_round_passes`` is ``q``, ``splitspec_adaptive_budget_pass_sequences``
-  ``n``, each by ``kind``), and the draft's share of a drafting round's time outside its pass::
+  ``n``, ``splitspec_adaptive_budget_pass_level`` the level its passes are priced at: the seconds
+  the rounds' own passes took over what the cost curve gives their rows, each by ``kind``), and the draft's share of a drafting round's time outside its pass::
 
     splitspec_adaptive_budget_draft_seconds
       / on (instance, model) splitspec_adaptive_budget_round_other_seconds{kind="drafting"}
@@ -334,6 +335,11 @@ class _BudgetCollector:
                 "splitspec_adaptive_budget_pass_sequences", "Sequences of the verify passes a round is priced at (n), by kind",
                 labels=["model", "kind"],
             ),
+            "level": GaugeMetricFamily(
+                "splitspec_adaptive_budget_pass_level",
+                "The level a round's passes are priced at: its kind's own passes' seconds over the cost curve's at their rows, by kind",
+                labels=["model", "kind"],
+            ),
         }
         if f.choice is not None:
             families["nodes"].add_metric([model], f.choice)
@@ -347,6 +353,8 @@ class _BudgetCollector:
             families["other"].add_metric([model, kind], other_s)
             families["passes"].add_metric([model, kind], passes)
             families["sequences"].add_metric([model, kind], sequences)
+        for kind, level in f.levels.items():
+            families["level"].add_metric([model, kind], level)
         yield from families.values()
 
 

@@ -108,7 +108,8 @@ def test_worker_gauges_are_read_at_scrape_time():
 
 def test_the_adaptive_budgets_figures_are_read_at_scrape_time(gateway):
     """Nothing before the policy has seen a round; then the choice, the rates it was made from and
-    the drafting rounds' figures; the target-only rounds' once 0's steps ran. Each equals the
+    the drafting rounds' figures (the level of their passes among them); the target-only rounds'
+    once 0's steps ran. Each equals the
     policy's own, and the exposition passes promtool's lint."""
     import numpy as np
 
@@ -127,14 +128,17 @@ def test_the_adaptive_budgets_figures_are_read_at_scrape_time(gateway):
     assert value(r, "splitspec_adaptive_budget_round_passes", kind="drafting") == policy.passes_per_round
     assert value(r, "splitspec_adaptive_budget_pass_sequences", kind="drafting") == policy.concurrency == 8
     assert value(r, "splitspec_adaptive_budget_draft_seconds") == policy.t_draft
+    assert value(r, "splitspec_adaptive_budget_pass_level", kind="drafting") == policy._level() != 1.0
     assert r.get_sample_value("splitspec_adaptive_budget_round_other_seconds", {"model": "m", "kind": "target_only"}) is None
     assert r.get_sample_value("splitspec_adaptive_budget_forecast_tokens_per_second", {"model": "m", "budget": "12"}) is None
     run_fixed(policy, 12, 8, 3, np.random.default_rng(1))
     assert value(r, "splitspec_adaptive_budget_forecast_tokens_per_second", budget="12") == policy.forecast[12] > 0
     policy.observe_pass(8, 8, 0.01)
-    policy.observe_round(0.012, 0.01, 0.0, 8, target_only=True)
+    policy.observe_round(0.017, 0.015, 0.0, 8, target_only=True, pass_rows=8)  # its pass 1.5x the curve at 8 rows
     assert value(r, "splitspec_adaptive_budget_round_other_seconds", kind="target_only") == pytest.approx(0.002)
     assert value(r, "splitspec_adaptive_budget_pass_sequences", kind="target_only") == 8
+    policy.rates()
+    assert value(r, "splitspec_adaptive_budget_pass_level", kind="target_only") == policy._level(target_only=True) != 1.0
     promtool = require("promtool", "prometheus")
     done = subprocess.run([promtool, "check", "metrics"], input=generate_latest(r).decode(), capture_output=True, text=True)
     assert done.returncode == 0 and not (done.stdout + done.stderr).strip(), done.stdout + done.stderr

@@ -121,6 +121,7 @@ class BudgetFigures:
     rounds: dict[str, tuple[float, float, float]]  # kind of round seen (drafting, target_only) -> (t_other s, q, n)
     expected: dict[int, float]  # candidate budget -> committed tok/s expected of a sequence (empty before a choice)
     forecast: dict[int, float]  # fixed budget requests ran -> committed tok/s the same model expects of a sequence there
+    levels: dict[str, float]  # kind of round -> the level its passes were priced at when the rates were (BudgetPolicy._level)
 
 
 class _Rounds:
@@ -195,6 +196,7 @@ class BudgetPolicy:
         self._mass_fed = -1  # int(_pass_weight) when a largest tree last fed the draft's mass
         self._mass_feeds = 0  # trees that fed it
         self._cached: tuple[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] | None = None  # (key, _rates_now())
+        self.levels: dict[str, float] = {}  # kind of round -> its passes' level when rates were last priced (_round_cost)
         self._logged = -1  # int(_pass_weight) of the last "keeps" line
         self._fixed_mass: dict[int, _Ema] = {}  # fixed budget -> EMA of its trees' depth mass [budget + 1]
         self.forecast: dict[int, float] = {}  # fixed budget -> the model's tok/s of a sequence (observe_fixed_tree)
@@ -348,7 +350,7 @@ class BudgetPolicy:
         rounds = {kind: self.round_figures(kind == "target_only") for kind, seen in kinds.items() if seen.other.count}
         cached = self._cached
         expected = {int(b): float(r) for b, r in zip(*cached[1][:2])} if cached is not None else {}
-        return BudgetFigures(self.choice, self.t_draft, rounds, expected, self.forecast)
+        return BudgetFigures(self.choice, self.t_draft, rounds, expected, self.forecast, self.levels)
 
     def calibration(self, max_depth: int) -> np.ndarray:
         """``c(d)`` for ``d = 0 .. max_depth``: ``[max_depth + 1]`` float64, 1.0 where unobserved."""
@@ -396,7 +398,8 @@ class BudgetPolicy:
     def _round_cost(self, candidates: np.ndarray, q: np.ndarray) -> Callable[[np.ndarray], np.ndarray]:
         """The passes of a round of each of ``candidates`` (``[m]``), ``q`` of them: ``rows`` (``[m]``)
         -> ``q t(rows)`` at the level of the candidate's kind of round (:meth:`_level`)."""
-        level = np.where(candidates == 0, self._level(target_only=True), self._level())  # [m]
+        self.levels = {"drafting": self._level(), "target_only": self._level(target_only=True)}
+        level = np.where(candidates == 0, self.levels["target_only"], self.levels["drafting"])  # [m]
         return lambda rows: q * level * self.cost(rows)
 
     def _level(self, target_only: bool = False) -> float:
@@ -463,16 +466,19 @@ class BudgetPolicy:
         if not self.ready or self._mass is None:
             return min(self.default_budget, most)
         candidates, rates, guessed = self._rates_now()
+        best = int(candidates[np.argmax(rates)])
         if self.agreed is None:  # else the target's agreed choice, followed as it came (:meth:`agree`)
             before = self.choice
             changed, held = self.rule.update(candidates, rates, self._pass_weight, guessed)
-            best = int(candidates[np.argmax(rates)])
             if changed:
                 self._log_choice("adaptive budget %s -> %d", before, self.choice, candidates, rates, logging.INFO)
             elif best != self.choice and self._logged != int(self._pass_weight):  # once a pass
                 self._logged = int(self._pass_weight)
                 what = "adaptive budget keeps %s, not %d" + (" (held)" if held else "")
                 self._log_choice(what, self.choice, best, candidates, rates, logging.DEBUG)
+        elif best != self.choice and self._logged != int(self._pass_weight):  # once a pass: what this gateway's own figures prefer
+            self._logged = int(self._pass_weight)
+            self._log_choice("adaptive budget follows the agreed %s, not %d", self.choice, best, candidates, rates, logging.DEBUG)
         if self.choice == 0:  # a step that drafts while 0 is chosen explores: the best of the others
             return min(_best_drafting(candidates, rates), most)
         return min(self.choice, most)

@@ -111,6 +111,7 @@ class BudgetBoard:
     passes: float = 0.0
     votes: dict[str, BudgetVote] = field(default_factory=dict)
     rule: ChoiceRule = field(init=False)
+    _logged: int = field(init=False, default=-1)  # int(passes) of the last "keeps" line
 
     def __post_init__(self) -> None:
         self.rule = ChoiceRule(self.hold)
@@ -151,11 +152,16 @@ class BudgetBoard:
             total += w * v.rates[at]
             guessed |= (w > 0) & v.guessed[at]
         before = self.rule.choice
-        changed, _ = self.rule.update(candidates, total, self.passes, guessed)
+        changed, held = self.rule.update(candidates, total, self.passes, guessed)
+        rates = ", ".join(f"{b}: {r:.0f}" for b, r in zip(candidates, total))
+        best = int(candidates[np.argmax(total)])
         if changed:
-            logger.info(
-                "agreed budget %s -> %d over %d gateways' votes: %s tok/s expected of all their sequences",
-                before, self.rule.choice, len(live), ", ".join(f"{b}: {r:.0f}" for b, r in zip(candidates, total)),
+            logger.info("agreed budget %s -> %d over %d gateways' votes: %s tok/s expected of all their sequences", before, self.rule.choice, len(live), rates)
+        elif best != self.rule.choice and self._logged != int(self.passes):  # once a pass
+            self._logged = int(self.passes)
+            logger.debug(
+                "agreed budget keeps %s, not %d%s, over %d gateways' votes: %s tok/s expected of all their sequences",
+                self.rule.choice, best, " (held)" if held else "", len(live), rates,
             )
 
     @property

@@ -86,6 +86,23 @@ def test_the_board_agrees_the_budget_of_most_tokens_over_all_voters_sequences():
     assert fresh.agreed == 15  # the same views, the other way round in sequences
 
 
+def test_a_kept_agreed_budget_says_why_at_debug_once_a_pass(caplog):
+    """Within the hysteresis the board keeps its choice; a debug line once a pass of its clock
+    names the budget it keeps, the one the votes prefer and their totals."""
+    board = BudgetBoard()
+    board.vote(vote("a", [1, 2, 3, 1]))
+    assert board.agreed == 7
+    ticks(board, 20)  # past the hold
+    with caplog.at_level("DEBUG", logger="splitspec.spec.budget_choice"):
+        for _ in range(3):  # three steps of one pass
+            board.vote(vote("a", [1, 3.2, 3, 1]))
+        board.tick(1)
+        board.vote(vote("a", [1, 3.2, 3, 1]))
+    kept = [r for r in caplog.records if "keeps" in r.getMessage()]
+    assert [r.levelname for r in kept] == ["DEBUG", "DEBUG"] and board.agreed == 7
+    assert kept[0].getMessage() == "agreed budget keeps 7, not 3, over 1 gateways' votes: 0: 1, 3: 3, 7: 3, 15: 1 tok/s expected of all their sequences"
+
+
 def test_the_board_chooses_among_the_budgets_every_voter_offers():
     board = BudgetBoard()
     board.vote(vote("calibrated", [50, 10, 9, 8]))  # 0 best by far

@@ -739,10 +739,11 @@ class VotingTarget(FakeTarget):
         return verified
 
 
-def test_an_adaptive_sequence_votes_once_a_pass_and_follows_the_targets_agreed_budget():
+def test_an_adaptive_sequence_votes_once_a_pass_and_follows_the_targets_agreed_budget(caplog):
     """The gateway's rates go to the target with its steps, once each time they are computed anew,
     weighed by the gateway's adaptive sequences; the budget the target agrees over every gateway's
-    votes is the one its steps take, and without one the gateway's own rule goes on from it."""
+    votes is the one its steps take (a debug line once a pass says what its own figures prefer),
+    and without one the gateway's own rule goes on from it."""
     policy = BudgetPolicy(22, 64, warmup_passes=3, hold_passes=0)
     chosen = recording(policy)
     target = VotingTarget(agreed=None)
@@ -756,7 +757,10 @@ def test_an_adaptive_sequence_votes_once_a_pass_and_follows_the_targets_agreed_b
     np.testing.assert_array_equal(target.votes[-1].budgets, candidates)
     agreed = next(b for b in (7, 15, 1) if b != own)
     target, before = VotingTarget(agreed=agreed), len(chosen)
-    run_sequence(SpeculationOptions(budget=64, adaptive=True), policy, target=target)
+    with caplog.at_level("DEBUG", logger="services.gateway.budget"):
+        run_sequence(SpeculationOptions(budget=64, adaptive=True), policy, target=target)
+    follows = [r.getMessage() for r in caplog.records if "follows" in r.getMessage()]  # what its own figures prefer, once a pass
+    assert follows and follows[0].startswith(f"adaptive budget follows the agreed {agreed}, not ") and "pass ms by rows (" in follows[0]
     second = chosen[before:]
     assert second[0] == own and set(second[1:]) == {agreed} and policy.choice == agreed, second  # from the first answer on
     assert all(len(tokens) == agreed for tokens, _ in target.trees[1:-1])  # each tree built at that size (the last: no node)
