@@ -29,7 +29,9 @@ passes then join trees of one size, shapes its CUDA graphs were warmed up for
 (``services.target.graphs.WARM_BLOCKS``). Trees chosen one by one from their own scores made
 passes of mixed sizes, each mix a new shape; on an H200 (8B, 32 users) those passes ran eagerly
 or stalled for captures, and the adaptive rounds took 85 ms against a fixed budget's 55-84 ms. A
-new choice replaces the current one only when its rate is ``HYSTERESIS`` higher, and one that
+new choice replaces the current one only when its rate is ``HYSTERESIS`` higher, or when it was
+the best at every choice for three holds (a lead under the hysteresis: on an H100, 27B, 8 users,
+two runs kept 7 nodes where a fixed 3 ran 5-8% faster, BENCHMARKS.md [X7], [A11]), and one that
 reverses the last change (larger trees after smaller, or smaller after larger) not before
 ``hold_passes`` passes since that change have shown what the current one costs: at 8 users on an
 H200, with 3% and no hold, the choice moved between 7 and 64 nodes several times a second as

@@ -6,9 +6,10 @@ rates
     ``[m]`` committed tokens per second expected of a sequence at each of ``[m]`` candidate budgets.
 choice
     The budget every adaptive step gets now. A :class:`ChoiceRule` moves it only when another budget
-    is expected ``hysteresis`` faster, and back the way it came only ``hold`` passes after the last
-    change: expected rates wander by several percent from pass to pass, and every change mixes tree
-    sizes in the target's passes for a while.
+    is expected ``hysteresis`` faster, or has been expected faster at every update for ``persist``
+    passes, and back the way it came only ``hold`` passes after the last change: expected rates
+    wander by several percent from pass to pass, and every change mixes tree sizes in the target's
+    passes for a while.
 vote
     A gateway's rates and how many sequences it runs at them (:class:`BudgetVote`), sent to the
     target with its steps (``VerifyRequest.budget_vote``).
@@ -47,14 +48,22 @@ class ChoiceRule:
     gets tried) is *provisional*: once its rate rests on measured costs, the rule chooses again
     with neither hysteresis nor hold. On an H200 (27B, one user) a gateway chose 23 nodes from
     costs of passes of up to 8 rows; 24 rows then ran at 18.5 ms, not the 14.3 guessed, and the
-    hysteresis kept 23 against the 7 that ran faster (BENCHMARKS.md [I1])."""
+    hysteresis kept 23 against the 7 that ran faster (BENCHMARKS.md [I1]).
+
+    A lead within the hysteresis that lasts wins too: a budget expected faster at every update
+    for ``persist`` passes replaces the choice. The hysteresis is there for wander, which moves
+    the lead from one budget to another; a lead that stays is the load's. On an H100 (27B, 8
+    users) two runs kept 7 nodes where a fixed 3 ran 5-8% faster ([X7], [A11])."""
 
     hold: float  # passes after a change before the choice may move back the other way
     hysteresis: float = HYSTERESIS
+    persist: float | None = None  # passes one budget must stay the best to replace the choice within the hysteresis; None: 3 holds
     choice: int | None = None
     chosen_at: float = 0.0  # the clock at the last change
     direction: int = 0  # the sign of the last change: +1 to larger trees, -1 to smaller, 0 none yet
     provisional: bool = False  # the choice was made on a guessed cost, not yet measured
+    challenger: int | None = None  # the budget expected faster than the choice at every update since challenged_at
+    challenged_at: float = 0.0
 
     def update(self, candidates: np.ndarray, rates: np.ndarray, now: float, guessed: np.ndarray | None = None) -> tuple[bool, bool]:
         """Move the choice to the best of ``candidates`` (``[m]`` int, with their ``rates``, ``[m]``)
@@ -70,7 +79,10 @@ class ChoiceRule:
             return best != current[0], False
         onward = self.choice is not None and np.sign(candidates[best] - self.choice) == self.direction != 0
         held = now - self.chosen_at < self.hold and not onward
-        if len(current) and (held or rates[best] <= (1 + self.hysteresis) * rates[current[0]]):
+        if self.challenger != candidates[best] or candidates[best] == self.choice:
+            self.challenger, self.challenged_at = int(candidates[best]), now
+        persistent = now - self.challenged_at >= (3 * self.hold if self.persist is None else self.persist)
+        if len(current) and (held or (rates[best] <= (1 + self.hysteresis) * rates[current[0]] and not persistent)):
             return False, held
         self.adopt(int(candidates[best]), now, bool(guessed[best]))
         return True, False

@@ -33,6 +33,24 @@ def test_the_rule_moves_past_the_hysteresis_and_back_only_after_the_hold():
     assert rule.update(BUDGETS, larger, now=17) == (True, False) and rule.choice == 7  # the hold has passed
 
 
+def test_a_budget_expected_faster_at_every_update_for_three_holds_replaces_the_choice_within_the_hysteresis():
+    """Wander within the hysteresis keeps the choice; a budget that stays the best at every update
+    for ``persist`` passes (3 holds by default) replaces it, however small its lead."""
+    rule = ChoiceRule(hold=5)
+    rule.update(BUDGETS, np.array([1.0, 2.0, 3.0, 1.0]), now=0)
+    assert rule.choice == 7
+    lead = np.array([1.0, 3.0 * 1.04, 3.0, 1.0])  # 3 ahead by 4%
+    other = np.array([1.0, 3.0, 3.0 * 1.04, 1.0])  # 7 ahead by 4%
+    for now in range(10, 42, 2):  # the lead wanders from 3 to 7 and back: nothing persists
+        assert rule.update(BUDGETS, lead if now % 4 else other, now=now) == (False, False) and rule.choice == 7
+    for now in range(42, 57):  # 3 ahead at every update from 42
+        assert rule.update(BUDGETS, lead, now=now) == (False, False) and rule.choice == 7
+    assert rule.update(BUDGETS, lead, now=57) == (True, False) and rule.choice == 3  # 15 passes on = 3 holds
+    slow = ChoiceRule(hold=5, persist=100)
+    slow.update(BUDGETS, np.array([1.0, 2.0, 3.0, 1.0]), now=0)
+    assert not any(slow.update(BUDGETS, lead, now=now)[0] for now in range(10, 100))
+
+
 def test_a_choice_made_on_a_guessed_cost_is_chosen_again_freely_once_measured():
     """A choice whose rate rested on a guessed cost is provisional: the first update whose rate for
     it is measured chooses the best, within the hysteresis and the hold; one made on measured
