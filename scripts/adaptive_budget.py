@@ -75,9 +75,10 @@ def by_budget(ports: list[int]) -> list[dict[str, dict[int, float]]]:
 
 
 class ForecastSampler:
-    """Samples the gateways' forecasts and expected rates (:func:`by_budget`) every ``period_s`` while a row runs. The model's figures
-    follow the load, so a row's last forecast is of its tail (the last requests finishing: fewer
-    sequences a pass); :meth:`during` averages the samples taken while every client decoded."""
+    """Samples the gateways' forecasts and expected rates (:func:`by_budget`) every ``period_s``
+    while a row runs. The model's figures follow the load, so a row's last forecast is of its tail
+    (the last requests finishing: fewer sequences a pass); :meth:`during` averages the samples
+    taken while every client decoded."""
 
     def __init__(self, ports: list[int], period_s: float = 0.2) -> None:
         self.ports, self.period_s = ports, period_s

@@ -100,7 +100,8 @@ PromQL (add ``{model="..."}`` matchers or ``by (model)`` for several models):
 
   (``splitspec_adaptive_budget_round_passes`` is ``q``, ``splitspec_adaptive_budget_pass_sequences``
   ``n``, ``splitspec_adaptive_budget_pass_level`` the level its passes are priced at: the seconds
-  the rounds' own passes took over what the cost curve gives their rows, each by ``kind``), and the draft's share of a drafting round's time outside its pass::
+  the rounds' own passes took over what the cost curve gives their rows, each by ``kind``), and
+  the draft's share of a drafting round's time outside its pass::
 
     splitspec_adaptive_budget_draft_seconds
       / on (instance, model) splitspec_adaptive_budget_round_other_seconds{kind="drafting"}

@@ -123,7 +123,7 @@ class BudgetFigures:
     rounds: dict[str, tuple[float, float, float]]  # kind of round seen (drafting, target_only) -> (t_other s, q, n)
     expected: dict[int, float]  # candidate budget -> committed tok/s expected of a sequence (empty before a choice)
     forecast: dict[int, float]  # fixed budget requests ran -> committed tok/s the same model expects of a sequence there
-    levels: dict[str, float]  # kind of round -> the level its passes were priced at when the rates were (BudgetPolicy._level)
+    levels: dict[str, float]  # kind of round -> the level its passes were priced at, when rates were last priced (BudgetPolicy._level)
 
 
 class _Rounds:
