@@ -468,19 +468,20 @@ class BudgetPolicy:
         if not self.ready or self._mass is None:
             return min(self.default_budget, most)
         candidates, rates, guessed = self._rates_now()
-        best = int(candidates[np.argmax(rates)])
+        changed, held = False, False
         if self.agreed is None:  # else the target's agreed choice, followed as it came (:meth:`agree`)
             before = self.choice
             changed, held = self.rule.update(candidates, rates, self._pass_weight, guessed)
             if changed:
                 self._log_choice("adaptive budget %s -> %d", before, self.choice, candidates, rates, logging.INFO)
-            elif best != self.choice and self._logged != int(self._pass_weight):  # once a pass
-                self._logged = int(self._pass_weight)
-                what = "adaptive budget keeps %s, not %d" + (" (held)" if held else "")
-                self._log_choice(what, self.choice, best, candidates, rates, logging.DEBUG)
-        elif best != self.choice and self._logged != int(self._pass_weight):  # once a pass: what this gateway's own figures prefer
+        best = int(candidates[np.argmax(rates)])
+        if not changed and best != self.choice and self._logged != int(self._pass_weight):  # once a pass
             self._logged = int(self._pass_weight)
-            self._log_choice("adaptive budget follows the agreed %s, not %d", self.choice, best, candidates, rates, logging.DEBUG)
+            if self.agreed is None:
+                what = "adaptive budget keeps %s, not %d" + (" (held)" if held else "")
+            else:  # what this gateway's own figures prefer
+                what = "adaptive budget follows the agreed %s, not %d"
+            self._log_choice(what, self.choice, best, candidates, rates, logging.DEBUG)
         if self.choice == 0:  # a step that drafts while 0 is chosen explores: the best of the others
             return min(_best_drafting(candidates, rates), most)
         return min(self.choice, most)
@@ -518,6 +519,8 @@ class BudgetPolicy:
     def _log_choice(self, what: str, first: int | None, second: int, candidates: np.ndarray, rates: np.ndarray, level: int) -> None:
         """Log ``what`` (formatted with ``first`` and ``second``, a candidate) with the figures the
         choice rests on, the pass costs learned among them: a choice is only as good as they are."""
+        if not logger.isEnabledFor(level):  # a debug line once a pass: its figures are not worth building unread
+            return
         other, q, n = self.round_figures()
         other_0, q_0, n_0 = self.round_figures(target_only=True)
         seen = "" if self._target_only.other.count else " (none seen yet: the drafting rounds' without the draft, in one pass)"

@@ -165,15 +165,15 @@ class BudgetBoard:
             guessed |= (w > 0) & v.guessed[at]
         before = self.rule.choice
         changed, held = self.rule.update(candidates, total, self.passes, guessed)
-        rates = ", ".join(f"{b}: {r:.0f}" for b, r in zip(candidates, total))
         best = int(candidates[np.argmax(total)])
         if changed:
-            logger.info("agreed budget %s -> %d over %d gateways' votes: %s tok/s expected of all their sequences", before, self.rule.choice, len(live), rates)
-        elif best != self.rule.choice and self._logged != int(self.passes):  # once a pass
+            logger.info("agreed budget %s -> %d over %d gateways' votes: %s tok/s expected of all their sequences",
+                        before, self.rule.choice, len(live), _listed(candidates, total))
+        elif best != self.rule.choice and self._logged != int(self.passes) and logger.isEnabledFor(logging.DEBUG):  # once a pass
             self._logged = int(self.passes)
             logger.debug(
                 "agreed budget keeps %s, not %d%s, over %d gateways' votes: %s tok/s expected of all their sequences",
-                self.rule.choice, best, " (held)" if held else "", len(live), rates,
+                self.rule.choice, best, " (held)" if held else "", len(live), _listed(candidates, total),
             )
 
     @property
@@ -190,3 +190,8 @@ class BudgetBoard:
     def _live(self) -> list[BudgetVote]:
         """The votes of the last ``ttl`` passes."""
         return [v for v in list(self.votes.values()) if self.passes - v.at <= self.ttl]
+
+
+def _listed(budgets: np.ndarray, rates: np.ndarray) -> str:
+    """``budget: rate`` pairs for a log line (built only when the line is written: votes come once a step)."""
+    return ", ".join(f"{b}: {r:.0f}" for b, r in zip(budgets, rates))
