@@ -3,10 +3,17 @@
 1. Correctness (float32, random qwen3-0.6b shape): the verify steps of several sequences run as one
    fixed-shape pass replayed as a CUDA graph give every sequence the tokens of running it alone
    eagerly, over steps that mix decode steps and trees.
+   The same in stages (``TargetEngine.prepare_pass`` ... ``finish_pass``) as the target's batcher
+   runs two cohorts, each pass prepared while the other's is on the device, against serial
+   passes, for ``--check-shape`` and the hybrid ``tiny-qwen35-q4km`` (graphed, float32).
 2. Timing (bfloat16, random weights of ``--shape``): for each batch size B, B sequences with
    ``--prompt`` prompt tokens each take decode steps (1 row each) and budget-``--budget`` trees
    together: ms per pass and aggregate decode tok/s (B / ms), then the pass time by total rows
    (the cost curve the gateway's adaptive budget learns).
+3. Staged passes (``--staged B``): two cohorts of B sequences take turns with budget-``--budget``
+   trees, their passes serial (``verify_batch``) or staged as the target's batcher runs them (the
+   next cohort's pass prepared while one is on the device, launched before the last one's results
+   are finished): ms per pass, alternating the two ways.
 
 Usage: python scripts/gpu_batch_verify.py [--shape qwen3-8b] [--batches 1,4,8,16,32]
 """
@@ -54,6 +61,92 @@ def check(shape: str, device: str) -> bool:
     print(f"{'PASS' if ok else 'FAIL'} batched graphs vs alone eager, {shape} float32: tokens identical {same}, "
           f"max |feature diff| {worst:.2e}, graphs {graphed.runner.graphs}", flush=True)
     return ok
+
+
+def run_staged(engine: TargetEngine, passes: list[list[VerifyStep]]) -> list[list]:
+    """``passes`` (cohorts taking turns: no sequence in two passes in a row) in the target
+    batcher's order: each prepared while the one before is on the device, launched once that one
+    is settled, before its results are finished. Each pass's results."""
+    out = []
+    flying = engine.prepare_pass(passes[0])
+    engine.launch_pass(flying)
+    for i in range(1, len(passes) + 1):
+        following = engine.prepare_pass(passes[i], frozenset(s.sequence_id for s in passes[i - 1])) if i < len(passes) else None
+        engine.settle_pass(flying)
+        if following is not None:
+            engine.launch_pass(following, ahead=True)
+        out.append(engine.finish_pass(flying))
+        flying = following
+    return out
+
+
+def check_staged(shape: str, device: str) -> bool:
+    """Staged passes of two cohorts against serial ones, one graphed engine each (float32)."""
+    model, config = random_target(f"random:{shape}", device, torch.float32)
+    rng = np.random.default_rng(4)
+    cohorts = [[f"s{i}" for i in range(4)], [f"s{i}" for i in range(4, 7)]]
+    prompts = {sid: rng.integers(0, config.vocab_size, int(rng.integers(5, 300))).tolist() for c in cohorts for sid in c}
+    passes = []
+    for r in range(12):
+        steps = []
+        for sid in cohorts[r % 2]:
+            budget = int(rng.choice([0, 5, 12]))
+            tokens, parents = random_tree(rng, config.vocab_size, budget) if budget else ([], [])
+            steps.append(VerifyStep(sid, tokens, parents, True))
+        passes.append(steps)
+    engines = []
+    for _ in range(2):
+        e = TargetEngine(model, TargetLimits(max_kv_tokens=8 * 1024), fixed_shapes=True, capture=device == "cuda", hot_passes=1, hot_padding=0)
+        for sid, prompt in prompts.items():
+            e.prefill(sid, prompt, GREEDY, taps=(1, 2), reserve_tokens=1024)
+        engines.append(e)
+    serial = [engines[0].verify_batch(steps) for steps in passes]
+    staged = run_staged(engines[1], passes)
+    same, worst = True, 0.0
+    for want, got in zip(serial, staged):
+        for a, b in zip(want, got):
+            same &= (a.committed_tokens, a.next_token, a.committed_length) == (b.committed_tokens, b.next_token, b.committed_length)
+            worst = max(worst, (a.features.float() - b.features.float()).abs().max().item())
+    ok = same and worst < 1e-2
+    print(f"{'PASS' if ok else 'FAIL'} staged passes of two cohorts vs serial, {shape} float32 graphed: tokens identical {same}, "
+          f"max |feature diff| {worst:.2e}", flush=True)
+    return ok
+
+
+def staged_bench(shape: str, size: int, prompt: int, budget: int, iters: int, device: str, rounds: int = 4) -> None:
+    """Two cohorts of ``size`` sequences taking turns: ms per pass serial and staged, alternating."""
+    model, config = random_target(f"random:{shape}", device, torch.bfloat16 if device == "cuda" else torch.float32)
+    engine = TargetEngine(
+        model, TargetLimits(max_sequences=2 * size, max_kv_tokens=2 * size * (prompt + 4096)), fixed_shapes=True, capture=device == "cuda",
+        hot_passes=1, hot_padding=0,
+    )
+    rng = np.random.default_rng(2)
+    taps = tuple(range(1, config.num_layers, max(1, config.num_layers // 5)))[:5]
+    cohorts = [[f"c{c}-{i}" for i in range(size)] for c in range(2)]
+    for sid in cohorts[0] + cohorts[1]:
+        engine.prefill(sid, rng.integers(0, config.vocab_size, prompt).tolist(), GREEDY, taps=taps, reserve_tokens=prompt + 4096)
+
+    def passes(n: int) -> list[list[VerifyStep]]:
+        return [[VerifyStep(sid, *random_tree(rng, config.vocab_size, budget), True) for sid in cohorts[i % 2]] for i in range(n)]
+
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    ways = {"serial": lambda ps: [engine.verify_batch(steps) for steps in ps], "staged": lambda ps: run_staged(engine, ps)}
+    for way in ways.values():  # warm: both cohorts' shapes captured
+        way(passes(4))
+    times = {name: [] for name in ways}
+    for _ in range(rounds):
+        for name, way in ways.items():
+            ps = passes(iters)
+            sync()
+            t0 = time.perf_counter()
+            way(ps)
+            sync()
+            times[name].append(1e3 * (time.perf_counter() - t0) / iters)
+    print(f"two cohorts of {size} sequences taking turns, budget-{budget} trees ({size * (budget + 1)} rows a pass), {shape}, "
+          f"ms a pass over {iters} passes, {rounds} rounds alternating:", flush=True)
+    for name, ms in times.items():
+        print(f"  {name}: " + ", ".join(f"{t:.2f}" for t in ms) + f" (median {np.median(ms):.2f})", flush=True)
+    print(f"  staged / serial: {np.median(times['staged']) / np.median(times['serial']):.3f}", flush=True)
 
 
 def timed(engine: TargetEngine, steps: list[VerifyStep], iters: int) -> float:
@@ -139,9 +232,14 @@ def main() -> None:
     p.add_argument("--skip-check", action="store_true")
     p.add_argument("--device", default="cuda", help="cuda, or cpu for a dry run of the script")
     p.add_argument("--profile", type=int, default=0, help="profile the passes of this batch size")
+    p.add_argument("--staged", type=int, default=0, help="time two cohorts of this many sequences, serial and staged passes")
+    p.add_argument("--skip-batches", action="store_true", help="only the checks and --staged")
     args = p.parse_args()
-    ok = args.skip_check or check(args.check_shape, args.device)
-    bench(args.shape, [int(b) for b in args.batches.split(",")], args.prompt, args.budget, args.iters, args.device, args.profile)
+    ok = args.skip_check or all([check(args.check_shape, args.device), check_staged(args.check_shape, args.device), check_staged("tiny-qwen35-q4km", args.device)])
+    if not args.skip_batches:
+        bench(args.shape, [int(b) for b in args.batches.split(",")], args.prompt, args.budget, args.iters, args.device, args.profile)
+    if args.staged:
+        staged_bench(args.shape, args.staged, args.prompt, args.budget, args.iters, args.device)
     raise SystemExit(0 if ok else 1)
 
 

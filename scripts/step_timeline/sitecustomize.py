@@ -63,6 +63,7 @@ if os.environ.get("SPLITSPEC_TRACE_DIR"):
         return timed
 
     import services.gateway.workers as workers
+    import services.worker.batching as batching
     import services.worker.hosting as hosting
     import splitspec.spec.tree as tree
     import splitspec.text.textstream as textstream
@@ -71,15 +72,31 @@ if os.environ.get("SPLITSPEC_TRACE_DIR"):
     _attach = hosting.EngineHost.attach
 
     def _attach_timed(self, engine, description):
-        for method in ("verify_batch", "propose_batch"):  # one record a pass, shared by its steps
-            if hasattr(engine, method):
-                setattr(engine, method, _timed(("engine", self.what), getattr(engine, method)))
+        if hasattr(engine, "launch_pass"):  # a staged pass (the target's): its launch to its settle
+            _stage_timed(self.what, engine)
+        elif hasattr(engine, "propose_batch"):  # one record a pass, shared by its steps
+            engine.propose_batch = _timed(("engine", self.what), engine.propose_batch)
         if hasattr(engine, "prefill"):  # prefills run on the same thread, between passes
             engine.prefill = _timed(("prefill", self.what), engine.prefill)
         _attach(self, engine, description)
 
+    def _stage_timed(what, engine):
+        launch, settle = engine.launch_pass, engine.settle_pass
+
+        def launch_timed(prepared, *args, **kwargs):
+            prepared.timeline_t0 = _now()
+            return launch(prepared, *args, **kwargs)
+
+        def settle_timed(prepared):
+            try:
+                return settle(prepared)
+            finally:
+                _records.append(("engine", what, getattr(prepared, "timeline_t0", _now()), _now()))
+
+        engine.launch_pass, engine.settle_pass = launch_timed, settle_timed
+
     hosting.EngineHost.attach = _attach_timed
-    _host_step = hosting.StepBatcher.submit
+    _host_step = batching.StepBatcher.submit
 
     async def _host_step_timed(self, item):
         t0 = _now()
@@ -88,7 +105,7 @@ if os.environ.get("SPLITSPEC_TRACE_DIR"):
         finally:
             _records.append(("host", self.host.what, t0, _now()))
 
-    hosting.StepBatcher.submit = _host_step_timed
+    batching.StepBatcher.submit = _host_step_timed
     _sequence_stream = rpc.sequence_stream
 
     async def _sequence_stream_timed(requests, context, step, *args, **kwargs):  # the servicers import it after this runs

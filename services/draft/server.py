@@ -6,7 +6,8 @@ import contextlib
 
 from services.draft.engine import ProposeStep
 from services.metrics import WorkerMetrics
-from services.worker.hosting import EngineHost, StepBatcher
+from services.worker.batching import StepBatcher
+from services.worker.hosting import EngineHost
 from splitspec.errors import InvalidArgument
 from splitspec.transport.rpc import sequence_stream
 from splitspec.transport.tensors import TensorFormatError, tensor_from_pb, tensor_to_pb

@@ -13,10 +13,20 @@ as one forward pass (their rows concatenated, each attending to its own sequence
 walks and the compaction stay per sequence. A decode step (no tree) is a tree of one row and
 batches alike. Each step is checked on its own: a bad one fails alone.
 
+**Stages.** A pass runs as :meth:`TargetEngine.prepare_pass` (host work only: checks, blocks,
+layout, inputs), :meth:`~TargetEngine.launch_pass`, :meth:`~TargetEngine.settle_pass` (tokens
+read, trees walked, rows committed, the runner's buffers read) and
+:meth:`~TargetEngine.finish_pass` (results); the target's batcher prepares a pass while the one
+before is on the device (``services.worker.batching``). Passes run on the device in the order they
+launch, and each is prepared only once the one before has launched.
+
 **Paged KV.** Sequences own KV blocks (and, for recurrent families, one state slot), taken as
 they grow and given back when their state is dropped (release, expiry, failure). Only the engine
-thread takes blocks; a release from another thread gives them back at once when the engine is
-idle, else when its current call ends, so a pass never shares a block between two sequences. When a step needs a block and none is free, the newest-admitted sequence
+thread takes blocks (when it prepares a pass or a prompt); a release from another thread gives
+them back at once when the engine is idle (between a pass's stages too), else when its current
+call ends. A block given back while a pass that wrote it is on the device goes only to a pass
+prepared later, which the device runs after that pass and its commit: a pass never shares a
+block between two sequences. When a step needs a block and none is free, the newest-admitted sequence
 is *preempted*: its state is dropped and its next step answers NOT_FOUND, which the gateway
 answers by prefilling the sequence's tokens again (seeded sampling keys on positions, so the
 output is unchanged). A prefill that cannot get its blocks now raises :class:`KVBlocksBusy` (the
@@ -151,6 +161,26 @@ class _Work:
     row_tokens: list[int] = field(default_factory=list)  # [n + 1] root first
     rows: np.ndarray | None = None  # [n + 1] parent row of each row, -1 for the root
     tree: np.ndarray | None = None  # [n + 1, n + 1] ancestor-only
+
+
+@dataclass(eq=False)
+class VerifyPass:
+    """One pass of verify steps through the engine's stages: prepared (checked, blocks taken, inputs
+    written on the host), launched, settled (walked and committed), finished (each step's result)."""
+
+    results: list  # [steps] each step's error or, once settled, its VerifyResult
+    work: list[_Work]  # the checked steps that run
+    started_ns: int  # perf_counter_ns when its time began: its preparation, or its launch when prepared ahead
+    taps: tuple[int, ...] = ()
+    layout: Any = None  # PassLayout
+    staged: Any = None  # services.target.graphs.StagedPass
+    measured: bool = True  # False: its launch captured a graph or stood in until a capture (PassRunner.unmeasured)
+    logits: torch.Tensor | None = None  # [N, vocab], launched to settled
+    features: torch.Tensor | None = None  # [N, taps * hidden]
+    launched: Any = None  # torch.cuda.Event after the launch (None on a CPU)
+    feature_host: torch.Tensor | None = None  # [sum AL, taps * hidden]: the asking sequences' accepted rows
+    features_copied: Any = None  # torch.cuda.Event after their copy to the host
+    elapsed_ns: int = 0
 
 
 class TargetEngine:
@@ -388,14 +418,33 @@ class TargetEngine:
 
     def verify_batch(self, steps: Sequence[VerifyStep]) -> list[VerifyResult | ServiceError]:
         """Verify the steps of several sequences in one forward pass. Each step's result, or the
-        error that step alone failed with, in the order given."""
-        return self._exclusive(lambda: self._verify_batch(steps))
+        error that step alone failed with, in the order given. (:meth:`prepare_pass`,
+        :meth:`launch_pass`, :meth:`settle_pass`, :meth:`finish_pass` in turn.)"""
 
-    def _verify_batch(self, steps: Sequence[VerifyStep]) -> list[VerifyResult | ServiceError]:
+        def whole() -> list[VerifyResult | ServiceError]:
+            verify = self.prepare_pass(steps)
+            self.launch_pass(verify)
+            self.settle_pass(verify)
+            return self.finish_pass(verify)
+
+        return self._exclusive(whole)
+
+    def prepare_pass(self, steps: Sequence[VerifyStep], busy: frozenset[str] = frozenset()) -> VerifyPass | None:
+        """The host work of a pass over ``steps``: check each, take its blocks, lay the rows out and
+        write the inputs. Nothing here waits for the device, so it may run while the pass of the
+        ``busy`` sequences is still on it (launched, not settled), which its steps must not name:
+        then it takes no block that would need a preemption (one could hit a sequence of that pass)
+        and answers None instead, to be prepared again once that pass is settled."""
+        return self._exclusive(lambda: self._prepare_pass(steps, busy))
+
+    def _prepare_pass(self, steps: Sequence[VerifyStep], busy: frozenset[str]) -> VerifyPass | None:
+        started = time.perf_counter_ns()
         results: list[VerifyResult | ServiceError | None] = [None] * len(steps)
         work: list[_Work] = []
         seen: set[str] = set()
         for i, step in enumerate(steps):
+            if step.sequence_id in busy:
+                raise RuntimeError(f"sequence {step.sequence_id!r} is in the pass on the device")
             try:
                 if step.sequence_id in seen:
                     raise FailedPrecondition(f"sequence_id {step.sequence_id!r} has two steps in one pass")
@@ -403,11 +452,57 @@ class TargetEngine:
                 seen.add(step.sequence_id)
             except ServiceError as exc:
                 results[i] = exc
+        if busy and sum(self.kv.blocks_for(w.state.length + len(w.row_tokens)) - len(w.state.holding.blocks) for w in work) > self.kv.free_blocks:
+            return None
         work = self._reserve(work, results)
+        verify = VerifyPass(results, work, started)
         if work:
-            for item, result in zip(work, self._verify_pass(work)):
-                results[item.index] = result
-        return results  # type: ignore[return-value]
+            verify.taps = _union_taps([item.state.taps for item in work])
+            verify.layout = pass_layout(
+                self.kv, [w.row_tokens for w in work], [w.rows for w in work], [w.state.length for w in work],
+                [w.state.holding.blocks for w in work], [w.tree for w in work], [w.state.holding.slot for w in work],
+            )
+            verify.staged = self.runner.stage(verify.layout, verify.taps)
+        return verify
+
+    def launch_pass(self, verify: VerifyPass, ahead: bool = False) -> None:
+        """Start the pass on the device. ``ahead``: it was prepared while the pass before was on the
+        device, so its time (``VerifyResult.forward_ns``) runs from now, not from its preparation."""
+        if not verify.work:
+            return
+        self._exclusive(lambda: self._launch_pass(verify, ahead))
+
+    def _launch_pass(self, verify: VerifyPass, ahead: bool) -> None:
+        if ahead:
+            verify.started_ns = time.perf_counter_ns()
+        unmeasured = self.runner.unmeasured  # a capture, or a stopgap until one, is no measure of a pass
+        verify.logits, verify.features = self.runner.launch(verify.staged)
+        verify.measured = self.runner.unmeasured == unmeasured
+        if self.device.type == "cuda":
+            verify.launched = torch.cuda.Event()
+            verify.launched.record()
+
+    def settle_pass(self, verify: VerifyPass) -> None:
+        """Read the pass's tokens (waiting for the device), walk each tree and commit the accepted
+        rows; the logprobs and features asked for are taken out of the runner's buffers (features
+        copied to the host asynchronously), which the next pass may then rewrite: launch it after."""
+        if verify.work:
+            self._exclusive(lambda: self._settle_pass(verify))
+
+    def pass_running(self, verify: VerifyPass) -> bool:
+        """Whether the device is still on the launched pass."""
+        return verify.launched is not None and not verify.launched.query()
+
+    def wait_pass(self, verify: VerifyPass) -> None:
+        """Block until the device has run the launched pass (its settle then waits for nothing)."""
+        if verify.launched is not None:
+            verify.launched.synchronize()
+
+    def finish_pass(self, verify: VerifyPass) -> list[VerifyResult | ServiceError]:
+        """Each step's result (host work only, after :meth:`settle_pass`; it may overlap the next pass)."""
+        if verify.work:
+            self._exclusive(lambda: self._finish_pass(verify))
+        return verify.results  # type: ignore[return-value]
 
     def _check(self, index: int, step: VerifyStep) -> _Work:
         state = self._get(step.sequence_id)
@@ -445,15 +540,8 @@ class TargetEngine:
                 kept.append(item)
         return kept
 
-    def _verify_pass(self, work: list[_Work]) -> list[VerifyResult]:
-        t0 = time.perf_counter_ns()
-        unmeasured = self.runner.unmeasured  # a capture, or a stopgap until one, is no measure of a pass
-        taps = _union_taps([item.state.taps for item in work])
-        layout = pass_layout(
-            self.kv, [w.row_tokens for w in work], [w.rows for w in work], [w.state.length for w in work],
-            [w.state.holding.blocks for w in work], [w.tree for w in work], [w.state.holding.slot for w in work],
-        )
-        logits, features = self.runner.run(layout, taps)
+    def _settle_pass(self, verify: VerifyPass) -> None:
+        work, layout, logits = verify.work, verify.layout, verify.logits
         positions = torch.from_numpy(layout.positions)  # host: only seeded sampling reads them
         greedy = logits.argmax(dim=-1).cpu().numpy()  # [N] every greedy sequence's tokens at once
         walks = []  # (first row, accepted rows, bonus) of each sequence
@@ -466,8 +554,7 @@ class TargetEngine:
             walks.append((first, *accept_path(item.tokens, item.parents, target_tokens)))
         # One commit for the pass: a recurrent family advances every sequence's state in a few launches.
         self._commit([(item.state, accepted, first) for item, (first, accepted, _) in zip(work, walks)])
-        feature_rows: list[torch.Tensor] = []
-        results = []
+        feature_rows: list[int] = []
         for item, (first, accepted, next_token) in zip(work, walks):
             state = item.state
             committed = [state.pending_token] + [int(item.tokens[a - 1]) for a in accepted[1:]]
@@ -477,14 +564,27 @@ class TargetEngine:
                 rows = logits.index_select(0, torch.tensor([first + a for a in accepted], device=logits.device))
                 logprobs = token_logprobs(rows, committed[1:] + [int(next_token)], state.sampling, state.top_logprobs)
             state.pending_token = int(next_token)
-            if item.step.return_features and features is not None and state.taps:
-                feature_rows.append(torch.tensor([first + a for a in accepted], dtype=torch.int64))
-            results.append(VerifyResult(committed, accepted[1:], int(next_token), None, state.length, 0, logprobs))
-        self._attach_features(work, results, features, feature_rows, taps)
-        elapsed = time.perf_counter_ns() - t0 if self.runner.unmeasured == unmeasured else 0
+            if item.step.return_features and verify.features is not None and state.taps:
+                feature_rows.extend(first + a for a in accepted)
+            verify.results[item.index] = VerifyResult(committed, accepted[1:], int(next_token), None, state.length, 0, logprobs)
+        if feature_rows:
+            # Out of the runner's buffer before the next pass rewrites it; to the host without waiting.
+            rows = verify.features.index_select(0, torch.tensor(feature_rows, device=verify.features.device))
+            verify.feature_host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=self.device.type == "cuda")
+            verify.feature_host.copy_(rows, non_blocking=True)
+            if self.device.type == "cuda":
+                verify.features_copied = torch.cuda.Event()
+                verify.features_copied.record()
+        verify.logits = verify.features = None
+        verify.elapsed_ns = time.perf_counter_ns() - verify.started_ns if verify.measured else 0
+
+    def _finish_pass(self, verify: VerifyPass) -> None:
+        if verify.features_copied is not None:
+            verify.features_copied.synchronize()
+        results = [verify.results[item.index] for item in verify.work]
+        self._attach_features(verify.work, results, verify.feature_host, verify.taps)
         for result in results:
-            result.forward_ns, result.pass_rows, result.pass_sequences = elapsed, layout.num_rows, len(work)
-        return results
+            result.forward_ns, result.pass_rows, result.pass_sequences = verify.elapsed_ns, verify.layout.num_rows, len(verify.work)
 
     def commit(self, state: SequenceState, accepted: Sequence[int], first_row: int = 0) -> None:
         """Keep the accepted rows (``[AL]``, root first) of ``state``'s block in the last pass, whose
@@ -510,14 +610,12 @@ class TargetEngine:
             parts.update(self.state.slots.read(state.holding.slot))
         return SimpleNamespace(**parts)
 
-    def _attach_features(self, work, results, features, feature_rows, taps) -> None:
-        """Every asking sequence's accepted rows' features, brought to the host in one copy (a
-        fixed-shape pass's buffers are rewritten by its next replay)."""
-        if not feature_rows:
+    def _attach_features(self, work: list[_Work], results: list[VerifyResult], host: torch.Tensor | None, taps: tuple[int, ...]) -> None:
+        """Every asking sequence's features out of ``host`` ``[sum AL, union taps * hidden]``, the
+        accepted rows of each in the pass's order."""
+        if host is None:
             return
-        rows = torch.cat(feature_rows).to(features.device)
-        host = features.index_select(0, rows).cpu()  # [sum AL, union taps * hidden]
-        hidden = features.shape[1] // len(taps)
+        hidden = host.shape[1] // len(taps)
         at = 0
         for item, result in zip(work, results):
             state = item.state

@@ -153,6 +153,18 @@ class _Pass:
     pending: object | None = None  # a recurrent family's rows kept by this pass (views of reserved buffers)
 
 
+@dataclass
+class StagedPass:
+    """A pass whose inputs are written on the host (:meth:`PassRunner.stage`), ready to launch."""
+
+    layout: PassLayout
+    taps: tuple[int, ...]
+    prompt_chunk: bool
+    run: _Pass | None = None  # the fixed-shape pass that runs it (None: eagerly at its exact shape)
+    features_wanted: bool = True  # False: a stand-in's features, which this pass did not ask for
+    stopgap: bool = False  # run by a larger stand-in until its own shape's capture: no measure of its shape
+
+
 class PassRunner:
     """Runs :meth:`forward_paged` of a target over a :class:`PassLayout`."""
 
@@ -192,18 +204,23 @@ class PassRunner:
         """Logits (``[N, vocab]``, or ``[1, vocab]`` of the last row for a prompt chunk) and features
         ``[N, taps * hidden]`` of the layout's rows. A fixed-shape pass returns views of the runner's
         buffers, which its next pass rewrites: read them before the next pass."""
+        return self.launch(self.stage(layout, taps, prompt_chunk))
+
+    def stage(self, layout: PassLayout, taps: tuple[int, ...], prompt_chunk: bool = False) -> StagedPass:
+        """The host half of :meth:`run`: choose the pass that runs the layout and write its inputs'
+        host bytes. Nothing here waits for the device, so it may overlap the pass before, which
+        must be launched first: passes launch in the order they were staged."""
         shape = self._shape(layout, prompt_chunk) if self.fixed_shapes else None
+        if shape is None:  # exact inputs are copied to the device as they are made: at the launch
+            return StagedPass(layout, taps, prompt_chunk)
         block_size = self.state.kv.block_size
-        if shape is None:
-            inputs = PassInputs.exact(layout, block_size, self.device, layout.num_rows - 1)
-            return self.model.forward_paged(inputs, self.state, taps, logit_rows=inputs.last_row if prompt_chunk else None, chain=prompt_chunk)
         key = (*shape, taps, prompt_chunk)
         p = self._passes.get(key)
         if p is None:
             staged = StagedInputs.allocate(PassInputs.nbytes(*shape, block_size), self.device)
             p = self._passes[key] = _Pass(staged, PassInputs.on(staged.on_device, *shape, block_size, static=True))
         p.passes += 1
-        run, features_wanted = p, True
+        run, features_wanted, stopgap = p, True, False
         if p.graph is None and not self._warming:
             other = stand_in(key, self._captured())
             # A stand-in of the same shape (its taps' features dropped) serves for good; a larger one
@@ -212,15 +229,24 @@ class PassRunner:
             if other not in (None, key) and (other[:4] == shape or not hot):
                 run, features_wanted = self._passes[other], bool(taps)
                 self.stand_in_passes += 1
-                if other[:4] != shape:  # a larger pass's time, until this shape's capture
+                stopgap = other[:4] != shape  # a larger pass's time, until this shape's capture
+                if stopgap:
                     p.padding += padding(shape, other)
-                    self.unmeasured += 1
         # The chunk's last real row is read inside the pass: one graph serves every chunk length.
         run.inputs.fill(layout, run.staged.writable(), layout.num_rows - 1)
-        run.staged.upload()
-        logits, features = self._run(run, taps, prompt_chunk)
+        return StagedPass(layout, taps, prompt_chunk, run, features_wanted, stopgap)
+
+    def launch(self, staged: StagedPass) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run a staged pass (see :meth:`run`)."""
+        layout, taps, prompt_chunk = staged.layout, staged.taps, staged.prompt_chunk
+        if staged.run is None:
+            inputs = PassInputs.exact(layout, self.state.kv.block_size, self.device, layout.num_rows - 1)
+            return self.model.forward_paged(inputs, self.state, taps, logit_rows=inputs.last_row if prompt_chunk else None, chain=prompt_chunk)
+        self.unmeasured += staged.stopgap
+        staged.run.staged.upload()
+        logits, features = self._run(staged.run, taps, prompt_chunk)
         n = layout.num_rows
-        return (logits if prompt_chunk else logits[:n]), (None if features is None or not features_wanted else features[:n])
+        return (logits if prompt_chunk else logits[:n]), (None if features is None or not staged.features_wanted else features[:n])
 
     def warm_up(
         self, max_sequences: int, blocks: tuple[int, ...] = WARM_BLOCKS, spans: tuple[int, ...] = WARM_SPANS, taps: tuple[int, ...] = ()

@@ -11,7 +11,8 @@ import numpy as np
 
 from services.metrics import WorkerMetrics
 from services.target.engine import KVBlocksBusy, TargetEngine, VerifyStep
-from services.worker.hosting import EngineHost, StepBatcher
+from services.worker.batching import StepBatcher
+from services.worker.hosting import EngineHost
 from splitspec.errors import InvalidArgument
 from splitspec.models.devices import DTYPES
 from splitspec.spec.budget_choice import BudgetBoard, BudgetVote
@@ -63,9 +64,11 @@ class TargetServicer(target_pb2_grpc.TargetWorkerServicer):
         self.host = EngineHost("target")
         self.step_server = None  # the worker's StepSocketServer (splitspec/stepwire.py), set by main
         self.metrics = metrics
-        # Verify steps of every sequence that is ready run as one pass (TargetEngine.verify_batch).
+        # Verify steps of every sequence that is ready run as one pass (TargetEngine.verify_batch), in
+        # stages: the next pass is prepared while one is on the device.
         self.verifier = StepBatcher(
-            self.host, lambda engine, steps: engine.verify_batch(steps), key=lambda step: step.sequence_id, late=lambda step: step.next_step_late
+            self.host, lambda engine, steps: engine.verify_batch(steps), key=lambda step: step.sequence_id,
+            late=lambda step: step.next_step_late, staged=True, straight_back=lambda step: not step.tokens,
         )
         self.verifier.on_pass = lambda results, waits: metrics.batched("verify", results, waits)
         self.budget_board = BudgetBoard()  # one adaptive budget over every gateway's votes

@@ -58,7 +58,7 @@ from native.gguf_matmul import QuantLinear
 from services.draft.engine import APPEND_CHUNK
 from services.target.engine import TargetLimits
 from services.target.graphs import ROW_BUCKETS, WARM_BLOCKS, bucket, pass_row_limit, recurrent_pass_rows, warm_up_passes
-from services.worker.hosting import StepBatcher
+from services.worker.batching import StepBatcher
 from splitspec.models.layers import FusedLinear
 from splitspec.models.qwen35 import Qwen35Config, tree_row_bytes
 

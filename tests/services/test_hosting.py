@@ -9,7 +9,8 @@ import time
 
 import pytest
 
-from services.worker.hosting import EngineHost, SequenceTable, StepBatcher
+from services.worker.batching import StepBatcher
+from services.worker.hosting import EngineHost, SequenceTable
 from splitspec.errors import Aborted, FailedPrecondition
 
 
