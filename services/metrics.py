@@ -81,6 +81,13 @@ PromQL (add ``{model="..."}`` matchers or ``by (model)`` for several models):
     sum(rate(splitspec_worker_pass_rows_sum{phase="verify"}[5m]))
       / sum(rate(splitspec_worker_pass_rows_count{phase="verify"}[5m]))
 
+- the share of verify passes prepared while the pass before was on the device (the target's
+  staged passes: near 1 when speculating cohorts take turns, 0 when every user decodes in one
+  pass)::
+
+    sum(rate(splitspec_worker_passes_prepared_ahead_total{phase="verify"}[5m]))
+      / sum(rate(splitspec_worker_pass_sequences_count{phase="verify"}[5m]))
+
 - queueing in a worker, p50 and p99 by phase (a step's wait for the batched pass it ran in to start)::
 
     histogram_quantile(0.5, sum by (le, phase) (rate(splitspec_worker_queue_seconds_bucket[5m])))
@@ -469,6 +476,10 @@ class WorkerMetrics(_Metrics):
             "splitspec_worker_pass_rows", "Rows (tree nodes + roots of every sequence) of one batched verify pass",
             ["model", "phase"], buckets=ROW_BUCKETS, registry=r,
         )
+        self._ahead = Counter(
+            "splitspec_worker_passes_prepared_ahead", "Batched passes prepared while the pass before was on the device, by phase",
+            ["model", "phase"], registry=r,
+        )
         self._queue = Histogram(
             "splitspec_worker_queue_seconds",
             "Time a step waited for the batched pass it ran in to start, by phase (a pipelined target-only step "
@@ -490,10 +501,14 @@ class WorkerMetrics(_Metrics):
     def forward(self, phase: str, forward_ns: int) -> None:
         self.child(self._forward, phase).observe(forward_ns / 1e9)
 
-    def batched(self, phase: str, results: list, waits: list[float]) -> None:
+    def batched(self, phase: str, results: list, waits: list[float], ahead: bool = False) -> None:
         """One batched pass: its steps' results (exceptions for steps that failed alone; a result's
-        ``pass_rows`` when it has them) and how long each step waited for the pass."""
+        ``pass_rows`` when it has them), how long each step waited for the pass, and whether it was
+        prepared while the pass before was on the device."""
         self.child(self._pass_sequences, phase).observe(len(results))
+        prepared_ahead = self.child(self._ahead, phase)  # exported (0) from the first pass on
+        if ahead:
+            prepared_ahead.inc()
         rows = next((r.pass_rows for r in results if getattr(r, "pass_rows", 0)), 0)
         if rows:
             self.child(self._pass_rows, phase).observe(rows)

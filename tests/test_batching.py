@@ -6,7 +6,9 @@ of the sequences that are ready into one forward pass; the target's ``/metrics``
 of several sequences, or this test would prove nothing. Both target families run, every mode,
 greedy and seeded sampling, with the real DFlash draft of the tiny pair and the benchmark/test-only
 OracleDrafter (the recorded target-only output corrupted at 30% per depth), which drives long
-acceptances and rejections.
+acceptances and rejections. The target computes each pass on a thread of its own
+(``--cpu-pass-thread on``), so that, as on a GPU, it prepares one cohort's pass while another's
+runs (``services.worker.batching``); the real draft's test checks that it did.
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ def system(request, module_services, tiny_pair, tiny_qwen35_pair, tmp_path_facto
     port = free_port()
     target = s.start(
         f"b-{arch}-target", "target", "--model", model, "--dtype", "float32", "--threads", "1", "--metrics-port", str(port),
+        "--cpu-pass-thread", "on",  # passes compute on their own thread, the next prepared meanwhile, as on a GPU
     )
     oracle = s.start(f"b-{arch}-oracle", "oracle-draft", "--table", str(table), "--corruption", "0.3", "--target-model", model)
     dflash = s.start(f"b-{arch}-dflash", "draft", "--model", str(pair.draft), "--target-model", model, "--threads", "1")
@@ -104,10 +107,22 @@ def test_outputs_under_batching_equal_single_stream(system, name, spec, concurre
     assert batched > 0, "no verify pass held more than one sequence: nothing was batched"
 
 
+def prepared_ahead(metrics_url: str) -> float:
+    """The target's verify passes prepared while the pass before was on the device (``--cpu-pass-thread``)."""
+    text = urllib.request.urlopen(metrics_url, timeout=5).read().decode()
+    found = re.search(r'^splitspec_worker_passes_prepared_ahead_total\{[^}]*phase="verify"[^}]*\} (\S+)$', text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
 @pytest.mark.parametrize("name,spec", MODES[1:], ids=[m[0] for m in MODES[1:]])
 def test_real_draft_outputs_under_batching_equal_single_stream(system, name, spec):
+    """Speculating sequences form cohorts that take turns at the draft and the target: the target
+    prepares one cohort's pass while the other's computes (staged passes), and must still give
+    every sequence the target's own output."""
+    before = prepared_ahead(system["metrics"])
     outputs = run_concurrently(system["gw_dflash"], system["cases"], 8, spec)
     assert outputs == system["references"]
+    assert prepared_ahead(system["metrics"]) > before, "no verify pass was prepared ahead: the staged path did not run"
 
 
 def budget_votes(metrics_url: str) -> float:

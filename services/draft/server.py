@@ -28,7 +28,7 @@ class DraftServicer(draft_pb2_grpc.DraftWorkerServicer):
         self.metrics = metrics
         # Propose steps of every sequence that is ready run as one block pass (DraftEngine.propose_batch).
         self.proposer = StepBatcher(self.host, lambda engine, steps: engine.propose_batch(steps), key=lambda step: step.sequence_id)
-        self.proposer.on_pass = lambda results, waits: metrics.batched("propose", results, waits)
+        self.proposer.on_pass = lambda results, waits, ahead: metrics.batched("propose", results, waits, ahead)
 
     async def Info(self, request, context):
         e = self.host.require()

@@ -37,11 +37,13 @@ Not thread-safe: the service calls it from one worker thread, which serialises d
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import threading
 import time
 import weakref
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, Protocol
@@ -174,10 +176,12 @@ class VerifyPass:
     taps: tuple[int, ...] = ()
     layout: Any = None  # PassLayout
     staged: Any = None  # services.target.graphs.StagedPass
+    unmeasured_before: int = 0  # PassRunner.unmeasured at its launch
     measured: bool = True  # False: its launch captured a graph or stood in until a capture (PassRunner.unmeasured)
     logits: torch.Tensor | None = None  # [N, vocab], launched to settled
     features: torch.Tensor | None = None  # [N, taps * hidden]
     launched: Any = None  # torch.cuda.Event after the launch (None on a CPU)
+    computing: concurrent.futures.Future | None = None  # a CPU's pass on its own thread: (logits, features)
     feature_host: torch.Tensor | None = None  # [sum AL, taps * hidden]: the asking sequences' accepted rows
     features_copied: Any = None  # torch.cuda.Event after their copy to the host
     elapsed_ns: int = 0
@@ -186,11 +190,14 @@ class VerifyPass:
 class TargetEngine:
     def __init__(
         self, model: TargetModel, limits: TargetLimits | None = None, fixed_shapes: bool = False, capture: bool = False,
-        hot_passes: int = HOT_PASSES, hot_padding: float = HOT_PADDING,
+        hot_passes: int = HOT_PASSES, hot_padding: float = HOT_PADDING, cpu_pass_thread: bool = False,
     ) -> None:
         """``fixed_shapes``: pad passes to bucketed shapes (``services.target.graphs``), captured as CUDA
         graphs with ``capture`` on a GPU (``hot_passes``, ``hot_padding``: see :class:`PassRunner`); otherwise every
-        pass runs eagerly at its exact shape."""
+        pass runs eagerly at its exact shape. ``cpu_pass_thread``: on a CPU, at exact shapes, a launched
+        pass computes on a thread of its own, as a GPU's pass runs on its stream, so that the engine
+        thread may prepare the next one meanwhile (the staged path a GPU serves; with fixed shapes a
+        pass prepared meanwhile would rewrite the inputs of its shape, which on a CPU are the pass's own)."""
         self.model = model
         self.config = model.config
         self.limits = limits or TargetLimits()
@@ -207,6 +214,10 @@ class TargetEngine:
         self._busy = threading.RLock()
         self._deferred: list[Holding] = []  # given back while the engine was busy
         self._deferred_lock = threading.Lock()
+        use_thread = cpu_pass_thread and self.device.type == "cpu" and not fixed_shapes
+        # torch's intra-op thread count is per thread: the pass thread takes this one's (--threads).
+        threads = torch.get_num_threads()
+        self._pass_thread = ThreadPoolExecutor(1, "target-pass", initializer=torch.set_num_threads, initargs=(threads,)) if use_thread else None
 
     @property
     def kv(self):
@@ -475,9 +486,11 @@ class TargetEngine:
     def _launch_pass(self, verify: VerifyPass, ahead: bool) -> None:
         if ahead:
             verify.started_ns = time.perf_counter_ns()
-        unmeasured = self.runner.unmeasured  # a capture, or a stopgap until one, is no measure of a pass
+        verify.unmeasured_before = self.runner.unmeasured  # a capture, or a stopgap until one, is no measure of a pass
+        if self._pass_thread is not None:
+            verify.computing = self._pass_thread.submit(self.runner.launch, verify.staged)
+            return
         verify.logits, verify.features = self.runner.launch(verify.staged)
-        verify.measured = self.runner.unmeasured == unmeasured
         if self.device.type == "cuda":
             verify.launched = torch.cuda.Event()
             verify.launched.record()
@@ -490,12 +503,16 @@ class TargetEngine:
             self._exclusive(lambda: self._settle_pass(verify))
 
     def pass_running(self, verify: VerifyPass) -> bool:
-        """Whether the device is still on the launched pass."""
+        """Whether the device (a CPU's pass thread) is still on the launched pass."""
+        if verify.computing is not None:
+            return not verify.computing.done()
         return verify.launched is not None and not verify.launched.query()
 
     def wait_pass(self, verify: VerifyPass) -> None:
         """Block until the device has run the launched pass (its settle then waits for nothing)."""
-        if verify.launched is not None:
+        if verify.computing is not None:
+            concurrent.futures.wait([verify.computing])
+        elif verify.launched is not None:
             verify.launched.synchronize()
 
     def finish_pass(self, verify: VerifyPass) -> list[VerifyResult | ServiceError]:
@@ -541,6 +558,9 @@ class TargetEngine:
         return kept
 
     def _settle_pass(self, verify: VerifyPass) -> None:
+        if verify.computing is not None:  # its error, if it raised, fails the pass here
+            verify.logits, verify.features = verify.computing.result()
+        verify.measured = self.runner.unmeasured == verify.unmeasured_before
         work, layout, logits = verify.work, verify.layout, verify.logits
         positions = torch.from_numpy(layout.positions)  # host: only seeded sampling reads them
         greedy = logits.argmax(dim=-1).cpu().numpy()  # [N] every greedy sequence's tokens at once

@@ -93,6 +93,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "eagerly (on the 27B hybrid 75-200 ms a step against a 24 ms replay). splitspec serve sets it (default: none)",
     )
     p.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0 = torch's default)")
+    p.add_argument(
+        "--cpu-pass-thread", choices=("on", "off"), default="on",
+        help="on a CPU, compute each verify pass on a thread of its own, as a GPU's pass runs on its stream, so that the next "
+        "pass is prepared meanwhile: the staged passes a GPU serves (passes at exact shapes only; on the 2-core CI machine "
+        "the built-in pair's rates with it on and off were within their run-to-run spread)",
+    )
     p.add_argument("--sequence-ttl", type=float, default=600.0, help="release sequences idle this many seconds")
     p.add_argument("--metrics-port", type=int, default=9452, help="Prometheus /metrics port on the --listen host (0 = off)")
     p.add_argument("--shutdown-grace", type=float, default=10.0, help="seconds in-flight calls may finish after SIGTERM")
@@ -223,7 +229,7 @@ async def run(args: argparse.Namespace, build=load_model) -> None:
         logger.info("%s", plan.describe())
         plan.check()
         geometry = model_geometry(config, str(dtype).removeprefix("torch."), str(device), str(args.model))
-        engine = TargetEngine(model, limits, fixed_shapes=fixed, capture=capture)
+        engine = TargetEngine(model, limits, fixed_shapes=fixed, capture=capture, cpu_pass_thread=args.cpu_pass_thread == "on")
         logger.info(
             "paged KV cache: %d positions in blocks of %d (%.2f GB); passes %s",
             engine.capacity_tokens, limits.block_size, engine.kv.nbytes / 1e9,

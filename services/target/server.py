@@ -70,7 +70,7 @@ class TargetServicer(target_pb2_grpc.TargetWorkerServicer):
             self.host, lambda engine, steps: engine.verify_batch(steps), key=lambda step: step.sequence_id,
             late=lambda step: step.next_step_late, staged=True, straight_back=lambda step: not step.tokens,
         )
-        self.verifier.on_pass = lambda results, waits: metrics.batched("verify", results, waits)
+        self.verifier.on_pass = lambda results, waits, ahead: metrics.batched("verify", results, waits, ahead)
         self.budget_board = BudgetBoard()  # one adaptive budget over every gateway's votes
 
     async def Info(self, request, context):

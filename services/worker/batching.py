@@ -56,6 +56,7 @@ class _Flight:
     waits: list[float] = field(default_factory=list)
     prompt_waits: list[float] = field(default_factory=list)
     t0: float = 0.0  # perf_counter when its time began: its preparation, or its launch when prepared ahead
+    ahead: bool = False  # prepared while the pass before was on the device
 
 
 class StepBatcher:
@@ -137,16 +138,16 @@ class StepBatcher:
         self._quiet: asyncio.TimerHandle | None = None  # looks again once arrivals pause
         self._last_pass_s = 0.0
         self._timer: asyncio.TimerHandle | None = None
-        # Metrics: called after every pass with its results (or exceptions), one per step, and
-        # how long each step waited for the pass to start.
-        self.on_pass: Callable[[list[Any], list[float]], None] = lambda results, waits: None
+        # Metrics: called after every pass with its results (or exceptions), one per step, how long
+        # each step waited for the pass to start, and whether the pass was prepared ahead.
+        self.on_pass: Callable[[list[Any], list[float], bool], None] = lambda results, waits, ahead: None
 
     async def submit(self, item: Any) -> Any:
         """``item``'s result, from the pass it ran in (its exception raised here)."""
         engine = self.host.require()
         if not self._running and not self._waiting and self.host.inline_now(engine):
             results = self.host._timed(lambda e: self.run(e, [item]), self.host._step_took)(engine)
-            self.on_pass(results, [0.0])
+            self.on_pass(results, [0.0], False)
             return self._one(results)
         loop = asyncio.get_running_loop()
         future = loop.create_future()
@@ -290,16 +291,18 @@ class StepBatcher:
             if flight.failed is None:
                 self._stage(flight, lambda: engine.settle_pass(flight.prepared))
             seconds = time.perf_counter() - flight.t0
+            chained = None
             if following is not None:  # launched first: the settled pass's results are built while it runs
                 following = self._launch(engine, following, prepared)
             results = self._results(engine, flight)
             if following is None:  # nothing on the device either way: answer first, as unstaged passes do
                 with self._lock:
-                    batch = self._take_chained()
-            if not self._hand_over(flight.batch, results, flight.waits, flight.prompt_waits, seconds, following is None and batch is None):
+                    chained = self._take_chained()
+            last = following is None and chained is None
+            if not self._hand_over(flight.batch, results, flight.waits, flight.prompt_waits, seconds, last, flight.ahead):
                 return
-            if following is None and batch is not None:
-                following = self._launch(engine, _Flight(batch, self._keys(batch)), None)
+            if chained is not None:
+                following = self._launch(engine, _Flight(chained, self._keys(chained)), None)
             flight = following
 
     def _results(self, engine: StagedEngine, flight: _Flight) -> list:
@@ -314,7 +317,7 @@ class StepBatcher:
         """Start ``flight``'s pass, prepared ahead (``prepared``) or now."""
         flight.waits, flight.prompt_waits = self._waits(flight.batch)
         flight.t0 = time.perf_counter()
-        ahead = prepared is not None
+        ahead = flight.ahead = prepared is not None
         if not ahead and flight.failed is None:
             prepared = self._stage(flight, lambda: engine.prepare_pass(self._items(flight.batch), frozenset()))
         flight.prepared = prepared
@@ -387,19 +390,23 @@ class StepBatcher:
         waits = [now - arrived for _, _, arrived, _ in batch]
         return waits, [min(wait, self.host.opened_s - opened) for (*_, opened), wait in zip(batch, waits)]
 
-    def _hand_over(self, batch: list, results: list, waits: list[float], prompt_waits: list[float], seconds: float, last: bool) -> bool:
+    def _hand_over(
+        self, batch: list, results: list, waits: list[float], prompt_waits: list[float], seconds: float, last: bool, ahead: bool = False,
+    ) -> bool:
         """Give a pass's results to the loop; False when the loop has closed (shutting down)."""
         try:
-            self._loop.call_soon_threadsafe(self._deliver, batch, results, waits, prompt_waits, seconds, last)
+            self._loop.call_soon_threadsafe(self._deliver, batch, results, waits, prompt_waits, seconds, last, ahead)
         except RuntimeError:  # the loop closed: nobody is left to answer
             return False
         return True
 
-    def _deliver(self, batch: list, results: list, waits: list[float], prompt_waits: list[float], seconds: float, last: bool) -> None:
+    def _deliver(
+        self, batch: list, results: list, waits: list[float], prompt_waits: list[float], seconds: float, last: bool, ahead: bool = False,
+    ) -> None:
         self._last_pass_s = self.host.last_step_s = seconds
         with self._lock:
             self._in_flight = [b for b in self._in_flight if b is not batch]
-        self.on_pass(results, waits)
+        self.on_pass(results, waits, ahead)
         for (_, future, *_), result, wait, prompt_wait in zip(batch, results, waits, prompt_waits):
             if future.done():
                 continue  # its caller went away; the pass ran anyway, keeping the engine consistent

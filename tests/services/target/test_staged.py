@@ -46,17 +46,18 @@ def outputs(results) -> list:
     return [(r.committed_tokens, r.next_token, r.committed_length, r.features) for r in results]
 
 
-@pytest.mark.parametrize("fixed_shapes", [False, True], ids=["exact", "fixed"])
+@pytest.mark.parametrize("fixed_shapes,thread", [(False, False), (False, True), (True, False)], ids=["exact", "exact-thread", "fixed"])
 @pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
-def test_a_pass_prepared_while_the_other_cohorts_is_on_the_device_gives_the_serial_output(model, sampling, fixed_shapes):
+def test_a_pass_prepared_while_the_other_cohorts_is_on_the_device_gives_the_serial_output(model, sampling, fixed_shapes, thread):
+    """``thread``: each pass computes on the engine's CPU pass thread while the next is prepared."""
     rng = np.random.default_rng(11)
     vocab = model.config.vocab_size
     prompts = {f"s{i}": rng.integers(0, vocab, n).tolist() for i, n in enumerate((5, 13, 30, 7, 19))}
     a, b = ["s0", "s1", "s2"], ["s3", "s4"]
     passes = [p for pair in zip(cohort_steps(rng, vocab, a, 4), cohort_steps(rng, vocab, b, 4)) for p in pair]  # A, B, A, ...
 
-    def engine() -> TargetEngine:
-        e = TargetEngine(model, TargetLimits(max_kv_tokens=2048), fixed_shapes=fixed_shapes)
+    def engine(cpu_pass_thread: bool = False) -> TargetEngine:
+        e = TargetEngine(model, TargetLimits(max_kv_tokens=2048), fixed_shapes=fixed_shapes, cpu_pass_thread=cpu_pass_thread)
         for sid, prompt in prompts.items():
             e.prefill(sid, prompt, sampling, taps=(0, 2), reserve_tokens=160)
         return e
@@ -64,11 +65,12 @@ def test_a_pass_prepared_while_the_other_cohorts_is_on_the_device_gives_the_seri
     serial = engine()
     expected = [outputs(serial.verify_batch(steps)) for steps in passes]
 
-    staged, got = engine(), []
+    staged, got, overlapped = engine(thread), [], 0
     flying = staged.prepare_pass(passes[0])
     staged.launch_pass(flying)
     for i, steps in enumerate(passes[1:] + [None], start=1):
         busy = frozenset(s.sequence_id for s in passes[i - 1])
+        overlapped += staged.pass_running(flying)
         following = staged.prepare_pass(steps, busy) if steps is not None else None
         staged.settle_pass(flying)
         if following is not None:
@@ -79,6 +81,7 @@ def test_a_pass_prepared_while_the_other_cohorts_is_on_the_device_gives_the_seri
         for w, h in zip(want, have, strict=True):
             assert w[:3] == h[:3]
             assert torch.allclose(w[3], h[3], atol=1e-10)
+    assert (overlapped > 0) == thread  # with the thread, passes were prepared while one computed
 
 
 def test_a_pass_prepared_ahead_takes_no_block_that_would_need_a_preemption(tiny_pair):
