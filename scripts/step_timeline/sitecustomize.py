@@ -12,7 +12,8 @@ the points of a step below with the system-wide monotonic clock, and writes
 Records (times in ns): ``rpc NAME t0 t1`` a gateway step call; ``tree t0 t1`` a DDTree build;
 ``push t0 t1`` detokenising; ``step t0 t1`` a worker answering one step request; ``host WHAT
 t0 t1`` the servicer's call into its engine (thread hand-offs and the wait for its batched pass
-included); ``engine WHAT t0 t1`` the engine's batched method itself (one record a pass); ``prefill WHAT t0 t1``
+included); ``engine WHAT t0 t1`` the engine's batched method itself (one record a pass; a staged pass from its
+launch to its settle); ``prefill WHAT t0 t1``
 the engine's prefill.
 """
 
