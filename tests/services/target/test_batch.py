@@ -13,20 +13,12 @@ import torch
 
 from services.target.engine import KVBlocksBusy, TargetEngine, TargetLimits, VerifyStep
 from splitspec.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
-from splitspec.models.loader import load_target
 from splitspec.models.paged import KVBlockPool, PassInputs, _tree_layout, pass_layout
 from splitspec.spec.sampling import SamplingParams
 from splitspec.spec.tree import build_ddtree
 
 GREEDY = SamplingParams()
 SEEDED = SamplingParams(temperature=0.9, top_p=0.95, seed=7)
-
-
-@pytest.fixture(scope="module", params=["qwen3", "qwen35"])
-def model(request, tiny_pair, tiny_qwen35_pair):
-    path = tiny_pair.target if request.param == "qwen3" else tiny_qwen35_pair.target
-    model, _ = load_target(path, dtype=torch.float64)  # float64: batched and alone agree to ~1e-12
-    return model
 
 
 def random_tree(rng, vocab: int, budget: int):

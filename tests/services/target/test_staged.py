@@ -12,25 +12,13 @@ import pytest
 import torch
 
 from services.target.engine import TargetEngine, TargetLimits, VerifyStep
+from splitspec.bench.components import random_tree
 from splitspec.errors import NotFound
 from splitspec.models.loader import load_target
 from splitspec.spec.sampling import SamplingParams
-from splitspec.spec.tree import build_ddtree
 
 GREEDY = SamplingParams()
 SEEDED = SamplingParams(temperature=0.9, top_p=0.95, seed=7)
-
-
-@pytest.fixture(scope="module", params=["qwen3", "qwen35"])
-def model(request, tiny_pair, tiny_qwen35_pair):
-    path = tiny_pair.target if request.param == "qwen3" else tiny_qwen35_pair.target
-    model, _ = load_target(path, dtype=torch.float64)  # float64: the two orders agree to ~1e-12
-    return model
-
-
-def random_tree(rng, vocab: int, budget: int):
-    ids = np.stack([rng.choice(vocab, 3, replace=False) for _ in range(6)])
-    return build_ddtree(ids, -np.sort(rng.random((6, 3)) * 3, axis=1), budget)
 
 
 def cohort_steps(rng, vocab: int, cohort: list[str], rounds: int) -> list[list[VerifyStep]]:
@@ -38,7 +26,7 @@ def cohort_steps(rng, vocab: int, cohort: list[str], rounds: int) -> list[list[V
     passes = []
     for _ in range(rounds):
         trees = [random_tree(rng, vocab, int(rng.choice([0, 3, 12]))) for _ in cohort]
-        passes.append([VerifyStep(sid, t.tokens.tolist(), t.parents.tolist(), return_features=True) for sid, t in zip(cohort, trees)])
+        passes.append([VerifyStep(sid, tokens, parents, return_features=True) for sid, (tokens, parents) in zip(cohort, trees)])
     return passes
 
 
@@ -119,8 +107,8 @@ def test_a_sequence_released_while_its_pass_is_on_the_device_leaves_nothing_behi
     for e in (engine, twin):
         for sid in ("a", "b"):
             e.prefill(sid, [5, 6, 7, 8], GREEDY, reserve_tokens=64)
-    tree = random_tree(rng, model.config.vocab_size, 12)
-    steps = [VerifyStep(sid, tree.tokens.tolist(), tree.parents.tolist()) for sid in ("a", "b")]
+    tokens, parents = random_tree(rng, model.config.vocab_size, 12)
+    steps = [VerifyStep(sid, tokens, parents) for sid in ("a", "b")]
     flying = engine.prepare_pass(steps)
     engine.launch_pass(flying)
     assert engine.sequences.pop("a")
