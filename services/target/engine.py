@@ -176,15 +176,14 @@ class VerifyPass:
     taps: tuple[int, ...] = ()
     layout: Any = None  # PassLayout
     staged: Any = None  # services.target.graphs.StagedPass
-    unmeasured_before: int = 0  # PassRunner.unmeasured at its launch
-    measured: bool = True  # False: its launch captured a graph or stood in until a capture (PassRunner.unmeasured)
+    unmeasured_before: int = 0  # PassRunner.unmeasured at its launch: a capture or a stopgap since is no measure of a pass
     logits: torch.Tensor | None = None  # [N, vocab], launched to settled
     features: torch.Tensor | None = None  # [N, taps * hidden]
     launched: Any = None  # torch.cuda.Event after the launch (None on a CPU)
     computing: concurrent.futures.Future | None = None  # a CPU's pass on its own thread: (logits, features)
     feature_host: torch.Tensor | None = None  # [sum AL, taps * hidden]: the asking sequences' accepted rows
     features_copied: Any = None  # torch.cuda.Event after their copy to the host
-    elapsed_ns: int = 0
+    elapsed_ns: int = 0  # launch (or preparation) to settle; 0 when unmeasured
 
 
 class TargetEngine:
@@ -215,7 +214,7 @@ class TargetEngine:
         self._deferred: list[Holding] = []  # given back while the engine was busy
         self._deferred_lock = threading.Lock()
         use_thread = cpu_pass_thread and self.device.type == "cpu" and not fixed_shapes
-        # torch's intra-op thread count is per thread: the pass thread takes this one's (--threads).
+        # The pass thread sets this thread's torch thread count (--threads) itself.
         threads = torch.get_num_threads()
         self._pass_thread = ThreadPoolExecutor(1, "target-pass", initializer=torch.set_num_threads, initargs=(threads,)) if use_thread else None
 
@@ -298,10 +297,14 @@ class TargetEngine:
                 for holding in deferred:
                     self._return(holding)
 
+    def _blocks_short(self, state: SequenceState, positions: int) -> int:
+        """Blocks ``state`` lacks for ``positions`` positions (<= 0: none)."""
+        return self.kv.blocks_for(positions) - len(state.holding.blocks)
+
     def _grow(self, state: SequenceState, positions: int) -> list[SequenceState]:
         """Blocks for ``positions`` positions of ``state``, preempting the newest-admitted sequences
         until they are free: ``state`` itself when it is the newest. Returns the preempted states."""
-        need = self.kv.blocks_for(positions) - len(state.holding.blocks)
+        need = self._blocks_short(state, positions)
         preempted: list[SequenceState] = []
         while need > 0:
             more = self.kv.allocate(need)
@@ -463,7 +466,7 @@ class TargetEngine:
                 seen.add(step.sequence_id)
             except ServiceError as exc:
                 results[i] = exc
-        if busy and sum(self.kv.blocks_for(w.state.length + len(w.row_tokens)) - len(w.state.holding.blocks) for w in work) > self.kv.free_blocks:
+        if busy and sum(self._blocks_short(w.state, w.state.length + len(w.row_tokens)) for w in work) > self.kv.free_blocks:
             return None
         work = self._reserve(work, results)
         verify = VerifyPass(results, work, started)
@@ -560,7 +563,7 @@ class TargetEngine:
     def _settle_pass(self, verify: VerifyPass) -> None:
         if verify.computing is not None:  # its error, if it raised, fails the pass here
             verify.logits, verify.features = verify.computing.result()
-        verify.measured = self.runner.unmeasured == verify.unmeasured_before
+        measured = self.runner.unmeasured == verify.unmeasured_before
         work, layout, logits = verify.work, verify.layout, verify.logits
         positions = torch.from_numpy(layout.positions)  # host: only seeded sampling reads them
         greedy = logits.argmax(dim=-1).cpu().numpy()  # [N] every greedy sequence's tokens at once
@@ -596,7 +599,7 @@ class TargetEngine:
                 verify.features_copied = torch.cuda.Event()
                 verify.features_copied.record()
         verify.logits = verify.features = None
-        verify.elapsed_ns = time.perf_counter_ns() - verify.started_ns if verify.measured else 0
+        verify.elapsed_ns = time.perf_counter_ns() - verify.started_ns if measured else 0
 
     def _finish_pass(self, verify: VerifyPass) -> None:
         if verify.features_copied is not None:
