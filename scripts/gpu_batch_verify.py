@@ -13,7 +13,10 @@
 3. Staged passes (``--staged B``): two cohorts of B sequences take turns with budget-``--budget``
    trees, their passes serial (``verify_batch``) or staged as the target's batcher runs them (the
    next cohort's pass prepared while one is on the device, launched before the last one's results
-   are finished): ms per pass, alternating the two ways.
+   are finished): ms per pass, alternating the two ways; with ``--row-buckets``, once per set of
+   the fixed shapes' row buckets (an experiment: the committed set is ``graphs.ROW_BUCKETS``).
+4. ``--gemm-rows``: cuBLAS's bf16 matmuls of the qwen3-8b layer by row count, which those buckets
+   are chosen by (a pass pads its rows up to a bucket).
 
 Usage: python scripts/gpu_batch_verify.py [--shape qwen3-8b] [--batches 1,4,8,16,32]
 """
@@ -21,17 +24,20 @@ Usage: python scripts/gpu_batch_verify.py [--shape qwen3-8b] [--batches 1,4,8,16
 from __future__ import annotations
 
 import argparse
+import gc
 import time
 
 import numpy as np
 import torch
 
+from services.target import graphs
 from services.target.engine import TargetEngine, TargetLimits, VerifyStep
 from splitspec.bench.components import random_tree
 from splitspec.bench.random_weights import random_target
 from splitspec.spec.sampling import SamplingParams
 
 GREEDY = SamplingParams()
+COMMITTED_BUCKETS = graphs.ROW_BUCKETS
 
 
 def check(shape: str, device: str) -> bool:
@@ -146,7 +152,7 @@ def staged_bench(shape: str, size: int, prompt: int, budget: int, iters: int, de
           f"ms a pass over {iters} passes, {rounds} rounds alternating:", flush=True)
     for name, ms in times.items():
         print(f"  {name}: " + ", ".join(f"{t:.2f}" for t in ms) + f" (median {np.median(ms):.2f})", flush=True)
-    print(f"  staged / serial: {np.median(times['staged']) / np.median(times['serial']):.3f}", flush=True)
+    print(f"  staged / serial: {np.median(times['staged']) / np.median(times['serial']):.3f}; graphs captured {engine.runner.graphs}", flush=True)
     if device == "cuda":  # where a staged pass's time goes: the device's busy share of the wall time
         from torch.profiler import ProfilerActivity, profile
 
@@ -160,6 +166,33 @@ def staged_bench(shape: str, size: int, prompt: int, budget: int, iters: int, de
         busy = sum(e.self_device_time_total for e in prof.key_averages()) / 1e6
         print(f"  staged under the profiler: {1e3 * wall / iters:.2f} ms a pass, kernels {1e3 * busy / iters:.2f} ms "
               f"({busy / wall:.0%} of the wall time; kernels may overlap)", flush=True)
+
+
+# The qwen3-8b layer's matmuls as the dense family fuses them, (out, in) features: q/k/v, o, gate/up, down.
+LAYER_MATMULS_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
+
+
+def gemm_rows(rows: list[int], layers: int = 36, iters: int = 30) -> None:
+    """cuBLAS's bf16 matmuls of the qwen3-8b layer at each row count (random weights, each larger
+    than L2): µs a call and the layers' sum, to set the fixed shapes' row buckets by."""
+    weights = {name: torch.randn(shape, device="cuda", dtype=torch.bfloat16) for name, shape in LAYER_MATMULS_8B.items()}
+    print("| rows | " + " | ".join(f"{n} µs" for n in weights) + f" | {layers} layers, ms | ms / row |", flush=True)
+    print("|---" * (len(weights) + 3) + "|", flush=True)
+    for m in rows:
+        cells = []
+        for w in weights.values():
+            x = torch.randn(m, w.shape[1], device="cuda", dtype=torch.bfloat16)
+            for _ in range(3):
+                torch.nn.functional.linear(x, w)
+            events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+            for a, b in events:
+                a.record()
+                torch.nn.functional.linear(x, w)
+                b.record()
+            torch.cuda.synchronize()
+            cells.append(1e3 * float(np.median([a.elapsed_time(b) for a, b in events])))
+        total = layers * sum(cells) / 1e3
+        print(f"| {m} | " + " | ".join(f"{c:.1f}" for c in cells) + f" | {total:.2f} | {total / m:.4f} |", flush=True)
 
 
 def timed(engine: TargetEngine, steps: list[VerifyStep], iters: int) -> float:
@@ -247,12 +280,26 @@ def main() -> None:
     p.add_argument("--profile", type=int, default=0, help="profile the passes of this batch size")
     p.add_argument("--staged", type=int, default=0, help="time two cohorts of this many sequences, serial and staged passes")
     p.add_argument("--skip-batches", action="store_true", help="only the checks and --staged")
+    p.add_argument("--gemm-rows", default="", help="time the 8B layer's cuBLAS matmuls at these row counts first")
+    p.add_argument(
+        "--row-buckets", default="",
+        help="experiment: --staged once per '/'-separated list of the fixed shapes' row buckets ('default': the committed ones)",
+    )
     args = p.parse_args()
+    if args.gemm_rows:
+        gemm_rows([int(m) for m in args.gemm_rows.split(",")])
     ok = args.skip_check or all([check(args.check_shape, args.device), check_staged(args.check_shape, args.device), check_staged("tiny-qwen35-q4km", args.device)])
     if not args.skip_batches:
         bench(args.shape, [int(b) for b in args.batches.split(",")], args.prompt, args.budget, args.iters, args.device, args.profile)
-    if args.staged:
+    for variant in (args.row_buckets or "default").split("/") if args.staged else ():
+        if variant != "default":
+            graphs.ROW_BUCKETS = tuple(int(r) for r in variant.split(","))
+        print(f"row buckets {graphs.ROW_BUCKETS}", flush=True)
         staged_bench(args.shape, args.staged, args.prompt, args.budget, args.iters, args.device)
+        graphs.ROW_BUCKETS = COMMITTED_BUCKETS
+        gc.collect()
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
     raise SystemExit(0 if ok else 1)
 
 

@@ -8,7 +8,8 @@
    the largest log-prob difference, top-1 differences and whole-row id differences (as
    scripts/gpu_draft_graph_check.py reports them), in float32 and bfloat16;
 2. timing: contexts of ~900 positions, 4 new rows per sequence per step: median ms of one
-   ``propose_batch`` of S sequences (host staging, replay, copies back) on the batched graph,
+   ``propose_batch`` of S sequences (host staging, replay, copies back) on the batched graph
+   (and its kernels' ms a pass, under the profiler: ``graph_paged_kernels``),
    with the paged attention kernel and with the torch gather (``SPLITSPEC_NATIVE_OFF``), on the
    eager batched pass, and S = 1 on the single graphed pass (over views of the pool, and over
    separate slot tensors as before the pool: the single path must not get slower);
@@ -136,6 +137,18 @@ def time_passes(engine: DraftEngine, script: Script, iters: int, warmup: int, de
     return 1e3 * statistics.median(times)
 
 
+def kernel_ms(engine: DraftEngine, script: Script, iters: int, top_k: int) -> float:
+    """The kernels' ms in one propose_batch (under the profiler): the rest of its wall time is
+    host work with the device idle, which a staged pass could overlap."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            engine.propose_batch(script.step(4, top_k))
+        torch.cuda.synchronize()
+    return sum(e.self_device_time_total for e in prof.key_averages()) / 1e3 / iters
+
+
 def timing(device: torch.device, shape: str, sizes: list[int], iters: int, prompt: int, context: int, capture: bool) -> list[dict]:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model, config = random_draft(f"random:{shape}-dflash", device, dtype)
@@ -159,6 +172,8 @@ def timing(device: torch.device, shape: str, sizes: list[int], iters: int, promp
                 engine.propose_batch(script.prompts(8))
                 assert graphs is None or all(engine.sequences.get(sid).cache.slot is not None for sid in script.ids)
                 ms = time_passes(engine, script, iters, 3, device, 8)
+                if label == "graph_paged" and device.type == "cuda":
+                    row["graph_paged_kernels"] = round(kernel_ms(engine, script, iters, 8), 3)
                 row[label] = None if graphs is not None and graphs.failed else round(ms, 3)
                 if graphs is not None and s > 1:
                     row[label + "_shapes"] = [str(k) for k in sorted(graphs.batch_shapes)]

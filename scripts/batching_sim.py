@@ -1,0 +1,204 @@
+"""How the workers' batchers group many speculating users, with the model and the GPU replaced by
+timers (issue #18; a scheduling study, no torch): passes per round and the round's length.
+
+The real ``StepBatcher`` of each worker (the target's staged, the draft's not) runs over a
+stand-in engine whose passes take the given times on one simulated device, a FIFO thread shared by
+both workers as one GPU is (a real GPU time-slices two processes; FIFO keeps their total work). Each
+user loops: Propose (the draft's batcher), its gateway's work, Verify (the target's), its gateway's
+work again; a gateway handles its users' steps one at a time (on a thread of its own), as one
+process's event loop does. Host work is slept, not spent, and every time runs ``--scale`` times
+slower than given (reported unscaled): on the 2-core CPU, at real speed, the thread hand-offs of
+the 40-odd threads and coroutines took as long as the gateways' work and split the users into
+cohorts of 1-10 that no GPU run showed (BENCHMARKS.md [M1]).
+
+Pass times, ms: target ``--target-ms + --target-row-ms * rows`` (rows: ``--budget + 1`` a user;
+BENCHMARKS.md [B10]: 9.58 ms at 32 rows, 14.33 at 272 on an H100), draft ``--draft-ms +
+--draft-user-ms * users`` ([D6]: 2.92 at 12, 3.69 at 16, 5.44 at 32). The ideal round of two
+cohorts is two passes of each kind back to back; the report gives it beside the measured one.
+
+Usage: python scripts/batching_sim.py [--users 32] [--gateways 2] [--rounds 40]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import queue
+import statistics
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
+
+from services.worker.batching import StepBatcher
+from services.worker.hosting import EngineHost, SequenceTable
+
+
+class Device:
+    """One GPU: jobs run one after another, each for its time."""
+
+    def __init__(self) -> None:
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.busy_s = 0.0
+        threading.Thread(target=self._run, daemon=True, name="device").start()
+
+    def submit(self, seconds: float, label: str = "") -> threading.Event:
+        done = threading.Event()
+        self.jobs.put((seconds, done, label, time.perf_counter()))
+        return done
+
+    def _run(self) -> None:
+        self.log: list[tuple[float, float, float, str]] = []  # (queued, start, end, label)
+        while True:
+            seconds, done, label, queued = self.jobs.get()
+            start = time.perf_counter()
+            self.log.append((queued, start, start + seconds, label))
+            end = time.perf_counter() + seconds
+            while (left := end - time.perf_counter()) > 0:
+                time.sleep(min(left, 0.0005))
+            self.busy_s += seconds
+            done.set()
+
+
+class TargetStandIn:
+    """A staged engine (``StagedEngine``) whose pass is host work, then device time by its rows."""
+
+    def __init__(self, device: Device, users: int, args) -> None:
+        self.device, self.args = device, args
+        self.sequences = SequenceTable()
+        for u in range(users):
+            self.sequences.add(f"u{u}", object())
+        self.passes: list[int] = []
+
+    def prepare_pass(self, items: list, busy: frozenset[str]):
+        time.sleep(self.args.target_prepare_ms / 1e3)
+        rows = sum(self.args.budget + 1 for _ in items)
+        return SimpleNamespace(items=items, seconds=(self.args.target_ms + self.args.target_row_ms * rows) / 1e3, done=None)
+
+    def launch_pass(self, p, ahead: bool = False) -> None:
+        p.done = self.device.submit(p.seconds, "T " + ",".join(sorted(i[1:] for i in p.items)))
+        self.passes.append(len(p.items))
+
+    def pass_running(self, p) -> bool:
+        return not p.done.is_set()
+
+    def wait_pass(self, p) -> None:
+        p.done.wait()
+
+    def settle_pass(self, p) -> None:
+        p.done.wait()
+
+    def finish_pass(self, p) -> list:
+        time.sleep(self.args.target_finish_ms / 1e3)
+        return [None] * len(p.items)
+
+
+class DraftStandIn:
+    """The draft's engine: one pass at a time, host work around its device time."""
+
+    def __init__(self, device: Device, users: int, args) -> None:
+        self.device, self.args = device, args
+        self.sequences = SequenceTable()
+        for u in range(users):
+            self.sequences.add(f"u{u}", object())
+        self.passes: list[int] = []
+
+    def propose_batch(self, items: list) -> list:
+        time.sleep(self.args.draft_host_ms / 2e3)
+        self.device.submit((self.args.draft_ms + self.args.draft_user_ms * len(items)) / 1e3, "D " + ",".join(sorted(i[1:] for i in items))).wait()
+        time.sleep(self.args.draft_host_ms / 2e3)
+        self.passes.append(len(items))
+        return [None] * len(items)
+
+
+async def simulate(args) -> dict:
+    device = Device()
+    target_host, draft_host = EngineHost("target"), EngineHost("draft")
+    target, draft = TargetStandIn(device, args.users, args), DraftStandIn(device, args.users, args)
+    target_host.attach(target, None)
+    draft_host.attach(draft, None)
+    gather = args.max_gather_ms / 1e3
+    verifier = StepBatcher(target_host, lambda e, items: None, key=lambda item: item, staged=True, max_gather_s=gather)
+    proposer = StepBatcher(draft_host, lambda e, items: e.propose_batch(items), key=lambda item: item, max_gather_s=gather)
+    # A gateway is a process of its own: its work runs on a thread of its own, one step at a time.
+    gateways = [ThreadPoolExecutor(max_workers=1) for _ in range(args.gateways)]
+    rounds: list[float] = []
+    hop = args.hop_ms / 1e3
+
+    async def gateway_work(g: int) -> None:
+        await asyncio.get_running_loop().run_in_executor(gateways[g], time.sleep, args.gateway_ms / 1e3)
+
+    async def user(u: int) -> None:
+        sid, g = f"u{u}", u % args.gateways
+        await asyncio.sleep(u * 0.0002)
+        for r in range(args.rounds):
+            t0 = time.perf_counter()
+            await asyncio.sleep(hop)
+            await proposer.submit(sid)
+            await asyncio.sleep(hop)
+            await gateway_work(g)
+            await asyncio.sleep(hop)
+            await verifier.submit(sid)
+            await asyncio.sleep(hop)
+            await gateway_work(g)
+            if r >= args.warm_up:
+                rounds.append(time.perf_counter() - t0)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(user(u) for u in range(args.users)))
+    wall = time.perf_counter() - t0
+    for pool in [target_host.executor, draft_host.executor, *gateways]:
+        pool.shutdown()
+    if args.trace:
+        base = device.log[0][1]
+        last_end = None
+        for queued, start, end, label in device.log[-args.trace:]:
+            idle = "" if last_end is None else f"idle {1e3 * max(0.0, start - last_end) / args.scale:5.2f}"
+            last_end = end
+            print(f"{1e3 * (start - base) / args.scale:9.2f} {1e3 * (end - start) / args.scale:6.2f} queued {1e3 * (start - queued) / args.scale:5.2f} {idle:10} {label}")
+    return {
+        "round_ms": 1e3 * statistics.median(rounds), "target_passes": target.passes, "draft_passes": draft.passes,
+        "device_busy": device.busy_s / wall,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--users", type=int, default=32)
+    p.add_argument("--gateways", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=40)
+    p.add_argument("--warm-up", type=int, default=5)
+    p.add_argument("--budget", type=int, default=12)
+    p.add_argument("--target-ms", type=float, default=9.0)
+    p.add_argument("--target-row-ms", type=float, default=0.0185)
+    p.add_argument("--target-prepare-ms", type=float, default=1.5)
+    p.add_argument("--target-finish-ms", type=float, default=0.8)
+    p.add_argument("--draft-ms", type=float, default=2.0)
+    p.add_argument("--draft-user-ms", type=float, default=0.1)
+    p.add_argument("--draft-host-ms", type=float, default=1.0)
+    p.add_argument("--gateway-ms", type=float, default=0.3, help="a gateway's work a user step (tree build, requests)")
+    p.add_argument("--hop-ms", type=float, default=0.1, help="one message between processes")
+    p.add_argument("--trace", type=int, default=0, help="print the device's last this many jobs")
+    p.add_argument("--max-gather-ms", type=float, default=4.0, help="the batchers' max_gather_s, ms")
+    p.add_argument("--scale", type=float, default=4.0, help="every time above times this (slower than real, so that thread hand-offs matter less); reported unscaled")
+    args = p.parse_args()
+    for name in ("target_ms", "target_row_ms", "target_prepare_ms", "target_finish_ms", "draft_ms", "draft_user_ms", "draft_host_ms", "gateway_ms", "hop_ms", "max_gather_ms"):
+        setattr(args, name, getattr(args, name) * args.scale)
+    out = asyncio.run(simulate(args))
+    out["round_ms"] /= args.scale
+    for name in ("target_ms", "target_row_ms", "draft_ms", "draft_user_ms"):
+        setattr(args, name, getattr(args, name) / args.scale)
+    half = args.users / 2
+    ideal = 2 * (args.target_ms + args.target_row_ms * half * (args.budget + 1)) + 2 * (args.draft_ms + args.draft_user_ms * half)
+    for kind in ("target", "draft"):
+        sizes = out[f"{kind}_passes"]
+        print(f"{kind} passes: {len(sizes)}, users a pass mean {statistics.mean(sizes):.1f}; "
+              f"sizes most seen {Counter(sizes).most_common(6)}")
+    per_round = len(out["target_passes"]) / args.rounds
+    print(f"round {out['round_ms']:.2f} ms (median), two cohorts back to back {ideal:.2f} ms; target passes a round {per_round:.2f}; "
+          f"device busy {out['device_busy']:.0%}")
+
+
+if __name__ == "__main__":
+    main()
