@@ -41,6 +41,7 @@ class Device:
     def __init__(self) -> None:
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
         self.busy_s = 0.0
+        self.log: list[tuple[float, float, float, str]] = []  # (queued, start, end, label) of each job
         threading.Thread(target=self._run, daemon=True, name="device").start()
 
     def submit(self, seconds: float, label: str = "") -> threading.Event:
@@ -49,27 +50,34 @@ class Device:
         return done
 
     def _run(self) -> None:
-        self.log: list[tuple[float, float, float, str]] = []  # (queued, start, end, label)
         while True:
             seconds, done, label, queued = self.jobs.get()
             start = time.perf_counter()
-            self.log.append((queued, start, start + seconds, label))
-            end = time.perf_counter() + seconds
+            end = start + seconds
+            self.log.append((queued, start, end, label))
             while (left := end - time.perf_counter()) > 0:
                 time.sleep(min(left, 0.0005))
             self.busy_s += seconds
             done.set()
 
 
-class TargetStandIn:
-    """A staged engine (``StagedEngine``) whose pass is host work, then device time by its rows."""
+class StandIn:
+    """An engine of ``users`` live sequences ("u0", ...) whose passes go to ``device``."""
 
     def __init__(self, device: Device, users: int, args) -> None:
         self.device, self.args = device, args
         self.sequences = SequenceTable()
         for u in range(users):
             self.sequences.add(f"u{u}", object())
-        self.passes: list[int] = []
+        self.passes: list[int] = []  # users a pass
+
+    def _run(self, kind: str, items: list, seconds: float) -> threading.Event:
+        self.passes.append(len(items))
+        return self.device.submit(seconds, f"{kind} " + ",".join(sorted(i[1:] for i in items)))
+
+
+class TargetStandIn(StandIn):
+    """A staged engine (``StagedEngine``) whose pass is host work, then device time by its rows."""
 
     def prepare_pass(self, items: list, busy: frozenset[str]):
         time.sleep(self.args.target_prepare_ms / 1e3)
@@ -77,8 +85,7 @@ class TargetStandIn:
         return SimpleNamespace(items=items, seconds=(self.args.target_ms + self.args.target_row_ms * rows) / 1e3, done=None)
 
     def launch_pass(self, p, ahead: bool = False) -> None:
-        p.done = self.device.submit(p.seconds, "T " + ",".join(sorted(i[1:] for i in p.items)))
-        self.passes.append(len(p.items))
+        p.done = self._run("T", p.items, p.seconds)
 
     def pass_running(self, p) -> bool:
         return not p.done.is_set()
@@ -94,21 +101,13 @@ class TargetStandIn:
         return [None] * len(p.items)
 
 
-class DraftStandIn:
+class DraftStandIn(StandIn):
     """The draft's engine: one pass at a time, host work around its device time."""
-
-    def __init__(self, device: Device, users: int, args) -> None:
-        self.device, self.args = device, args
-        self.sequences = SequenceTable()
-        for u in range(users):
-            self.sequences.add(f"u{u}", object())
-        self.passes: list[int] = []
 
     def propose_batch(self, items: list) -> list:
         time.sleep(self.args.draft_host_ms / 2e3)
-        self.device.submit((self.args.draft_ms + self.args.draft_user_ms * len(items)) / 1e3, "D " + ",".join(sorted(i[1:] for i in items))).wait()
+        self._run("D", items, (self.args.draft_ms + self.args.draft_user_ms * len(items)) / 1e3).wait()
         time.sleep(self.args.draft_host_ms / 2e3)
-        self.passes.append(len(items))
         return [None] * len(items)
 
 
