@@ -182,14 +182,12 @@ def main() -> None:
     p.add_argument("--max-gather-ms", type=float, default=4.0, help="the batchers' max_gather_s, ms")
     p.add_argument("--scale", type=float, default=4.0, help="every time above times this (slower than real, so that thread hand-offs matter less); reported unscaled")
     args = p.parse_args()
+    half = args.users / 2
+    ideal = 2 * (args.target_ms + args.target_row_ms * half * (args.budget + 1)) + 2 * (args.draft_ms + args.draft_user_ms * half)
     for name in ("target_ms", "target_row_ms", "target_prepare_ms", "target_finish_ms", "draft_ms", "draft_user_ms", "draft_host_ms", "gateway_ms", "hop_ms", "max_gather_ms"):
         setattr(args, name, getattr(args, name) * args.scale)
     out = asyncio.run(simulate(args))
     out["round_ms"] /= args.scale
-    for name in ("target_ms", "target_row_ms", "draft_ms", "draft_user_ms"):
-        setattr(args, name, getattr(args, name) / args.scale)
-    half = args.users / 2
-    ideal = 2 * (args.target_ms + args.target_row_ms * half * (args.budget + 1)) + 2 * (args.draft_ms + args.draft_user_ms * half)
     for kind in ("target", "draft"):
         sizes = out[f"{kind}_passes"]
         print(f"{kind} passes: {len(sizes)}, users a pass mean {statistics.mean(sizes):.1f}; "
