@@ -46,12 +46,13 @@ if triton is not None:
 
     @triton.jit
     def _key_tile(
-        tile, q, m, l, acc, k_base, v_base, table_row, vis_seq, token, rows_ok, d, keys,
+        tile, q, m, l, acc, k_base, v_base, table_row, vis_seq, token, rows_ok, d, start, keys,
         stride_ks, stride_vs, stride_mt, scale_log2,
         PAGE: tl.constexpr, BLOCK_S: tl.constexpr, IEEE: tl.constexpr,
     ):
         """One step of the online softmax: key tile ``tile`` of a sequence, read through its block
-        table ``table_row``; columns at or past ``keys`` are masked off (not loaded)."""
+        table ``table_row``; columns at or past ``keys`` are masked off (not loaded). Columns below
+        ``start`` (the committed prefix) are visible to every row: their visibility is not read."""
         cols = tile * BLOCK_S + tl.arange(0, BLOCK_S)  # [BLOCK_S] key columns
         cols_ok = cols < keys
         block = tl.load(table_row + cols // PAGE, mask=cols_ok, other=0)
@@ -61,8 +62,13 @@ if triton is not None:
             s = tl.dot(q, k_t.to(tl.float32), input_precision="ieee")
         else:
             s = tl.dot(q, k_t)
-        seen = tl.load(vis_seq + token[:, None] * stride_mt + cols[None, :], mask=rows_ok[:, None] & cols_ok[None, :], other=0)
-        s = tl.where(seen != 0, s * scale_log2, float("-inf"))  # [BLOCK_R, BLOCK_S], log2 units
+        prefix = cols < start  # [BLOCK_S]
+        # A tile of the prefix alone loads no visibility (its loads are all masked off).
+        seen = tl.load(
+            vis_seq + token[:, None] * stride_mt + cols[None, :], mask=rows_ok[:, None] & (cols_ok & ~prefix)[None, :], other=0
+        )
+        seen = (seen != 0) | (rows_ok[:, None] & prefix[None, :])
+        s = tl.where(seen, s * scale_log2, float("-inf"))  # [BLOCK_R, BLOCK_S], log2 units
         m_new = tl.maximum(m, tl.max(s, 1))
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m - m_new)
@@ -104,7 +110,8 @@ if triton is not None:
         if IEEE:
             q = q.to(tl.float32)
         # Keys this sequence has: its committed prefix and its block's T rows (within the pass's S).
-        keys = tl.minimum(tl.load(start_ptr + seq) + T, S)
+        start = tl.load(start_ptr + seq)
+        keys = tl.minimum(start + T, S)
         tiles = tl.cdiv(keys, BLOCK_S)
         first = split * BLOCKS_PER_SPLIT
         last = tl.minimum(first + BLOCKS_PER_SPLIT, tiles)
@@ -117,7 +124,7 @@ if triton is not None:
             for tile in range(first, last):  # no iteration at all for a split past the sequence's keys
                 m, l, acc = _key_tile(
                     tile, q, m, l, acc, k_base, v_base, table_ptr + seq64 * stride_tb, vis_ptr + seq64 * stride_mb,
-                    token, rows_ok, d, keys, stride_ks, stride_vs, stride_mt, scale_log2, PAGE, BLOCK_S, IEEE,
+                    token, rows_ok, d, start, keys, stride_ks, stride_vs, stride_mt, scale_log2, PAGE, BLOCK_S, IEEE,
                 )
         else:
             # Triton 3.6's interpreter (with numpy 2) takes no tensor loop bounds: the same tiles,
@@ -126,7 +133,7 @@ if triton is not None:
                 if first + i < last:
                     m, l, acc = _key_tile(
                         first + i, q, m, l, acc, k_base, v_base, table_ptr + seq64 * stride_tb, vis_ptr + seq64 * stride_mb,
-                        token, rows_ok, d, keys, stride_ks, stride_vs, stride_mt, scale_log2, PAGE, BLOCK_S, IEEE,
+                        token, rows_ok, d, start, keys, stride_ks, stride_vs, stride_mt, scale_log2, PAGE, BLOCK_S, IEEE,
                     )
         # Global row (sequence, query head, token) = (seq * H + head) * T + token.
         head_row = (seq * KV_HEADS * GROUP + head) * T + token
@@ -235,7 +242,8 @@ def paged_tree_attention(
 ) -> torch.Tensor:
     """Each row's attention over its own sequence's paged keys -> [B, T, H * D] in q's dtype
     (head h's output at columns h * D ..; query head h reads K/V head h // (H / H_kv)). Only key
-    columns below ``starts[b] + T`` are read: entries of ``visible`` past them never matter.
+    columns below ``starts[b] + T`` are read, and of ``visible`` only those from ``starts[b]`` on:
+    the committed prefix is visible to every row (as ``PassInputs.attention`` builds it).
 
     With ``rows``, q holds a pass's N ragged rows and the result is ``[N, H * D]``: the kernel reads
     each padded place's query from its ragged row and writes its output there, so a pass of

@@ -7,7 +7,7 @@ pools, so L2 holds none of their keys) in one CUDA graph (``gpu_quant_libraries.
 Every setting's output is first compared with the default plan's (bf16: within 2e-2). Prints one
 line per shape and setting, fastest first, and writes ``$OUT/gpu_paged_attention_tune.json``.
 
-Usage: python scripts/gpu_paged_attention_tune.py [--shapes 8b-verify16,8b-decode32,27b-verify1]
+Usage: python scripts/gpu_paged_attention_tune.py [--shapes 8b-verify16,8b-decode32,27b-verify1] [--default-only]
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ BLOCK_SIZE = 16  # the target's KV block (TargetLimits.block_size)
 # name: (sequences, rows a sequence, heads, K/V heads, head_dim, layers)
 SHAPES = {
     "8b-verify16": (16, 24, 32, 8, 128, 36),
+    "8b-verify16b12": (16, 13, 32, 8, 128, 36),  # budget-12 trees
     "8b-verify32": (32, 24, 32, 8, 128, 36),
     "8b-decode32": (32, 1, 32, 8, 128, 36),
     "27b-verify1": (1, 24, 24, 4, 256, 16),
@@ -73,6 +74,7 @@ def settings(head_dim: int, rows: int):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default="8b-verify16,8b-decode32,27b-verify1")
+    parser.add_argument("--default-only", action="store_true", help="time the default plan only (an A/B of the kernel's code)")
     args = parser.parse_args()
     dev = torch.device("cuda")
     results = []
@@ -91,7 +93,7 @@ def main() -> None:
         base_us = timed(lambda: run(default), reps=1)  # noqa: B023 - timed now
         print(f"\n{name}: B={b} T={t} H={h} H_kv={hkv} D={d} keys ~{span}, {layers} layers; default {default}: {base_us:.1f} us", flush=True)
         rows = []
-        for block_s, block_r, warps, stages, waves in settings(d, t):
+        for block_s, block_r, warps, stages, waves in [] if args.default_only else settings(d, t):
             launch = pa.plan(b, h, hkv, t, d, span, dev, block_s=block_s, block_r=block_r, waves=waves, num_warps=warps, num_stages=stages)
             try:
                 err = float((run(launch).float() - reference).abs().max())

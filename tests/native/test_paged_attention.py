@@ -157,7 +157,8 @@ def test_ragged_rows_are_read_and_written_through_row_index(dtype, forced_splits
 @pytest.mark.parametrize("forced_splits", [False, True])
 def test_keys_and_visibility_past_each_sequence_never_matter(forced_splits, monkeypatch):
     """Columns at or past ``starts[b] + T`` are never read: NaN K/V there (each sequence owns its
-    blocks over all S columns) and ``visible`` set True there change nothing, bit for bit."""
+    blocks over all S columns) and ``visible`` set True there change nothing, bit for bit; nor does
+    ``visible`` of the committed prefix (columns below ``starts[b]``, visible to every row)."""
     if not forced_splits:
         monkeypatch.setattr(paged_attention, "sm_count", lambda device: 1)
     block_size, heads, kv_heads, head_dim = 8, 4, 2, 64
@@ -176,6 +177,7 @@ def test_keys_and_visibility_past_each_sequence_never_matter(forced_splits, monk
         slots = at.tables[s, past // block_size] * block_size + past % block_size
         k[:, slots], v[:, slots] = float("nan"), float("nan")
         visible[s, :, past] = True
+        visible[s, :, : int(at.starts[s])] = False
     assert torch.equal(run(k, v, visible), clean)
 
 
