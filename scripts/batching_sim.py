@@ -2,8 +2,10 @@
 timers (issue #18; a scheduling study, no torch): passes per round and the round's length.
 
 The real ``StepBatcher`` of each worker (the target's staged, the draft's not) runs over a
-stand-in engine whose passes take the given times on one simulated device, a FIFO thread shared by
-both workers as one GPU is (a real GPU time-slices two processes; FIFO keeps their total work). Each
+stand-in engine whose passes take the given times on one simulated device shared by both workers
+as one GPU is: time-sliced (``--device shared``, the default: a pass of each process at once, each
+at half speed, as two CUDA contexts take turns on one GPU; BENCHMARKS.md [R7] saw the draft's
+passes run inside the target's) or one pass after another (``fifo``). Both keep the total work. Each
 user loops: Propose (the draft's batcher), its gateway's work, Verify (the target's), its gateway's
 work again; a gateway handles its users' steps one at a time (on a thread of its own), as one
 process's event loop does. Host work is slept, not spent, and every time runs ``--scale`` times
@@ -61,6 +63,51 @@ class Device:
             done.set()
 
 
+class SharedDevice(Device):
+    """One GPU time-sliced between processes, as two CUDA contexts share one without MPS: each
+    process's jobs run in order (its stream), and the jobs at the head of two processes' queues
+    share the device equally, each at half speed (slices finer than a pass), so the total work is
+    kept. A job's label's first letter names its process."""
+
+    def __init__(self) -> None:
+        self.queues: dict[str, list[list]] = {}  # process -> its jobs [left, done, label, queued, start]
+        self.wake = threading.Condition()
+        self.busy_s = 0.0
+        self.log: list[tuple[float, float, float, str]] = []
+        threading.Thread(target=self._run, daemon=True, name="device").start()
+
+    def submit(self, seconds: float, label: str = "") -> threading.Event:
+        done = threading.Event()
+        with self.wake:
+            jobs = self.queues.setdefault(label[:1], [])
+            jobs.append([seconds, done, label, time.perf_counter(), time.perf_counter() if not jobs else None])
+            self.wake.notify()
+        return done
+
+    def _run(self) -> None:
+        last = time.perf_counter()
+        while True:
+            with self.wake:
+                while not any(self.queues.values()):
+                    self.wake.wait()
+                    last = time.perf_counter()  # idle time does no work
+                now = time.perf_counter()
+                heads = [jobs[0] for jobs in self.queues.values() if jobs]
+                self.busy_s += now - last
+                for job in heads:
+                    job[0] -= (now - last) / len(heads)
+                last = now
+                for jobs in self.queues.values():
+                    if jobs and jobs[0][0] <= 0:
+                        _, done, label, queued, start = jobs.pop(0)
+                        self.log.append((queued, start, now, label))
+                        done.set()
+                        if jobs:
+                            jobs[0][4] = now
+                soonest = min((jobs[0][0] * sum(1 for q in self.queues.values() if q) for jobs in self.queues.values() if jobs), default=0.0)
+            time.sleep(min(max(soonest, 0.0), 0.0005))
+
+
 class StandIn:
     """An engine of ``users`` live sequences ("u0", ...) whose passes go to ``device``."""
 
@@ -112,7 +159,7 @@ class DraftStandIn(StandIn):
 
 
 async def simulate(args) -> dict:
-    device = Device()
+    device = SharedDevice() if args.device == "shared" else Device()
     target_host, draft_host = EngineHost("target"), EngineHost("draft")
     target, draft = TargetStandIn(device, args.users, args), DraftStandIn(device, args.users, args)
     target_host.attach(target, None)
@@ -150,11 +197,11 @@ async def simulate(args) -> dict:
     for pool in [target_host.executor, draft_host.executor, *gateways]:
         pool.shutdown()
     if args.trace:
-        base = device.log[0][1]
-        last_end = None
-        for queued, start, end, label in device.log[-args.trace:]:
+        base = min(start for _, start, _, _ in device.log)
+        last_end = None  # of every job started before (time-sliced jobs overlap)
+        for queued, start, end, label in sorted(device.log[-args.trace:], key=lambda job: job[1]):
             idle = "" if last_end is None else f"idle {1e3 * max(0.0, start - last_end) / args.scale:5.2f}"
-            last_end = end
+            last_end = end if last_end is None else max(last_end, end)
             print(f"{1e3 * (start - base) / args.scale:9.2f} {1e3 * (end - start) / args.scale:6.2f} queued {1e3 * (start - queued) / args.scale:5.2f} {idle:10} {label}")
     return {
         "round_ms": 1e3 * statistics.median(rounds), "target_passes": target.passes, "draft_passes": draft.passes,
@@ -178,7 +225,9 @@ def main() -> None:
     p.add_argument("--draft-host-ms", type=float, default=1.0)
     p.add_argument("--gateway-ms", type=float, default=0.3, help="a gateway's work a user step (tree build, requests)")
     p.add_argument("--hop-ms", type=float, default=0.1, help="one message between processes")
-    p.add_argument("--trace", type=int, default=0, help="print the device's last this many jobs")
+    p.add_argument("--device", choices=("shared", "fifo"), default="shared",
+                   help="the GPU time-sliced between the two workers' processes (shared), or their passes one after another (fifo)")
+    p.add_argument("--trace", type=int, default=0, help="print the device's last this many jobs (by start: start, ms, queued, idle before)")
     p.add_argument("--max-gather-ms", type=float, default=4.0, help="the batchers' max_gather_s, ms")
     p.add_argument("--scale", type=float, default=4.0, help="every time above times this (slower than real, so that thread hand-offs matter less); reported unscaled")
     args = p.parse_args()
