@@ -84,6 +84,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="OracleDrafter corruption rates of the end-to-end runs (lower = longer acceptance); its rows are "
         "benchmark-only (no draft forward pass, no tap features) and set the AL of the headline speed-up",
     )
+    p.add_argument(
+        "--shaped-oracle", type=float, default=None, metavar="CORRUPTION",
+        help="also run a `dflash shape + oracle` row (benchmark-only): the random DFlash draft runs every pass, tap features "
+        "included, and answers with the OracleDrafter's proposals at this corruption: the honest round at a real AL, "
+        "measured in one row (one more draft worker's memory)",
+    )
     p.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default: 512; 256 with --pair builtin)")
     p.add_argument("--max-tokens", "--new-tokens", type=int, default=128, help="generated tokens per request")
     p.add_argument(
@@ -271,7 +277,7 @@ def run(args: argparse.Namespace) -> int:
                 rows = run_system(
                     args.shape, args.device, draft_device, args.dtype, [float(c) for c in args.corruptions.split(",")],
                     args.budget, args.prompts, args.prompt_len, args.max_tokens, levels, Path(work), log_dir, wires, busy_poll_us,
-                    result["gateways_per_draft"], target_flags, draft_flags,
+                    result["gateways_per_draft"], target_flags, draft_flags, args.shaped_oracle,
                 )
                 # Each model worker's cap and memory plan as it logged them (GiB), and its flags.
                 result["workers"] = {

@@ -20,11 +20,17 @@ DFLASH_LABEL = "dflash (random weights)"
 BUILTIN_LABEL = "dflash (built-in pair)"  # --pair builtin: the trained draft, a real AL, no oracle
 BUILTIN_LABELS = {"dflash": BUILTIN_LABEL, "dflash2": "dflash2 (built-in pair)"}  # by --builtin-draft
 ORACLE_NOTE = "benchmark-only: no draft forward pass, no tap-feature traffic"
+SHAPED = "shaped-oracle"  # the drafter of a ShapedOracleDrafter row (splitspec.bench.shaped_oracle)
 
 
 def oracle_label(corruption: float) -> str:
     """The label of an OracleDrafter row: its corruption rate and :data:`ORACLE_NOTE`."""
     return f"oracle {corruption:.2f} ({ORACLE_NOTE})"
+
+
+def shaped_oracle_label(corruption: float) -> str:
+    """The label of a ShapedOracleDrafter row: the real draft shape's passes, the oracle's proposals."""
+    return f"dflash shape + oracle {corruption:.2f} (benchmark-only: the draft's real passes, the oracle's proposals)"
 
 
 HEADLINE_RULE = (
@@ -37,6 +43,11 @@ HEADLINE_RULE = (
 AGGREGATE_RULE = (
     "honest aggregate at concurrency N = N × AL / t_round, with AL from the oracle row and t_round the decode ms/step "
     f"of the `{DFLASH_LABEL}` row at N (decode only: the prefill is no step), same wire, same run"
+)
+
+MEASURED_RULE = (
+    "a `dflash shape + oracle` row (--shaped-oracle) gives both from one row: its own AL and its own round, in which "
+    "the real-shaped draft ran every pass and the tap features of every committed row crossed the wire"
 )
 
 
@@ -71,32 +82,38 @@ def headline_speedups(rows: list[dict]) -> list[dict]:
     ``N × AL / t_round`` (:data:`AGGREGATE_RULE`). The oracle rows' own tok/s are not used: the
     OracleDrafter runs no draft pass and moves no tap features, so its rounds are cheaper than a real one.
     With several levels each line also gives the AR rows' aggregate tok/s at N over that at the lowest level.
-    None under ``--budget auto``: the adaptive budget sizes the oracle's trees and the random-weight
-    draft's differently (the draft's are never accepted), so the AL of one and the round of the
-    other would belong to different trees."""
+    None from the oracle rows under ``--budget auto``: the adaptive budget sizes the oracle's trees and
+    the random-weight draft's differently (the draft's are never accepted), so the AL of one and the
+    round of the other would belong to different trees. A ``dflash shape + oracle`` row gives its own
+    line at any budget, from its own AL and round (:data:`MEASURED_RULE`)."""
     out = []
     sweep = len(_levels(rows)) > 1
     for (wire, n), mine in _by_level(rows).items():
         ar, dflash = _row(mine, AR_LABEL), _row(mine, DFLASH_LABEL)
-        if ar is None or dflash is None or dflash["budget"] == "auto":
+        if ar is None:
             continue
-        t_ar, t_round = ar["ms_per_step"], dflash["ms_per_step"]
+        t_ar = ar["ms_per_step"]
         base = _base(rows, wire, AR_LABEL)
         ar_scaling = ar["tokens_per_s"] / base["tokens_per_s"]
-        for r in filter(_is_oracle, mine):
+        # (AL row, t_round): each oracle row with the random draft's round; a shaped row with its own (MEASURED_RULE).
+        sources = [(r, dflash["ms_per_step"]) for r in mine if _is_oracle(r)] if dflash and dflash["budget"] != "auto" else []
+        sources += [(r, r["ms_per_step"]) for r in mine if r.get("drafter") == SHAPED]
+        for r, t_round in sources:
             al = r["acceptance_length"]
             speedup = al * t_ar / t_round
             aggregate = 1e3 * n * al / t_round  # tok/s: N sequences, AL tokens each per round of t_round ms
             source = f"oracle {r['corruption']:.2f}" if r.get("corruption") is not None else r["label"]
+            if r.get("drafter") == SHAPED:
+                source = f"dflash shape + {source}, measured: AL and round of one row"
             line = (
-                f"wire {wire}, budget {dflash['budget']}, concurrency {n}, AL {al:.2f} (from {source}): "
+                f"wire {wire}, budget {r['budget']}, concurrency {n}, AL {al:.2f} (from {source}): "
                 f"{al:.2f} × {t_ar:.2f} ms / {t_round:.2f} ms = {speedup:.2f}× AR; "
                 f"aggregate {n} × {al:.2f} / {t_round:.2f} ms = {aggregate:.1f} tok/s"
             )
             if sweep and n != base.get("concurrency", 1):
                 line += f"; AR aggregate at {n} / at {base.get('concurrency', 1)}: {ar_scaling:.2f}×"
             out.append({
-                "wire": wire, "budget": dflash["budget"], "concurrency": n, "al_from": r["label"],
+                "wire": wire, "budget": r["budget"], "concurrency": n, "al_from": r["label"],
                 "acceptance_length": al, "t_ar_ms": t_ar, "t_round_ms": t_round, "speedup": speedup,
                 "aggregate_tokens_per_s": aggregate, "ar_scaling": ar_scaling, "line": line,
             })
@@ -292,7 +309,8 @@ def markdown(result: dict) -> str:
             )
         lines += ["", note]
         if headline:
-            lines += ["", f"**Headline**, {HEADLINE_RULE}; {AGGREGATE_RULE}:", ""] + [f"- {h['line']}" for h in headline]
+            measured = f"; {MEASURED_RULE}" if any(r.get("drafter") == SHAPED for r in rows) else ""
+            lines += ["", f"**Headline**, {HEADLINE_RULE}; {AGGREGATE_RULE}{measured}:", ""] + [f"- {h['line']}" for h in headline]
         if len(_levels(rows)) > 1:
             lines += sweep_markdown(rows)
         if result.get("workers"):

@@ -9,7 +9,10 @@ features, so its rows' times are not a real drafter's: their labels say so
 (``report.ORACLE_NOTE``), and they only set the acceptance length. A random DFlash draft of the
 real draft shape runs too: it accepts almost nothing, but its row is the true cost of a full
 round (draft pass, features on the wire, verify) at that budget. The report's headline speed-up
-combines the two (``report.headline_speedups``).
+combines the two (``report.headline_speedups``). With ``--shaped-oracle`` a third drafter runs both
+in one row (``splitspec.bench.shaped_oracle``): the random draft's passes, with the tap features of
+every committed row (a random draft commits about one token a step, so its row moves fewer), and
+the oracle's proposals, so that row's AL and round are measured together.
 
 Acceptance length (AL) is :mod:`splitspec.spec.acceptance_length`'s: tokens committed by verify
 steps over verify steps, from each request's usage; the prefill's token is not counted.
@@ -53,7 +56,7 @@ import grpc
 import numpy as np
 
 from services.gateway.budget import AUTO, DEFAULT_MAX_BUDGET
-from splitspec.bench.report import AR_LABEL, BUILTIN_LABELS, DFLASH_LABEL, oracle_label
+from splitspec.bench.report import AR_LABEL, BUILTIN_LABELS, DFLASH_LABEL, SHAPED, oracle_label, shaped_oracle_label
 from splitspec.bench.workers import BENCH_WORKERS
 from splitspec.cli.serve import wait_ready
 from splitspec.spec.acceptance_length import acceptance_length, committed_tokens
@@ -82,7 +85,7 @@ class SystemRow:
     all_decoding_seconds: float = 0.0
     all_decoding_windows: tuple[tuple[float, float], ...] = ()  # those times, (start, end) in time.perf_counter()
     draft_fallbacks: int = 0  # steps that ran target-only because the draft failed or was late
-    drafter: str = ""  # "off", "oracle" (benchmark-only), "dflash" or "dflash2"
+    drafter: str = ""  # "off", "oracle" or "shaped-oracle" (benchmark-only), "dflash" or "dflash2"
     corruption: float | None = None  # the oracle's corruption rate
 
     @property
@@ -408,6 +411,7 @@ def run_system(
     gateways_per_draft: int = 1,
     target_flags: Sequence[str] = (),
     draft_flags: Sequence[str] = (),
+    shaped_oracle: float | None = None,
 ) -> list[SystemRow]:
     """At each concurrency level: the AR row, then one row per draft, for each gateway ``--wire`` in
     ``wires``. The workers are shared and the wires take turns row by row, so both see the same
@@ -415,7 +419,9 @@ def run_system(
     (and wire) gets ``gateways_per_draft`` gateway processes, the clients spread over them.
     ``target_flags`` and ``draft_flags`` go to the random target and the random DFlash draft's
     worker (``--keep-quantized``, ``--memory-cap-gb``: :func:`worker_flags`); the OracleDrafter holds no
-    model and gets none. The workers' logs are ``target.log`` and ``draft-dflash.log`` in ``log_dir``."""
+    model and gets none. With ``shaped_oracle`` (a corruption rate) one more draft worker runs the
+    random DFlash draft's passes and answers with the oracle's proposals (``splitspec.bench.shaped_oracle``),
+    with the DFlash draft's flags. The workers' logs are ``target.log`` and ``draft-dflash.log`` in ``log_dir``."""
     from splitspec.bench.random_weights import random_draft_config, random_target_config
 
     target_model = f"random:{shape}"
@@ -453,11 +459,13 @@ def run_system(
         draft_sized = ["--max-sequences", str(max(levels))]
         if draft_device != "cpu":  # a CPU draft keeps no slots (its default)
             draft_sized += ["--graph-sequences", str(max(levels)), "--graph-context", str(prompt_len + max_tokens + 2 * largest + 64)]
-        drafts[DFLASH_LABEL] = (
-            "random-draft", "--model", f"{target_model}-dflash", "--device", draft_device, "--dtype", dtype, *draft_sized, *threads,
-            *draft_flags,
-        )
+        random_draft = ("--model", f"{target_model}-dflash", "--device", draft_device, "--dtype", dtype, *draft_sized, *threads, *draft_flags)
+        drafts[DFLASH_LABEL] = ("random-draft", *random_draft)
         kinds = {oracle_label(p): ("oracle", p) for p in corruptions} | {DFLASH_LABEL: ("dflash", None)}
+        if shaped_oracle is not None:
+            label = shaped_oracle_label(shaped_oracle)
+            drafts[label] = ("shaped-oracle-draft", *random_draft, "--table", str(table), "--corruption", str(shaped_oracle))
+            kinds[label] = (SHAPED, shaped_oracle)
         draft_addresses = {
             label: c.start(DFLASH_LOG if label == DFLASH_LABEL else f"draft{i}", args[0], "--target-model", target_model, *args[1:])
             for i, (label, args) in enumerate(drafts.items())

@@ -15,6 +15,9 @@ around a model that only the benchmark and the tests use:
   keeps a GGUF target's).
 - ``oracle-draft --table FILE --target-model TARGET``: the OracleDrafter (``oracle_drafter.py``),
   which proposes recorded continuations corrupted at ``--corruption``.
+- ``shaped-oracle-draft --model random:SHAPE-dflash --target-model random:SHAPE --table FILE``:
+  ``random-draft``'s engine running every pass, answering with the OracleDrafter's proposals
+  (``shaped_oracle.py``): the round of the real draft shape at the oracle's acceptance length.
 
 Every other flag is the service's own (``splitspec target --help``, ``splitspec draft --help``).
 """
@@ -34,7 +37,7 @@ from splitspec.transport.allocator import keep_message_buffers
 
 logger = logging.getLogger(__name__)
 
-BENCH_WORKERS = ("random-target", "random-draft", "oracle-draft")
+BENCH_WORKERS = ("random-target", "random-draft", "oracle-draft", "shaped-oracle-draft")
 
 
 def random_target(args: argparse.Namespace, device, dtype, state_dtype):
@@ -72,6 +75,17 @@ def oracle_draft(args: argparse.Namespace):
     return engine, target, "n/a", "cpu"
 
 
+def shaped_oracle_draft(args: argparse.Namespace):
+    from splitspec.bench.oracle_drafter import OracleDrafter, OracleTable
+    from splitspec.bench.shaped_oracle import ShapedOracleDrafter
+
+    engine, target, dtype, device = random_draft(args)
+    oracle = OracleDrafter(OracleTable(args.table), target.vocab_size, block_size=engine.block_size, corruption=args.corruption)
+    logger.warning("SHAPED ORACLE drafter (benchmark only): %s's passes, the oracle's proposals from %s at corruption %.2f",
+                   args.model, args.table, args.corruption)
+    return ShapedOracleDrafter(engine, oracle), target, dtype, device
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m splitspec.bench.workers", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -81,15 +95,18 @@ def build_parser() -> argparse.ArgumentParser:
     draft_main.add_arguments(draft)
     oracle = sub.add_parser("oracle-draft", help="the draft service with the OracleDrafter")
     draft_main.add_arguments(oracle, model=False)
-    oracle.add_argument("--table", required=True, dest="model", help='JSONL file of recorded sequences ({"tokens": [...]} per line)')
-    oracle.add_argument("--corruption", type=float, default=0.0, help="per-depth probability that the true token loses rank 0")
+    shaped = sub.add_parser("shaped-oracle-draft", help="the draft service with a random DFlash draft's passes and the OracleDrafter's proposals")
+    draft_main.add_arguments(shaped)
+    for p, dest in ((oracle, "model"), (shaped, "table")):  # the oracle worker's model is its table
+        p.add_argument("--table", required=True, dest=dest, help='JSONL file of recorded sequences ({"tokens": [...]} per line)')
+        p.add_argument("--corruption", type=float, default=0.0, help="per-depth probability that the true token loses rank 0")
     oracle.add_argument("--delay", type=float, default=0.0, help="seconds each proposal takes (a slow drafter, for deadline tests)")
     oracle.add_argument(
         "--selector", action="store_true",
         help="answer as a DFlash2 draft: pair scores whose transitions favour the recorded path (a selector that finds "
         "a corrupted depth's true token wherever it is a candidate)",
     )
-    for p, service in ((target, "target"), (draft, "draft"), (oracle, "draft")):
+    for p, service in ((target, "target"), (draft, "draft"), (oracle, "draft"), (shaped, "draft")):
         p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
         p.add_argument("--log-json", action="store_true")
         apply_env_defaults(p, service)
@@ -103,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "random-target":
         service = target_main.run(args, build=random_target)
     else:
-        service = draft_main.run(args, build=random_draft if args.command == "random-draft" else oracle_draft)
+        builds = {"random-draft": random_draft, "oracle-draft": oracle_draft, "shaped-oracle-draft": shaped_oracle_draft}
+        service = draft_main.run(args, build=builds[args.command])
     busypoll.run(service)
     return 0
 

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from splitspec.bench.report import AR_LABEL, BUILTIN_LABELS, DFLASH_LABEL, concurrency_table, headline_speedups, oracle_label
+from splitspec.bench.report import AR_LABEL, BUILTIN_LABELS, DFLASH_LABEL, concurrency_table, headline_speedups, oracle_label, shaped_oracle_label
 from splitspec.bench.system import MAX_CONCURRENCY, all_decoding, decoding_windows, parse_concurrency, plan_levels, random_prompts, requests_per_level
 
 
@@ -122,10 +122,12 @@ def _sweep(tmp_path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
 
 @pytest.mark.slow
 def test_bench_sweeps_concurrency_through_the_services(tmp_path):
-    """Every kind at every level; 3 clients at once each generate their own prompt."""
-    proc, result = _sweep(tmp_path, "--shape", "tiny", "--corruptions", "0.0", "--prompt-len", "16")
+    """Every kind at every level; 3 clients at once each generate their own prompt. The shaped
+    oracle's row (the random draft's passes, the oracle's answers) has the oracle's AL and its own round."""
+    proc, result = _sweep(tmp_path, "--shape", "tiny", "--corruptions", "0.0", "--prompt-len", "16", "--shaped-oracle", "0.0")
     assert result["concurrency"] == [1, 3]
-    kinds = [AR_LABEL, oracle_label(0.0), DFLASH_LABEL]
+    shaped = shaped_oracle_label(0.0)
+    kinds = [AR_LABEL, oracle_label(0.0), DFLASH_LABEL, shaped]
     for n in (1, 3):
         rows = {r["label"]: r for r in result["system"] if r["concurrency"] == n}
         assert sorted(rows) == sorted(kinds)
@@ -133,13 +135,19 @@ def test_bench_sweeps_concurrency_through_the_services(tmp_path):
         if n == 1:  # one client decodes from its first token to its last: every token but the prefill's
             assert rows[AR_LABEL]["all_decoding_tokens"] == 7 and rows[AR_LABEL]["all_decoding_seconds"] == pytest.approx(rows[AR_LABEL]["decode_seconds"])
         assert proc.stdout.count(f"\n| {n} | ") == 1  # one row of the sweep table per level
-    assert "| concurrency | off (AR) | dflash (random weights) | oracle 0.00 (benchmark-only) | honest aggregate at oracle 0.00's AL |" in proc.stdout
-    # The honest headline at each level, in aggregate: N × AL / t_round, and AR at N over AR at 1.
+    assert (
+        f"| concurrency | off (AR) | dflash (random weights) | {shaped} | oracle 0.00 (benchmark-only) "
+        "| honest aggregate at dflash shape + oracle 0.00's AL | honest aggregate at oracle 0.00's AL |"
+    ) in proc.stdout
+    # The honest headline at each level, in aggregate: N × AL / t_round, and AR at N over AR at 1; the
+    # shaped row's from its own AL and round.
     ar1 = next(r for r in result["system"] if r["label"] == AR_LABEL and r["concurrency"] == 1)
-    assert sorted(h["concurrency"] for h in result["headline"]) == [1, 3]
+    assert sorted((h["concurrency"], h["al_from"]) for h in result["headline"]) == [(n, k) for n in (1, 3) for k in sorted((oracle_label(0.0), shaped))]
     for h in result["headline"]:
         rows = {r["label"]: r for r in result["system"] if r["concurrency"] == h["concurrency"]}
-        expected = 1e3 * h["concurrency"] * rows[oracle_label(0.0)]["acceptance_length"] / rows[DFLASH_LABEL]["ms_per_step"]
+        assert rows[shaped]["acceptance_length"] == rows[oracle_label(0.0)]["acceptance_length"] > 1
+        t_round = rows[shaped if h["al_from"] == shaped else DFLASH_LABEL]["ms_per_step"]
+        expected = 1e3 * h["concurrency"] * rows[h["al_from"]]["acceptance_length"] / t_round
         assert h["aggregate_tokens_per_s"] == pytest.approx(expected, rel=1e-12) and f"- {h['line']}" in proc.stdout
         assert h["ar_scaling"] == pytest.approx(rows[AR_LABEL]["tokens_per_s"] / ar1["tokens_per_s"], rel=1e-12)
     assert {(s["label"], s["concurrency"], s["base_concurrency"]) for s in result["concurrency_scaling"]} == {(k, 3, 1) for k in kinds}
