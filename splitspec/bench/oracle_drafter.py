@@ -35,23 +35,31 @@ from splitspec.errors import InvalidArgument, ServiceError
 
 
 class OracleTable:
+    HEAD = 16  # sequences are indexed by their first HEAD tokens (a prompt's): a lookup compares few
+
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
         self._mtime: float | None = None
         self._sequences: list[list[int]] = []
+        self._by_head: dict[tuple[int, ...], list[list[int]]] = {}  # in file order
 
     def _refresh(self) -> None:
         mtime = self.path.stat().st_mtime if self.path.exists() else None
         if mtime != self._mtime:
             text = self.path.read_text() if mtime is not None else ""
             self._sequences = [json.loads(line)["tokens"] for line in text.splitlines() if line.strip()]
+            self._by_head = {}
+            for seq in self._sequences:
+                self._by_head.setdefault(tuple(seq[: self.HEAD]), []).append(seq)
             self._mtime = mtime
 
     def continuation(self, history: list[int]) -> list[int]:
         """Tokens that followed ``history`` in the first recorded sequence extending it, or []."""
         self._refresh()
         n = len(history)
-        for seq in self._sequences:
+        # A sequence extending a history of HEAD tokens or more starts with the same HEAD tokens.
+        candidates = self._by_head.get(tuple(history[: self.HEAD]), []) if n >= self.HEAD else self._sequences
+        for seq in candidates:
             if len(seq) > n and seq[:n] == history:
                 return seq[n:]
         return []
@@ -78,6 +86,7 @@ class OracleDrafter:
         self.delay_s = delay_s  # a slow drafter, for deadline tests
         self.selector_top_k = 8 if selector else 0  # as DraftEngine's: a DFlash2 draft's advertised top-K
         self.sequences = SequenceTable()  # of token histories
+        self._tiles: dict[tuple[int, int], np.ndarray] = {}  # (top_k, depth) -> _rank_tile
 
     @property
     def context_bytes(self) -> int:
@@ -87,7 +96,8 @@ class OracleDrafter:
         """The steps of a pass, each on its own (no forward pass to share); ``--delay`` per step, as a
         drafter whose pass grows with its batch (a deadline test's blockers make a late pass)."""
         t0 = time.perf_counter_ns()
-        time.sleep(self.delay_s * len(steps))
+        if self.delay_s:
+            time.sleep(self.delay_s * len(steps))
         results: list[Proposal | ServiceError] = []
         for step in steps:
             try:
@@ -138,7 +148,7 @@ class OracleDrafter:
             others = (int(true[d]) + 1 + np.arange(top_k + 2)) % self.vocab_size  # enough to fill the ranks
             ranked += [int(t) for t in others if t not in ranked][: top_k - len(ranked)]
             ids[d] = ranked[:top_k]
-        logprobs = np.tile(self._rank_logprobs(top_k), (depth, 1))  # [depth, K]
+        logprobs = self._rank_tile(top_k, depth)  # [depth, K]
         pairs = None
         if self.selector_top_k:
             on_path = ids == true[:, None]  # [depth, K]: the true token among each depth's candidates
@@ -146,6 +156,13 @@ class OracleDrafter:
             pairs = torch.from_numpy((logprobs[:, None, :] + SELECTOR_BONUS * (after[:, :, None] & on_path[:, None, :])).astype(np.float32))
         cut = step.depths or depth  # every depth is drawn above, so a row does not depend on how many are asked for
         return Proposal(torch.from_numpy(ids[:cut]), torch.from_numpy(logprobs[:cut]), 0, pair_scores=None if pairs is None else pairs[:cut])
+
+    def _rank_tile(self, top_k: int, depth: int) -> np.ndarray:
+        """``[depth, K]``: :meth:`_rank_logprobs` at every depth, a copy of one made once per shape."""
+        tile = self._tiles.get((top_k, depth))
+        if tile is None:
+            tile = self._tiles[top_k, depth] = np.tile(self._rank_logprobs(top_k), (depth, 1))
+        return tile.copy()
 
     def _rank_logprobs(self, top_k: int) -> np.ndarray:
         """``[K]`` float32: the probability that the true token sits at each rank, as the corruption

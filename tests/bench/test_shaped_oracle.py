@@ -6,29 +6,33 @@ leaves no oracle history behind."""
 from __future__ import annotations
 
 import json
+import threading
 
 import numpy as np
 import pytest
 import torch
 
 from services.draft.engine import DraftEngine, Proposal, ProposeStep
+from services.draft.graphs import BlockGraphs
 from splitspec.bench.oracle_drafter import OracleDrafter, OracleTable
 from splitspec.bench.random_weights import random_draft, random_target_config, random_target_head
 from splitspec.bench.shaped_oracle import ShapedOracleDrafter
 from splitspec.errors import InvalidArgument
 
 
-@pytest.fixture
-def pair(tmp_path):
-    """A ShapedOracleDrafter over the tiny random draft, a plain OracleDrafter of the same table,
-    and the recorded sequence."""
+@pytest.fixture(params=[False, True], ids=["eager", "slots"])
+def pair(tmp_path, request):
+    """A ShapedOracleDrafter over the tiny random draft (its passes eager, or in the fixed-shape
+    slots a GPU captures as graphs: the oracle then answers on its helper thread), a plain
+    OracleDrafter of the same table, the recorded sequence and the features' width."""
     config = random_target_config("random:tiny")
     recorded = np.random.default_rng(3).integers(0, config.vocab_size, 80).tolist()
     path = tmp_path / "table.jsonl"
     path.write_text(json.dumps({"tokens": recorded}) + "\n")
     model, draft_config = random_draft("random:tiny-dflash")
     embed, head, _ = random_target_head("random:tiny")
-    engine = DraftEngine(model, embed, head, max_sequences=4)
+    graphs = BlockGraphs(model, embed, head, 128, 4, capture=False) if request.param else None
+    engine = DraftEngine(model, embed, head, max_sequences=4, graphs=graphs)
     oracle = lambda: OracleDrafter(OracleTable(path), config.vocab_size, block_size=engine.block_size, corruption=0.3)  # noqa: E731
     return ShapedOracleDrafter(engine, oracle()), oracle(), recorded, draft_config.num_taps * draft_config.hidden_size
 
@@ -42,6 +46,9 @@ def steps_at(recorded: list[int], position: int, synced: int, width: int, sequen
 
 def test_answers_are_the_oracles_timed_as_the_drafts_pass(pair):
     shaped, oracle, recorded, width = pair
+    threads = []
+    answer = shaped.oracle.propose_batch
+    shaped.oracle.propose_batch = lambda steps: threads.append(threading.current_thread().name) or answer(steps)
     synced = 0
     for position in (12, 17, 25):
         [got] = shaped.propose_batch([steps_at(recorded, position, synced, width)])
@@ -52,6 +59,9 @@ def test_answers_are_the_oracles_timed_as_the_drafts_pass(pair):
         synced = position
     # The draft ran every pass: its context holds every position sent.
     assert shaped.engine.sequences.get("s").ctx_end == 25 and shaped.target_layer_ids == shaped.engine.target_layer_ids
+    # In slots the oracle answered on its helper thread, once the pass was launched; eager, after it.
+    slots = shaped.engine.graphs is not None
+    assert all(name.startswith("oracle") == slots for name in threads) and len(threads) == 3
 
 
 def test_a_step_the_draft_refuses_gets_the_drafts_error_and_the_others_go_on(pair):
