@@ -119,7 +119,6 @@ async def run(args: argparse.Namespace, build=load_engine) -> None:
     benchmark passes its own: splitspec/bench/workers.py)."""
     import torch
 
-    from services.draft.engine import DraftEngine
     from services.draft.server import SERVICE, DraftServicer
     from services.metrics import WorkerMetrics, model_name
     from services.worker import memory_plan
@@ -148,7 +147,7 @@ async def run(args: argparse.Namespace, build=load_engine) -> None:
             if cap is None:
                 raise
             raise memory_plan.out_of_memory("draft", cap, exc) from exc
-        if isinstance(engine, DraftEngine):  # not the benchmark's OracleDrafter, which holds no model
+        if getattr(engine, "model", None) is not None:  # not the benchmark's OracleDrafter, which holds no model
             graphs = engine.graphs
             plan = memory_plan.draft_plan(
                 engine.model, engine.embed, engine.lm_head, graphs.sequences if graphs else 0,

@@ -358,6 +358,7 @@ def measure(
 
 
 DFLASH_LOG = "draft-dflash"  # the random DFlash draft's process name: its log is DFLASH_LOG.log
+SHAPED_LOG = "draft-shaped-oracle"  # the --shaped-oracle draft's
 
 
 def worker_flags(quantized: bool, cap_gb: float, draft_gb: float, shared: bool) -> tuple[list[str], list[str]]:
@@ -421,7 +422,8 @@ def run_system(
     worker (``--keep-quantized``, ``--memory-cap-gb``: :func:`worker_flags`); the OracleDrafter holds no
     model and gets none. With ``shaped_oracle`` (a corruption rate) one more draft worker runs the
     random DFlash draft's passes and answers with the oracle's proposals (``splitspec.bench.shaped_oracle``),
-    with the DFlash draft's flags. The workers' logs are ``target.log`` and ``draft-dflash.log`` in ``log_dir``."""
+    with the DFlash draft's flags. The workers' logs are ``target.log``, ``draft-dflash.log`` and
+    ``draft-shaped-oracle.log`` in ``log_dir``."""
     from splitspec.bench.random_weights import random_draft_config, random_target_config
 
     target_model = f"random:{shape}"
@@ -466,8 +468,9 @@ def run_system(
             label = shaped_oracle_label(shaped_oracle)
             drafts[label] = ("shaped-oracle-draft", *random_draft, "--table", str(table), "--corruption", str(shaped_oracle))
             kinds[label] = (SHAPED, shaped_oracle)
+        names = {DFLASH_LABEL: DFLASH_LOG} | {label: SHAPED_LOG for label, kind in kinds.items() if kind[0] == SHAPED}
         draft_addresses = {
-            label: c.start(DFLASH_LOG if label == DFLASH_LABEL else f"draft{i}", args[0], "--target-model", target_model, *args[1:])
+            label: c.start(names.get(label, f"draft{i}"), args[0], "--target-model", target_model, *args[1:])
             for i, (label, args) in enumerate(drafts.items())
         }
         gateways = {

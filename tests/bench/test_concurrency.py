@@ -124,8 +124,11 @@ def _sweep(tmp_path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
 def test_bench_sweeps_concurrency_through_the_services(tmp_path):
     """Every kind at every level; 3 clients at once each generate their own prompt. The shaped
     oracle's row (the random draft's passes, the oracle's answers) has the oracle's AL and its own round."""
-    proc, result = _sweep(tmp_path, "--shape", "tiny", "--corruptions", "0.0", "--prompt-len", "16", "--shaped-oracle", "0.0")
+    logs = tmp_path / "logs"
+    proc, result = _sweep(tmp_path, "--shape", "tiny", "--corruptions", "0.0", "--prompt-len", "16", "--shaped-oracle", "0.0", "--log-dir", str(logs))
     assert result["concurrency"] == [1, 3]
+    # The shaped draft's worker is a model worker as the DFlash draft's is: it logs its memory plan.
+    assert "memory plan:" in (logs / "draft-shaped-oracle.log").read_text() and "SHAPED ORACLE" in (logs / "draft-shaped-oracle.log").read_text()
     shaped = shaped_oracle_label(0.0)
     kinds = [AR_LABEL, oracle_label(0.0), DFLASH_LABEL, shaped]
     for n in (1, 3):
