@@ -104,7 +104,8 @@ class SharedDevice(Device):
                         done.set()
                         if jobs:
                             jobs[0][4] = now
-                soonest = min((jobs[0][0] * sum(1 for q in self.queues.values() if q) for jobs in self.queues.values() if jobs), default=0.0)
+                busy = [jobs[0][0] for jobs in self.queues.values() if jobs]  # work left of each head job
+                soonest = min(busy, default=0.0) * len(busy)  # until the first of them ends, at 1 / len(busy) speed
             time.sleep(min(max(soonest, 0.0), 0.0005))
 
 

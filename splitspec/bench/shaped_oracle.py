@@ -65,15 +65,7 @@ class ShapedOracleDrafter:
         self._forget_released()
         return out
 
-    def propose(
-        self, sequence_id: str, anchor_token: int, anchor_position: int, features, top_k: int, window: int = 0, tokens=(),
-        context: int = 0, depths: int = 0,
-    ) -> Proposal:
-        step = ProposeStep(sequence_id, anchor_token, anchor_position, features, top_k, window, list(tokens), context, depths)
-        result = self.propose_batch([step])[0]
-        if isinstance(result, BaseException):
-            raise result
-        return result
+    propose = OracleDrafter.propose  # one step through propose_batch (not the engine's own, which __getattr__ would give)
 
     def _forget_released(self) -> None:
         """The oracle's histories of sequences the engine no longer holds (released, expired,
