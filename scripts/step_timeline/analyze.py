@@ -14,7 +14,11 @@ gateways' reads of them, the gateways' next requests and the target's reads of t
 start of the next pass: where the GPU waits between two passes.
 
 ``--gpu`` is for speculation on one GPU: the target's and the draft's passes side by side, how
-much of the time each, both and neither ran one, and a stretch of them in order.
+much of the time each, both and neither ran one, the draft's eager appends of feature rows, the
+event loops' stalls, and a stretch of passes in order.
+
+``--draft COMMAND`` (e.g. shaped-oracle-draft, one bench row's draft worker) keeps that draft
+worker's logs only and every other record inside the span of its steps: that row alone.
 """
 
 import bisect
@@ -27,16 +31,32 @@ from collections import defaultdict
 SEGMENTS = ("send", "pre", "hand-off in", "engine", "hand-off out", "post", "return")
 
 
+WINDOW: tuple[int, int] | None = None  # (t0, t1): records outside it are dropped (--draft)
+DRAFT = "draft"  # the draft worker's command (--draft): its logs are DRAFT-PID.log
+
+
 def read(path: str) -> list[list[str]]:
+    """Its records, each [kind, ..., t0, t1] (times in ns), those inside WINDOW."""
     with open(path) as f:
-        return [line.split() for line in f]
+        records = [line.split() for line in f]
+    if WINDOW is None:
+        return records
+    return [r for r in records if WINDOW[0] <= int(r[-2]) and int(r[-1]) <= WINDOW[1]]
+
+
+def worker_logs(folder: str, worker: str) -> list[str]:
+    """Log files of ``worker`` ("target" or "draft"): the bench's random-target, random-draft,
+    oracle-draft and shaped-oracle-draft as well as serve's target and draft; with --draft, that
+    draft's only."""
+    if worker == "draft" and DRAFT != "draft":
+        return glob.glob(os.path.join(folder, f"{DRAFT}-*.log"))
+    return glob.glob(os.path.join(folder, f"*{worker}-*.log"))
 
 
 def worker_steps(folder: str, command: str) -> list[tuple[int, int, int, int, int, int]]:
     """(step t0, step t1, host t0, host t1, engine t0, engine t1) of every step, sorted."""
     out = []
-    # The bench's workers are random-target, random-draft and oracle-draft; serve's are target and draft.
-    for path in glob.glob(os.path.join(folder, f"{command}-*.log")) + glob.glob(os.path.join(folder, f"*-{command}-*.log")):
+    for path in worker_logs(folder, command):
         records = read(path)
         hosts = sorted((int(r[2]), int(r[3])) for r in records if r[0] == "host")
         engines = sorted((int(r[2]), int(r[3])) for r in records if r[0] == "engine")
@@ -81,9 +101,8 @@ def main(folder: str) -> None:
 
 
 def worker_records(folder: str, worker: str) -> list[list[str]]:
-    """Every record of ``worker``'s processes ("target" or "draft": the bench's random-target and
-    random-draft as well as serve's)."""
-    return [r for path in glob.glob(os.path.join(folder, f"*{worker}-*.log")) for r in read(path)]
+    """Every record of ``worker``'s processes ("target" or "draft")."""
+    return [r for path in worker_logs(folder, worker) for r in read(path)]
 
 
 def of_kind(records: list[list[str]], kind: str) -> list[tuple[int, int]]:
@@ -187,6 +206,18 @@ def gpu(folder: str, shown: int = 40) -> None:
     both = sum(_covered([(s, e) for s, e, _ in ps]) for ps in by_worker.values()) - union
     print(f"over {span / 1e9:.2f} s: a pass running {100 * union / span:.0f}%, both workers' {100 * both / span:.0f}%, "
           f"neither's {100 * (span - union) / span:.0f}%")
+    appends = [(int(r[1]), int(r[3]) - int(r[2])) for r in worker_records(folder, "draft") if r[0] == "context"]
+    if appends:
+        print(f"draft's eager appends: {len(appends)}, {statistics.median(n for n, _ in appends):.0f} rows and "
+              f"{statistics.median(ns for _, ns in appends) / 1e6:.2f} ms median, {sum(ns for _, ns in appends) / 1e6:.0f} ms in all")
+    stalls = defaultdict(list)  # process kind -> stall lengths
+    for path in glob.glob(os.path.join(folder, "*.log")):
+        kind = os.path.basename(path).rsplit("-", 1)[0]
+        stalls[kind] += [int(r[3]) - int(r[2]) for r in read(path) if r[0] == "lag"]
+    for kind, lengths in sorted(stalls.items()):
+        if lengths:
+            print(f"{kind} event loops: {len(lengths)} stalls over 4 ms, median {statistics.median(lengths) / 1e6:.1f} ms, "
+                  f"longest {max(lengths) / 1e6:.1f}, {100 * sum(lengths) / span:.0f}% of the time")
     middle = max(0, len(every) // 2 - shown // 2)
     t_zero = every[middle][0]
     print(f"{shown} passes from the middle (ms from the first shown): worker, start, length, steps")
@@ -194,7 +225,18 @@ def gpu(folder: str, shown: int = 40) -> None:
         print(f"  {w:6s} {(s - t_zero) / 1e6:8.2f} {(e - s) / 1e6:6.2f} {n:3d}")
 
 
+def window_of(folder: str, draft: str) -> tuple[int, int]:
+    """From the first to the last step record of ``draft``'s logs."""
+    steps = [r for path in glob.glob(os.path.join(folder, f"{draft}-*.log")) for r in read(path) if r[0] == "step"]
+    if not steps:
+        sys.exit(f"no step records in {folder}/{draft}-*.log")
+    return min(int(r[1]) for r in steps), max(int(r[2]) for r in steps)
+
+
 if __name__ == "__main__":
+    if "--draft" in sys.argv:
+        DRAFT = sys.argv[sys.argv.index("--draft") + 1]
+        WINDOW = window_of(sys.argv[1], DRAFT)
     if "--passes" in sys.argv[2:]:
         passes(sys.argv[1])
     elif "--gpu" in sys.argv[2:]:

@@ -14,7 +14,9 @@ Records (times in ns): ``rpc NAME t0 t1`` a gateway step call; ``tree t0 t1`` a 
 t0 t1`` the servicer's call into its engine (thread hand-offs and the wait for its batched pass
 included); ``engine WHAT t0 t1`` the engine's batched method itself (one record a pass; a staged pass from its
 launch to its settle); ``prefill WHAT t0 t1``
-the engine's prefill.
+the engine's prefill; ``context ROWS t0 t1`` a draft's append of new feature rows (ROWS in all)
+outside its graphs; ``lag loop t0 t1`` the event loop woke more than 4 ms after a 1 ms sleep began
+(something held it: a long callback, the GIL).
 """
 
 import atexit
@@ -63,11 +65,14 @@ if os.environ.get("SPLITSPEC_TRACE_DIR"):
 
         return timed
 
+    import asyncio
+
     import services.gateway.workers as workers
     import services.worker.batching as batching
     import services.worker.hosting as hosting
     import splitspec.spec.tree as tree
     import splitspec.text.textstream as textstream
+    import splitspec.transport.busypoll as busypoll
     import splitspec.transport.rpc as rpc
 
     _attach = hosting.EngineHost.attach
@@ -79,7 +84,21 @@ if os.environ.get("SPLITSPEC_TRACE_DIR"):
             engine.propose_batch = _timed(("engine", self.what), engine.propose_batch)
         if hasattr(engine, "prefill"):  # prefills run on the same thread, between passes
             engine.prefill = _timed(("prefill", self.what), engine.prefill)
+        drafter = getattr(engine, "engine", engine)  # the shaped oracle's DraftEngine is its .engine
+        if hasattr(drafter, "_context_kv"):  # the draft's eager appends (a prompt's rows, or graphs off)
+            drafter._context_kv = _context_timed(drafter._context_kv)
         _attach(self, engine, description)
+
+    def _context_timed(context_kv):
+        @functools.wraps(context_kv)
+        def timed(admitted):
+            t0 = _now()
+            try:
+                return context_kv(admitted)
+            finally:
+                _records.append(("context", sum(step.rows for step, _ in admitted), t0, _now()))
+
+        return timed
 
     def _stage_timed(what, engine):
         launch, settle = engine.launch_pass, engine.settle_pass
@@ -129,6 +148,27 @@ if os.environ.get("SPLITSPEC_TRACE_DIR"):
             _records.append(("rpc", self.step_rpc, t0, _now()))
 
     workers.WorkerClient._step = _worker_step_timed
+
+    _loop_run = busypoll.run
+
+    def _run_with_lag_probe(main):
+        async def probed():
+            async def probe():
+                while True:
+                    t0 = _now()
+                    await asyncio.sleep(0.001)
+                    if _now() - t0 > 4_000_000:
+                        _records.append(("lag", "loop", t0, _now()))
+
+            task = asyncio.get_running_loop().create_task(probe())
+            try:
+                return await main
+            finally:
+                task.cancel()
+
+        return _loop_run(probed())
+
+    busypoll.run = _run_with_lag_probe
 
     @atexit.register
     def _dump() -> None:
