@@ -512,13 +512,17 @@ class BlockGraphs:
                 chunks.append(it.features)
                 at += m
             size += 16 * rows
-            features = torch.cat([f.to(device=chunks[0].device, dtype=inputs.feature_dtype) for f in chunks])
-            if features.device == inputs.staged.on_device.device:
-                inputs.features[:at].copy_(features)
-            else:  # numpy's copy: one thread
-                packed = features.contiguous().view(torch.uint8).numpy().reshape(-1)
-                raw[size : size + packed.size] = packed
-                size += packed.size
+            if chunks[0].device.type != "cpu":  # features already on a GPU (in-process callers)
+                torch.cat([f.to(device=inputs.features.device, dtype=inputs.feature_dtype) for f in chunks], out=inputs.features[:at])
+            else:
+                # Host features (the wire's): each step's rows packed by numpy (one thread, no joined
+                # copy first). A torch.cat of host tensors runs on torch's CPU thread pool, which took
+                # 112 ms a pass at 32 users on an H100 host whose cores the other services kept busy
+                # (BENCHMARKS.md [S16]).
+                for f in chunks:
+                    packed = f.to(device="cpu", dtype=inputs.feature_dtype).contiguous().view(torch.uint8).numpy().reshape(-1)
+                    raw[size : size + packed.size] = packed
+                    size += packed.size
         inputs.staged.upload(size)
 
     @torch.inference_mode()

@@ -53,7 +53,7 @@ def add_arguments(p: argparse.ArgumentParser, model: bool = True) -> None:
         "1 GiB): a configuration that does not is refused, naming what to lower",
     )
     p.add_argument("--no-cuda-graphs", action="store_true", help="run the fixed shapes without capturing graphs (debugging)")
-    p.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0 = torch's default)")
+    p.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0 = torch's default while loading, then 1 with a GPU --device)")
     p.add_argument("--sequence-ttl", type=float, default=600.0, help="release contexts idle this many seconds")
     p.add_argument("--metrics-port", type=int, default=9453, help="Prometheus /metrics port on the --listen host (0 = off)")
     p.add_argument("--shutdown-grace", type=float, default=10.0, help="seconds in-flight calls may finish after SIGTERM")
@@ -122,7 +122,7 @@ async def run(args: argparse.Namespace, build=load_engine) -> None:
     from services.draft.server import SERVICE, DraftServicer
     from services.metrics import WorkerMetrics, model_name
     from services.worker import memory_plan
-    from services.worker.hosting import model_geometry, serve_worker
+    from services.worker.hosting import model_geometry, serve_worker, settle_threads
     from splitspec.models.devices import backend_name, resolve_device
     from splitspec.v1 import draft_pb2, draft_pb2_grpc
 
@@ -164,6 +164,7 @@ async def run(args: argparse.Namespace, build=load_engine) -> None:
                     "warmed up %d batched block graphs (top-%d) in %.1f s, %.0f MiB more device memory reserved (the context slots with it)",
                     passes, top_k, time.perf_counter() - t1, (torch.cuda.memory_reserved(graphs.device) - held) / 2**20,
                 )
+        settle_threads(args.threads, resolve_device(device).type, "draft")  # on the engine thread, where passes run
         geometry = model_geometry(target_config, dtype, device, str(args.target_model))
         servicer.host.attach(engine, (geometry, str(args.model)))
         metrics.describe(device=device, backend=backend_name(torch.device(device)), dtype=dtype, draft=model_name(args.model))

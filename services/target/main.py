@@ -92,7 +92,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "draft's verify steps replay graphs from the first step; without it the first steps of each new shape run "
         "eagerly (on the 27B hybrid 75-200 ms a step against a 24 ms replay). splitspec serve sets it (default: none)",
     )
-    p.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0 = torch's default)")
+    p.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0 = torch's default while loading, then 1 with a GPU --device)")
     p.add_argument(
         "--cpu-pass-thread", choices=("on", "off"), default="on",
         help="on a CPU, compute each verify pass on a thread of its own, as a GPU's pass runs on its stream, so that the next "
@@ -172,7 +172,7 @@ async def run(args: argparse.Namespace, build=load_model) -> None:
     from services.target.graphs import WARM_BLOCKS
     from services.target.server import SERVICE, TargetDescription, TargetServicer
     from services.worker import memory_plan
-    from services.worker.hosting import model_geometry, serve_worker
+    from services.worker.hosting import model_geometry, serve_worker, settle_threads
     from splitspec.models.devices import DTYPES, backend_name, resolve_device, resolve_dtype
     from splitspec.models.qwen35 import Qwen35Config, tree_row_bytes
     from splitspec.v1 import target_pb2, target_pb2_grpc
@@ -250,6 +250,7 @@ async def run(args: argparse.Namespace, build=load_model) -> None:
                 "memory after start-up: torch holds %.2f GiB (reserved) against a plan of %.2f GiB",
                 torch.cuda.memory_reserved(device) / memory_plan.GiB, plan.total / memory_plan.GiB,
             )
+        settle_threads(args.threads, device.type, "target")  # on the engine thread, where passes run
         servicer.host.attach(engine, TargetDescription(geometry, eos, tokenizer_path))
         metrics.describe(device=str(device), backend=backend_name(device), dtype=geometry.dtype)
         metrics.loaded(time.perf_counter() - t0)

@@ -291,6 +291,24 @@ class SequenceTable:
         return stale
 
 
+# torch's CPU threads in a worker whose model is on a GPU, once loaded (its --threads unset): its
+# host-side ops are small copies, and a pool of threads spinning in each op starved the gateways
+# and the other worker sharing the cores: one batched draft pass took 112 ms at 32 users on an H100
+# host, 110 of them in a 4 MB torch.cat of host features (BENCHMARKS.md [S16]).
+GPU_WORKER_THREADS = 1
+
+
+def settle_threads(threads: int, device_type: str, what: str) -> None:
+    """After loading (which may use many threads: dequantizing, random weights): ``--threads`` if
+    set, else ``GPU_WORKER_THREADS`` for a GPU worker; a CPU worker keeps torch's default."""
+    import torch
+
+    if threads or device_type == "cpu":
+        return
+    torch.set_num_threads(GPU_WORKER_THREADS)
+    logger.info("%s worker: %d torch CPU thread from now on (its model is on the GPU; --threads sets more)", what, GPU_WORKER_THREADS)
+
+
 def model_geometry(config: Any, dtype: str, device: str, path: str) -> common_pb2.ModelGeometry:
     """The Info geometry of a target config (any family)."""
     return common_pb2.ModelGeometry(

@@ -487,3 +487,21 @@ def test_a_creation_whose_caller_went_away_releases_what_it_made():
 
     done, sequences = asyncio.run(scenario())
     assert done == "kept" and len(sequences) == 1 and "kept" in sequences
+
+
+@pytest.mark.parametrize(("threads", "device_type", "expected"), [(0, "cuda", 1), (3, "cuda", 2), (0, "cpu", 2)])
+def test_a_gpu_worker_keeps_one_torch_thread_once_loaded_unless_told_otherwise(threads, device_type, expected):
+    """A GPU worker's host-side ops are small copies: torch's thread pool spinning in them starved
+    the services sharing its cores. A CPU worker computes there and keeps its threads; so does one
+    given --threads (which its main set before loading)."""
+    import torch
+
+    from services.worker.hosting import settle_threads
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        settle_threads(threads, device_type, "draft")
+        assert torch.get_num_threads() == expected
+    finally:
+        torch.set_num_threads(before)
