@@ -210,6 +210,12 @@ def gpu(folder: str, shown: int = 40) -> None:
     if appends:
         print(f"draft's eager appends: {len(appends)}, {statistics.median(n for n, _ in appends):.0f} rows and "
               f"{statistics.median(ns for _, ns in appends) / 1e6:.2f} ms median, {sum(ns for _, ns in appends) / 1e6:.0f} ms in all")
+    parts = defaultdict(list)
+    for r in worker_records(folder, "draft"):
+        if r[0] == "part":
+            parts[r[1]].append(int(r[3]) - int(r[2]))
+    for what, lengths in sorted(parts.items()):
+        print(f"draft's {what}: {len(lengths)}, median {statistics.median(lengths) / 1e6:.2f} ms, mean {statistics.fmean(lengths) / 1e6:.2f}")
     stalls = defaultdict(list)  # process kind -> stall lengths
     for path in glob.glob(os.path.join(folder, "*.log")):
         kind = os.path.basename(path).rsplit("-", 1)[0]

@@ -14,7 +14,8 @@ Records (times in ns): ``rpc NAME t0 t1`` a gateway step call; ``tree t0 t1`` a 
 t0 t1`` the servicer's call into its engine (thread hand-offs and the wait for its batched pass
 included); ``engine WHAT t0 t1`` the engine's batched method itself (one record a pass; a staged pass from its
 launch to its settle); ``prefill WHAT t0 t1``
-the engine's prefill; ``context ROWS t0 t1`` a draft's append of new feature rows (ROWS in all)
+the engine's prefill; ``part WHAT t0 t1`` a part of a draft's pass (graph-launch, to-host; the shaped
+oracle's draft-pass and oracle); ``context ROWS t0 t1`` a draft's append of new feature rows (ROWS in all)
 outside its graphs; ``lag loop t0 t1`` the event loop woke more than 4 ms after a 1 ms sleep began
 (something held it: a long callback, the GIL).
 """
@@ -87,6 +88,15 @@ if os.environ.get("SPLITSPEC_TRACE_DIR"):
         drafter = getattr(engine, "engine", engine)  # the shaped oracle's DraftEngine is its .engine
         if hasattr(drafter, "_context_kv"):  # the draft's eager appends (a prompt's rows, or graphs off)
             drafter._context_kv = _context_timed(drafter._context_kv)
+        if drafter is not engine:  # the shaped oracle's parts: the draft's pass, the oracle's answers
+            drafter.propose_batch = _timed(("part", "draft-pass"), drafter.propose_batch)
+            engine.oracle.propose_batch = _timed(("part", "oracle"), engine.oracle.propose_batch)
+        graphs = getattr(drafter, "graphs", None)
+        if graphs is not None:  # a batched graph's launch (its inputs staged, the replay queued)
+            graphs.run_batch = _timed(("part", "graph-launch"), graphs.run_batch)
+        draft_module = sys.modules.get("services.draft.engine")  # imported by a draft worker only (torch)
+        if draft_module is not None and drafter is not None and hasattr(drafter, "_context_kv"):
+            draft_module._to_host = _timed(("part", "to-host"), draft_module._to_host)
         _attach(self, engine, description)
 
     def _context_timed(context_kv):
