@@ -85,10 +85,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "benchmark-only (no draft forward pass, no tap features) and set the AL of the headline speed-up",
     )
     p.add_argument(
-        "--shaped-oracle", type=float, default=None, metavar="CORRUPTION",
-        help="also run a `dflash shape + oracle` row (benchmark-only): the random DFlash draft runs every pass, tap features "
+        "--shaped-oracle", default="auto", metavar="CORRUPTION",
+        help="a `dflash shape + oracle` row (benchmark-only): the random DFlash draft runs every pass, tap features "
         "included, and answers with the OracleDrafter's proposals at this corruption: the honest round at a real AL, "
-        "measured in one row (one more draft worker's memory)",
+        "measured in one row (one more draft worker's memory); its headline line comes first. A rate in [0, 1], off, or "
+        "auto: the lowest of --corruptions (the longest AL) when the target's --device is a GPU, off on a CPU (where "
+        "the composed headline was within 11-42%% of it: BENCHMARKS.md [L11]; on an H100 at 32 users 2-5x: [S15], [S16]) "
+        "or with --memory-cap-gb (split between one target and one draft)",
     )
     p.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default: 512; 256 with --pair builtin)")
     p.add_argument("--max-tokens", "--new-tokens", type=int, default=128, help="generated tokens per request")
@@ -190,6 +193,23 @@ def resolve_pair_defaults(args: argparse.Namespace) -> None:
         args.dtype = str(resolve_dtype(args.dtype, torch.device(args.device))).removeprefix("torch.")
 
 
+def shaped_corruption(value: str, corruptions: list[float], device: str, capped: bool = False) -> float | None:
+    """``--shaped-oracle``'s corruption rate, None for no such row: ``off``; ``auto`` is the lowest
+    of ``corruptions`` on a GPU target, and off on a CPU or under a memory cap (split between one
+    target and one draft, as `splitspec serve` splits it); otherwise a rate in [0, 1]."""
+    if value == "off" or (value == "auto" and (capped or not device.startswith("cuda"))):
+        return None
+    if value == "auto":
+        return min(corruptions)
+    try:
+        rate = float(value)
+    except ValueError:
+        raise ValueError(f"--shaped-oracle {value!r}: a corruption rate in [0, 1], off or auto") from None
+    if not 0.0 <= rate <= 1.0:
+        raise ValueError(f"--shaped-oracle {value}: a corruption rate must be in [0, 1]")
+    return rate
+
+
 def check_pair(args: argparse.Namespace, parts: set[str]) -> None:
     """Refuse, in one line, what ``--pair builtin`` cannot do: it runs `splitspec serve` unchanged."""
     if args.pair != "builtin":
@@ -204,6 +224,8 @@ def check_pair(args: argparse.Namespace, parts: set[str]) -> None:
         raise ValueError("--draft-device: --pair builtin runs `splitspec serve` with one --device for both workers")
     if args.memory_cap_gb:
         raise ValueError("--memory-cap-gb: --pair builtin runs `splitspec serve` unchanged; the random pair's system part takes it")
+    if args.shaped_oracle not in ("auto", "off"):
+        raise ValueError("--shaped-oracle: the built-in pair's trained draft gives a real AL; the random pair's system part takes it")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -217,6 +239,8 @@ def run(args: argparse.Namespace) -> int:
     check_pair(args, parts)
     if args.pair == "random":
         check_parts(args.shape, parts)
+    corruptions = [float(c) for c in args.corruptions.split(",")]
+    shaped = shaped_corruption(args.shaped_oracle, corruptions, args.device, args.memory_cap_gb > 0) if args.pair == "random" else None
     if args.memory_cap_gb < 0 or args.draft_memory_gb < 0:
         raise ValueError("--memory-cap-gb and --draft-memory-gb cannot be negative (0 = no cap, a third of the cap)")
     if args.pair == "random" and "system" in parts:  # a bad --draft-memory-gb fails here, before anything slow
@@ -275,9 +299,9 @@ def run(args: argparse.Namespace) -> int:
             else:
                 result["gateways_per_draft"] = args.gateways or -(-max(levels) // 16)
                 rows = run_system(
-                    args.shape, args.device, draft_device, args.dtype, [float(c) for c in args.corruptions.split(",")],
+                    args.shape, args.device, draft_device, args.dtype, corruptions,
                     args.budget, args.prompts, args.prompt_len, args.max_tokens, levels, Path(work), log_dir, wires, busy_poll_us,
-                    result["gateways_per_draft"], target_flags, draft_flags, args.shaped_oracle,
+                    result["gateways_per_draft"], target_flags, draft_flags, shaped,
                 )
                 # Each model worker's cap and memory plan as it logged them (GiB), and its flags.
                 result["workers"] = {

@@ -107,6 +107,11 @@ def test_the_sweep_table_has_a_row_per_level_and_a_column_per_kind():
     assert "AR aggregate" not in h[1]["line"]
     # Under the adaptive budget the oracle's and the draft's trees differ: no honest figure is made of them.
     assert headline_speedups([dict(r, budget="auto") for r in rows]) == []
+    # A shaped oracle's row gives its line from its own AL and round, first at its level: it is measured.
+    shaped = _row(shaped_oracle_label(0.1), 4, 200.0, 20.0, 8.0, "shaped-oracle", 0.1)
+    at_4 = [x for x in headline_speedups([*rows, shaped]) if x["concurrency"] == 4]
+    assert [x["al_from"] for x in at_4] == [shaped["label"], oracle_label(0.1)]
+    assert at_4[0]["speedup"] == pytest.approx(8 * 6.0 / 20.0) and at_4[1]["speedup"] == pytest.approx(4.8)
 
 
 def _sweep(tmp_path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
@@ -188,3 +193,20 @@ def test_pair_flags_are_refused_where_they_do_not_apply():
     with pytest.raises(ValueError, match="runs the system part only"):
         check_pair(p.parse_args(["--pair", "builtin", "--builtin-draft", "dflash2"]), {"system", "components"})
     check_pair(p.parse_args(["--pair", "builtin", "--builtin-draft", "dflash2"]), {"system"})
+    with pytest.raises(ValueError, match="--shaped-oracle: the built-in pair"):
+        check_pair(p.parse_args(["--pair", "builtin", "--shaped-oracle", "0.1"]), {"system"})
+
+
+def test_the_shaped_oracle_row_runs_by_default_on_a_gpu_at_the_longest_al():
+    """Its measured round is the honest one; on a CPU (close to the composed figure, and slow) and
+    under a memory cap (split between one target and one draft) auto leaves it out."""
+    from splitspec.bench.main import shaped_corruption
+
+    assert shaped_corruption("auto", [0.6, 0.15, 0.3], "cuda:0") == 0.15
+    assert shaped_corruption("auto", [0.6, 0.15], "cpu") is None
+    assert shaped_corruption("auto", [0.6, 0.15], "cuda:0", capped=True) is None
+    assert shaped_corruption("off", [0.15], "cuda:0") is None
+    assert shaped_corruption("0.3", [0.15], "cpu") == 0.3
+    for bad, message in (("1.5", "must be in"), ("some", "a corruption rate in")):
+        with pytest.raises(ValueError, match=message):
+            shaped_corruption(bad, [0.15], "cuda:0")
