@@ -517,7 +517,7 @@ class BlockGraphs:
             else:
                 # Host features (the wire's): each step's rows packed by numpy (one thread, no joined
                 # copy first). A torch.cat of host tensors runs on torch's CPU thread pool, which took
-                # 112 ms a pass at 32 users on an H100 host whose cores the other services kept busy
+                # ~100 ms of a 119 ms pass at 32 users on an H100 host whose cores the other services kept busy
                 # (BENCHMARKS.md [S16]).
                 for f in chunks:
                     packed = f.to(device="cpu", dtype=inputs.feature_dtype).contiguous().view(torch.uint8).numpy().reshape(-1)

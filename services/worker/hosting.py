@@ -293,8 +293,8 @@ class SequenceTable:
 
 # torch's CPU threads in a worker whose model is on a GPU, once loaded (its --threads unset): its
 # host-side ops are small copies, and a pool of threads spinning in each op starved the gateways
-# and the other worker sharing the cores: one batched draft pass took 112 ms at 32 users on an H100
-# host, 110 of them in a 4 MB torch.cat of host features (BENCHMARKS.md [S16]).
+# and the other worker sharing the cores: one batched draft pass took 119 ms at 32 users on an H100
+# host, ~100 of them in a 4 MB torch.cat of host features (BENCHMARKS.md [S16]).
 GPU_WORKER_THREADS = 1
 
 
