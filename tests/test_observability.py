@@ -114,11 +114,11 @@ class System:
     gateway_log: Path
 
 
-def _wait_healthy(address: str, proc: subprocess.Popen, timeout: float = 60.0) -> None:
+def _wait_healthy(address: str, proc: subprocess.Popen, log: Path, timeout: float = 60.0) -> None:
     """Poll with the `splitspec health` subcommand, as container health checks do."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        assert proc.poll() is None, f"service at {address} exited with {proc.returncode}"
+        assert proc.poll() is None, f"service at {address} exited with {proc.returncode}:\n{log.read_text(errors='replace')}"
         done = subprocess.run([sys.executable, "-m", "splitspec", "health", address, "--timeout", "2"], capture_output=True, text=True)
         if done.returncode == 0:
             assert "SERVING" in done.stdout
@@ -145,7 +145,7 @@ def system(module_services, tiny_pair, tmp_path_factory):
         "--metrics-port", str(ports["target"]), "--max-kv-tokens", str(MAX_KV_TOKENS), "--threads", "1", wait=False,
     )
     target = f"127.0.0.1:{target_port}"
-    _wait_healthy(target, s.procs["target"])
+    _wait_healthy(target, s.procs["target"], s.root / "target.log")
     table = root / "oracle.jsonl"
     draft = s.start(
         "draft", "oracle-draft", "--table", str(table), "--corruption", "0.3", "--target-model", str(tiny_pair.target),

@@ -29,11 +29,20 @@ def require(tool: str, package: str) -> str:
     return path
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    """A TCP port free on the loopback interface right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port free on the loopback interface right now, and not one this process handed out
+    before: a port closed again is free to the kernel, which may hand it out twice (two services
+    of one test, given the same port, would clash)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 def write_gguf(path, add_metadata: Callable[[gguf.GGUFWriter], None], arch: str = "qwen3") -> str:

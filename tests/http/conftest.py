@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +14,7 @@ except ImportError:  # pragma: no cover - releases before httpx2
 
 from splitspec.fixtures.tiny import TinySpec, gguf_weights, random_draft, random_target, write_draft_dir, write_target_gguf
 from splitspec.text.tokenizer import byte_level_vocab
+from tests.tools import free_port
 
 TOKEN = "test-token"
 
@@ -64,12 +64,6 @@ def make_tools_pair(out: Path, seed: int = 1) -> tuple[Path, Path]:
     draft, tensors = random_draft(target, spec, vocab.special_ids["<|mask|>"], rng)
     write_draft_dir(out / "draft", draft, tensors, target.num_layers)
     return target_path, out / "draft"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

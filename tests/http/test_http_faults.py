@@ -11,7 +11,8 @@ import anthropic
 import openai
 import pytest
 
-from tests.http.conftest import free_port, httpx
+from tests.http.conftest import httpx
+from tests.tools import free_port
 
 pytestmark = pytest.mark.slow
 LONG = {"model": "target", "messages": [{"role": "user", "content": "go"}], "max_tokens": 3000, "stream": True, "ignore_eos": True}

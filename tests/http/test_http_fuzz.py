@@ -12,8 +12,9 @@ from hypothesis import HealthCheck, given, settings
 
 from splitspec.transport.rpc import CHANNEL_OPTIONS
 from tests.client import generate, worker_state
-from tests.http.conftest import free_port, httpx
+from tests.http.conftest import httpx
 from tests.test_fuzz import requests
+from tests.tools import free_port
 
 pytestmark = pytest.mark.slow
 MODES = {1: "ddtree", 2: "chain", 3: "off"}

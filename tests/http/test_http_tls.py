@@ -9,7 +9,8 @@ import grpc
 import openai
 import pytest
 
-from tests.http.conftest import free_port, httpx
+from tests.http.conftest import httpx
+from tests.tools import free_port
 from tests.transport.test_security import _free_address, pki  # noqa: F401 - pki is a fixture
 
 pytestmark = pytest.mark.slow

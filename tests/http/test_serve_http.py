@@ -6,8 +6,8 @@ from __future__ import annotations
 import openai
 import pytest
 
-from tests.http.conftest import free_port
 from tests.test_serve import _serve
+from tests.tools import free_port
 
 pytestmark = pytest.mark.slow
 

@@ -10,8 +10,9 @@ import openai
 import pytest
 
 from tests.client import worker_state
-from tests.http.conftest import TOKEN, free_port
+from tests.http.conftest import TOKEN
 from tests.http.tool_model import ANSWER, CALL_ARGUMENTS, QUESTION, RESULT, TOOLS, train_tool_pair
+from tests.tools import free_port
 
 pytestmark = pytest.mark.slow
 
