@@ -14,8 +14,8 @@ gateways' reads of them, the gateways' next requests and the target's reads of t
 start of the next pass: where the GPU waits between two passes.
 
 ``--gpu`` is for speculation on one GPU: the target's and the draft's passes side by side, how
-much of the time each, both and neither ran one, the draft's eager appends of feature rows, the
-event loops' stalls, and a stretch of passes in order.
+much of the time each, both and neither ran one, the draft's eager appends of feature rows and
+the parts of its passes, the event loops' stalls, and a stretch of passes in order.
 
 ``--draft COMMAND`` (e.g. shaped-oracle-draft, one bench row's draft worker) keeps that draft
 worker's logs only and every other record inside the span of its steps: that row alone.

@@ -95,7 +95,7 @@ if os.environ.get("SPLITSPEC_TRACE_DIR"):
         if graphs is not None:  # a batched graph's launch (its inputs staged, the replay queued)
             graphs.run_batch = _timed(("part", "graph-launch"), graphs.run_batch)
         draft_module = sys.modules.get("services.draft.engine")  # imported by a draft worker only (torch)
-        if draft_module is not None and drafter is not None and hasattr(drafter, "_context_kv"):
+        if draft_module is not None and hasattr(drafter, "_context_kv"):
             draft_module._to_host = _timed(("part", "to-host"), draft_module._to_host)
         _attach(self, engine, description)
 
