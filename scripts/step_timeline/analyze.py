@@ -231,18 +231,18 @@ def gpu(folder: str, shown: int = 40) -> None:
         print(f"  {w:6s} {(s - t_zero) / 1e6:8.2f} {(e - s) / 1e6:6.2f} {n:3d}")
 
 
-def window_of(folder: str, draft: str) -> tuple[int, int]:
-    """From the first to the last step record of ``draft``'s logs."""
-    steps = [r for path in glob.glob(os.path.join(folder, f"{draft}-*.log")) for r in read(path) if r[0] == "step"]
+def window_of(folder: str) -> tuple[int, int]:
+    """From the first to the last step record of the (--draft) draft's logs."""
+    steps = [r for r in worker_records(folder, "draft") if r[0] == "step"]
     if not steps:
-        sys.exit(f"no step records in {folder}/{draft}-*.log")
+        sys.exit(f"no step records in {folder}/{DRAFT}-*.log")
     return min(int(r[1]) for r in steps), max(int(r[2]) for r in steps)
 
 
 if __name__ == "__main__":
     if "--draft" in sys.argv:
         DRAFT = sys.argv[sys.argv.index("--draft") + 1]
-        WINDOW = window_of(sys.argv[1], DRAFT)
+        WINDOW = window_of(sys.argv[1])
     if "--passes" in sys.argv[2:]:
         passes(sys.argv[1])
     elif "--gpu" in sys.argv[2:]:
