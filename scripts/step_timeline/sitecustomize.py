@@ -16,7 +16,7 @@ included); ``engine WHAT t0 t1`` the engine's batched method itself (one record 
 launch to its settle); ``prefill WHAT t0 t1``
 the engine's prefill; ``part WHAT t0 t1`` a part of a draft's pass (graph-launch, to-host; the shaped
 oracle's draft-pass and oracle); ``context ROWS t0 t1`` a draft's append of new feature rows (ROWS in all)
-outside its graphs; ``lag loop t0 t1`` the event loop woke more than 4 ms after a 1 ms sleep began
+outside its graphs; ``lag loop t0 t1`` the event loop went more than 4 ms without polling its sockets
 (something held it: a long callback, the GIL).
 """
 
@@ -65,8 +65,6 @@ if os.environ.get("SPLITSPEC_TRACE_DIR"):
             return result
 
         return timed
-
-    import asyncio
 
     import services.gateway.workers as workers
     import services.worker.batching as batching
@@ -159,26 +157,22 @@ if os.environ.get("SPLITSPEC_TRACE_DIR"):
 
     workers.WorkerClient._step = _worker_step_timed
 
-    _loop_run = busypoll.run
+    # Stalls are read off the loop's own polling: from one select's return to the next call the loop
+    # ran callbacks (or waited for the GIL). A probe task waking every millisecond would keep a
+    # busy-polling loop spinning all the time (every wake starts a spin), a busy core per service.
+    _select = busypoll.BusyPollSelector.select
+    _returned = [0]
 
-    def _run_with_lag_probe(main):
-        async def probed():
-            async def probe():
-                while True:
-                    t0 = _now()
-                    await asyncio.sleep(0.001)
-                    if _now() - t0 > 4_000_000:
-                        _records.append(("lag", "loop", t0, _now()))
+    def _select_timed(self, timeout=None):
+        t = _now()
+        if _returned[0] and t - _returned[0] > 4_000_000:
+            _records.append(("lag", "loop", _returned[0], t))
+        try:
+            return _select(self, timeout)
+        finally:
+            _returned[0] = _now()
 
-            task = asyncio.get_running_loop().create_task(probe())
-            try:
-                return await main
-            finally:
-                task.cancel()
-
-        return _loop_run(probed())
-
-    busypoll.run = _run_with_lag_probe
+    busypoll.BusyPollSelector.select = _select_timed
 
     @atexit.register
     def _dump() -> None:
