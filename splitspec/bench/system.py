@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import math
 import os
 import re
@@ -62,6 +63,7 @@ from splitspec.cli.serve import wait_ready
 from splitspec.spec.acceptance_length import acceptance_length, committed_tokens
 from splitspec.v1 import gateway_pb2, gateway_pb2_grpc
 
+logger = logging.getLogger(__name__)
 Spec = gateway_pb2.Speculation
 # The gateway's --max-running and the target's --max-sequences by default: more clients than this
 # would wait in the gateway's queue, not generate at once.
@@ -352,8 +354,12 @@ def measure(
     outputs of all, the warm-up's first (``level.warm + level.timed``: an oracle's table needs the
     warm-up's too, or an adaptive budget learns from it that the draft is never right)."""
     n = level.concurrency
+    logger.info('row "%s" (%s wire, concurrency %d): %d warm-up requests, then %d timed', label, wire, n, len(level.warm), len(level.timed))
     _, warm = run_batch(address, requests_for(level.warm, spec, max_tokens), n, "warm-up", spec.budget, wire)
     row, timed = run_batch(address, requests_for(level.timed, spec, max_tokens), n, label, spec.budget, wire, drafter, corruption)
+    logger.info(
+        'row "%s": AL %.2f, %.1f tok/s, %.2f ms a decode step, %.1f s', label, row.acceptance_length, row.tokens_per_s, row.ms_per_step, row.seconds,
+    )
     return row, warm + timed
 
 
