@@ -17,7 +17,7 @@ Not thread-safe: the service calls it from one worker thread.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -287,19 +287,13 @@ class DraftEngine:
 
     def _context_kv(self, admitted: list[tuple[ProposeStep, DraftSequence]]) -> list[list[tuple[torch.Tensor, torch.Tensor]] | None]:
         """Per step the keys and values of its new rows, per layer (k, v) [H_kv, m, D] (None: it has
-        none), computed in one ``context_kv`` over all of them: rows are independent, and one
-        call launches its kernels once instead of once per sequence."""
+        none), computed in as few ``context_kv`` calls as ``APPEND_CHUNK`` allows over all of them:
+        rows are independent, and one call launches its kernels once instead of once per sequence."""
         new = [n for n, (step, _) in enumerate(admitted) if step.rows]
         out: list[list[tuple[torch.Tensor, torch.Tensor]] | None] = [None] * len(admitted)
         if not new:
             return out
-        features, positions = self._joined_rows([admitted[n] for n in new])  # [M, taps * hidden], [M]
-        # A prompt's rows go through in chunks: all 16K rows' features, fc and norm outputs at once
-        # would take 1.25 GiB at the 27B draft's width; rows are independent, so chunks give the same.
-        chunks = [
-            self.model.context_kv(features[a : a + APPEND_CHUNK].to(self.device, self.dtype), positions[a : a + APPEND_CHUNK].to(self.device))
-            for a in range(0, features.shape[0], APPEND_CHUNK)
-        ]
+        chunks = [self.model.context_kv(f, p) for f, p in self._row_chunks([admitted[n] for n in new])]
         kv = chunks[0] if len(chunks) == 1 else [
             (torch.cat([c[i][0] for c in chunks], dim=1), torch.cat([c[i][1] for c in chunks], dim=1)) for i in range(len(chunks[0]))
         ]  # per layer (k, v) [H_kv, M, D]
@@ -309,17 +303,26 @@ class DraftEngine:
             out[n] = [layer[j] for layer in pieces]
         return out
 
-    def _joined_rows(self, new: list[tuple[ProposeStep, DraftSequence]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The steps' new feature rows [M, taps * hidden] and their positions [M], where the first
-        step's features are (features from the wire are on the host; the caller sends them to the
-        device a chunk at a time)."""
-        if len(new) == 1:
-            step, seq = new[0]
-            return step.features, torch.arange(seq.ctx_end, step.anchor_position, device=step.features.device)
-        where = new[0][0].features.device
-        features = torch.cat([step.features.to(device=where, dtype=self.dtype) for step, _ in new])
-        positions = torch.cat([torch.arange(seq.ctx_end, step.anchor_position, device=where) for step, seq in new])
-        return features, positions
+    def _row_chunks(self, new: list[tuple[ProposeStep, DraftSequence]]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """The steps' new rows in order, on the device, as chunks of at most ``APPEND_CHUNK`` rows:
+        features [r, taps * hidden] and positions [r]. A prompt's rows go through a chunk at a time:
+        all 16K rows' features, fc and norm outputs at once would take 1.25 GiB at the 27B draft's
+        width. Each step's rows go to the device as they came (from the wire: on the host), and a
+        chunk of several steps' rows is joined there: a join on the host copies tens of MB (two
+        prompts' features) on the engine thread, on a CPU the busy-polling services share."""
+        features: list[torch.Tensor] = []
+        positions: list[torch.Tensor] = []
+        size = 0  # rows in the chunk being gathered
+        for step, seq in new:
+            for a in range(0, step.rows, APPEND_CHUNK):
+                piece = step.features[a : a + APPEND_CHUNK]
+                if size + piece.shape[0] > APPEND_CHUNK:
+                    yield _joined(features), _joined(positions)
+                    features, positions, size = [], [], 0
+                features.append(piece.to(self.device, self.dtype))
+                positions.append(torch.arange(seq.ctx_end + a, seq.ctx_end + a + piece.shape[0], device=self.device))
+                size += piece.shape[0]
+        yield _joined(features), _joined(positions)
 
     def _propose_one(self, step: ProposeStep, seq: DraftSequence) -> Proposal:
         """One sequence's pass: a CUDA graph where one serves it (appending up to a block of new
@@ -393,6 +396,10 @@ class DraftEngine:
                 seq.cache.size += step.rows
                 self._extend(step, seq, None)
         return [tuple(part[n, : step.depths] for part in host[k]) for (k, n), (step, _) in zip(where, admitted)]
+
+
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _to_host(outs: list[tuple[torch.Tensor, ...]]) -> list[tuple[torch.Tensor, ...]]:

@@ -123,6 +123,33 @@ def test_batch_matches_each_sequence_alone(drafts, dtype, fixed_shapes, native, 
             assert seq.cache.size <= 2 * window
 
 
+def test_new_rows_of_several_steps_go_in_chunks_and_match_each_alone(drafts, monkeypatch):
+    """The steps' new rows are projected in chunks of at most ``APPEND_CHUNK`` rows (16 here),
+    a prompt's split across chunks and several steps' short runs joined in one: every chunk fits,
+    every row is projected once, and each sequence still gets what it gets alone."""
+    monkeypatch.setattr("services.draft.engine.APPEND_CHUNK", 16)
+    model, cfg, embed, head = drafts[torch.float64]
+    batch_engine = make_engine(model, embed, head, False)
+    alone_engine = make_engine(model, embed, head, False)
+    chunks = []  # a spy: the real method runs
+    context_kv = model.context_kv
+    monkeypatch.setattr(model, "context_kv", lambda f, p: chunks.append((len(f), p.tolist())) or context_kv(f, p))
+    script = Script(cfg, torch.float64)
+    for members in ROUNDS[:2]:
+        steps = [script.step(sid) for sid in members]
+        chunks.clear()
+        results = batch_engine.propose_batch(steps)
+        sizes = [n for n, _ in chunks]
+        assert max(sizes) <= 16 and sum(sizes) == sum(step.rows for step in steps)
+        # Positions run through each step's rows in order, chunk after chunk.
+        positions = [q for _, p in chunks for q in p]
+        assert positions == [q for step in steps for q in range(step.anchor_position - step.rows, step.anchor_position)]
+        calls = len(chunks)
+        for step, result in zip(steps, results):
+            assert_same(result, propose_alone(alone_engine, step), torch.float64)
+    assert calls == 1  # the second round's short runs (1, 2, 7 and 3 rows) shared one chunk
+
+
 @pytest.mark.parametrize("fixed_shapes", [False, True], ids=["eager", "fixed-shapes"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
 def test_depths_are_the_first_rows_of_every_depth(drafts, dtype, fixed_shapes):
