@@ -120,6 +120,7 @@ def main() -> None:
     p.add_argument("--prompts", default="0,1,2", help="new sequences a pass, comma-separated")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--places", default=",".join(PLACES), help=f"where the prompts' rows are, comma-separated: {', '.join(PLACES)}")
     p.add_argument("--hog", action="store_true", help="also with another process keeping the GPU busy")
     args = p.parse_args()
     device = torch.device(args.device)
@@ -127,7 +128,7 @@ def main() -> None:
     model, config = random_draft(f"random:{args.shape}-dflash", device, dtype)
     embed, head, _ = random_target_head(f"random:{args.shape}", device, dtype)
     counts = [int(k) for k in args.prompts.split(",")]
-    capacity = args.context + (args.warmup + args.iters) * args.rows * (1 + len(PLACES) * len(counts) * 2) + 64
+    capacity = args.context + (args.warmup + args.iters) * args.rows * (1 + len(PLACES) * len(counts) * 2) + 64  # every pass's rows
     slots = args.sequences + max(counts)
     graphs = BlockGraphs(model, embed, head, max(capacity, args.prompt + 64), slots, capture=device.type == "cuda")
     engine = DraftEngine(model, embed, head, graphs=graphs)
@@ -141,7 +142,7 @@ def main() -> None:
             proc.start()
             time.sleep(5.0)  # its CUDA context up and its matmuls running
         try:
-            for place in PLACES if device.type == "cuda" else ("pageable",):
+            for place in args.places.split(",") if device.type == "cuda" else ("pageable",):
                 for k in counts:
                     row = {"sequences": args.sequences, "rows": args.rows, "prompts": k, "prompt": args.prompt, "place": place, "hog": hogged}
                     row |= measure(engine, passes, args, place, k)

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 
-from services.draft.engine import ProposeStep
+from services.draft.engine import ProposeStep, pinned
 from services.metrics import WorkerMetrics
 from services.worker.batching import StepBatcher
 from services.worker.hosting import EngineHost
@@ -54,6 +55,8 @@ class DraftServicer(draft_pb2_grpc.DraftWorkerServicer):
                 features = tensor_from_pb(request.features)
             except TensorFormatError as exc:
                 raise InvalidArgument(f"features: {exc}") from exc
+            if self.host.require().pins(features):  # a prompt's rows: copied here, off the engine thread
+                features = await asyncio.to_thread(pinned, features)
         step = ProposeStep(
             request.sequence_id, request.anchor_token, request.anchor_position, features, request.top_k, request.window,
             list(request.tokens), request.context, request.depths,

@@ -92,6 +92,9 @@ class OracleDrafter:
     def context_bytes(self) -> int:
         return sum(8 * len(h) for h in self.sequences.values())  # what the histories hold, roughly
 
+    def pins(self, features) -> bool:
+        return False  # it reads no features (DraftEngine.pins)
+
     def propose_batch(self, steps: list[ProposeStep]) -> list[Proposal | ServiceError]:
         """The steps of a pass, each on its own (no forward pass to share); ``--delay`` per step, as a
         drafter whose pass grows with its batch (a deadline test's blockers make a late pass)."""

@@ -151,3 +151,17 @@ def test_a_long_append_goes_in_chunks_and_matches_the_reference(draft, monkeypat
         assert torch.equal(proposal.top_ids.long(), top.indices)
         assert torch.allclose(proposal.top_logprobs, top.values, atol=1e-5)
     assert rows == [7, 7, 7, 7, 2, 7, 3]
+
+
+def test_a_gpu_engine_pins_the_host_rows_it_appends_eagerly(draft):
+    """The servicer stages in pinned memory the host rows a GPU pass would copy to the device
+    itself (more than a block: a prompt's); rows the graphed pass takes, rows already on a
+    device, and every row of a CPU engine stay as they came."""
+    model, cfg, embed, head, _ = draft
+    engine = DraftEngine(model, embed, head)
+    width = cfg.num_taps * cfg.hidden_size
+    prompt, step = torch.zeros(cfg.block_size + 1, width), torch.zeros(cfg.block_size, width)
+    assert not engine.pins(prompt)  # a CPU engine
+    engine.device = torch.device("cuda")  # as a GPU engine sees it; nothing here touches the device
+    assert engine.pins(prompt) and not engine.pins(step)
+    assert not engine.pins(torch.empty(cfg.block_size + 1, width, device="meta"))  # not on the host
