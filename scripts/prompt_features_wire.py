@@ -19,7 +19,7 @@ import torch
 
 from splitspec.transport.allocator import keep_message_buffers
 from splitspec.transport.stepwire import Opener, StepSocket, StepSocketServer
-from splitspec.transport.tensors import tensor_from_pb, tensor_to_pb
+from splitspec.transport.tensors import TensorSpliced, tensor_from_pb, tensor_to_pb
 from splitspec.v1 import target_pb2, target_pb2_grpc
 
 
@@ -54,11 +54,12 @@ async def grpc_round_trip_ms(response: target_pb2.PrefillResponse, reps: int = 5
     return 1e3 * statistics.median(times[1:])
 
 
-async def socket_round_trip_ms(response: target_pb2.PrefillResponse, reps: int = 5) -> float:
-    """The same exchange as an OPEN frame on a step socket (how the gateway now sends Prefill)."""
+async def socket_round_trip_ms(answer, reps: int = 5) -> float:
+    """The same exchange as an OPEN frame on a step socket (how the gateway now sends Prefill),
+    the worker's answer made by ``answer()`` at each call."""
 
     async def prefill(request, context):
-        return response
+        return answer()
 
     path = tempfile.mktemp(suffix=".steps")
     server = StepSocketServer(path, "probe", "Verify", target_pb2.VerifyRequest, None, opener=Opener("Prefill", target_pb2.PrefillRequest, prefill))
@@ -98,7 +99,15 @@ def main() -> None:
         "tensor_from_pb": timed(lambda: tensor_from_pb(parsed.features)),
         "host to device": timed(lambda: (decoded.to(dev), sync())),
         "gRPC unary round trip (Unix socket)": asyncio.run(grpc_round_trip_ms(response)),
-        "step socket round trip (OPEN frame)": asyncio.run(socket_round_trip_ms(response)),
+        "step socket round trip (OPEN frame)": asyncio.run(socket_round_trip_ms(lambda: response)),
+        # What the target's Prefill costs from its result to the gateway's parsed message: encoded
+        # into the message (the gRPC way), or its features spliced in by reference (the socket's).
+        "  the same, encoded at each call": asyncio.run(
+            socket_round_trip_ms(lambda: target_pb2.PrefillResponse(next_token=1, features=tensor_to_pb(host)))
+        ),
+        "  the same, features spliced": asyncio.run(
+            socket_round_trip_ms(lambda: TensorSpliced(target_pb2.PrefillResponse(next_token=1), "features", host))
+        ),
     }
     print(f"{args.rows} x {args.width} bf16 = {len(data) / 1e6:.1f} MB on {dev}:")
     for name, ms in rows.items():

@@ -269,7 +269,7 @@ async def run(args: argparse.Namespace, build=load_model) -> None:
     logger.info("target worker listening on %s, loading %s", args.listen, args.model)
     step_server = step_server_from_args(
         args, "target", f"/{SERVICE}/Verify", target_pb2.VerifyRequest, servicer.Verify,
-        Opener(f"/{SERVICE}/Prefill", target_pb2.PrefillRequest, servicer.Prefill),
+        Opener(f"/{SERVICE}/Prefill", target_pb2.PrefillRequest, servicer.prefill_on_socket),
     )
     servicer.step_server = step_server
     await serve_worker("target", server, health, SERVICE, servicer.host, load, args.shutdown_grace, args.sequence_ttl, step_server)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from services.metrics import WorkerMetrics
-from services.target.engine import KVBlocksBusy, TargetEngine, VerifyStep
+from services.target.engine import KVBlocksBusy, PrefillResult, TargetEngine, VerifyStep
 from services.worker.batching import StepBatcher
 from services.worker.hosting import EngineHost
 from splitspec.errors import InvalidArgument
@@ -18,7 +18,7 @@ from splitspec.models.devices import DTYPES
 from splitspec.spec.budget_choice import BudgetBoard, BudgetVote
 from splitspec.spec.sampling import SamplingParams
 from splitspec.transport.rpc import sequence_stream
-from splitspec.transport.tensors import tensor_to_pb
+from splitspec.transport.tensors import TensorSpliced, tensor_to_pb
 from splitspec.v1 import common_pb2, target_pb2, target_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -91,6 +91,23 @@ class TargetServicer(target_pb2_grpc.TargetWorkerServicer):
         )
 
     async def Prefill(self, request, context):
+        result = await self._prefill(request)
+        return self._prefill_response(result, tensor_to_pb(result.features) if result.features is not None else None)
+
+    async def prefill_on_socket(self, request, context):
+        """Prefill on the step socket: the features go out by reference (``TensorSpliced``), not copied."""
+        result = await self._prefill(request)
+        response = self._prefill_response(result)
+        return response if result.features is None else TensorSpliced(response, "features", result.features)
+
+    @staticmethod
+    def _prefill_response(result: PrefillResult, features: common_pb2.Tensor | None = None) -> target_pb2.PrefillResponse:
+        logprob = token_logprob_pb(result.logprob) if result.logprob is not None else None
+        return target_pb2.PrefillResponse(
+            next_token=result.next_token, features=features, forward_ns=result.forward_ns, next_token_logprob=logprob
+        )
+
+    async def _prefill(self, request: target_pb2.PrefillRequest) -> PrefillResult:
         if request.feature_dtype not in FEATURE_DTYPES:
             raise InvalidArgument(f"feature_dtype: {request.feature_dtype!r} is not one of {FEATURE_DTYPES[1:]}")
         sampling = sampling_from_pb(request.sampling)
@@ -117,11 +134,7 @@ class TargetServicer(target_pb2_grpc.TargetWorkerServicer):
                 await asyncio.sleep(wait_s)
                 wait_s = min(0.05, 2 * wait_s)
         self.metrics.forward("prefill", result.forward_ns)
-        features = tensor_to_pb(result.features) if result.features is not None else None
-        logprob = token_logprob_pb(result.logprob) if result.logprob is not None else None
-        return target_pb2.PrefillResponse(
-            next_token=result.next_token, features=features, forward_ns=result.forward_ns, next_token_logprob=logprob
-        )
+        return result
 
     async def Verify(self, request, context):
         step = VerifyStep(request.sequence_id, list(request.tokens), list(request.parents), request.return_features, request.next_step_late)

@@ -50,6 +50,7 @@ from splitspec.errors import InvalidArgument, ResourceExhausted, Unauthenticated
 from splitspec.transport.bulkreader import BulkReader, BulkWriter
 from splitspec.transport.interceptors import status_of
 from splitspec.transport.rpc import MAX_MESSAGE_BYTES, StepConnection, rpc_error, sequence_stream
+from splitspec.transport.tensors import wire_parts
 
 logger = logging.getLogger(__name__)
 
@@ -73,10 +74,12 @@ def frame(kind: int, payload: bytes) -> bytes:
     return HEADER.pack(len(payload), kind) + payload
 
 
-def write_frame(writer: BulkWriter | asyncio.StreamWriter, kind: int, payload: bytes) -> None:
-    """``frame`` without joining the header to the payload: a prompt's features are tens of MB."""
-    writer.write(HEADER.pack(len(payload), kind))
-    writer.write(payload)
+def write_frame(writer: BulkWriter | asyncio.StreamWriter, kind: int, *payload: bytes | memoryview) -> None:
+    """``frame`` without joining the header to the payload, which may come in parts (written in
+    order, not joined): a prompt's features are tens of MB."""
+    writer.write(HEADER.pack(sum(len(part) for part in payload), kind))
+    for part in payload:
+        writer.write(part)
 
 
 async def read_header(reader: BulkReader | asyncio.StreamReader) -> tuple[int, int] | None:
@@ -252,7 +255,7 @@ class StepSocketServer:
             )
             async with contextlib.aclosing(answers):
                 async for response in answers:
-                    write_frame(writer, RESPONSE, response.SerializeToString())
+                    write_frame(writer, RESPONSE, *wire_parts(response))
                     await writer.drain()
         except (ConnectionError, asyncio.IncompleteReadError):
             raise

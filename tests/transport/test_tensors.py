@@ -2,8 +2,18 @@ import numpy as np
 import pytest
 import torch
 
-from splitspec.transport.tensors import TensorFormatError, array_from_pb, array_to_pb, concat_rows, last_rows, tensor_from_pb, tensor_to_pb
-from splitspec.v1 import common_pb2
+from splitspec.transport.tensors import (
+    TensorFormatError,
+    TensorSpliced,
+    array_from_pb,
+    array_to_pb,
+    concat_rows,
+    last_rows,
+    tensor_from_pb,
+    tensor_to_pb,
+    wire_parts,
+)
+from splitspec.v1 import common_pb2, target_pb2
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.int64])
@@ -55,3 +65,26 @@ def test_rows_join_and_cut_without_decoding(dtype):
         concat_rows(tensor_to_pb(a), tensor_to_pb(b.float() if dtype == torch.bfloat16 else b.half()))
     with pytest.raises(TensorFormatError, match="cannot join"):
         concat_rows(tensor_to_pb(a), tensor_to_pb(b), tensor_to_pb(torch.randn(1, 3, 5).to(dtype)))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+@pytest.mark.parametrize("rows", [0, 1, 37, 300])  # 300 rows of 40 columns: a length past one varint byte's
+def test_a_spliced_tensor_field_parses_as_the_message_with_it(dtype, rows):
+    """The step socket's Prefill sends its features by reference: the message's bytes then the
+    field's, written in parts. Parsed, they are the message with the field set, bit for bit."""
+    features = (torch.randn(rows, 40) * 100).to(dtype)
+    logprob = common_pb2.TokenLogprob(id=5, logprob=-0.25)
+    message = target_pb2.PrefillResponse(next_token=7, forward_ns=123, next_token_logprob=logprob)
+    spliced = TensorSpliced(message, "features", features)
+    parts = wire_parts(spliced)
+    assert any(isinstance(part, memoryview) for part in parts) == (rows > 0)  # the rows go by reference
+    parsed = target_pb2.PrefillResponse.FromString(b"".join(parts))
+    expected = target_pb2.PrefillResponse(next_token=7, forward_ns=123, next_token_logprob=logprob, features=tensor_to_pb(features))
+    assert parsed == expected and spliced.SerializeToString() == b"".join(parts)
+    assert torch.equal(tensor_from_pb(parsed.features), features)
+    assert wire_parts(message) == [message.SerializeToString()]  # any other message: its bytes, whole
+
+
+def test_a_spliced_tensor_of_a_dtype_the_wire_lacks_is_refused():
+    with pytest.raises(TensorFormatError, match="torch dtype bool"):
+        TensorSpliced(target_pb2.PrefillResponse(), "features", torch.zeros(2, 3, dtype=torch.bool))
