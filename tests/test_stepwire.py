@@ -99,6 +99,26 @@ def test_a_connection_serves_one_sequence_and_rejects_bad_frames(workers):
     assert no_hello == wrong_then_late == [(ERROR, b"UNAUTHENTICATED\nmissing or wrong bearer token in the step socket's hello")]
 
 
+def test_verify_answers_with_features_are_the_same_on_the_socket_as_on_grpc(workers):
+    """The socket's Verify sends each step's tap features spliced in by reference
+    (``TensorSpliced``), gRPC's encodes them into the message: the same answers, bit for bit."""
+
+    async def scenario(wire: str):
+        client = await client_on(wire, TargetClient, workers["target"])
+        sid = f"features-{wire}"
+        request = target_pb2.PrefillRequest(sequence_id=sid, tokens=PROMPT, reserve_tokens=64, tap_layer_ids=[0, 1])
+        try:
+            await client.prefill(request, timeout=30)
+            return [await client.verify(sid, tokens, parents, True, timeout=30) for tokens, parents in TREES]
+        finally:
+            await client.release(sid)
+            await client.close()
+
+    on_socket, on_grpc = run(scenario("socket")), run(scenario("unary"))
+    assert all(v.features is not None and v.features.shape == [len(v.committed_tokens), 2 * 64] for v in on_socket)
+    assert [(v.committed_tokens, v.next_token, v.features) for v in on_socket] == [(v.committed_tokens, v.next_token, v.features) for v in on_grpc]
+
+
 def test_a_busy_polling_worker_and_client_take_the_same_steps(workers, module_services):
     """The worker's loop and the client's both spin (``--busy-poll``): the same answers, on the socket."""
     async def scenario(name: str):

@@ -268,7 +268,7 @@ async def run(args: argparse.Namespace, build=load_model) -> None:
 
     logger.info("target worker listening on %s, loading %s", args.listen, args.model)
     step_server = step_server_from_args(
-        args, "target", f"/{SERVICE}/Verify", target_pb2.VerifyRequest, servicer.Verify,
+        args, "target", f"/{SERVICE}/Verify", target_pb2.VerifyRequest, servicer.verify_on_socket,
         Opener(f"/{SERVICE}/Prefill", target_pb2.PrefillRequest, servicer.prefill_on_socket),
     )
     servicer.step_server = step_server

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from services.metrics import WorkerMetrics
-from services.target.engine import KVBlocksBusy, PrefillResult, TargetEngine, VerifyStep
+from services.target.engine import KVBlocksBusy, PrefillResult, TargetEngine, VerifyResult, VerifyStep
 from services.worker.batching import StepBatcher
 from services.worker.hosting import EngineHost
 from splitspec.errors import InvalidArgument
@@ -137,6 +137,16 @@ class TargetServicer(target_pb2_grpc.TargetWorkerServicer):
         return result
 
     async def Verify(self, request, context):
+        result = await self._verify(request)
+        return self._verify_response(result, tensor_to_pb(result.features) if result.features is not None else None)
+
+    async def verify_on_socket(self, request, context):
+        """Verify on the step socket: the features go out by reference (``TensorSpliced``), not copied."""
+        result = await self._verify(request)
+        response = self._verify_response(result)
+        return response if result.features is None else TensorSpliced(response, "features", result.features)
+
+    async def _verify(self, request: target_pb2.VerifyRequest) -> VerifyResult:
         step = VerifyStep(request.sequence_id, list(request.tokens), list(request.parents), request.return_features, request.next_step_late)
         if request.HasField("budget_vote"):
             try:
@@ -147,12 +157,15 @@ class TargetServicer(target_pb2_grpc.TargetWorkerServicer):
         if result.forward_ns:  # 0: the pass captured a CUDA graph, its time no pass's
             self.metrics.forward("verify", result.forward_ns)
         self.budget_board.tick(result.pass_sequences)
+        return result
+
+    def _verify_response(self, result: VerifyResult, features: common_pb2.Tensor | None = None) -> target_pb2.VerifyResponse:
         return target_pb2.VerifyResponse(
             agreed_budget=self.budget_board.agreed,
             committed_tokens=result.committed_tokens,
             accepted_nodes=result.accepted_nodes,
             next_token=result.next_token,
-            features=tensor_to_pb(result.features) if result.features is not None else None,
+            features=features,
             forward_ns=result.forward_ns,
             committed_length=result.committed_length,
             logprobs=[token_logprob_pb(lp) for lp in result.logprobs] if result.logprobs is not None else None,
