@@ -32,7 +32,7 @@ from splitspec.spec.budget_choice import BudgetVote
 from splitspec.transport import rpc
 from splitspec.transport.security import ClientSecurity
 from splitspec.transport.stepwire import StepSocket
-from splitspec.transport.tensors import array_from_pb
+from splitspec.transport.tensors import TensorSpliced, array_from_pb
 from splitspec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -292,19 +292,15 @@ class DraftClient(WorkerClient):
         """The draft's candidates for the block after the anchor, for depths 1..``depths`` (0: all).
         ``context`` numbers the draft context this step belongs to (``ProposeRequest.context``;
         0 = unnumbered)."""
-        r = await self._step(
-            draft_pb2.ProposeRequest(
-                sequence_id=sequence_id,
-                anchor_token=anchor_token,
-                anchor_position=anchor_position,
-                tokens=tokens,
-                features=features,
-                top_k=top_k,
-                window=window,
-                context=context,
-                depths=depths,
-            ),
-            timeout,
+        request = draft_pb2.ProposeRequest(
+            sequence_id=sequence_id, anchor_token=anchor_token, anchor_position=anchor_position, tokens=tokens,
+            top_k=top_k, window=window, context=context, depths=depths,
         )
+        if features is not None:
+            if self.active_wire == "socket":  # relayed by reference: a prompt's are tens of MB
+                request = TensorSpliced(request, "features", features)
+            else:
+                request.features.CopyFrom(features)
+        r = await self._step(request, timeout)
         pairs = array_from_pb(r.pair_scores) if r.HasField("pair_scores") else None
         return Proposed(array_from_pb(r.top_ids), array_from_pb(r.top_logprobs), pairs)

@@ -333,7 +333,7 @@ class StepSocket(StepConnection):
             self._writer = self._reader.writer
             self._writer.transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)
             self._writer.write(self._hello)
-        write_frame(self._writer, OPEN if opening else REQUEST, request.SerializeToString())
+        write_frame(self._writer, OPEN if opening else REQUEST, *wire_parts(request))
 
     async def _read(self) -> tuple[int, bytes] | None:
         return await read_frame(self._reader)

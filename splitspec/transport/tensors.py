@@ -98,29 +98,45 @@ def tensor_to_pb(tensor: torch.Tensor, dtype: str | None = None) -> common_pb2.T
 
 class TensorSpliced:
     """A message and one ``Tensor`` field of it kept out, serialized in parts (:meth:`wire_parts`):
-    the message's own bytes, then the field's encoding with the tensor's memory as a view, not a
-    copy. Appended to a message's bytes a field reads as set (a protobuf parser takes fields in any
-    order), so the receiver parses the whole as the message with the field. The step socket writes
-    the parts one after the other: a prompt's tap features (21 MB for the 8B shape) then leave the
-    target with no copy on its event loop, where ``tensor_to_pb`` and serializing copied them
-    four times (7.6 + 7.5 ms on the 2-core CPU: ``scripts/prompt_features_wire.py``)."""
+    the message's own bytes, then the field's encoding with the tensor's bytes by reference. Appended
+    to a message's bytes a field reads as set (a protobuf parser takes fields in any order), so the
+    receiver parses the whole as the message with the field. The step socket writes the parts one
+    after the other: a prompt's tap features (21 MB for the 8B shape) then cross a process with no
+    copy on its event loop but the socket's, where ``tensor_to_pb``, building the message and
+    serializing it copied them four times on the target (7.6 + 7.5 ms on the 2-core CPU:
+    ``scripts/prompt_features_wire.py``). ``tensor`` is a torch tensor (the target's features:
+    its memory is written as is) or a ``Tensor`` message (the gateway's relay: its bytes are read
+    out once)."""
 
-    def __init__(self, message, field: str, tensor: torch.Tensor) -> None:
-        self.message, self.tensor = message, tensor.detach().contiguous().cpu()
-        self.number = message.DESCRIPTOR.fields_by_name[field].number
-        self.name = str(self.tensor.dtype).removeprefix("torch.")
-        if self.name not in ITEM_SIZES:
-            raise TensorFormatError(f"cannot send torch dtype {self.name}")
+    def __init__(self, message, field: str, tensor: torch.Tensor | common_pb2.Tensor) -> None:
+        self.message = message
+        number = message.DESCRIPTOR.fields_by_name[field].number
+        if isinstance(tensor, common_pb2.Tensor):
+            shape, self.data = _checked(tensor)
+            dtype = tensor.dtype
+        else:
+            import torch
+
+            flat = tensor.detach().contiguous().cpu()
+            dtype, shape = str(flat.dtype).removeprefix("torch."), flat.shape
+            if dtype not in ITEM_SIZES:
+                raise TensorFormatError(f"cannot send torch dtype {dtype}")
+            # A view of the tensor's memory (it keeps the tensor alive until the socket sent it).
+            self.data = memoryview(flat.view(torch.uint8).numpy()).cast("B") if flat.numel() else b""
+        head = common_pb2.Tensor(dtype=dtype, shape=list(shape)).SerializeToString() + _varint(_DATA_TAG) + _varint(len(self.data))
+        # The field's tag and length, then the Tensor's own fields but its data's bytes.
+        self.head = _varint(number << 3 | _LENGTH_DELIMITED) + _varint(len(head) + len(self.data)) + head
+
+    @property
+    def sequence_id(self) -> str:
+        return self.message.sequence_id
 
     def wire_parts(self) -> list:
-        """The message's serialization in order: bytes, then a view of the tensor's memory."""
-        import torch
+        """The message's serialization in order: bytes, then the tensor's bytes."""
+        return [self.message.SerializeToString() + self.head, self.data]
 
-        data = memoryview(self.tensor.view(torch.uint8).numpy()).cast("B") if self.tensor.numel() else b""
-        head = common_pb2.Tensor(dtype=self.name, shape=list(self.tensor.shape)).SerializeToString()
-        head += _varint(_DATA_TAG) + _varint(len(data))
-        field = _varint(self.number << 3 | _LENGTH_DELIMITED) + _varint(len(head) + len(data))
-        return [self.message.SerializeToString() + field + head, data]
+    def ByteSize(self) -> int:
+        return self.message.ByteSize() + len(self.head) + len(self.data)
 
     def SerializeToString(self) -> bytes:
         """The parts joined (a copy): the bytes a caller that wants one buffer sends."""

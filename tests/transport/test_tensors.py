@@ -80,11 +80,15 @@ def test_a_spliced_tensor_field_parses_as_the_message_with_it(dtype, rows):
     assert any(isinstance(part, memoryview) for part in parts) == (rows > 0)  # the rows go by reference
     parsed = target_pb2.PrefillResponse.FromString(b"".join(parts))
     expected = target_pb2.PrefillResponse(next_token=7, forward_ns=123, next_token_logprob=logprob, features=tensor_to_pb(features))
-    assert parsed == expected and spliced.SerializeToString() == b"".join(parts)
+    assert parsed == expected and spliced.SerializeToString() == b"".join(parts) and spliced.ByteSize() == len(b"".join(parts))
     assert torch.equal(tensor_from_pb(parsed.features), features)
+    # The gateway's relay splices a Tensor message it received: the same bytes.
+    assert b"".join(wire_parts(TensorSpliced(message, "features", tensor_to_pb(features)))) == b"".join(parts)
     assert wire_parts(message) == [message.SerializeToString()]  # any other message: its bytes, whole
 
 
-def test_a_spliced_tensor_of_a_dtype_the_wire_lacks_is_refused():
+def test_a_spliced_tensor_of_a_dtype_the_wire_lacks_or_a_bad_message_is_refused():
     with pytest.raises(TensorFormatError, match="torch dtype bool"):
         TensorSpliced(target_pb2.PrefillResponse(), "features", torch.zeros(2, 3, dtype=torch.bool))
+    with pytest.raises(TensorFormatError, match="needs 24 bytes, got 20"):
+        TensorSpliced(target_pb2.PrefillResponse(), "features", common_pb2.Tensor(dtype="float32", shape=[2, 3], data=bytes(20)))
