@@ -1,6 +1,8 @@
 """What the first Propose of a DFlash request costs on the wire: a prompt's tap features (512 rows
 of five 4096-wide taps in bf16 for the Qwen3-8B shape, 21 MB) taken off the device, encoded,
-sent over a gRPC unary call or a step socket (both on Unix sockets), decoded and put back on a device.
+sent over a gRPC unary call or a step socket (both on Unix sockets), decoded and put back on a device;
+and on the step socket the ways the target answers and the gateway relays them: encoded into the
+message, or spliced in by reference (``TensorSpliced``).
 
 Usage: python scripts/prompt_features_wire.py [--device cuda:0] [--rows 512] [--width 20480]
 (medians of 5; the allocator tuning of the services applies, as in them)
@@ -19,8 +21,8 @@ import torch
 
 from splitspec.transport.allocator import keep_message_buffers
 from splitspec.transport.stepwire import Opener, StepSocket, StepSocketServer
-from splitspec.transport.tensors import TensorSpliced, tensor_from_pb, tensor_to_pb
-from splitspec.v1 import target_pb2, target_pb2_grpc
+from splitspec.transport.tensors import TensorSpliced, tensor_from_pb, tensor_to_pb, wire_parts
+from splitspec.v1 import draft_pb2, target_pb2, target_pb2_grpc
 
 
 def timed(call, reps: int = 5) -> float:
@@ -91,11 +93,16 @@ def main() -> None:
     data = response.SerializeToString()
     parsed = target_pb2.PrefillResponse.FromString(data)
     decoded = tensor_from_pb(parsed.features)
+    propose = {"sequence_id": "s", "anchor_token": 1, "anchor_position": args.rows, "top_k": 8}
     rows = {
         "device to host": timed(lambda: (features.cpu(), sync())),
         "tensor_to_pb": timed(lambda: tensor_to_pb(host)),
         "serialize": timed(response.SerializeToString),
         "parse": timed(lambda: target_pb2.PrefillResponse.FromString(data)),
+        # The gateway's relay of the parsed features to the draft: a Propose built and serialized,
+        # or the features spliced in by reference (the step socket's way).
+        "gateway's Propose, built and serialized": timed(lambda: draft_pb2.ProposeRequest(features=parsed.features, **propose).SerializeToString()),
+        "gateway's Propose, features spliced": timed(lambda: wire_parts(TensorSpliced(draft_pb2.ProposeRequest(**propose), "features", parsed.features))),
         "tensor_from_pb": timed(lambda: tensor_from_pb(parsed.features)),
         "host to device": timed(lambda: (decoded.to(dev), sync())),
         "gRPC unary round trip (Unix socket)": asyncio.run(grpc_round_trip_ms(response)),
@@ -111,7 +118,7 @@ def main() -> None:
     }
     print(f"{args.rows} x {args.width} bf16 = {len(data) / 1e6:.1f} MB on {dev}:")
     for name, ms in rows.items():
-        print(f"  {name:38s} {ms:7.1f} ms")
+        print(f"  {name:44s} {ms:7.1f} ms")
 
 
 if __name__ == "__main__":
