@@ -91,21 +91,17 @@ class TargetServicer(target_pb2_grpc.TargetWorkerServicer):
         )
 
     async def Prefill(self, request, context):
-        result = await self._prefill(request)
-        return self._prefill_response(result, tensor_to_pb(result.features) if result.features is not None else None)
+        return self._prefill_response(await self._prefill(request), spliced=False)
 
     async def prefill_on_socket(self, request, context):
         """Prefill on the step socket: the features go out by reference (``TensorSpliced``), not copied."""
-        result = await self._prefill(request)
-        response = self._prefill_response(result)
-        return response if result.features is None else TensorSpliced(response, "features", result.features)
+        return self._prefill_response(await self._prefill(request), spliced=True)
 
     @staticmethod
-    def _prefill_response(result: PrefillResult, features: common_pb2.Tensor | None = None) -> target_pb2.PrefillResponse:
+    def _prefill_response(result: PrefillResult, spliced: bool):
         logprob = token_logprob_pb(result.logprob) if result.logprob is not None else None
-        return target_pb2.PrefillResponse(
-            next_token=result.next_token, features=features, forward_ns=result.forward_ns, next_token_logprob=logprob
-        )
+        response = target_pb2.PrefillResponse(next_token=result.next_token, forward_ns=result.forward_ns, next_token_logprob=logprob)
+        return _with_features(response, result.features, spliced)
 
     async def _prefill(self, request: target_pb2.PrefillRequest) -> PrefillResult:
         if request.feature_dtype not in FEATURE_DTYPES:
@@ -137,14 +133,11 @@ class TargetServicer(target_pb2_grpc.TargetWorkerServicer):
         return result
 
     async def Verify(self, request, context):
-        result = await self._verify(request)
-        return self._verify_response(result, tensor_to_pb(result.features) if result.features is not None else None)
+        return self._verify_response(await self._verify(request), spliced=False)
 
     async def verify_on_socket(self, request, context):
         """Verify on the step socket: the features go out by reference (``TensorSpliced``), not copied."""
-        result = await self._verify(request)
-        response = self._verify_response(result)
-        return response if result.features is None else TensorSpliced(response, "features", result.features)
+        return self._verify_response(await self._verify(request), spliced=True)
 
     async def _verify(self, request: target_pb2.VerifyRequest) -> VerifyResult:
         step = VerifyStep(request.sequence_id, list(request.tokens), list(request.parents), request.return_features, request.next_step_late)
@@ -159,13 +152,12 @@ class TargetServicer(target_pb2_grpc.TargetWorkerServicer):
         self.budget_board.tick(result.pass_sequences)
         return result
 
-    def _verify_response(self, result: VerifyResult, features: common_pb2.Tensor | None = None) -> target_pb2.VerifyResponse:
-        return target_pb2.VerifyResponse(
+    def _verify_response(self, result: VerifyResult, spliced: bool):
+        response = target_pb2.VerifyResponse(
             agreed_budget=self.budget_board.agreed,
             committed_tokens=result.committed_tokens,
             accepted_nodes=result.accepted_nodes,
             next_token=result.next_token,
-            features=features,
             forward_ns=result.forward_ns,
             committed_length=result.committed_length,
             logprobs=[token_logprob_pb(lp) for lp in result.logprobs] if result.logprobs is not None else None,
@@ -174,6 +166,7 @@ class TargetServicer(target_pb2_grpc.TargetWorkerServicer):
             queue_ns=result.queue_ns,
             queue_prompt_ns=result.queue_prompt_ns,
         )
+        return _with_features(response, result.features, spliced)
 
     async def VerifyStream(self, requests, context):
         async with contextlib.aclosing(sequence_stream(requests, context, self.Verify)) as answers:
@@ -183,3 +176,14 @@ class TargetServicer(target_pb2_grpc.TargetWorkerServicer):
     async def Release(self, request, context):
         released = self.host.release(request.sequence_id)
         return common_pb2.ReleaseResponse(released=released)
+
+
+def _with_features(response, features, spliced: bool):
+    """``response`` with tap ``features`` (None: none asked for) in its ``features`` field: encoded
+    into it (gRPC), or spliced in by reference (the step socket, ``TensorSpliced``)."""
+    if features is None:
+        return response
+    if spliced:
+        return TensorSpliced(response, "features", features)
+    response.features.CopyFrom(tensor_to_pb(features))
+    return response
