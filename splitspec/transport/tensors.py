@@ -101,12 +101,11 @@ class TensorSpliced:
     the message's own bytes, then the field's encoding with the tensor's bytes by reference. Appended
     to a message's bytes a field reads as set (a protobuf parser takes fields in any order), so the
     receiver parses the whole as the message with the field. The step socket writes the parts one
-    after the other: a prompt's tap features (21 MB for the 8B shape) then cross a process with no
-    copy on its event loop but the socket's, where ``tensor_to_pb``, building the message and
-    serializing it copied them four times on the target (7.6 + 7.5 ms on the 2-core CPU:
-    ``scripts/prompt_features_wire.py``). ``tensor`` is a torch tensor (the target's features:
-    its memory is written as is) or a ``Tensor`` message (the gateway's relay: its bytes are read
-    out once)."""
+    after the other: a prompt's tap features (21 MB for the 8B shape) then leave the target with no
+    copy on its event loop (the kernel's into the socket aside), where ``tensor_to_pb``, building
+    the message and serializing it copied them four times (``scripts/prompt_features_wire.py``,
+    BENCHMARKS.md [S17] i). ``tensor`` is a torch tensor (the target's features: its memory is
+    written as is) or a ``Tensor`` message (the gateway's relay: its bytes are read out once)."""
 
     def __init__(self, message, field: str, tensor: torch.Tensor | common_pb2.Tensor) -> None:
         self.message = message
@@ -128,7 +127,7 @@ class TensorSpliced:
         self.head = _varint(number << 3 | _LENGTH_DELIMITED) + _varint(len(head) + len(self.data)) + head
 
     @property
-    def sequence_id(self) -> str:
+    def sequence_id(self) -> str:  # a step client keys the sequence's connection by it
         return self.message.sequence_id
 
     def wire_parts(self) -> list:
