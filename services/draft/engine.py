@@ -16,6 +16,7 @@ Not thread-safe: the service calls it from one worker thread.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -27,6 +28,8 @@ from services.worker.hosting import SequenceTable
 from splitspec.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from splitspec.models.dflash import DFlashConfig, DFlashDraft
 from splitspec.models.quantized import QuantEmbedding
+
+logger = logging.getLogger(__name__)
 
 APPEND_CHUNK = 512  # new context rows projected to keys and values at once (a prompt arrives whole)
 
@@ -407,10 +410,21 @@ class DraftEngine:
 
 
 def pinned(features: torch.Tensor) -> torch.Tensor:
-    """A copy of host ``features`` in pinned (page-locked) memory (a CUDA build)."""
-    out = torch.empty(features.shape, dtype=features.dtype, pin_memory=True)
+    """A copy of host ``features`` in pinned (page-locked) memory; ``features`` themselves when none
+    can be had (the host's page-locked memory exhausted, or no CUDA): their copy is then pageable."""
+    global _unpinned_logged
+    try:
+        out = torch.empty(features.shape, dtype=features.dtype, pin_memory=True)
+    except RuntimeError as exc:
+        if not _unpinned_logged:
+            logger.warning("no pinned memory for %s rows of features (%s): copied to the device from pageable memory", len(features), exc)
+            _unpinned_logged = True
+        return features
     out.copy_(features)
     return out
+
+
+_unpinned_logged = False  # pinned() warns once
 
 
 def _joined(parts: list[torch.Tensor]) -> torch.Tensor:

@@ -165,3 +165,49 @@ def test_a_gpu_engine_pins_the_host_rows_it_appends_eagerly(draft):
     engine.device = torch.device("cuda")  # as a GPU engine sees it; nothing here touches the device
     assert engine.pins(prompt) and not engine.pins(step)
     assert not engine.pins(torch.empty(cfg.block_size + 1, width, device="meta"))  # not on the host
+
+
+def test_the_servicer_stages_a_prompts_rows_and_goes_on_without_pinned_memory(draft, monkeypatch, caplog):
+    """``DraftServicer.Propose`` hands the rows ``pins`` names to ``pinned`` on a thread of its own;
+    without pinned memory (here: no CUDA) ``pinned`` gives the rows back, warns once, and the
+    proposal is the one the engine gives the rows as they came."""
+    import asyncio
+
+    from services.draft import engine as engine_module
+    from services.draft.server import DraftServicer
+    from services.metrics import WorkerMetrics
+    from splitspec.transport.tensors import tensor_to_pb
+    from splitspec.v1 import draft_pb2
+
+    model, cfg, embed, head, _ = draft
+    features = torch.randn(cfg.block_size + 4, cfg.num_taps * cfg.hidden_size, generator=torch.Generator().manual_seed(5))
+    staged = []
+    monkeypatch.setattr(engine_module, "_unpinned_logged", False)
+    monkeypatch.setattr("services.draft.server.pinned", lambda rows: staged.append(len(rows)) or engine_module.pinned(rows))
+
+    async def propose(sequence_id: str, pin: bool):
+        servicer = DraftServicer(WorkerMetrics("draft", "tiny"))
+        engine = DraftEngine(model, embed, head)
+        engine.pins = lambda rows: pin  # as a GPU engine answers for a prompt's rows
+        servicer.host.attach(engine, None)
+        try:
+            request = draft_pb2.ProposeRequest(
+                sequence_id=sequence_id, anchor_token=7, anchor_position=len(features), features=tensor_to_pb(features), top_k=4
+            )
+            first = await servicer.Propose(request, None)
+            second = await servicer.Propose(draft_pb2.ProposeRequest(**{**_fields(request), "sequence_id": sequence_id + "-again"}), None)
+            return first, second
+        finally:
+            servicer.host.executor.shutdown()
+
+    with caplog.at_level("WARNING", logger="services.draft.engine"):
+        staged_answers = asyncio.run(propose("pinned", True))
+    plain_answers = asyncio.run(propose("plain", False))
+    assert staged == [len(features)] * 2  # both prompts went through pinned(); none of the plain ones did
+    assert [a.top_ids for a in staged_answers] == [p.top_ids for p in plain_answers]
+    assert [a.top_logprobs for a in staged_answers] == [p.top_logprobs for p in plain_answers]
+    assert sum("no pinned memory" in r.getMessage() for r in caplog.records) == (0 if torch.cuda.is_available() else 1)
+
+
+def _fields(message) -> dict:
+    return {field.name: value for field, value in message.ListFields()}
