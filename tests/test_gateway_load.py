@@ -23,16 +23,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from splitspec.transport.rpc import CHANNEL_OPTIONS
 from splitspec.v1 import gateway_pb2, gateway_pb2_grpc
+from tests.tools import free_port
 
 HUGE_PROMPT_BYTES = 4_000_000  # just under the gateway's default --max-request-bytes (4 MiB)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -160,7 +153,7 @@ def _start_pair(services, target_path: str, draft_path: str, *gateway_args: str,
 
 @pytest.mark.slow
 def test_huge_prompts_neither_stall_streams_nor_health(services, tiny_pair):
-    metrics_port = _free_port()
+    metrics_port = free_port()
     address = _start_pair(services, str(tiny_pair.target), str(tiny_pair.draft), "--metrics-port", str(metrics_port))
     figures = probe_large_prompts(
         address, prompt="def fib(n):", max_tokens=400, seconds=60, loaders=2, huge_requests=4, metrics_port=metrics_port
@@ -181,7 +174,7 @@ def test_a_flooding_client_does_not_starve_another(services, tiny_pair):
     three queue, the rest are refused at once, and another client's request still starts at once."""
     address = _start_pair(
         services, str(tiny_pair.target), str(tiny_pair.draft), "--max-running", "2", "--max-running-per-client", "1",
-        "--max-waiting-per-client", "3", "--max-queue-wait", "300", address=f"127.0.0.1:{_free_port()}",
+        "--max-waiting-per-client", "3", "--max-queue-wait", "300", address=f"127.0.0.1:{free_port()}",
     )
     flood = gateway_pb2.GenerateRequest(text="def fib(n):", max_tokens=200, ignore_eos=True)
     outcomes: list[tuple[str, float, float]] = []  # status, seconds to the first message (or the error), seconds in all
@@ -247,7 +240,7 @@ def main() -> None:
 
             target, draft = map(str, make_tiny(Path(work), TinySpec(seed=1)))
             max_tokens = args.max_tokens or 1000
-        metrics_port = _free_port()
+        metrics_port = free_port()
         address = _start_pair(services, target, draft, "--metrics-port", str(metrics_port), cpu_threads=True)
         figures = probe_large_prompts(
             address, prompt="def parse_args(argv):\n", max_tokens=max_tokens, seconds=args.seconds, loaders=args.loaders,

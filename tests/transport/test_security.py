@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
-import socket
 import subprocess
 import sys
 
@@ -17,14 +16,13 @@ from cryptography.x509.oid import NameOID
 
 from splitspec.v1 import common_pb2, target_pb2_grpc
 from tests.client import generate
+from tests.tools import free_port
 
 pytestmark = pytest.mark.slow
 
 
 def _free_address() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{s.getsockname()[1]}"
+    return f"127.0.0.1:{free_port()}"
 
 
 def _issue(name: str, issuer_key, issuer_name, *, ca: bool = False):

@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from services.draft import engine as engine_module
 from services.draft.engine import DraftEngine
 from services.draft.graphs import BlockGraphs
+from services.draft.server import DraftServicer
+from services.metrics import WorkerMetrics
 from splitspec.errors import FailedPrecondition, InvalidArgument
 from splitspec.models.loader import load_dflash_draft, load_target_head
+from splitspec.transport.tensors import tensor_to_pb
+from splitspec.v1 import draft_pb2
 
 
 def _rms(x, w, eps=1e-6):
@@ -171,14 +177,6 @@ def test_the_servicer_stages_a_prompts_rows_and_goes_on_without_pinned_memory(dr
     """``DraftServicer.Propose`` hands the rows ``pins`` names to ``pinned`` on a thread of its own;
     without pinned memory (here: no CUDA) ``pinned`` gives the rows back, warns once, and the
     proposal is the one the engine gives the rows as they came."""
-    import asyncio
-
-    from services.draft import engine as engine_module
-    from services.draft.server import DraftServicer
-    from services.metrics import WorkerMetrics
-    from splitspec.transport.tensors import tensor_to_pb
-    from splitspec.v1 import draft_pb2
-
     model, cfg, embed, head, _ = draft
     features = torch.randn(cfg.block_size + 4, cfg.num_taps * cfg.hidden_size, generator=torch.Generator().manual_seed(5))
     staged = []
@@ -195,8 +193,8 @@ def test_the_servicer_stages_a_prompts_rows_and_goes_on_without_pinned_memory(dr
                 sequence_id=sequence_id, anchor_token=7, anchor_position=len(features), features=tensor_to_pb(features), top_k=4
             )
             first = await servicer.Propose(request, None)
-            second = await servicer.Propose(draft_pb2.ProposeRequest(**{**_fields(request), "sequence_id": sequence_id + "-again"}), None)
-            return first, second
+            request.sequence_id += "-again"
+            return first, await servicer.Propose(request, None)
         finally:
             servicer.host.executor.shutdown()
 
@@ -207,7 +205,3 @@ def test_the_servicer_stages_a_prompts_rows_and_goes_on_without_pinned_memory(dr
     assert [a.top_ids for a in staged_answers] == [p.top_ids for p in plain_answers]
     assert [a.top_logprobs for a in staged_answers] == [p.top_logprobs for p in plain_answers]
     assert sum("no pinned memory" in r.getMessage() for r in caplog.records) == (0 if torch.cuda.is_available() else 1)
-
-
-def _fields(message) -> dict:
-    return {field.name: value for field, value in message.ListFields()}
