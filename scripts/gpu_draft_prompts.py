@@ -11,7 +11,9 @@ does (its kernels and the draft's then take turns on the device).
 Prints one JSON line per (rows' place, k, hog): the median wall ms of the whole ``propose_batch``
 and of its eager appends, over ``--iters`` passes.
 
-Usage: python scripts/gpu_draft_prompts.py [--sequences 16] [--prompt 512] [--rows 7] [--iters 20] [--hog]
+``--profile N`` then prints the device time of N passes with no prompt by kernel kind.
+
+Usage: python scripts/gpu_draft_prompts.py [--sequences 16] [--prompt 512] [--rows 7] [--iters 20] [--hog] [--profile 10]
 On a CPU (``--device cpu --shape tiny``) the fixed shapes run eagerly: a quick check of the script.
 """
 
@@ -122,13 +124,15 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--places", default=",".join(PLACES), help=f"where the prompts' rows are, comma-separated: {', '.join(PLACES)}")
     p.add_argument("--hog", action="store_true", help="also with another process keeping the GPU busy")
+    p.add_argument("--profile", type=int, default=0, help="then the kernels of this many passes with no prompt, by kind (GPU)")
     args = p.parse_args()
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model, config = random_draft(f"random:{args.shape}-dflash", device, dtype)
     embed, head, _ = random_target_head(f"random:{args.shape}", device, dtype)
     counts = [int(k) for k in args.prompts.split(",")]
-    capacity = args.context + (args.warmup + args.iters) * args.rows * (1 + len(PLACES) * len(counts) * 2) + 64  # every pass's rows
+    passes_run = (args.warmup + args.iters) * (2 + len(PLACES) * len(counts) * 2) + args.profile + 3
+    capacity = args.context + passes_run * args.rows + 64  # every pass's rows
     slots = args.sequences + max(counts)
     graphs = BlockGraphs(model, embed, head, max(capacity, args.prompt + 64), slots, capture=device.type == "cuda")
     engine = DraftEngine(model, embed, head, graphs=graphs)
@@ -151,6 +155,15 @@ def main() -> None:
             if proc is not None:
                 stop.set()
                 proc.join(30)
+    if args.profile and device.type == "cuda":
+        from gpu_kernel_table import kernel_table  # scripts/: this script's folder
+
+        def one_pass():
+            steps, _ = passes.step(args.rows, 0, args.prompt, "pageable")
+            engine.propose_batch(steps)
+
+        wall = measure(engine, passes, args, "pageable", 0)["pass_ms"]
+        kernel_table(f"{args.sequences} sequences, {args.rows} new rows each", one_pass, wall, args.profile, 25)
     print(json.dumps({"graph_capture_failed": graphs.failed, "batch_shapes": [list(map(str, s)) for s in sorted(graphs.batch_shapes)]}))
 
 

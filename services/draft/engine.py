@@ -318,22 +318,36 @@ class DraftEngine:
         """The steps' new rows in order, on the device, as chunks of at most ``APPEND_CHUNK`` rows:
         features [r, taps * hidden] and positions [r]. A prompt's rows go through a chunk at a time:
         all 16K rows' features, fc and norm outputs at once would take 1.25 GiB at the 27B draft's
-        width. Each step's rows go to the device as they came (from the wire: on the host), and a
-        chunk of several steps' rows is joined there: a join on the host copies tens of MB (two
-        prompts' features) on the engine thread, on a CPU the busy-polling services share."""
-        features: list[torch.Tensor] = []
-        positions: list[torch.Tensor] = []
+        width."""
+        pieces: list[tuple[torch.Tensor, int]] = []  # a chunk's rows: (features [r, W], first position)
         size = 0  # rows in the chunk being gathered
         for step, seq in new:
             for a in range(0, step.rows, APPEND_CHUNK):
                 piece = step.features[a : a + APPEND_CHUNK]
                 if size + piece.shape[0] > APPEND_CHUNK:
-                    yield _joined(features), _joined(positions)
-                    features, positions, size = [], [], 0
-                features.append(piece.to(self.device, self.dtype))
-                positions.append(torch.arange(seq.ctx_end + a, seq.ctx_end + a + piece.shape[0], device=self.device))
+                    yield self._to_device(pieces)
+                    pieces, size = [], 0
+                pieces.append((piece, seq.ctx_end + a))
                 size += piece.shape[0]
-        yield _joined(features), _joined(positions)
+        yield self._to_device(pieces)
+
+    def _to_device(self, pieces: list[tuple[torch.Tensor, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One chunk's ``pieces`` (features from the wire: on the host) joined on the device:
+        features [r, W] and positions [r]. Steps' short runs are joined on the host and go with the
+        positions in one pinned copy each; a prompt's rows (pinned by the servicer: :meth:`pins`)
+        go as they came, since joining them on the host copies tens of MB on the engine thread.
+        A copy from pageable memory first waits for the work queued before it (CUDA's rule for
+        pageable copies): a copy a step between the chunks' kernels would wait for each; one from
+        pinned memory is queued, and the engine thread goes on."""
+        host = self.device.type == "cuda" and pieces[0][0].device.type == "cpu"
+        join = pinned_cat if host else _joined
+        parts = [
+            group[0] if group[0].shape[0] > self.block_size else join(group)  # a prompt's rows / steps' short runs
+            for group in host_groups([f for f, _ in pieces], self.block_size)
+        ]
+        features = _joined([part.to(self.device, self.dtype, non_blocking=True) for part in parts])
+        positions = join([torch.arange(p, p + f.shape[0]) for f, p in pieces])  # [r]
+        return features, positions.to(self.device, non_blocking=True)
 
     def _propose_one(self, step: ProposeStep, seq: DraftSequence) -> Proposal:
         """One sequence's pass: a CUDA graph where one serves it (appending up to a block of new
@@ -412,19 +426,46 @@ class DraftEngine:
 def pinned(features: torch.Tensor) -> torch.Tensor:
     """A copy of host ``features`` in pinned (page-locked) memory; ``features`` themselves when none
     can be had (the host's page-locked memory exhausted, or no CUDA): their copy is then pageable."""
+    return pinned_cat([features])
+
+
+def pinned_cat(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Host tensors ``parts`` joined along their first dimension into pinned memory (joined in
+    pageable memory when none can be had, warned once)."""
     global _unpinned_logged
     try:
-        out = torch.empty(features.shape, dtype=features.dtype, pin_memory=True)
+        out = torch.empty((sum(p.shape[0] for p in parts), *parts[0].shape[1:]), dtype=parts[0].dtype, pin_memory=True)
     except RuntimeError as exc:
         if not _unpinned_logged:
-            logger.warning("no pinned memory for %s rows of features (%s): copied to the device from pageable memory", len(features), exc)
+            logger.warning("no pinned memory for %s rows (%s): copied to the device from pageable memory", sum(p.shape[0] for p in parts), exc)
             _unpinned_logged = True
-        return features
-    out.copy_(features)
+        return _joined(parts)
+    # Byte copies by numpy, on this thread: a torch.cat or copy_ of host tensors this size runs on
+    # torch's CPU thread pool, which the busy-polling services' cores starve (BENCHMARKS.md [S16]).
+    raw, at = out.view(-1).view(torch.uint8).numpy(), 0
+    for p in parts:
+        data = p.contiguous().view(-1).view(torch.uint8).numpy()
+        raw[at : at + data.size] = data
+        at += data.size
     return out
 
 
 _unpinned_logged = False  # pinned() warns once
+
+
+def host_groups(features: list[torch.Tensor], block: int) -> list[list[torch.Tensor]]:
+    """``features`` (one chunk's pieces in order) grouped for their copy to the device: consecutive
+    pieces of at most ``block`` rows (steps' new rows) share a group, joined on the host where that
+    is cheap; a longer piece (a prompt's) is a group of its own."""
+    groups: list[list[torch.Tensor]] = []
+    short = False  # whether the last group takes more short pieces
+    for f in features:
+        if f.shape[0] <= block and short:
+            groups[-1].append(f)
+        else:
+            groups.append([f])
+            short = f.shape[0] <= block
+    return groups
 
 
 def _joined(parts: list[torch.Tensor]) -> torch.Tensor:

@@ -173,6 +173,20 @@ def test_a_gpu_engine_pins_the_host_rows_it_appends_eagerly(draft):
     assert not engine.pins(torch.empty(cfg.block_size + 1, width, device="meta"))  # not on the host
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int64])
+def test_pinned_cat_joins_rows_byte_for_byte(monkeypatch, dtype):
+    """``pinned_cat`` joins host rows into one buffer (pinned on a CUDA host; here the allocation
+    stands in, with no CUDA), whatever their dtype, a strided part included."""
+    empty = torch.empty
+    monkeypatch.setattr(engine_module.torch, "empty", lambda *a, pin_memory=False, **k: empty(*a, **k))
+    g = torch.Generator().manual_seed(2)
+    parts = [(torch.randn(n, 6, generator=g) * 100).to(dtype) for n in (3, 1, 5)]
+    parts.append((torch.randn(6, 4, generator=g) * 100).to(dtype).t()[:, :6])  # [4, 6], not contiguous
+    assert torch.equal(engine_module.pinned_cat(parts), torch.cat(parts))
+    positions = [torch.arange(4, 7), torch.arange(20, 22)]
+    assert engine_module.pinned_cat(positions).tolist() == [4, 5, 6, 20, 21]
+
+
 def test_the_servicer_stages_a_prompts_rows_and_goes_on_without_pinned_memory(draft, monkeypatch, caplog):
     """``DraftServicer.Propose`` hands the rows ``pins`` names to ``pinned`` on a thread of its own;
     without pinned memory (here: no CUDA) ``pinned`` gives the rows back, warns once, and the

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from native import paged_attention
-from services.draft.engine import DraftEngine, Proposal, ProposeStep
+from services.draft.engine import DraftEngine, Proposal, ProposeStep, host_groups
 from services.draft.graphs import BlockGraphs, padded_batch
 from splitspec.errors import Aborted, FailedPrecondition, InvalidArgument, ResourceExhausted
 from splitspec.models.loader import load_dflash_draft, load_target_head
@@ -391,3 +391,11 @@ def test_batch_of_nine_pads_to_twelve_after_warm_up(drafts):
     assert graphs.batch_shapes == warmed
     with pytest.raises(RuntimeError, match="slots are taken"):
         graphs.warm_up(5)  # the nine sequences hold their slots
+
+
+def test_host_groups_join_short_runs_and_keep_a_prompt_alone():
+    """Steps' short runs (at most a block) between prompts share a group, joined on the host for
+    one copy; a prompt's rows are a group of their own, copied as they came."""
+    rows = [1, 7, 16, 40, 3, 2, 17, 5]
+    groups = host_groups([torch.zeros(r, 2) for r in rows], 16)
+    assert [[len(f) for f in g] for g in groups] == [[1, 7, 16], [40], [3, 2], [17], [5]]
