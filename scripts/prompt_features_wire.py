@@ -2,7 +2,8 @@
 of five 4096-wide taps in bf16 for the Qwen3-8B shape, 21 MB) taken off the device, encoded,
 sent over a gRPC unary call or a step socket (both on Unix sockets), decoded and put back on a device;
 and on the step socket the ways the target answers and the gateway relays them: encoded into the
-message, or spliced in by reference (``TensorSpliced``).
+message, or spliced in by reference (``TensorSpliced``); and the draft's receive of them, parsed
+into the message and copied out, or read in place (``TensorFieldReader``).
 
 Usage: python scripts/prompt_features_wire.py [--device cuda:0] [--rows 512] [--width 20480]
 (medians of 5; the allocator tuning of the services applies, as in them)
@@ -20,9 +21,12 @@ import grpc
 import torch
 
 from splitspec.transport.allocator import keep_message_buffers
+from splitspec.transport.received import TensorFieldReader
 from splitspec.transport.stepwire import Opener, StepSocket, StepSocketServer
 from splitspec.transport.tensors import TensorSpliced, tensor_from_pb, tensor_to_pb, wire_parts
 from splitspec.v1 import draft_pb2, target_pb2, target_pb2_grpc
+
+READER = TensorFieldReader(draft_pb2.ProposeRequest, "features")
 
 
 def timed(call, reps: int = 5) -> float:
@@ -94,6 +98,8 @@ def main() -> None:
     parsed = target_pb2.PrefillResponse.FromString(data)
     decoded = tensor_from_pb(parsed.features)
     propose = {"sequence_id": "s", "anchor_token": 1, "anchor_position": args.rows, "top_k": 8}
+    relayed = TensorSpliced(draft_pb2.ProposeRequest(**propose), "features", parsed.features).SerializeToString()
+    spliced = lambda: bytearray(relayed)  # noqa: E731 - a frame as the step socket receives it (the copy timed as well)
     rows = {
         "device to host": timed(lambda: (features.cpu(), sync())),
         "tensor_to_pb": timed(lambda: tensor_to_pb(host)),
@@ -104,6 +110,10 @@ def main() -> None:
         "gateway's Propose, built and serialized": timed(lambda: draft_pb2.ProposeRequest(features=parsed.features, **propose).SerializeToString()),
         "gateway's Propose, features spliced": timed(lambda: wire_parts(TensorSpliced(draft_pb2.ProposeRequest(**propose), "features", parsed.features))),
         "tensor_from_pb": timed(lambda: tensor_from_pb(parsed.features)),
+        # The draft's receive of the relayed Propose, from the frame's bytes to the features' tensor:
+        # parsed whole then copied out (the gRPC way), or the features read in place (the socket's).
+        "draft's Propose, parsed, tensor_from_pb": timed(lambda: tensor_from_pb(draft_pb2.ProposeRequest.FromString(spliced()).features)),
+        "draft's Propose, features read in place": timed(lambda: READER.FromString(spliced()).tensor.to_torch()),
         "host to device": timed(lambda: (decoded.to(dev), sync())),
         "gRPC unary round trip (Unix socket)": asyncio.run(grpc_round_trip_ms(response)),
         "step socket round trip (OPEN frame)": asyncio.run(socket_round_trip_ms(lambda: response)),

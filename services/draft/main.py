@@ -9,6 +9,7 @@ import time
 from splitspec.models import keep_quantized
 from splitspec.spec.tree import DEFAULT_TOP_K
 from splitspec.transport import busypoll, rpc
+from splitspec.transport.received import TensorFieldReader
 from splitspec.transport.security import ServerSecurity, add_server_arguments
 from splitspec.transport.stepwire import add_step_socket_argument, step_server_from_args
 
@@ -175,6 +176,8 @@ async def run(args: argparse.Namespace, build=load_engine) -> None:
         logger.info("draft worker serving on %s", args.listen)
 
     logger.info("draft worker listening on %s, loading %s", args.listen, args.model)
-    step_server = step_server_from_args(args, "draft", f"/{SERVICE}/Propose", draft_pb2.ProposeRequest, servicer.Propose)
+    step_server = step_server_from_args(
+        args, "draft", f"/{SERVICE}/Propose", TensorFieldReader(draft_pb2.ProposeRequest, "features"), servicer.propose_on_socket,
+    )
     servicer.step_server = step_server
     await serve_worker("draft", server, health, SERVICE, servicer.host, load, args.shutdown_grace, args.sequence_ttl, step_server)

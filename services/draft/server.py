@@ -10,6 +10,7 @@ from services.metrics import WorkerMetrics
 from services.worker.batching import StepBatcher
 from services.worker.hosting import EngineHost
 from splitspec.errors import InvalidArgument
+from splitspec.transport.received import Received
 from splitspec.transport.rpc import sequence_stream
 from splitspec.transport.tensors import TensorFormatError, tensor_from_pb, tensor_to_pb
 from splitspec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
@@ -55,8 +56,17 @@ class DraftServicer(draft_pb2_grpc.DraftWorkerServicer):
                 features = tensor_from_pb(request.features)
             except TensorFormatError as exc:
                 raise InvalidArgument(f"features: {exc}") from exc
-            if self.host.require().pins(features):  # a prompt's rows: copied here, off the engine thread
-                features = await asyncio.to_thread(pinned, features)
+        return await self._propose(request, features)
+
+    async def propose_on_socket(self, received: Received, context):
+        """Propose on the step socket: the features are read where the frame was received
+        (``TensorFieldReader``), not parsed into the message and copied out."""
+        view = received.tensor
+        return await self._propose(received.message, view.to_torch() if view is not None and view.shape else None)
+
+    async def _propose(self, request, features):
+        if features is not None and self.host.require().pins(features):  # a prompt's rows: copied here, off the engine thread
+            features = await asyncio.to_thread(pinned, features)
         step = ProposeStep(
             request.sequence_id, request.anchor_token, request.anchor_position, features, request.top_k, request.window,
             list(request.tokens), request.context, request.depths,

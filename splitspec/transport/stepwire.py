@@ -43,6 +43,7 @@ import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Protocol
 
 import grpc
 
@@ -126,7 +127,7 @@ def add_step_socket_argument(p) -> None:
 
 
 def step_server_from_args(
-    args, service_name: str, method: str, request_type: type, step, opener: Opener | None = None
+    args, service_name: str, method: str, request_type: RequestType, step, opener: Opener | None = None
 ) -> StepSocketServer | None:
     """The worker's step socket server per ``--step-socket`` (None when off). A path given
     explicitly must bind; one chosen by ``auto`` may fail to (the worker then serves gRPC only)."""
@@ -139,13 +140,19 @@ def step_server_from_args(
     )
 
 
+class RequestType(Protocol):
+    """What reads a request's bytes: a protobuf message type, or a ``TensorFieldReader``."""
+
+    def FromString(self, payload: bytes | bytearray) -> Any: ...
+
+
 @dataclass(frozen=True)
 class Opener:
     """A worker's opening RPC on the step socket (``OPEN`` frames): its name, request type and
     the servicer's unary method (given ``context=None``)."""
 
     method: str
-    request_type: type
+    request_type: RequestType
     call: Callable[[object, None], Awaitable[object]]
 
 
@@ -160,14 +167,15 @@ class _Call:
 class StepSocketServer:
     """Serves ``step(request, context)`` (a servicer's unary step method, given ``context=None``)
     for requests of ``request_type`` on the Unix socket ``path``; errors get the status code and
-    message of the service's ``ErrorInterceptor``."""
+    message of the service's ``ErrorInterceptor``. ``request_type.FromString`` reads a request: a
+    message type's, or a ``TensorFieldReader``'s (its large tensor field read in place)."""
 
     def __init__(
         self,
         path: str,
         service_name: str,
         method: str,
-        request_type: type,
+        request_type: RequestType,
         step: Callable[[object, None], Awaitable[object]],
         token: str = "",
         required: bool = True,

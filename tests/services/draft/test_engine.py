@@ -16,6 +16,7 @@ from services.draft.server import DraftServicer
 from services.metrics import WorkerMetrics
 from splitspec.errors import FailedPrecondition, InvalidArgument
 from splitspec.models.loader import load_dflash_draft, load_target_head
+from splitspec.transport.received import TensorFieldReader
 from splitspec.transport.tensors import tensor_to_pb
 from splitspec.v1 import draft_pb2
 
@@ -188,7 +189,7 @@ def test_pinned_cat_joins_rows_byte_for_byte(monkeypatch, dtype):
 
 
 def test_the_servicer_stages_a_prompts_rows_and_goes_on_without_pinned_memory(draft, monkeypatch, caplog):
-    """``DraftServicer.Propose`` hands the rows ``pins`` names to ``pinned`` on a thread of its own;
+    """``DraftServicer.Propose`` (and its step socket's ``propose_on_socket``) hands the rows ``pins`` names to ``pinned`` on a thread of its own;
     without pinned memory (here: no CUDA) ``pinned`` gives the rows back, warns once, and the
     proposal is the one the engine gives the rows as they came."""
     model, cfg, embed, head, _ = draft
@@ -207,15 +208,17 @@ def test_the_servicer_stages_a_prompts_rows_and_goes_on_without_pinned_memory(dr
                 sequence_id=sequence_id, anchor_token=7, anchor_position=len(features), features=tensor_to_pb(features), top_k=4
             )
             first = await servicer.Propose(request, None)
-            request.sequence_id += "-again"
-            return first, await servicer.Propose(request, None)
+            request.sequence_id += "-again"  # then on the step socket's path: the features read in place
+            received = TensorFieldReader(draft_pb2.ProposeRequest, "features").FromString(request.SerializeToString())
+            return first, await servicer.propose_on_socket(received, None)
         finally:
             servicer.host.executor.shutdown()
 
     with caplog.at_level("WARNING", logger="services.draft.engine"):
         staged_answers = asyncio.run(propose("pinned", True))
     plain_answers = asyncio.run(propose("plain", False))
-    assert staged == [len(features)] * 2  # both prompts went through pinned(); none of the plain ones did
+    assert staged == [len(features)] * 2  # both prompts (gRPC, socket) went through pinned(); none of the plain ones did
+    assert plain_answers[0].top_ids == plain_answers[1].top_ids  # the same prompt, either path
     assert [a.top_ids for a in staged_answers] == [p.top_ids for p in plain_answers]
     assert [a.top_logprobs for a in staged_answers] == [p.top_logprobs for p in plain_answers]
     assert sum("no pinned memory" in r.getMessage() for r in caplog.records) == (0 if torch.cuda.is_available() else 1)
