@@ -3,18 +3,21 @@
 
 A worker process serves VerifyRequest -> VerifyResponse on a real ``StepSocketServer``; its
 step holds the loop's thread for ``hold`` µs (as an inline step waits for the GPU) and answers
-with ``reply`` bytes of features. The client sends a step, reads the answer, then sleeps
+with ``reply`` bytes of features, built each step as the target builds them: encoded into the
+message (``tensor_to_pb``, the gRPC answer) or spliced in by reference (``TensorSpliced``, the step
+socket's since 7debc2d; ``--answers``). The client sends a step, reads the answer, then sleeps
 ``gap`` µs on its loop (as the gateway waits for the other worker) before the next. Overhead =
 round trip - hold, median over ``--steps`` steps. ``gap`` > 0 lets the worker fall asleep
 between steps; ``hold`` > 0 lets the client fall asleep while it waits.
 
-Usage: python scripts/step_socket_latency.py [--spins 0,20000] [--steps 300]   (CPU only)
+Usage: python scripts/step_socket_latency.py [--spins 0,20000] [--steps 300] [--answers encoded,spliced]   (CPU only)
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import multiprocessing as mp
 import os
 import statistics
@@ -23,22 +26,29 @@ import time
 
 from splitspec.transport import busypoll
 from splitspec.transport.stepwire import StepSocket, StepSocketServer
-from splitspec.v1 import common_pb2, target_pb2
+from splitspec.transport.tensors import TensorSpliced, tensor_to_pb
+from splitspec.v1 import target_pb2
 
 CASES = [(0, 0), (6000, 0), (0, 2000), (6000, 2000)]  # (hold, gap) µs
-REPLIES = [0, 7 * 5 * 4096 * 2]  # a decode step; a budget-22 step accepting 7 rows of 5 bf16 taps
+ROW = 5 * 4096 * 2  # one row of the 8B shape's 5 bf16 taps
+REPLIES = [0, ROW, 7 * ROW]  # a decode step; a step accepting 1 row and 7 rows
 
 
-async def serve(path: str, hold_us: int, reply: int) -> None:
-    response = target_pb2.VerifyResponse(
-        committed_tokens=[1], next_token=2, committed_length=3,
-        features=common_pb2.Tensor(dtype="bfloat16", shape=[reply // 2], data=bytes(reply)) if reply else None,
-    )
+async def serve(path: str, hold_us: int, reply: int, answer: str) -> None:
+    import torch
+
+    features = torch.zeros(reply // ROW, ROW // 2, dtype=torch.bfloat16) if reply else None
 
     async def step(request, context):
         end = time.perf_counter() + hold_us / 1e6
         while time.perf_counter() < end:
             pass
+        response = target_pb2.VerifyResponse(committed_tokens=[1], next_token=2, committed_length=3)
+        if features is None:
+            return response
+        if answer == "spliced":
+            return TensorSpliced(response, "features", features)
+        response.features.CopyFrom(tensor_to_pb(features))
         return response
 
     server = StepSocketServer(path, "probe", "Verify", target_pb2.VerifyRequest, step)
@@ -46,8 +56,14 @@ async def serve(path: str, hold_us: int, reply: int) -> None:
     await asyncio.Event().wait()
 
 
-def worker(path: str, hold_us: int, reply: int, spin_us: int) -> None:
-    busypoll.run(serve(path, hold_us, reply), spin_us)
+def worker(path: str, hold_us: int, reply: int, spin_us: int, answer: str) -> None:
+    busypoll.run(spinning(serve(path, hold_us, reply, answer), spin_us))
+
+
+async def spinning(main, spin_us: int):
+    """``main`` on a loop that busy-polls ``spin_us`` µs (0: off), as a service's ``--busy-poll``."""
+    busypoll.configure(str(spin_us) if spin_us else "off", True, "probe")
+    return await main
 
 
 async def client(path: str, gap_us: int, steps: int) -> list[float]:
@@ -74,25 +90,26 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--spins", default="0,20000", help="busy-poll µs to compare (both processes), comma-separated")
     p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--answers", default="encoded,spliced", help="how the features go into the answer, comma-separated: encoded, spliced")
     args = p.parse_args()
     ctx = mp.get_context("spawn")
     print(f"cpus {os.cpu_count()}; overhead = round trip - hold, median µs (p90)")
-    print("spin_us reply_bytes " + " ".join(f"hold{h}/gap{g}" for h, g in CASES))
-    for spin in (int(s) for s in args.spins.split(",")):
-        for reply in REPLIES:
+    print("spin_us answer reply_bytes " + " ".join(f"hold{h}/gap{g}" for h, g in CASES))
+    for spin, answer, reply in itertools.product((int(s) for s in args.spins.split(",")), args.answers.split(","), REPLIES):
+        if reply or answer == "encoded":  # no features: the same answer either way
             row = []
             for hold, gap in CASES:
                 path = os.path.join(tempfile.mkdtemp(), "probe.steps")
-                proc = ctx.Process(target=worker, args=(path, hold, reply, spin), daemon=True)
+                proc = ctx.Process(target=worker, args=(path, hold, reply, spin, answer), daemon=True)
                 proc.start()
                 try:
-                    times = busypoll.run(client(path, gap, args.steps), spin)
+                    times = busypoll.run(spinning(client(path, gap, args.steps), spin))
                 finally:
                     proc.kill()
                     proc.join()
                 over = sorted((t * 1e6 - hold) for t in times)
                 row.append(f"{statistics.median(over):.0f} ({over[int(0.9 * len(over))]:.0f})")
-            print(f"{spin} {reply} " + " ".join(row), flush=True)
+            print(f"{spin} {answer} {reply} " + " ".join(row), flush=True)
 
 
 if __name__ == "__main__":
