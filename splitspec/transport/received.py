@@ -97,10 +97,8 @@ class TensorFieldReader:
         """Protobuf's own parse (which raises on bad bytes) and the field copied out: for what a
         splicing sender never writes, a field given twice (merged) or a group."""
         message = self.message_type.FromString(buf)
-        if not message.HasField(self.field):
-            return Received(message, None)
         tensor = getattr(message, self.field)
-        view = TensorView.of(tensor.dtype, tuple(tensor.shape), memoryview(tensor.data))
+        view = TensorView.of(tensor.dtype, tuple(tensor.shape), memoryview(tensor.data)) if tensor.ByteSize() else None
         message.ClearField(self.field)
         return Received(message, view)
 

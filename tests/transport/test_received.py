@@ -64,6 +64,8 @@ def test_no_field_an_empty_field_and_a_field_given_twice():
     first = request(features=common_pb2.Tensor(dtype="float32", shape=[1, 2], data=bytes(8))).SerializeToString()
     second = draft_pb2.ProposeRequest(features=common_pb2.Tensor(data=bytes(range(8)))).SerializeToString()
     assert_reads_as_protobuf(first + second)  # protobuf merges the two: the reader gives its parse
+    empty = request(features=common_pb2.Tensor()).SerializeToString()
+    assert_reads_as_protobuf(empty + empty)  # twice, and empty
 
 
 @pytest.mark.parametrize(
