@@ -10,13 +10,11 @@ received: a ``TensorView`` is a view of them.
 
 from __future__ import annotations
 
-import math
-import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from splitspec.transport.tensors import ITEM_SIZES, TensorFormatError
+from splitspec.transport.tensors import check_tensor, tensor_over
 from splitspec.v1 import common_pb2
 
 if TYPE_CHECKING:
@@ -37,25 +35,12 @@ class TensorView:
 
     @classmethod
     def of(cls, dtype: str, shape: tuple[int, ...], data: memoryview) -> TensorView:
-        if dtype not in ITEM_SIZES:
-            raise TensorFormatError(f"unknown tensor dtype {dtype!r} (allowed: {', '.join(ITEM_SIZES)})")
-        if any(d < 0 for d in shape):
-            raise TensorFormatError(f"negative dimension in tensor shape {shape}")
-        expected = math.prod(shape) * ITEM_SIZES[dtype]
-        if len(data) != expected:
-            raise TensorFormatError(f"tensor of dtype {dtype} and shape {shape} needs {expected} bytes, got {len(data)}")
+        check_tensor(dtype, shape, len(data))
         return cls(dtype, shape, data)
 
     def to_torch(self) -> torch.Tensor:
         """The tensor over the same bytes (no copy; it keeps the received buffer alive)."""
-        import torch
-
-        dtype = getattr(torch, self.dtype)
-        if not self.data:
-            return torch.empty(self.shape, dtype=dtype)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # bytes received as `bytes` are not writable: not written
-            return torch.frombuffer(self.data, dtype=dtype).view(self.shape)
+        return tensor_over(self.dtype, self.shape, self.data)
 
 
 @dataclass(frozen=True)

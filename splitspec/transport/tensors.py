@@ -32,16 +32,20 @@ class TensorFormatError(ValueError):
 def _checked(msg: common_pb2.Tensor) -> tuple[tuple[int, ...], bytes]:
     """The message's shape and bytes, checked against each other. Reading ``msg.data`` copies the
     bytes (protobuf's upb runtime), so it is read here once: a prompt's features are tens of MB."""
-    if msg.dtype not in ITEM_SIZES:
-        raise TensorFormatError(f"unknown tensor dtype {msg.dtype!r} (allowed: {', '.join(ITEM_SIZES)})")
-    shape = tuple(int(d) for d in msg.shape)
+    shape, data = tuple(int(d) for d in msg.shape), msg.data
+    check_tensor(msg.dtype, shape, len(data))
+    return shape, data
+
+
+def check_tensor(dtype: str, shape: tuple[int, ...], nbytes: int) -> None:
+    """Refuses (``TensorFormatError``) a tensor whose dtype, shape and byte count do not agree."""
+    if dtype not in ITEM_SIZES:
+        raise TensorFormatError(f"unknown tensor dtype {dtype!r} (allowed: {', '.join(ITEM_SIZES)})")
     if any(d < 0 for d in shape):
         raise TensorFormatError(f"negative dimension in tensor shape {shape}")
-    expected = math.prod(shape) * ITEM_SIZES[msg.dtype]
-    data = msg.data
-    if len(data) != expected:
-        raise TensorFormatError(f"tensor of dtype {msg.dtype} and shape {shape} needs {expected} bytes, got {len(data)}")
-    return shape, data
+    expected = math.prod(shape) * ITEM_SIZES[dtype]
+    if nbytes != expected:
+        raise TensorFormatError(f"tensor of dtype {dtype} and shape {shape} needs {expected} bytes, got {nbytes}")
 
 
 def concat_rows(first: common_pb2.Tensor, *rest: common_pb2.Tensor) -> common_pb2.Tensor:
@@ -163,13 +167,17 @@ def wire_parts(message) -> list:
 def tensor_from_pb(msg: common_pb2.Tensor, device: torch.device | str = "cpu") -> torch.Tensor:
     """The message's tensor. On the CPU it views the bytes read out of the message, which nothing
     else holds, without a second copy (a prompt's features are tens of MB): it is read-only."""
-    import torch
 
     shape, data = _checked(msg)
-    dtype = getattr(torch, msg.dtype)
+    return tensor_over(msg.dtype, shape, data).to(device)
+
+
+def tensor_over(dtype: str, shape: tuple[int, ...], data: bytes | bytearray | memoryview) -> torch.Tensor:
+    """A CPU tensor over ``data`` (checked against ``dtype`` and ``shape`` by the caller), no copy."""
+    import torch
+
     if not data:
-        return torch.empty(shape, dtype=dtype, device=device)
+        return torch.empty(shape, dtype=getattr(torch, dtype))
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # that the bytes are not writable: they are not written
-        tensor = torch.frombuffer(data, dtype=dtype)
-    return tensor.view(shape).to(device)
+        warnings.simplefilter("ignore", UserWarning)  # that bytes are not writable: they are not written
+        return torch.frombuffer(data, dtype=getattr(torch, dtype)).view(shape)
