@@ -129,6 +129,14 @@ PromQL (add ``{model="..."}`` matchers or ``by (model)`` for several models):
 
     sum by (instance) (splitspec_worker_kv_blocks_used)
       / sum by (instance) (splitspec_worker_kv_blocks_capacity)
+
+- the draft's fast path: context slots held, and sequences outside the slots (they run the eager
+  pass, several times slower a step, until a slot frees: raise ``--graph-sequences`` when this
+  stays above 0)::
+
+    splitspec_worker_graph_slots_used
+
+    splitspec_worker_live_sequences - on (instance, model) splitspec_worker_graph_slots_used
 """
 
 from __future__ import annotations
@@ -495,6 +503,8 @@ class WorkerMetrics(_Metrics):
                 ("splitspec_worker_kv_cache_capacity_tokens", "KV cache positions this worker reserves at most (target)"),
                 ("splitspec_worker_kv_blocks_used", "Paged KV cache blocks held by live sequences (target)"),
                 ("splitspec_worker_kv_blocks_capacity", "Paged KV cache blocks in all (target)"),
+                ("splitspec_worker_graph_slots_used", "Context slots of the fast (CUDA-graph) path held by sequences (draft)"),
+                ("splitspec_worker_graph_slots_capacity", "Context slots of the fast (CUDA-graph) path in all (draft)"),
             )
         }
 

@@ -72,7 +72,13 @@ def system(request, module_services, tiny_pair, tiny_qwen35_pair, tmp_path_facto
         "--cpu-pass-thread", "on",  # passes compute on their own thread, the next prepared meanwhile, as on a GPU
     )
     oracle = s.start(f"b-{arch}-oracle", "oracle-draft", "--table", str(table), "--corruption", "0.3", "--target-model", model)
-    dflash = s.start(f"b-{arch}-dflash", "draft", "--model", str(pair.draft), "--target-model", model, "--threads", "1")
+    draft_port = free_port()
+    # Four context slots for up to eight sequences at once (the fast path's fixed shapes, run eagerly on a
+    # CPU): the others run the eager pass until a slot frees, then are seated in it.
+    dflash = s.start(
+        f"b-{arch}-dflash", "draft", "--model", str(pair.draft), "--target-model", model, "--threads", "1",
+        "--graph-sequences", "4", "--graph-context", "256", "--metrics-port", str(draft_port),
+    )
     gw_oracle = s.start(f"b-{arch}-gw-oracle", "gateway", "--target", target, "--draft", oracle, "--metrics-port", "0")
     gw_dflash = s.start(f"b-{arch}-gw-dflash", "gateway", "--target", target, "--draft", dflash, "--metrics-port", "0")
     gw_auto = s.start(f"b-{arch}-gw-auto", "gateway", "--target", target, "--draft", dflash, "--metrics-port", "0", "--budget", "auto")
@@ -85,7 +91,8 @@ def system(request, module_services, tiny_pair, tiny_qwen35_pair, tmp_path_facto
             assert len(ref) == NEW_TOKENS
             f.write(json.dumps({"tokens": list(case["tokens"].ids) + ref}) + "\n")
     yield {"target": target, "oracle": oracle, "dflash": dflash, "gw_oracle": gw_oracle, "gw_dflash": gw_dflash, "gw_auto": gw_auto,
-           "gw_auto2": gw_auto2, "cases": cases, "references": references, "metrics": f"http://127.0.0.1:{port}/metrics"}
+           "gw_auto2": gw_auto2, "cases": cases, "references": references, "metrics": f"http://127.0.0.1:{port}/metrics",
+           "draft_metrics": f"http://127.0.0.1:{draft_port}/metrics"}
     for name in ("gw-auto2", "gw-auto", "gw-dflash", "gw-oracle", "dflash", "oracle", "target"):
         s.stop(f"b-{arch}-{name}")
 
@@ -114,15 +121,25 @@ def prepared_ahead(metrics_url: str) -> float:
     return float(found.group(1)) if found else 0.0
 
 
+def gauge(metrics_url: str, name: str) -> float:
+    text = urllib.request.urlopen(metrics_url, timeout=5).read().decode()
+    return float(re.search(rf"^{name}\{{[^}}]*\}} (\S+)$", text, re.M).group(1))
+
+
 @pytest.mark.parametrize("name,spec", MODES[1:], ids=[m[0] for m in MODES[1:]])
 def test_real_draft_outputs_under_batching_equal_single_stream(system, name, spec):
     """Speculating sequences form cohorts that take turns at the draft and the target: the target
     prepares one cohort's pass while the other's computes (staged passes), and must still give
-    every sequence the target's own output."""
+    every sequence the target's own output. The draft has four context slots for the eight: the
+    others run its eager pass until a slot frees and they are seated in it, their context copied."""
     before = prepared_ahead(system["metrics"])
     outputs = run_concurrently(system["gw_dflash"], system["cases"], 8, spec)
     assert outputs == system["references"]
     assert prepared_ahead(system["metrics"]) > before, "no verify pass was prepared ahead: the staged path did not run"
+    # Eight at once over four draft slots: every slot came back (a request's release precedes its answer).
+    assert gauge(system["draft_metrics"], "splitspec_worker_graph_slots_capacity") == 4
+    assert gauge(system["draft_metrics"], "splitspec_worker_graph_slots_used") == 0
+    assert gauge(system["draft_metrics"], "splitspec_worker_live_sequences") == 0
 
 
 def budget_votes(metrics_url: str) -> float:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +44,12 @@ class ContextCache:
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
         self.size = 0  # filled positions
+        self._give_back: Callable[[], object] | None = None  # returns the slot (BlockGraphs.seat)
+
+    def seat(self, slot: int, k: list[torch.Tensor], v: list[torch.Tensor], give_back: Callable[[], object]) -> None:
+        """Store in slot ``slot`` from now on: its per-layer views ``k`` and ``v`` hold this
+        cache's filled positions already; ``give_back()`` returns the slot (once)."""
+        self.slot, self.k, self.v, self._give_back = slot, k, v, give_back
 
     def append(self, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         m = kv[0][0].shape[1]
@@ -57,6 +63,9 @@ class ContextCache:
                     grown = store[i].new_empty(store[i].shape[0], new_cap, store[i].shape[2])
                     grown[:, : self.size] = store[i][:, : self.size]
                     store[i] = grown
+            if self._give_back is not None:  # outgrew its slot: another sequence may have it now
+                self._give_back()  # (the copies above are queued on the stream before its next pass)
+                self.slot, self._give_back = None, None
         for i, (k, v) in enumerate(kv):
             self.k[i][:, self.size : self.size + m] = k
             self.v[i][:, self.size : self.size + m] = v
@@ -271,10 +280,7 @@ class DraftEngine:
                 raise ResourceExhausted(f"{len(self.sequences)} draft contexts are live, the limit is {self.max_sequences}")
             if m == 0:
                 raise FailedPrecondition(f"sequence_id {step.sequence_id!r} is new to the draft worker and carries no features")
-            cache = ContextCache(c.num_layers)
-            if self.graphs:  # the slot comes back when the cache is garbage
-                cache.slot, cache.k, cache.v = self.graphs.take(cache) or (None, [], [])
-            return DraftSequence(cache, step.anchor_position - m, step.anchor_position - m)
+            return DraftSequence(ContextCache(c.num_layers), step.anchor_position - m, step.anchor_position - m)
 
         seq = self.sequences.claim(step.sequence_id, step.context, new_context)
         if seq.ctx_end + m != step.anchor_position:
@@ -282,6 +288,8 @@ class DraftEngine:
                 f"features: the draft context ends at position {seq.ctx_end} but {m} rows before "
                 f"anchor_position {step.anchor_position} start at {step.anchor_position - m}"
             )
+        if self.graphs and seq.cache.slot is None:  # new, or it found every slot taken before
+            self.graphs.seat(seq.cache, m)
         return seq
 
     def _extend(self, step: ProposeStep, seq: DraftSequence, kv: list[tuple[torch.Tensor, torch.Tensor]] | None) -> None:

@@ -4,10 +4,13 @@ Eagerly, a 5-layer draft of an 8B target spends most of a proposal launching ~20
 A graph needs fixed shapes and addresses, so:
 
 - a sequence's context K/V (a ``ContextCache``) lives in one of ``sequences`` slots of
-  ``context`` positions and is never regrown while it fits (sequences beyond the slots grow
-  their own and run eagerly). The slots are regions of one pool per layer, K and V each
-  ``[H_kv, sequences * context + B, D]`` (slot ``i`` is positions ``i * context ..``; the last
-  ``B`` positions are a scratch region for pad rows), allocated on the first ``take``;
+  ``context`` positions and is never regrown while it fits. A sequence that finds every slot
+  taken grows its own storage and runs eagerly until a slot frees: it is seated then, its keys
+  and values copied in (``seat``), so a burst of arrivals does not leave sequences on the eager
+  pass for their whole lives; one that outgrows its slot gives it back at once. The slots are
+  regions of one pool per layer, K and V each ``[H_kv, sequences * context + B, D]`` (slot
+  ``i`` is positions ``i * context ..``; the last ``B`` positions are a scratch region for pad
+  rows), allocated when the first sequence is seated;
 - a pass attends over the first ``span`` positions of a slot (a power of two covering the filled
   ones) with a mask of the visible ones (``[first, end)``: a draft window hides the older ones);
 - the anchor token and positions are read from a static buffer inside the graph;
@@ -277,8 +280,8 @@ def padded_batch(sequences: int) -> int:
 class BlockGraphs:
     """``sequences`` context slots of ``context`` positions each, and the graphs captured over them.
 
-    A new sequence takes a free slot (its ``ContextCache`` stores into the slot's region of the
-    pool) and gives it back when it is garbage. Graphs belong to the slot (one sequence) or to
+    A sequence is seated in a free slot (its ``ContextCache`` stores into the slot's region of the
+    pool) and gives it back when it is garbage or outgrows it. Graphs belong to the slot (one sequence) or to
     the batch size (several), not to a sequence: after warm-up no request pays for a capture.
     """
 
@@ -307,18 +310,31 @@ class BlockGraphs:
         """The scratch region's number: its positions follow the last slot's."""
         return self.sequences
 
-    def take(self, owner: object) -> tuple[int, list[torch.Tensor], list[torch.Tensor]] | None:
-        """A free slot for ``owner`` (returned when ``owner`` is garbage): its number and per-layer
-        K and V storage [H_kv, context, D] (views of the pool); None when all are taken (the
-        sequence grows its own)."""
+    def seat(self, cache, rows: int) -> bool:
+        """Gives ``cache`` (a ``ContextCache`` holding no slot) a free slot when one is free and its
+        filled positions, ``rows`` new ones and a block fit: its keys and values are copied into the
+        slot's region (on the device's stream, before any later pass reads them) and it stores there
+        from now on. The slot comes back when ``cache`` is garbage or outgrows it
+        (``ContextCache.append``). Returns whether it was seated."""
+        if self.failed or cache.slot is not None or cache.size + rows + self.model.config.block_size > self.context:
+            return False
         with self._lock:
             if not self._free:
-                return None
+                return False
             slot = self._free.pop()
         self._allocate_pool()
-        weakref.finalize(owner, self._give_back, slot)
         region = slice(slot * self.context, (slot + 1) * self.context)
-        return slot, [k[:, region] for k, _ in self.pool], [v[:, region] for _, v in self.pool]
+        k, v = [k[:, region] for k, _ in self.pool], [v[:, region] for _, v in self.pool]
+        for own, seated in ((cache.k, k), (cache.v, v)):
+            for layer, store in zip(own, seated):  # none while the cache is empty
+                store[:, : cache.size] = layer[:, : cache.size]
+        cache.seat(slot, k, v, weakref.finalize(cache, self._give_back, slot))
+        return True
+
+    @property
+    def seated(self) -> int:
+        """Slots held by sequences."""
+        return self.sequences - len(self._free)
 
     def _allocate_pool(self) -> None:
         """The slots' pool, at the first slot taken (or warm-up)."""

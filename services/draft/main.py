@@ -36,7 +36,8 @@ def add_arguments(p: argparse.ArgumentParser, model: bool = True) -> None:
         help="context slots of --graph-context positions, preallocated on first use: a sequence in a slot "
         "proposes by one CUDA graph replay, and sequences in slots that step together by one batched replay "
         "(their number padded to a power of two up to 8, then a multiple of 4, then of 16); graphs serve every later sequence (on a CPU the same fixed "
-        "shapes run eagerly); sequences beyond the slots run eagerly; -1 = 32 on CUDA (about 84 MB a slot for an 8B target's draft at 4096 positions), 0 on CPU",
+        "shapes run eagerly); a sequence that finds every slot taken, or outgrows its slot, runs eagerly until a slot frees "
+        "and it fits (splitspec_worker_graph_slots_used); -1 = 32 on CUDA (about 84 MB a slot for an 8B target's draft at 4096 positions), 0 on CPU",
     )
     p.add_argument("--graph-context", type=int, default=4096, help="context positions of each slot (--graph-sequences)")
     p.add_argument(
@@ -173,6 +174,8 @@ async def run(args: argparse.Namespace, build=load_engine) -> None:
         metrics.watch(live_sequences=lambda: len(engine.sequences))
         if hasattr(engine, "max_sequences"):
             metrics.watch(max_sequences=lambda: engine.max_sequences)
+        if getattr(engine, "graphs", None) is not None:
+            metrics.watch(graph_slots_used=lambda: engine.graphs.seated, graph_slots_capacity=lambda: engine.graphs.sequences)
         logger.info("draft worker serving on %s", args.listen)
 
     logger.info("draft worker listening on %s, loading %s", args.listen, args.model)

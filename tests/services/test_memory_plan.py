@@ -12,6 +12,7 @@ import pytest
 import torch
 from gguf import GGUFReader
 
+from services.draft.engine import ContextCache
 from services.draft.main import draft_engine
 from services.target.engine import TargetEngine, TargetLimits, VerifyStep
 from services.target.graphs import PassRunner
@@ -107,11 +108,7 @@ def test_draft_plan_is_what_the_draft_holds(tiny_pair):
     args = argparse.Namespace(graph_sequences=3, graph_context=128, no_cuda_graphs=True, max_sequences=8)
     engine = draft_engine(args, model, embed, head, torch.device("cpu"))
     plan = mp.draft_plan(model, embed, head, slots=3, context=128, max_sequences=8)
-    class Owner:  # what a slot belongs to (a ContextCache): weak-referenceable
-        pass
-
-    owner = Owner()
-    assert engine.graphs.take(owner) is not None  # the first slot taken allocates the pool
+    assert engine.graphs.seat(ContextCache(config.num_layers), 0)  # the first sequence seated allocates the pool
     assert plan.context_slots == sum(k.nbytes + v.nbytes for k, v in engine.graphs.pool)
     draft_values = sum(p.numel() for p in model.parameters())  # fused q/k/v and gate/up: views of one tensor each
     assert plan.weights == 4 * draft_values + embed.nbytes + head.nbytes

@@ -393,6 +393,49 @@ def test_batch_of_nine_pads_to_twelve_after_warm_up(drafts):
         graphs.warm_up(5)  # the nine sequences hold their slots
 
 
+def test_a_sequence_without_a_slot_is_seated_when_one_frees(drafts):
+    """A sequence that found both slots taken runs eagerly until one frees, then is seated (its
+    keys and values copied in) and joins the batched pass; one that outgrows its slot gives it
+    back at once, and the next new sequence takes it. Every step gets what ``propose`` gives it
+    in an engine of its own."""
+    model, cfg, embed, head = drafts[torch.float64]
+    graphs = BlockGraphs(model, embed, head, context=128, sequences=2, capture=False)
+    batch_engine = DraftEngine(model, embed, head, graphs=graphs)
+    alone_engine = DraftEngine(model, embed, head, graphs=BlockGraphs(model, embed, head, context=128, sequences=4, capture=False))
+    g = torch.Generator().manual_seed(5)
+    width = cfg.num_taps * cfg.hidden_size
+    features = {sid: torch.randn(200, width, generator=g, dtype=torch.float64) for sid in "abcd"}
+    ends = dict.fromkeys("abcd", 0)
+    live = batch_engine.sequences
+
+    def run(**rows: int) -> list[Proposal]:
+        steps = []
+        for sid, m in rows.items():
+            start, ends[sid] = ends[sid], ends[sid] + m
+            steps.append(ProposeStep(sid, ord(sid) + ends[sid], ends[sid], features[sid][start : ends[sid]], 5, 0))
+        results = batch_engine.propose_batch(steps)
+        for step, result in zip(steps, results):
+            assert isinstance(result, Proposal), result
+            assert_same(result, propose_alone(alone_engine, step), torch.float64)
+        return results
+
+    run(a=20, b=20, c=20)
+    assert [live.get(sid).cache.slot is not None for sid in "abc"] == [True, True, False] and graphs.seated == 2
+    slot_a = live.get("a").cache.slot
+    live.pop("a")
+    assert graphs.seated == 1  # back at once: the cache is garbage
+    assert [r.pass_sequences for r in run(b=3, c=2)] == [2, 2]  # c seated in a's slot: one batched pass
+    assert live.get("c").cache.slot == slot_a and live.get("c").cache.k[0].shape[1] == 128
+    assert [r.pass_sequences for r in run(b=1, c=4)] == [2, 2]
+    run(b=2, c=110)  # c: 136 rows outgrow the slot's 128 positions: eager, and the slot goes back
+    assert live.get("c").cache.slot is None and live.get("c").cache.k[0].shape[1] > 128 and graphs.seated == 1
+    run(b=1, c=1, d=30)  # d takes the slot c gave back
+    assert live.get("d").cache.slot == slot_a and graphs.seated == 2
+    for sid in "bcd":
+        live.pop(sid)
+    assert graphs.seated == 0
+
+
 def test_host_groups_join_short_runs_and_keep_a_prompt_alone():
     """Steps' short runs (at most a block) between prompts share a group, joined on the host for
     one copy; a prompt's rows are a group of their own, copied as they came."""
