@@ -288,8 +288,9 @@ class DraftEngine:
                 f"features: the draft context ends at position {seq.ctx_end} but {m} rows before "
                 f"anchor_position {step.anchor_position} start at {step.anchor_position - m}"
             )
-        if self.graphs and seq.cache.slot is None:  # new, or it found every slot taken before
-            self.graphs.seat(seq.cache, m)
+        if self.graphs and seq.cache.slot is None and self.graphs.seat(seq.cache, m) and seq.cache.size:
+            # It ran eagerly first: only under slot pressure (a burst of arrivals, more sequences than slots).
+            logger.info("sequence %s seated in slot %d with %d context positions: it ran the eager pass until then", step.sequence_id, seq.cache.slot, seq.cache.size)
         return seq
 
     def _extend(self, step: ProposeStep, seq: DraftSequence, kv: list[tuple[torch.Tensor, torch.Tensor]] | None) -> None:

@@ -3,6 +3,7 @@ gives that sequence alone, and a bad step fails alone."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 
 import pytest
@@ -393,11 +394,12 @@ def test_batch_of_nine_pads_to_twelve_after_warm_up(drafts):
         graphs.warm_up(5)  # the nine sequences hold their slots
 
 
-def test_a_sequence_without_a_slot_is_seated_when_one_frees(drafts):
+def test_a_sequence_without_a_slot_is_seated_when_one_frees(drafts, caplog):
     """A sequence that found both slots taken runs eagerly until one frees, then is seated (its
     keys and values copied in) and joins the batched pass; one that outgrows its slot gives it
     back at once, and the next new sequence takes it. Every step gets what ``propose`` gives it
     in an engine of its own."""
+    caplog.set_level(logging.INFO, logger="services.draft.engine")
     model, cfg, embed, head = drafts[torch.float64]
     graphs = BlockGraphs(model, embed, head, context=128, sequences=2, capture=False)
     batch_engine = DraftEngine(model, embed, head, graphs=graphs)
@@ -426,10 +428,13 @@ def test_a_sequence_without_a_slot_is_seated_when_one_frees(drafts):
     assert graphs.seated == 1  # back at once: the cache is garbage
     assert [r.pass_sequences for r in run(b=3, c=2)] == [2, 2]  # c seated in a's slot: one batched pass
     assert live.get("c").cache.slot == slot_a and live.get("c").cache.k[0].shape[1] == 128
+    assert f"sequence c seated in slot {slot_a} with 20 context positions" in caplog.text
     assert [r.pass_sequences for r in run(b=1, c=4)] == [2, 2]
     run(b=2, c=110)  # c: 136 rows outgrow the slot's 128 positions: eager, and the slot goes back
     assert live.get("c").cache.slot is None and live.get("c").cache.k[0].shape[1] > 128 and graphs.seated == 1
-    run(b=1, c=1, d=30)  # d takes the slot c gave back
+    caplog.clear()
+    run(b=1, c=1, d=30)  # d takes the slot c gave back (new: nothing logged)
+    assert "seated" not in caplog.text
     assert live.get("d").cache.slot == slot_a and graphs.seated == 2
     for sid in "bcd":
         live.pop(sid)
