@@ -46,7 +46,7 @@ class ContextCache:
         self.size = 0  # filled positions
         self._give_back: Callable[[], object] | None = None  # returns the slot (BlockGraphs.seat)
 
-    def seat(self, slot: int, k: list[torch.Tensor], v: list[torch.Tensor], give_back: Callable[[], object]) -> None:
+    def store_in(self, slot: int, k: list[torch.Tensor], v: list[torch.Tensor], give_back: Callable[[], object]) -> None:
         """Store in slot ``slot`` from now on: its per-layer views ``k`` and ``v`` hold this
         cache's filled positions already; ``give_back()`` returns the slot (once)."""
         self.slot, self.k, self.v, self._give_back = slot, k, v, give_back

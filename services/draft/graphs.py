@@ -328,7 +328,7 @@ class BlockGraphs:
         for own, seated in ((cache.k, k), (cache.v, v)):
             for layer, store in zip(own, seated):  # none while the cache is empty
                 store[:, : cache.size] = layer[:, : cache.size]
-        cache.seat(slot, k, v, weakref.finalize(cache, self._give_back, slot))
+        cache.store_in(slot, k, v, weakref.finalize(cache, self._give_back, slot))
         return True
 
     @property
