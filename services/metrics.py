@@ -157,6 +157,7 @@ from splitspec.errors import ServiceError
 if TYPE_CHECKING:
     from services.gateway.budget import BudgetFigures
     from services.gateway.stats import StepStats
+    from splitspec.transport.rpc import StepConnection
 
 # `_created` series would double every counter and histogram for a timestamp nobody graphs.
 disable_created_metrics()
@@ -450,8 +451,11 @@ class RpcObserver(grpc.aio.UnaryUnaryClientInterceptor):
 
         return await self.observe(f"{service.rpartition('.')[2]}/{name}", request, call())
 
-    async def observe(self, rpc: str, request, response: Awaitable):
-        """Await ``response`` (the reply to ``request``), counting it under ``rpc`` (``Service/Method``)."""
+    async def observe(self, rpc: str, request, response: Awaitable, connection: StepConnection | None = None):
+        """Await ``response`` (the reply to ``request``), counting it under ``rpc`` (``Service/Method``);
+        its size is the ``connection``'s count of the answer's bytes where it keeps one (a step
+        socket's frame): ``ByteSize()`` serializes the message again, milliseconds of the event
+        loop for a prompt's tap features (BENCHMARKS.md [S19])."""
         m = self.metrics
         t0 = time.perf_counter()
         try:
@@ -461,7 +465,8 @@ class RpcObserver(grpc.aio.UnaryUnaryClientInterceptor):
             raise
         m.child(m.rpc_duration, rpc).observe(time.perf_counter() - t0)
         m.child(m.rpc_request_bytes, rpc).observe(request.ByteSize())
-        m.child(m.rpc_response_bytes, rpc).observe(reply.ByteSize())
+        counted = connection.answer_bytes if connection is not None else None
+        m.child(m.rpc_response_bytes, rpc).observe(reply.ByteSize() if counted is None else counted)
         return reply
 
 

@@ -13,12 +13,16 @@ import sys
 
 import grpc
 import pytest
+import torch
+from prometheus_client import CollectorRegistry
 
 from services.gateway.workers import DraftClient, TargetClient
+from services.metrics import GatewayMetrics, RpcObserver
 from splitspec.errors import FailedPrecondition
 from splitspec.transport import busypoll
 from splitspec.transport.security import ClientSecurity
 from splitspec.transport.stepwire import ERROR, HELLO, OPEN, REQUEST, RESPONSE, StepSocket, StepSocketServer, frame, read_frame, resolve_step_socket
+from splitspec.transport.tensors import TensorSpliced
 from splitspec.v1 import target_pb2
 from tests.worker_steps import PROMPT, TREES, chain, client_on, prefill, run, steps
 
@@ -236,6 +240,35 @@ def test_a_connection_that_never_authenticates_is_closed(tmp_path, monkeypatch):
 
     answer, closed = run(scenario())
     assert answer == (ERROR, b"UNAUTHENTICATED\nno hello within 0.3 s of connecting to the step socket") and closed is None
+
+
+def test_the_gateways_metrics_count_an_answers_bytes_from_its_frame(tmp_path):
+    """On the step socket the gateway's ``RpcObserver`` takes an answer's size from its frame, not
+    from ``ByteSize()`` (which serializes the message again): the same count, for answers with
+    tap features spliced in by reference and without."""
+    features = torch.arange(3 * 64, dtype=torch.float32).view(3, 64).to(torch.bfloat16)
+
+    async def verify(request, context):
+        answer = target_pb2.VerifyResponse(committed_tokens=[7] * len(request.tokens), next_token=5, forward_ns=123_456_789)
+        return TensorSpliced(answer, "features", features) if request.return_features else answer
+
+    async def scenario():
+        server = StepSocketServer(str(tmp_path / "m.steps"), "target", "Verify", target_pb2.VerifyRequest, verify)
+        await server.start()
+        metrics, sizes = GatewayMetrics(CollectorRegistry()), []
+        connection = StepSocket(server.path, target_pb2.VerifyResponse)
+        try:
+            for tokens, return_features in (([1, 2], True), ([3], False), ([4, 5, 6], True)):
+                request = target_pb2.VerifyRequest(sequence_id="m", tokens=tokens, return_features=return_features)
+                answer = await RpcObserver(metrics).observe("TargetWorker/Verify", request, connection.step(request, 5), connection)
+                sizes.append(answer.ByteSize())
+        finally:
+            connection.close()
+            await server.close()
+        return metrics.registry.get_sample_value("splitspec_rpc_response_bytes_sum", {"model": "", "rpc": "TargetWorker/Verify"}), sizes
+
+    counted, sizes = run(scenario())
+    assert sizes[1] < 30 < sizes[0] and counted == sum(sizes)
 
 
 def test_a_socket_that_cannot_be_bound(tmp_path):

@@ -167,13 +167,14 @@ class WorkerClient:
             self._streams[sequence_id] = stream
         return stream
 
-    async def _observed(self, rpc_name: str, request, call):
-        return await (self.observer.observe(rpc_name, request, call) if self.observer else call)
+    async def _observed(self, rpc_name: str, request, call, connection: rpc.StepConnection):
+        return await (self.observer.observe(rpc_name, request, call, connection) if self.observer else call)
 
     async def _step(self, request, timeout: float | None):
         if self.active_wire == "unary":
             return await self._unary(request, timeout=timeout)
-        return await self._observed(self._rpc, request, self._stream(request.sequence_id).step(request, timeout))
+        stream = self._stream(request.sequence_id)
+        return await self._observed(self._rpc, request, stream.step(request, timeout), stream)
 
     async def info(self, timeout: float | None = None):
         return await self.stub.Info(common_pb2.InfoRequest(), timeout=timeout)
@@ -200,8 +201,8 @@ class TargetClient(WorkerClient):
     async def prefill(self, request: target_pb2.PrefillRequest, timeout: float | None) -> Prefilled:
         """On the step socket when steps take it (the sequence's connection opens with it), else gRPC."""
         if self.active_wire == "socket":
-            call = self._stream(request.sequence_id).step(request, timeout, opening=target_pb2.PrefillResponse)
-            r = await self._observed("TargetWorker/Prefill", request, call)
+            stream = self._stream(request.sequence_id)
+            r = await self._observed("TargetWorker/Prefill", request, stream.step(request, timeout, opening=target_pb2.PrefillResponse), stream)
         else:
             r = await self.stub.Prefill(request, timeout=timeout)
         logprob = r.next_token_logprob if r.HasField("next_token_logprob") else None
@@ -255,7 +256,7 @@ class TargetClient(WorkerClient):
                 while sent < min(steps, received + rpc.PIPELINE_DEPTH):
                     await stream.send(nth(sent), timeout())
                     sent += 1
-                response = await self._observed(self._rpc, request, stream.receive(timeout()))
+                response = await self._observed(self._rpc, request, stream.receive(timeout()), stream)
                 received += 1
                 yield self._verified(response)
         finally:

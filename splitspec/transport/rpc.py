@@ -139,6 +139,9 @@ class StepConnection:
 
     def __init__(self) -> None:
         self._unanswered = 0  # requests written whose answers were not read
+        # The serialized size of the last answer read, where the transport has it at hand (a step
+        # socket's frame); None where only the message's ``ByteSize()`` gives it (which serializes it).
+        self.answer_bytes: int | None = None
 
     async def step(self, request, timeout: float | None, opening: type | None = None):
         """One exchange: a step's request, or (``opening``: its response type) the worker's opening

@@ -355,6 +355,7 @@ class StepSocket(StepConnection):
             self.close()
             code, _, message = payload.decode(errors="replace").partition("\n")
             raise rpc_error(getattr(grpc.StatusCode, code, grpc.StatusCode.UNKNOWN), message)
+        self.answer_bytes = len(payload)
         return (opening or self.response_type).FromString(payload)
 
     def _connected(self) -> bool:
