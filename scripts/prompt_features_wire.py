@@ -2,8 +2,8 @@
 of five 4096-wide taps in bf16 for the Qwen3-8B shape, 21 MB) taken off the device, encoded,
 sent over a gRPC unary call or a step socket (both on Unix sockets), decoded and put back on a device;
 and on the step socket the ways the target answers and the gateway relays them: encoded into the
-message, or spliced in by reference (``TensorSpliced``); and the draft's receive of them, parsed
-into the message and copied out, or read in place (``TensorFieldReader``).
+message, or spliced in by reference (``TensorSpliced``), the gateway's metrics of the answer; and the
+draft's receive of them, parsed into the message and copied out, or read in place (``TensorFieldReader``).
 
 Usage: python scripts/prompt_features_wire.py [--device cuda:0] [--rows 512] [--width 20480]
 (medians of 5; the allocator tuning of the services applies, as in them)
@@ -20,6 +20,7 @@ import time
 import grpc
 import torch
 
+from services.metrics import GatewayMetrics, RpcObserver
 from splitspec.transport.allocator import keep_message_buffers
 from splitspec.transport.received import TensorFieldReader
 from splitspec.transport.stepwire import Opener, StepSocket, StepSocketServer
@@ -60,9 +61,10 @@ async def grpc_round_trip_ms(response: target_pb2.PrefillResponse, reps: int = 5
     return 1e3 * statistics.median(times[1:])
 
 
-async def socket_round_trip_ms(answer, reps: int = 5) -> float:
+async def socket_round_trip_ms(answer, reps: int = 5, sized: str = "") -> float:
     """The same exchange as an OPEN frame on a step socket (how the gateway now sends Prefill),
-    the worker's answer made by ``answer()`` at each call."""
+    the worker's answer made by ``answer()`` at each call; ``sized``: observed by the gateway's
+    metrics, the answer's size from ``ByteSize()`` ("message") or from its frame ("frame")."""
 
     async def prefill(request, context):
         return answer()
@@ -72,9 +74,12 @@ async def socket_round_trip_ms(answer, reps: int = 5) -> float:
     await server.start()
     sock = StepSocket(path, target_pb2.VerifyResponse)
     times = []
+    observer = RpcObserver(GatewayMetrics()) if sized else None
     for _ in range(reps + 1):
         t0 = time.perf_counter()
-        await sock.step(target_pb2.PrefillRequest(sequence_id="s"), 60, opening=target_pb2.PrefillResponse)
+        request = target_pb2.PrefillRequest(sequence_id="s")
+        call = sock.step(request, 60, opening=target_pb2.PrefillResponse)
+        await (observer.observe("TargetWorker/Prefill", request, call, sock if sized == "frame" else None) if observer else call)
         times.append(time.perf_counter() - t0)
     sock.close()
     await server.close()
@@ -124,6 +129,14 @@ def main() -> None:
         ),
         "  the same, features spliced": asyncio.run(
             socket_round_trip_ms(lambda: TensorSpliced(target_pb2.PrefillResponse(next_token=1), "features", host))
+        ),
+        # The gateway's metrics of that exchange (RpcObserver): the answer's size by ByteSize(),
+        # which serializes the parsed message again, or from the frame (the step socket's count).
+        "  the same, observed, size by ByteSize()": asyncio.run(
+            socket_round_trip_ms(lambda: TensorSpliced(target_pb2.PrefillResponse(next_token=1), "features", host), sized="message")
+        ),
+        "  the same, observed, size from the frame": asyncio.run(
+            socket_round_trip_ms(lambda: TensorSpliced(target_pb2.PrefillResponse(next_token=1), "features", host), sized="frame")
         ),
     }
     print(f"{args.rows} x {args.width} bf16 = {len(data) / 1e6:.1f} MB on {dev}:")
