@@ -167,7 +167,6 @@ def wire_parts(message) -> list:
 def tensor_from_pb(msg: common_pb2.Tensor, device: torch.device | str = "cpu") -> torch.Tensor:
     """The message's tensor. On the CPU it views the bytes read out of the message, which nothing
     else holds, without a second copy (a prompt's features are tens of MB): it is read-only."""
-
     shape, data = _checked(msg)
     return tensor_over(msg.dtype, shape, data).to(device)
 

@@ -189,9 +189,10 @@ def test_pinned_cat_joins_rows_byte_for_byte(monkeypatch, dtype):
 
 
 def test_the_servicer_stages_a_prompts_rows_and_goes_on_without_pinned_memory(draft, monkeypatch, caplog):
-    """``DraftServicer.Propose`` (and its step socket's ``propose_on_socket``) hands the rows ``pins`` names to ``pinned`` on a thread of its own;
-    without pinned memory (here: no CUDA) ``pinned`` gives the rows back, warns once, and the
-    proposal is the one the engine gives the rows as they came."""
+    """``DraftServicer.Propose`` (and its step socket's ``propose_on_socket``) hands the rows
+    ``pins`` names to ``pinned`` on a thread of its own; without pinned memory (here: no CUDA)
+    ``pinned`` gives the rows back, warns once, and the proposal is the one the engine gives the
+    rows as they came."""
     model, cfg, embed, head, _ = draft
     features = torch.randn(cfg.block_size + 4, cfg.num_taps * cfg.hidden_size, generator=torch.Generator().manual_seed(5))
     staged = []
