@@ -365,11 +365,13 @@ class BlockGraphs:
         runs = 0
         for span in sorted({min(s, self.context) for s in spans}):  # a pass's span is capped at the slot
             for features in (row, None):
-                # The block ends one past half the span, after the appended row if any: attention_span gives span.
-                size = span // 2 - b + (features is None)
+                # The block ends where the span does, after the appended row if any: the pass's span
+                # is then exactly `span`, also where the slot caps it below a power of two (a
+                # --graph-context of 728 puts every pass of a 512-token prompt at 728).
+                end = span - b
+                size = end - (features is not None)
                 if size < 0:
                     continue
-                end = size + (features is not None)
                 for s in sizes:
                     items = [BatchItem(_WarmUpContext(slot, size), 0, end, 0, top_k, features, size) for slot in range(min(s, self.sequences))]
                     if self.run_batch(items) is None:

@@ -447,3 +447,22 @@ def test_host_groups_join_short_runs_and_keep_a_prompt_alone():
     rows = [1, 7, 16, 40, 3, 2, 17, 5]
     groups = host_groups([torch.zeros(r, 2) for r in rows], 16)
     assert [[len(f) for f in g] for g in groups] == [[1, 7, 16], [40], [3, 2], [17], [5]]
+
+
+def test_warm_up_runs_the_span_of_a_slot_capped_below_a_power_of_two(drafts):
+    """A slot of 300 positions caps a pass's span at 300 (not 512): the warm-up runs that span too,
+    so a sequence whose context ends past 256 - B positions meets a warmed shape (on a GPU: no
+    capture while serving)."""
+    model, cfg, embed, head = drafts[torch.float64]
+    graphs = BlockGraphs(model, embed, head, context=300, sequences=2, capture=False)
+    graphs.warm_up(5)
+    warmed = {(2, span, (5,), append) for span in (256, 300) for append in (True, False)}
+    assert graphs.batch_shapes == warmed
+    engine = DraftEngine(model, embed, head, graphs=graphs)
+    width = cfg.num_taps * cfg.hidden_size
+    g = torch.Generator().manual_seed(5)
+    for number, (first, last) in enumerate([(0, 270), (270, 273)]):  # a prompt past 256 - B, then a step
+        steps = [ProposeStep(sid, 3 + i, last + i, torch.randn(last - first + (0 if number else i), width, generator=g, dtype=torch.float64), 5)
+                 for i, sid in enumerate("ab")]
+        assert all(isinstance(r, Proposal) and r.pass_sequences == 2 for r in engine.propose_batch(steps))
+    assert graphs.batch_shapes == warmed
