@@ -60,7 +60,12 @@ def capture(compute: Callable[[], T], device: torch.device, pool=None) -> tuple[
             compute()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool, stream=side):
+        # "thread_local": only this thread's unsafe calls break the capture. In CUDA's default
+        # "global" mode any thread's do: the draft's servicer pinning a prompt's rows
+        # (cudaHostAlloc, cudaEventQuery in torch's host allocator) while the engine thread
+        # captured a pass made that capture fail, and the draft served eagerly from then on
+        # (scripts/gpu_capture_threads.py, BENCHMARKS.md [S20]).
+        with torch.cuda.graph(graph, pool=pool, stream=side, capture_error_mode="thread_local"):
             outputs = compute()
         graph.replay()
     return graph, outputs
