@@ -137,6 +137,11 @@ PromQL (add ``{model="..."}`` matchers or ``by (model)`` for several models):
     splitspec_worker_graph_slots_used
 
     splitspec_worker_live_sequences - on (instance, model) splitspec_worker_graph_slots_used
+
+- pass shapes whose CUDA graph capture failed (draft and target; each runs eagerly from then on,
+  the worker's log says why): alert when above 0::
+
+    max by (instance) (splitspec_worker_graph_capture_failures) > 0
 """
 
 from __future__ import annotations
@@ -510,6 +515,7 @@ class WorkerMetrics(_Metrics):
                 ("splitspec_worker_kv_blocks_capacity", "Paged KV cache blocks in all (target)"),
                 ("splitspec_worker_graph_slots_used", "Context slots of the fast (CUDA-graph) path held by sequences (draft)"),
                 ("splitspec_worker_graph_slots_capacity", "Context slots of the fast (CUDA-graph) path in all (draft)"),
+                ("splitspec_worker_graph_capture_failures", "Pass shapes whose CUDA graph capture failed: they run eagerly, several times slower"),
             )
         }
 

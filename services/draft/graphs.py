@@ -291,7 +291,7 @@ class BlockGraphs:
         self.model, self.embed, self.lm_head = model, embed, lm_head
         self.context, self.sequences, self.capture = context, sequences, capture
         self.device = model.norm.weight.device
-        self.failed = False  # a capture failed: every sequence runs the eager pass
+        self.uncaptured: set[tuple] = set()  # ("slot", key) / ("batch", key) of passes whose capture failed: run eagerly
         self._lock = threading.Lock()  # slots come back on whichever thread drops the last reference
         self._free = list(range(sequences - 1, -1, -1))
         self.pool: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer (k, v) [H_kv, sequences * context + B, D]
@@ -316,7 +316,7 @@ class BlockGraphs:
         slot's region (on the device's stream, before any later pass reads them) and it stores there
         from now on. The slot comes back when ``cache`` is garbage or outgrows it
         (``ContextCache.append``). Returns whether it was seated."""
-        if self.failed or cache.slot is not None or cache.size + rows + self.model.config.block_size > self.context:
+        if cache.slot is not None or cache.size + rows + self.model.config.block_size > self.context:
             return False
         with self._lock:
             if not self._free:
@@ -374,9 +374,7 @@ class BlockGraphs:
                     continue
                 for s in sizes:
                     items = [BatchItem(_WarmUpContext(slot, size), 0, end, 0, top_k, features, size) for slot in range(min(s, self.sequences))]
-                    if self.run_batch(items) is None:
-                        return runs  # capture failed (logged): the worker serves eagerly
-                    runs += 1
+                    runs += self.run_batch(items) is not None  # None: its capture failed (logged)
         return runs
 
     def _give_back(self, slot: int) -> None:
@@ -388,7 +386,7 @@ class BlockGraphs:
         slot: then :meth:`run` and :meth:`run_batch` serve it (unless a capture fails)."""
         b = self.model.config.block_size
         return (
-            not self.failed and cache.slot is not None and bool(cache.k) and cache.k[0].shape[1] == self.context
+            cache.slot is not None and bool(cache.k) and cache.k[0].shape[1] == self.context
             and cache.size + rows + b <= self.context
         )
 
@@ -398,7 +396,7 @@ class BlockGraphs:
     ) -> tuple[torch.Tensor, ...] | None:
         """Top-K ids and log-probs of one block (a DFlash2 draft's pair scores after them), appending ``features`` [m, taps * hidden] (m <= B,
         positions ``feature_position ..``) to ``cache`` first; None when the pass cannot run here
-        (no slot, the cache outgrew it, or capture failed): the caller runs it eagerly and
+        (no slot, the cache outgrew it, or its shape's capture failed): the caller runs it eagerly and
         appends nothing itself before asking again."""
         b = self.model.config.block_size
         m = 0 if features is None else features.shape[0]
@@ -407,6 +405,8 @@ class BlockGraphs:
             return None
         span = min(attention_span(end + b), self.context)
         key = (cache.slot, span, top_k, features is not None)
+        if ("slot", *key) in self.uncaptured:
+            return None
         p = self._passes.get(key)
         fresh = p is None
         if fresh:
@@ -417,7 +417,7 @@ class BlockGraphs:
         if not self.capture:  # the same fixed-shape pass, run eagerly (CPU; how CI tests it)
             return compute()
         if fresh:
-            outs = self._capture(compute, f"slot {cache.slot}: span {span}, top-{top_k}, {'appending' if features is not None else 'block only'}")
+            outs = self._capture(compute, ("slot", *key), f"slot {cache.slot}: span {span}, top-{top_k}, {'appending' if features is not None else 'block only'}")
             if outs is None:
                 return None
             p.graph, p.outputs = outs
@@ -426,16 +426,17 @@ class BlockGraphs:
             p.graph.replay()
         return p.outputs
 
-    def _capture(self, compute, what: str):
-        """(graph, outputs) of ``compute`` captured, or None (logged; every later pass runs
-        eagerly) when capture fails."""
+    def _capture(self, compute, key: tuple, what: str):
+        """(graph, outputs) of ``compute`` captured, or None when capture fails: logged, and the
+        passes of ``key`` run eagerly from then on (the caller's fallback); other shapes keep theirs."""
         # Graphs live as long as the worker and replay one at a time: they share one memory pool.
         t0 = time.perf_counter()
         try:
             graph, outputs = capture(compute, self.device, self._graph_pool)
-        except RuntimeError as exc:  # contained: the worker keeps serving on the eager pass
-            logger.error("CUDA graph capture of the draft's block pass failed; serving eagerly from now on: %s", exc)
-            self.failed = True
+        except RuntimeError as exc:  # contained: this shape's passes run eagerly, the others keep their graphs
+            self.uncaptured.add(key)
+            logger.error("CUDA graph capture of the draft's block pass of %s failed; passes of that shape run eagerly "
+                         "(%d shapes so far): %s", what, len(self.uncaptured), exc)
             return None
         logger.info(
             "captured the block graph of %s in %.0f ms (%d graphs)",
@@ -474,8 +475,6 @@ class BlockGraphs:
         DFlash2 draft's outputs carry its pair scores [S', B-1, K, K] after the log-probs."""
         c = self.model.config
         b = c.block_size
-        if self.failed:
-            return None
         assert 1 <= len(items) <= self.sequences and all(it.cache.slot is not None for it in items)
         s = padded_batch(len(items))
         ends = [it.cache.size + (0 if it.features is None else len(it.features)) for it in items]
@@ -484,6 +483,8 @@ class BlockGraphs:
         ks = tuple(sorted({it.top_k for it in items}))
         append = any(it.features is not None for it in items)
         key = (s, span, ks, append)
+        if ("batch", *key) in self.uncaptured:
+            return None
         self.batch_shapes.add(key)
         inputs = self._batch_inputs.get(s)
         if inputs is None:
@@ -498,7 +499,7 @@ class BlockGraphs:
             return compute(), where
         entry = self._batch_passes.get(key)
         if entry is None:
-            entry = self._capture(compute, f"{s} sequences: span {span}, top-{ks}, {'appending' if append else 'block only'}")
+            entry = self._capture(compute, ("batch", *key), f"{s} sequences: span {span}, top-{ks}, {'appending' if append else 'block only'}")
             if entry is None:
                 return None
             self._batch_passes[key] = entry

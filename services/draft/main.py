@@ -175,7 +175,10 @@ async def run(args: argparse.Namespace, build=load_engine) -> None:
         if hasattr(engine, "max_sequences"):
             metrics.watch(max_sequences=lambda: engine.max_sequences)
         if getattr(engine, "graphs", None) is not None:
-            metrics.watch(graph_slots_used=lambda: engine.graphs.seated, graph_slots_capacity=lambda: engine.graphs.sequences)
+            metrics.watch(
+                graph_slots_used=lambda: engine.graphs.seated, graph_slots_capacity=lambda: engine.graphs.sequences,
+                graph_capture_failures=lambda: len(engine.graphs.uncaptured),
+            )
         logger.info("draft worker serving on %s", args.listen)
 
     logger.info("draft worker listening on %s, loading %s", args.listen, args.model)

@@ -10,10 +10,12 @@ import pytest
 import torch
 
 from native import paged_attention
+from services.draft import graphs as graphs_module
 from services.draft.engine import DraftEngine, Proposal, ProposeStep, host_groups
 from services.draft.graphs import BlockGraphs, padded_batch
 from splitspec.errors import Aborted, FailedPrecondition, InvalidArgument, ResourceExhausted
 from splitspec.models.loader import load_dflash_draft, load_target_head
+from tests.services.graph_capture import CaptureOnCpu
 
 # Per sequence: prompt length, window, top_k, then the new rows of each later step. The contexts
 # differ in length; "b" and "d" attend to windows (and compact their caches); "a" and "c" share a
@@ -466,3 +468,32 @@ def test_warm_up_runs_the_span_of_a_slot_capped_below_a_power_of_two(drafts):
                  for i, sid in enumerate("ab")]
         assert all(isinstance(r, Proposal) and r.pass_sequences == 2 for r in engine.propose_batch(steps))
     assert graphs.batch_shapes == warmed
+
+
+def test_a_failed_capture_runs_its_shape_eagerly_and_the_others_keep_their_graphs(drafts, monkeypatch, caplog):
+    """The first batched shape met fails to capture (as when another thread's CUDA call invalidated
+    it): its passes run eagerly from then on, never captured again, while the next shape is
+    captured and replayed; every proposal equals the sequence's alone (float64)."""
+    model, cfg, embed, head = drafts[torch.float64]
+    stub = CaptureOnCpu(fail=(1,))
+    monkeypatch.setattr(graphs_module, "capture", stub)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    graphs = BlockGraphs(model, embed, head, context=96, sequences=2, capture=True)
+    engine = DraftEngine(model, embed, head, graphs=graphs)
+    alone = DraftEngine(model, embed, head)
+    width = cfg.num_taps * cfg.hidden_size
+    g = torch.Generator().manual_seed(11)
+    features = {sid: torch.randn(30, width, generator=g, dtype=torch.float64) for sid in "ab"}
+    ends = {"a": 10, "b": 12}
+    for number, top_k in enumerate((5, 5, 3, 3)):  # two passes of the shape that fails, two of another
+        steps = []
+        for i, sid in enumerate("ab"):
+            first = 0 if number == 0 else ends[sid]
+            ends[sid] += 0 if number == 0 else 1 + i
+            steps.append(ProposeStep(sid, 5 + number + i, ends[sid], features[sid][first : ends[sid]], top_k))
+        for step, result in zip(steps, engine.propose_batch(steps)):
+            assert isinstance(result, Proposal) and result.pass_sequences == 2, result
+            assert_same(result, propose_alone(alone, step), torch.float64)
+    assert len(graphs.uncaptured) == 1 and next(iter(graphs.uncaptured))[0] == "batch"
+    assert "failed; passes of that shape run eagerly (1 shapes so far)" in caplog.text
+    assert stub.calls == 2  # the failed shape once, the other shape once (replayed after)
