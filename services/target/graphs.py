@@ -47,6 +47,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -151,6 +152,21 @@ class _Pass:
     features: torch.Tensor | None = None  # [N, taps * hidden], likewise
     graph: torch.cuda.CUDAGraph | None = None
     pending: object | None = None  # a recurrent family's rows kept by this pass (views of reserved buffers)
+    never_captured: bool = False  # its capture failed: it runs eagerly for good
+
+
+def _state_restorer(slots, state_slots: np.ndarray) -> Callable[[], None]:
+    """A function that puts the state of ``state_slots`` (a layout's; 0: none) back as it is now,
+    kept on the host meanwhile: a 27B sequence's state is ~150 MB, which a capped device may not
+    have to spare while serving."""
+    kept = {int(slot): {name: t.to("cpu", copy=True) for name, t in slots.read(int(slot)).items()} for slot in state_slots if slot}
+
+    def restore() -> None:
+        for slot, tensors in kept.items():
+            for name, t in slots.read(slot).items():
+                t.copy_(tensors[name])
+
+    return restore
 
 
 @dataclass
@@ -192,6 +208,7 @@ class PassRunner:
         # the logits buffer at the size the memory plan counts.
         self.capture_rows = max_rows
         self.graphs = 0  # CUDA graphs captured so far
+        self.capture_failures = 0  # shapes whose capture failed (they run eagerly)
         # Passes whose time is no measure of a pass of their shape: captures, and eager runs or
         # larger stand-ins of a shape that is captured at its hot pass (on an H200 the 27B's eager
         # runs took 75-200 ms against a 24 ms replay; the adaptive budget learns pass costs).
@@ -226,7 +243,7 @@ class PassRunner:
             # A stand-in of the same shape (its taps' features dropped) serves for good; a larger one
             # until this shape's own capture: either replays in a fraction of an eager pass's time.
             hot = p.passes >= self.hot_passes and p.padding >= self.hot_padding
-            if other not in (None, key) and (other[:4] == shape or not hot):
+            if other not in (None, key) and (other[:4] == shape or not hot or p.never_captured):
                 run, features_wanted = self._passes[other], bool(taps)
                 self.stand_in_passes += 1
                 stopgap = other[:4] != shape  # a larger pass's time, until this shape's capture
@@ -244,7 +261,7 @@ class PassRunner:
             return self.model.forward_paged(inputs, self.state, taps, logit_rows=inputs.last_row if prompt_chunk else None, chain=prompt_chunk)
         self.unmeasured += staged.stopgap
         staged.run.staged.upload()
-        logits, features = self._run(staged.run, taps, prompt_chunk)
+        logits, features = self._run(staged.run, taps, prompt_chunk, layout.state_slots)
         n = layout.num_rows
         return (logits if prompt_chunk else logits[:n]), (None if features is None or not staged.features_wanted else features[:n])
 
@@ -309,9 +326,11 @@ class PassRunner:
             buffer = self._outputs[width, value.dtype] = torch.empty((rows, width), dtype=value.dtype, device=value.device)
         return buffer[:rows].copy_(value)
 
-    def _run(self, p: _Pass, taps: tuple[int, ...], prompt_chunk: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _run(
+        self, p: _Pass, taps: tuple[int, ...], prompt_chunk: bool, state_slots: np.ndarray
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The pass at ``p``'s shape: replayed, captured, or eager (whose outputs ``p`` does not keep:
-        a shape run eagerly now and then holds no memory)."""
+        a shape run eagerly now and then holds no memory). ``state_slots``: the layout's, [B]."""
 
         def compute():
             last = p.inputs.last_row if prompt_chunk else None
@@ -323,8 +342,8 @@ class PassRunner:
             if slots is not None:  # the replay rewrote this pass's kept rows; no Python said so
                 slots.pending = p.pending
             return p.logits, p.features
-        capturable = prompt_chunk or p.inputs.shape[0] <= self.capture_rows
-        if not self.capture or not (self._warming or (capturable and p.passes >= self.hot_passes)):
+        capturable = not p.never_captured and (prompt_chunk or p.inputs.shape[0] <= self.capture_rows)
+        if not self.capture or p.never_captured or not (self._warming or (capturable and p.passes >= self.hot_passes)):
             if self.capture and capturable:  # replayed once hot: this run is a stopgap
                 self.unmeasured += 1
             return compute()
@@ -334,10 +353,24 @@ class PassRunner:
             return self._output(logits), None if features is None else self._output(features)
 
         t0 = time.perf_counter()
-        p.graph, (p.logits, p.features) = capture(into_buffers, self.device, self._pool)
+        n, b, t, s = p.inputs.shape
+        # A hybrid's prompt chunk moves its sequence's recurrent and conv state on in place, and a
+        # capture runs the pass twice: the state goes back before the second run. (Tree and decode
+        # passes keep their state rows pending until the commit; keys written twice are the same.)
+        restore = _state_restorer(slots, state_slots) if prompt_chunk and slots is not None else None
+        try:
+            p.graph, (p.logits, p.features) = capture(into_buffers, self.device, self._pool, restore)
+        except RuntimeError as exc:  # contained: this shape runs eagerly from now on, the others keep their graphs
+            if restore is not None:
+                restore()  # the run before the capture moved the state on
+            p.never_captured = True
+            self.capture_failures += 1
+            logger.error("capturing the %s graph of %d rows (%d sequences of up to %d) over %d positions failed; "
+                         "that shape runs eagerly (%d shapes so far): %s", "prompt" if prompt_chunk else "verify", n, b, t, s,
+                         self.capture_failures, exc)
+            return compute()
         self.graphs += 1
         self.unmeasured += 1
-        n, b, t, s = p.inputs.shape
         logger.info(
             "captured the %s graph of %d rows (%d sequences of up to %d) over %d positions, taps %s, %s, in %.0f ms (%d graphs)",
             "prompt" if prompt_chunk else "verify", n, b, t, s, list(taps),

@@ -258,6 +258,7 @@ async def run(args: argparse.Namespace, build=load_model) -> None:
             live_sequences=lambda: len(engine.sequences), max_sequences=lambda: limits.max_sequences,
             kv_cache_reserved_tokens=lambda: engine.reserved_tokens, kv_cache_capacity_tokens=lambda: engine.capacity_tokens,
             kv_blocks_used=lambda: engine.kv.usable_blocks - engine.kv.free_blocks, kv_blocks_capacity=lambda: engine.kv.usable_blocks,
+            graph_capture_failures=lambda: engine.runner.capture_failures,
         )
         metrics.watch_board(servicer.budget_board.figures)
         logger.info(

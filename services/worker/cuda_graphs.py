@@ -41,11 +41,15 @@ def no_host_sync() -> Iterator[None]:
         torch.cuda.set_sync_debug_mode(before)
 
 
-def capture(compute: Callable[[], T], device: torch.device, pool=None) -> tuple[torch.cuda.CUDAGraph, T]:
+def capture(
+    compute: Callable[[], T], device: torch.device, pool=None, before_replay: Callable[[], object] | None = None
+) -> tuple[torch.cuda.CUDAGraph, T]:
     """Capture ``compute`` (reading only static buffers) and replay it once.
 
     The warm-up run on a side stream, which capture requires, already computes this call's
-    result; the replay after capture writes it into the outputs that later replays reuse.
+    result; the replay after capture writes it into the outputs that later replays reuse. So
+    ``compute`` runs twice: a pass that moves state on in place (a hybrid's prompt chunk) puts it
+    back in ``before_replay``, called (on the current stream) between the capture and the replay.
     """
     # Capture records on the current device: make it the tensors' one (a worker on cuda:1, say),
     # and capture on a stream of that device. torch's default capture stream is made once per
@@ -67,6 +71,8 @@ def capture(compute: Callable[[], T], device: torch.device, pool=None) -> tuple[
         # (scripts/gpu_capture_threads.py, BENCHMARKS.md [S20]).
         with torch.cuda.graph(graph, pool=pool, stream=side, capture_error_mode="thread_local"):
             outputs = compute()
+        if before_replay is not None:
+            before_replay()
         graph.replay()
     return graph, outputs
 

@@ -18,6 +18,7 @@ from services.worker.cuda_graphs import attention_span
 from splitspec.models.loader import load_target
 from splitspec.spec.sampling import SamplingParams
 from splitspec.spec.tree import build_ddtree
+from tests.services.graph_capture import CaptureOnCpu
 
 GREEDY = SamplingParams()
 
@@ -262,3 +263,54 @@ def test_an_eager_pass_until_its_shape_is_captured_reports_no_time(model):
     runner.capture_rows = 4  # shapes above 4 rows are never captured: their eager time is their cost
     assert pass_time(5) > 0
     assert runner.graphs == 0 and runner.unmeasured == 2
+
+
+def test_a_failed_capture_runs_its_shape_eagerly_and_the_others_keep_their_graphs(model, monkeypatch, caplog):
+    """The first capture (the prompt chunk's) fails as one that another thread's CUDA call
+    invalidated: the pass runs eagerly (the hybrid's state put back first: the run before the
+    capture moved it on) and so does every later pass of its shape, never captured again, while
+    the decode and tree shapes are captured and replayed; every sequence commits what the eager
+    engine commits."""
+    stub = CaptureOnCpu(fail=(1,))
+    monkeypatch.setattr(graphs, "capture", stub)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    eager, fixed = TargetEngine(model), TargetEngine(model, fixed_shapes=True, capture=True, hot_passes=1, hot_padding=0)
+    rng = np.random.default_rng(9)
+    vocab = model.config.vocab_size
+    for sid in ("a", "b"):  # two prompts of one chunk shape
+        prompt = rng.integers(0, vocab, 20).tolist()
+        e, f = (engine.prefill(sid, prompt, GREEDY, taps=(1,), reserve_tokens=200) for engine in (eager, fixed))
+        assert e.next_token == f.next_token and torch.allclose(e.features, f.features, atol=1e-9)
+    for budget in (0, 5, 0, 5, 22):
+        steps = [VerifyStep(sid, *(t.tolist() for t in (tree.tokens, tree.parents)), True)
+                 for sid in ("a", "b") for tree in [random_tree(rng, vocab, budget)]]
+        for e, f in zip(eager.verify_batch(steps), fixed.verify_batch(steps), strict=True):
+            assert (e.committed_tokens, e.next_token) == (f.committed_tokens, f.next_token)
+            assert torch.allclose(e.features, f.features, atol=1e-9)
+    runner = fixed.runner
+    failed = [key for key, p in runner._passes.items() if p.never_captured]
+    captured = [key for key, p in runner._passes.items() if p.graph is not None]
+    assert len(failed) == 1 and failed[0][-1] and runner.capture_failures == 1  # the prompt chunk's shape
+    assert len(captured) >= 2 and stub.calls == 1 + len(captured)  # each other shape captured once, then replayed
+    assert "that shape runs eagerly (1 shapes so far)" in caplog.text
+
+
+def test_a_prompt_chunk_captured_while_serving_moves_the_state_on_once(model, monkeypatch):
+    """A capture runs its pass twice (before capturing, and the replay after): a hybrid's prompt
+    chunk, which moves its sequence's conv and recurrent state on in place, gets the state put back
+    between, so the sequence's prefill (captured at its first chunk here) leaves the state, the
+    features and the next token the eager engine's do; the second sequence's replays the graph."""
+    stub = CaptureOnCpu()
+    monkeypatch.setattr(graphs, "capture", stub)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    eager, fixed = TargetEngine(model), TargetEngine(model, fixed_shapes=True, capture=True, hot_passes=1, hot_padding=0)
+    rng = np.random.default_rng(4)
+    for sid in ("a", "b"):
+        prompt = rng.integers(0, model.config.vocab_size, 30).tolist()
+        e, f = (engine.prefill(sid, prompt, GREEDY, taps=(1,), reserve_tokens=100) for engine in (eager, fixed))
+        assert e.next_token == f.next_token and torch.allclose(e.features, f.features, atol=1e-9)
+        caches = [engine.sequence_cache(engine.sequences.get(sid)) for engine in (eager, fixed)]
+        for name in ("conv", "recurrent"):  # the hybrid's state slots
+            if hasattr(caches[0], name):
+                assert torch.allclose(getattr(caches[0], name), getattr(caches[1], name), atol=1e-9), name
+    assert stub.calls == 1 and [key for key, p in fixed.runner._passes.items() if p.graph is not None and key[-1]]
