@@ -115,7 +115,7 @@ def check(device: torch.device, shape: str, dtype: torch.dtype, count: int, step
     out = {
         "dtype": str(dtype).removeprefix("torch."), "sequences": count, "steps": steps + 1, "rows": total,
         "max_logprob_diff": worst, "top1_differences": top1, "rows_with_any_id_difference": rows_differ,
-        "batched_shapes": [list(map(str, s)) for s in shapes], "capture_failed": batched.graphs.failed,
+        "batched_shapes": [list(map(str, s)) for s in shapes], "capture_failed": bool(batched.graphs.uncaptured),
     }
     print(json.dumps(out), flush=True)
     del batched, alone, model, embed, head
@@ -174,7 +174,7 @@ def timing(device: torch.device, shape: str, sizes: list[int], iters: int, promp
                 ms = time_passes(engine, script, iters, 3, device, 8)
                 if label == "graph_paged" and device.type == "cuda":
                     row["graph_paged_kernels"] = round(kernel_ms(engine, script, iters, 8), 3)
-                row[label] = None if graphs is not None and graphs.failed else round(ms, 3)
+                row[label] = None if graphs is not None and graphs.uncaptured else round(ms, 3)
                 if graphs is not None and s > 1:
                     row[label + "_shapes"] = [str(k) for k in sorted(graphs.batch_shapes)]
             except Exception:

@@ -164,7 +164,7 @@ def main() -> None:
 
         wall = measure(engine, passes, args, "pageable", 0)["pass_ms"]
         kernel_table(f"{args.sequences} sequences, {args.rows} new rows each", one_pass, wall, args.profile, 25)
-    print(json.dumps({"graph_capture_failed": graphs.failed, "batch_shapes": [list(map(str, s)) for s in sorted(graphs.batch_shapes)]}))
+    print(json.dumps({"graph_capture_failed": bool(graphs.uncaptured), "batch_shapes": [list(map(str, s)) for s in sorted(graphs.batch_shapes)]}))
 
 
 if __name__ == "__main__":

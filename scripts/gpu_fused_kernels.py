@@ -141,7 +141,7 @@ for label, off in (("all", ""), ("none of the three", ",".join(KERNELS))):
         d.propose("d", 1, pos[0], torch.randn(1, width, device=dev, dtype=torch.bfloat16), 8).top_ids.cpu()
 
     ms = median_ms(step, args.iters, 3, dev)
-    result.setdefault("draft_ms", {})[label] = None if blocks.failed else ms
+    result.setdefault("draft_ms", {})[label] = None if blocks.uncaptured else ms
     if label == "all":
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(5):
@@ -150,7 +150,7 @@ for label, off in (("all", ""), ("none of the three", ",".join(KERNELS))):
         table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70)
         print("== graphed draft step (5 steps), by CUDA time\n" + table, flush=True)
         result["draft_profile"] = table
-    print(f"draft step ({label}): {ms:.2f} ms{' (capture FAILED: eager)' if blocks.failed else ''}", flush=True)
+    print(f"draft step ({label}): {ms:.2f} ms{' (capture FAILED: eager)' if blocks.uncaptured else ''}", flush=True)
     d.sequences.pop("d")
     d = blocks = None  # (not del: the timed step names d)
 print("PASS all kernel checks" if ok else "FAIL some kernel check")

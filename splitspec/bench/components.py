@@ -177,7 +177,7 @@ def time_draft(
             proposal.top_ids.cpu()  # the service sends them: that read is part of the step
 
         ms = median_ms(step, iters, 3, device)
-        if not (blocks and blocks.failed):  # a failed capture ran the eager pass: not a graph figure
+        if not (blocks and blocks.uncaptured):  # a failed capture ran the eager pass: not a graph figure
             times[label] = ms
         engine.sequences.pop("bench")
     del model, embed, head
