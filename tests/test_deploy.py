@@ -122,6 +122,25 @@ def test_prometheus_config_passes_promtool_and_scrapes_every_service():
     assert {f"{name}:{port}" for name, port in METRICS_PORTS.items()} <= targets
 
 
+def test_alert_rules_pass_promtools_checks_and_unit_tests_and_name_exported_metrics():
+    """deploy/prometheus/alerts.yml: valid, loaded by prometheus.yml and mounted beside it, its
+    unit tests (alerts_test.yml: each alert fires when it should and not before) pass, and every
+    metric it names is one services/metrics.py exports (a counter with its _total suffix)."""
+    promtool = require("promtool", "prometheus")
+    folder = DEPLOY / "prometheus"
+    for args in (["check", "rules", str(folder / "alerts.yml")], ["test", "rules", str(folder / "alerts_test.yml")]):
+        done = subprocess.run([promtool, *args], capture_output=True, text=True)
+        assert done.returncode == 0, done.stdout + done.stderr
+    files = yaml.safe_load((folder / "prometheus.yml").read_text())["rule_files"]
+    assert files == ["alerts.yml"]
+    volumes = yaml.safe_load((DEPLOY / "services.yml").read_text())["services"]["prometheus"]["volumes"]
+    assert "./prometheus/alerts.yml:/etc/prometheus/alerts.yml:ro" in volumes
+    source = (Path(__file__).parents[1] / "services" / "metrics.py").read_text()
+    exported = set(re.findall(r'"(splitspec_[a-z_]+)"', source))
+    named = set(re.findall(r"\bsplitspec_[a-z_]+", (folder / "alerts.yml").read_text()))
+    assert named and {n.removesuffix("_total") for n in named} <= exported, named
+
+
 def test_grafana_provisioning_matches_the_dashboard_and_the_mounts():
     datasource = yaml.safe_load((DEPLOY / "grafana/provisioning/datasources/prometheus.yml").read_text())["datasources"][0]
     provider = yaml.safe_load((DEPLOY / "grafana/provisioning/dashboards/splitspec.yml").read_text())["providers"][0]
