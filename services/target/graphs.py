@@ -342,8 +342,10 @@ class PassRunner:
             if slots is not None:  # the replay rewrote this pass's kept rows; no Python said so
                 slots.pending = p.pending
             return p.logits, p.features
-        capturable = not p.never_captured and (prompt_chunk or p.inputs.shape[0] <= self.capture_rows)
-        if not self.capture or p.never_captured or not (self._warming or (capturable and p.passes >= self.hot_passes)):
+        if p.never_captured:
+            return compute()
+        capturable = prompt_chunk or p.inputs.shape[0] <= self.capture_rows
+        if not self.capture or not (self._warming or (capturable and p.passes >= self.hot_passes)):
             if self.capture and capturable:  # replayed once hot: this run is a stopgap
                 self.unmeasured += 1
             return compute()
