@@ -21,7 +21,21 @@ from services.metrics import GatewayMetrics, RpcObserver
 from splitspec.errors import FailedPrecondition
 from splitspec.transport import busypoll
 from splitspec.transport.security import ClientSecurity
-from splitspec.transport.stepwire import ERROR, HELLO, OPEN, REQUEST, RESPONSE, StepSocket, StepSocketServer, frame, read_frame, resolve_step_socket
+from splitspec.transport.stepwire import (
+    ERROR,
+    HEADER,
+    HELLO,
+    JOIN_BYTES,
+    OPEN,
+    REQUEST,
+    RESPONSE,
+    StepSocket,
+    StepSocketServer,
+    frame,
+    read_frame,
+    resolve_step_socket,
+    write_frame,
+)
 from splitspec.transport.tensors import TensorSpliced
 from splitspec.v1 import target_pb2
 from tests.worker_steps import PROMPT, TREES, chain, client_on, prefill, run, steps
@@ -291,3 +305,38 @@ def test_a_worker_refuses_to_start_without_its_explicit_socket(tiny_pair, tmp_pa
     )
     assert done.returncode == 2
     assert "--step-socket" in done.stderr and "missing/t.steps" in done.stderr
+
+
+def test_a_frames_short_parts_go_in_one_write_and_a_long_part_as_it_is(tmp_path):
+    """write_frame joins the header and runs of short parts into one write (one send, one wake-up
+    of the reader), and writes a part of JOIN_BYTES or more as it is, not copied (a prompt's
+    features); the reader gets the same frames either way."""
+
+    long = memoryview(bytes(range(256)) * (JOIN_BYTES // 256 + 1))
+
+    async def main():
+        received = []
+
+        async def handle(reader, writer):
+            received.extend([await read_frame(reader), await read_frame(reader)])
+            writer.close()
+
+        path = str(tmp_path / "frames.sock")
+        server = await asyncio.start_unix_server(handle, path=path)
+        _, writer = await asyncio.open_unix_connection(path)
+        writes, write = [], writer.write
+        writer.write = lambda data: (writes.append(data), write(data))[-1]  # a spy: the real write runs
+        write_frame(writer, REQUEST, b"ab", b"cd")
+        write_frame(writer, RESPONSE, b"head", long, b"tail")
+        await writer.drain()
+        while len(received) < 2:
+            await asyncio.sleep(0.01)
+        writer.close()
+        server.close()
+        return writes, received
+
+    writes, received = asyncio.run(main())
+    assert len(writes) == 4 and writes[0] == frame(REQUEST, b"abcd")
+    assert writes[1] == HEADER.pack(4 + long.nbytes + 4, RESPONSE) + b"head"
+    assert writes[2] is long and writes[3] == b"tail"
+    assert [(kind, bytes(payload)) for kind, payload in received] == [(REQUEST, b"abcd"), (RESPONSE, b"head" + bytes(long) + b"tail")]
