@@ -91,8 +91,9 @@ def write_frame(writer: BulkWriter | asyncio.StreamWriter, kind: int, *payload: 
         if len(part) < JOIN_BYTES:
             run.append(part)
             continue
-        writer.write(b"".join(run))
-        run = []
+        if run:  # none between two long parts
+            writer.write(b"".join(run))
+            run = []
         writer.write(part)
     if run:
         writer.write(b"".join(run))
