@@ -231,6 +231,12 @@ class TargetEngine:
     def capacity_tokens(self) -> int:
         return self.kv.usable_blocks * self.kv.block_size
 
+    @property
+    def prompt_chunk(self) -> int:
+        """The rows of a prompt's passes: ``--prefill-chunk``, at most the largest prompt bucket
+        that fixed shapes pad to (``PREFILL_CHUNK``)."""
+        return min(self.limits.prefill_chunk, PREFILL_CHUNK) if self.runner.fixed_shapes else self.limits.prefill_chunk
+
     def _get(self, sequence_id: str) -> SequenceState:
         state = self.sequences.get(sequence_id)
         if state is None:
@@ -394,7 +400,7 @@ class TargetEngine:
         # The features go to the host chunk by chunk (they leave on the wire from there), so the
         # device never holds a whole prompt's: 1.6 GiB for 16K positions of five 5120-wide taps.
         features, logits = None, None
-        chunk = min(self.limits.prefill_chunk, PREFILL_CHUNK) if self.runner.fixed_shapes else self.limits.prefill_chunk
+        chunk = self.prompt_chunk
         for begin in range(0, n, chunk):
             end = min(n, begin + chunk)
             causal = np.tril(np.ones((end - begin, end - begin), dtype=bool))

@@ -17,8 +17,9 @@ fixed ``(N, B, T, S)`` it can be captured once and replayed with new inputs:
 **When a shape is captured.** :meth:`PassRunner.warm_up` captures, at start, the shapes steps
 make: batches of any size whose sequences' blocks are all of one of the sizes the adaptive
 budget chooses (``WARM_BLOCKS``; the gateway's policy gives all its sequences one budget,
-``services.gateway.budget``), recording the features of the draft's taps (``--draft-taps``) so
-that a draft's steps replay them. A shape first met while serving is captured at its
+``services.gateway.budget``), and the prompt chunks of prompts up to the largest warm span,
+recording the features of the draft's taps (``--draft-taps``) so that a draft's steps replay
+them. A shape first met while serving is captured at its
 ``HOT_PASSES``-th pass: a capture stalls every sequence of the pass for two passes and the graph's
 instantiation (on an H200, 60-120 ms for the 8B once warm-up compiled the Triton kernels), worth
 it only for a shape that comes again. Until then it runs eagerly at its fixed shape, far slower
@@ -113,6 +114,20 @@ def warm_up_passes(
     return sorted(passes.values(), key=lambda p: -p[1] * p[2])
 
 
+def warm_up_prompt_chunks(chunk: int, spans: tuple[int, ...] = WARM_SPANS) -> list[tuple[int, int]]:
+    """The prompt chunks :meth:`PassRunner.warm_up` runs: ``(start, rows)``, one for each shape that
+    the chunks of prompts of up to ``max(spans)`` positions make when they are cut every ``chunk``
+    rows (``TargetEngine._prefill``): a chunk's rows padded to ``PREFILL_BUCKETS``, its keys to the
+    span that covers them (past ``max(spans)`` where the padding reaches beyond it); largest first."""
+    limit = max(spans)
+    shapes = {}
+    for start in range(0, limit, chunk):
+        most = min(chunk, limit - start)  # the real rows of this chunk: 1 to most
+        for rows in sorted({b for b in PREFILL_BUCKETS if b < most} | {bucket(most, PREFILL_BUCKETS)}):
+            shapes.setdefault((rows, attention_span(start + rows)), (start, rows))
+    return sorted(shapes.values(), key=lambda p: (-p[1], p[0]))
+
+
 def bucket(value: int, buckets: tuple[int, ...]) -> int | None:
     """The smallest bucket >= ``value``, or None above the largest."""
     i = bisect.bisect_left(buckets, value)
@@ -155,11 +170,11 @@ class _Pass:
     never_captured: bool = False  # its capture failed: it runs eagerly for good
 
 
-def _state_restorer(slots, state_slots: np.ndarray) -> Callable[[], None]:
-    """A function that puts the state of ``state_slots`` (a layout's; 0: none) back as it is now,
-    kept on the host meanwhile: a 27B sequence's state is ~150 MB, which a capped device may not
-    have to spare while serving."""
-    kept = {int(slot): {name: t.to("cpu", copy=True) for name, t in slots.read(int(slot)).items()} for slot in state_slots if slot}
+def _state_restorer(slots, state_slots) -> Callable[[], None]:
+    """A function that puts the state of ``state_slots`` back as it is now, kept on the host
+    meanwhile: a 27B sequence's state is ~150 MB, which a capped device may not have to spare
+    while serving."""
+    kept = {int(slot): {name: t.to("cpu", copy=True) for name, t in slots.read(int(slot)).items()} for slot in state_slots}
 
     def restore() -> None:
         for slot, tensors in kept.items():
@@ -266,36 +281,51 @@ class PassRunner:
         return (logits if prompt_chunk else logits[:n]), (None if features is None or not staged.features_wanted else features[:n])
 
     def warm_up(
-        self, max_sequences: int, blocks: tuple[int, ...] = WARM_BLOCKS, spans: tuple[int, ...] = WARM_SPANS, taps: tuple[int, ...] = ()
+        self, max_sequences: int, blocks: tuple[int, ...] = WARM_BLOCKS, spans: tuple[int, ...] = WARM_SPANS, taps: tuple[int, ...] = (),
+        prompt_chunk: int = 0,
     ) -> int:
         """Capture the passes of every batch of up to ``max_sequences`` sequences (one per shape), each
         sequence's block ``blocks`` rows (a decode step; the adaptive budgets' trees, the default
-        budget's among them), at key ``spans``, recording the features of ``taps`` (a draft's: its
-        verify steps replay these graphs, and steps that want no features replay them too). Their
-        graphs, and the Triton kernels of those shapes, are made now, not mid-stream, where a new
-        shape would stall every sequence of its pass (py-spy on an H200: 42% of the engine thread
-        in captures during a timed run, before shapes met while serving ran eagerly first). The pad
-        sequences read and write only the pad block (and a recurrent family's pad state slot 0,
-        which tree passes only read). Returns the passes made (none when passes run at exact
-        shapes)."""
+        budget's among them), at key ``spans``, and with ``prompt_chunk`` (the rows a prompt is cut
+        into) the prompt chunks of prompts up to the largest span, recording the features of
+        ``taps`` (a draft's: its verify steps replay these graphs, and steps that want no features
+        replay them too). Their graphs, and the Triton kernels of those shapes, are made now, not
+        mid-stream, where a new shape would stall every sequence of its pass (py-spy on an H200: 42%
+        of the engine thread in captures during a timed run, before shapes met while serving ran
+        eagerly first; a 27B prompt chunk's capture took 184-345 ms). The pad sequences read and
+        write only the pad block and a recurrent family's pad state slot 0, which tree passes only
+        read and the warm-up's prompt chunks leave as they found it. Passes run largest first: the
+        first sizes the graphs' output buffers. Returns the passes made (none when passes run at
+        exact shapes)."""
         if not self.fixed_shapes:
             return 0
-        made = 0
         passes = warm_up_passes(max_sequences, self.max_rows, blocks, spans)
         self.capture_rows = max((bucket(n * rows, ROW_BUCKETS) for _, rows, n in passes), default=0)
+        chunks = warm_up_prompt_chunks(prompt_chunk, spans) if prompt_chunk else []
+        layouts = [self._warm_up_layout(warm_up_start(span, rows), rows, n, False) for span, rows, n in passes]
+        layouts += [self._warm_up_layout(start, rows, 1, True) for start, rows in chunks]
+        slots = self.state.slots
+        restore = _state_restorer(slots, [0]) if chunks and slots is not None else None  # the chunks move the pad state on
+        made = 0
         self._warming = True
         try:
-            for span, rows, n in passes:
-                start = warm_up_start(span, rows)
-                table = [PAD_BLOCK] * self.state.kv.blocks_for(start + rows)
-                tree = np.tril(np.ones((rows, rows), dtype=bool))
-                layout = pass_layout(self.state.kv, [[0] * rows] * n, [np.arange(-1, rows - 1)] * n, [start] * n, [table] * n, [tree] * n)
+            for layout, prompt in sorted(layouts, key=lambda item: -item[0].num_rows):
                 before = len(self._passes)
-                self.run(layout, taps)
+                self.run(layout, taps, prompt_chunk=prompt)
                 made += len(self._passes) - before
         finally:
             self._warming = False
+            if restore is not None:
+                restore()
         return made
+
+    def _warm_up_layout(self, start: int, rows: int, sequences: int, prompt_chunk: bool) -> tuple[PassLayout, bool]:
+        """A warm-up pass of ``sequences`` pad sequences of ``rows`` rows (a causal chain) after
+        ``start`` positions, every position in the pad block."""
+        table = [PAD_BLOCK] * self.state.kv.blocks_for(start + rows)
+        tree = np.tril(np.ones((rows, rows), dtype=bool))
+        n = sequences
+        return pass_layout(self.state.kv, [[0] * rows] * n, [np.arange(-1, rows - 1)] * n, [start] * n, [table] * n, [tree] * n), prompt_chunk
 
     def _captured(self) -> list[tuple]:
         """The keys of the passes captured as graphs (those a stand-in is chosen from)."""
@@ -359,7 +389,7 @@ class PassRunner:
         # A hybrid's prompt chunk moves its sequence's recurrent and conv state on in place, and a
         # capture runs the pass twice: the state goes back before the second run. (Tree and decode
         # passes keep their state rows pending until the commit; keys written twice are the same.)
-        restore = _state_restorer(slots, state_slots) if prompt_chunk and slots is not None else None
+        restore = _state_restorer(slots, [s for s in state_slots if s]) if prompt_chunk and slots is not None else None
         try:
             p.graph, (p.logits, p.features) = capture(into_buffers, self.device, self._pool, restore)
         except RuntimeError as exc:  # contained: this shape runs eagerly from now on, the others keep their graphs

@@ -238,9 +238,10 @@ async def run(args: argparse.Namespace, build=load_model) -> None:
         if engine.runner.capture:
             t1 = time.perf_counter()
             try:
-                made = engine.runner.warm_up(warm_up, warm_blocks, taps=taps)
+                made = engine.runner.warm_up(warm_up, warm_blocks, taps=taps, prompt_chunk=engine.prompt_chunk)
                 logger.info(
-                    "captured %d passes of up to %d sequences in %.1f s, %s", made, warm_up, time.perf_counter() - t1,
+                    "captured %d passes (batches of up to %d sequences, prompt chunks of up to %d rows) in %.1f s, %s",
+                    made, warm_up, engine.prompt_chunk, time.perf_counter() - t1,
                     f"recording the features of the draft's taps {list(taps)}" if taps else "without features (no --draft-taps)",
                 )
             except Exception:  # a pass not made now is made on first use: serve anyway

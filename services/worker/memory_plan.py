@@ -38,8 +38,9 @@ target's prompt features go to the host chunk by chunk (``TargetEngine._prefill`
 pass holds one chunk's; the draft projects a prompt's features a chunk at a time (``APPEND_CHUNK``)
 and holds its keys and values twice (joined, then appended). A target's captured graphs write
 their float32 logits and tap features into buffers of the runner, as many rows as the largest
-pass captured at start (``PassRunner.warm_up``), which no graph captured later exceeds; on CUDA
-the target logs what torch has reserved once warm-up is over.
+pass captured at start (``PassRunner.warm_up``: tree passes, and prompt chunks, whose logits are
+one row), which no graph captured later exceeds; on CUDA the target logs what torch has reserved
+once warm-up is over.
 """
 
 from __future__ import annotations
@@ -57,7 +58,16 @@ from native import gguf_expand
 from native.gguf_matmul import QuantLinear
 from services.draft.engine import APPEND_CHUNK
 from services.target.engine import TargetLimits
-from services.target.graphs import ROW_BUCKETS, WARM_BLOCKS, bucket, pass_row_limit, recurrent_pass_rows, warm_up_passes
+from services.target.graphs import (
+    PREFILL_BUCKETS,
+    PREFILL_CHUNK,
+    ROW_BUCKETS,
+    WARM_BLOCKS,
+    bucket,
+    pass_row_limit,
+    recurrent_pass_rows,
+    warm_up_passes,
+)
 from services.worker.batching import StepBatcher
 from splitspec.models.layers import FusedLinear
 from splitspec.models.qwen35 import Qwen35Config, tree_row_bytes
@@ -235,6 +245,13 @@ def graph_output_rows(sequences: int, max_rows: int = ROW_BUCKETS[-1], blocks: t
     return max((bucket(n * rows, ROW_BUCKETS) for _, rows, n in warm_up_passes(sequences, max_rows, blocks)), default=0)
 
 
+def prompt_graph_rows(prefill_chunk: int) -> int:
+    """Rows of the largest prompt chunk that ``PassRunner.warm_up`` captures for chunks of
+    ``prefill_chunk`` rows (``TargetEngine.prompt_chunk``), padded to its bucket: the most rows of
+    features a prompt graph writes."""
+    return bucket(min(prefill_chunk, PREFILL_CHUNK), PREFILL_BUCKETS)
+
+
 def expand_tile_bytes(model: nn.Module, itemsize: int) -> int:
     """The most expanded weight a matmul of many rows holds at once (``native.gguf_expand``): a
     tile of the largest kept-quantized weight (fused ones too), up to ``TILE_BYTES``; 0 where none
@@ -294,12 +311,16 @@ def target_plan(
     prefill = limits.prefill_chunk * (row + feature_row) + _logits_row_bytes(c.vocab_size, itemsize) + prompt_attention
     expanded = expand_tile_bytes(model, itemsize)
     graph_rows = graph_output_rows(warm_up_sequences, pass_row_limit(hybrid, limits.max_sequences), warm_up_blocks)
-    plan.workspace = max(verify, prefill) + expanded + graph_rows * (c.vocab_size * 4 + feature_row)
+    # Warm-up's prompt chunks write one row of logits and a chunk of features.
+    prompt_rows = prompt_graph_rows(limits.prefill_chunk) if graph_rows else 0
+    feature_rows = max(graph_rows, prompt_rows)
+    outputs = (graph_rows + (prompt_rows > 0)) * c.vocab_size * 4 + feature_rows * feature_row
+    plan.workspace = max(verify, prefill) + expanded + outputs
     plan.basis["workspace"] = (
         f"estimate: the larger of a verify pass of {tree_rows} rows ({size(verify)}) and a prompt chunk of "
         f"{limits.prefill_chunk} rows with {taps} taps' features and its attention over {limits.max_kv_tokens:,} positions ({size(prefill)})"
         + (f", + {size(expanded)} of weights expanded from their blocks for many rows" if expanded else "")
-        + (f", + {graph_rows} rows of logits and features the captured graphs write to" if graph_rows else "")
+        + (f", + {graph_rows} rows of logits and {feature_rows} of features the captured graphs write to" if graph_rows else "")
     )
     return plan
 

@@ -92,12 +92,14 @@ def test_hybrid_plan_is_what_the_pools_and_a_largest_verify_pass_hold(tiny_qwen3
 def test_graph_outputs_are_the_rows_of_the_largest_warm_up_pass(tiny_pair):
     """Captured graphs write their logits and features into buffers of the runner, as many rows as
     the largest pass warm_up makes (on a CPU the fixed shapes run eagerly, at the same shapes): the
-    plan's rows."""
+    plan's rows; of features, as many as the largest prompt chunk's where that is larger."""
     model, config = load_target(tiny_pair.target)
     engine = TargetEngine(model, TargetLimits(max_sequences=8, max_kv_tokens=64), fixed_shapes=True)
-    engine.runner.warm_up(8)
-    largest = max(p.inputs.shape[0] for p in engine.runner._passes.values())
+    engine.runner.warm_up(8, prompt_chunk=engine.prompt_chunk)
+    largest = max(p.inputs.shape[0] for key, p in engine.runner._passes.items() if not key[-1])
     assert largest == engine.runner.capture_rows == mp.graph_output_rows(8) == 8 * 64
+    prompt = max(p.inputs.shape[0] for key, p in engine.runner._passes.items() if key[-1])  # a prompt chunk's features
+    assert prompt == mp.prompt_graph_rows(engine.limits.prefill_chunk) == 512
     assert isinstance(engine.runner, PassRunner) and engine.runner.graphs == 0  # nothing captured on a CPU
 
 

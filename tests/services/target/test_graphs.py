@@ -314,3 +314,45 @@ def test_a_prompt_chunk_captured_while_serving_moves_the_state_on_once(model, mo
             if hasattr(caches[0], name):
                 assert torch.allclose(getattr(caches[0], name), getattr(caches[1], name), atol=1e-9), name
     assert stub.calls == 1 and [key for key, p in fixed.runner._passes.items() if p.graph is not None and key[-1]]
+
+
+@pytest.mark.parametrize("chunk", [512, 300, 64])
+def test_warm_up_prompt_chunks_are_the_shapes_prompts_up_to_the_largest_span_make(chunk):
+    """``warm_up_prompt_chunks``: the shapes (rows padded to their bucket, keys to their span) of the
+    chunks that prompts of 1 to 1,024 tokens are cut into, every one of them and no other, each
+    once, the largest first."""
+    made = graphs.warm_up_prompt_chunks(chunk, WARM_SPANS)
+
+    def shape(start, rows):
+        return bucket(rows, PREFILL_BUCKETS), attention_span(start + bucket(rows, PREFILL_BUCKETS))
+
+    met = {shape(begin, min(n, begin + chunk) - begin) for n in range(1, max(WARM_SPANS) + 1) for begin in range(0, n, chunk)}
+    assert sorted(shape(start, rows) for start, rows in made) == sorted(met)
+    assert [rows for _, rows in made] == sorted((rows for _, rows in made), reverse=True)
+
+
+def test_warm_up_captures_the_prompt_chunks_and_leaves_the_pad_state_as_it_was(model, monkeypatch):
+    """With ``prompt_chunk`` warm-up captures the prompt chunks too (on the pad sequence: a hybrid's
+    pad state slot is put back afterwards), so prompts up to the largest span are served by
+    replays alone, with the next token, features and state the eager engine gives."""
+    stub = CaptureOnCpu()
+    monkeypatch.setattr(graphs, "capture", stub)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    eager, fixed = TargetEngine(model), TargetEngine(model, fixed_shapes=True, capture=True)
+    slots = fixed.state.slots
+    pad = None if slots is None else {name: t.clone() for name, t in slots.read(0).items()}
+    made = fixed.runner.warm_up(1, blocks=(1,), spans=(256, 512, 1024), taps=(1,), prompt_chunk=fixed.prompt_chunk)
+    prompts = [key for key, p in fixed.runner._passes.items() if key[-1] and p.graph is not None]
+    assert len(prompts) == len(graphs.warm_up_prompt_chunks(fixed.prompt_chunk)) == 8 and made == stub.calls
+    if pad is not None:
+        assert all(torch.equal(pad[name], t) for name, t in slots.read(0).items())
+    rng = np.random.default_rng(5)
+    for sid, n in (("a", 40), ("b", 700), ("c", 1000)):  # chunks of 64; 512 + 256 rows; 512 + 512
+        prompt = rng.integers(0, model.config.vocab_size, n).tolist()
+        e, f = (engine.prefill(sid, prompt, GREEDY, taps=(1,), reserve_tokens=n + 40) for engine in (eager, fixed))
+        assert e.next_token == f.next_token and torch.allclose(e.features, f.features, atol=1e-9)
+        caches = [engine.sequence_cache(engine.sequences.get(sid)) for engine in (eager, fixed)]
+        for name in ("conv", "recurrent"):
+            if hasattr(caches[0], name):
+                assert torch.allclose(getattr(caches[0], name), getattr(caches[1], name), atol=1e-9), name
+    assert stub.calls == made  # nothing captured while serving
