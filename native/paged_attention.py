@@ -4,7 +4,9 @@ Terms as in ``splitspec.models.paged``: ``B`` sequences, each with ``T`` (padded
 key columns ``0 .. S`` whose K/V live in the pool's *slots* through the sequence's block table
 (column ``c`` of sequence ``b`` is slot ``tables[b, c // block_size] * block_size + c %
 block_size``). Columns ``< starts[b]`` are the committed prefix, ``starts[b] .. starts[b] + T``
-the block's own rows; nothing past ``starts[b] + T`` is read.
+the block's own rows; nothing past ``starts[b] + T`` is read. Every row sees the prefix from
+``prefix_from[b]`` on (0 unless given), so its visibility is not read there; columns before it
+follow ``visible`` (a draft window hides them).
 
 The torch path (``QKVProjection.attend_paged``) first gathers every sequence's keys into
 ``[B, H_kv, S, D]``: a full extra read and write of the KV per layer. Here the gather happens in
@@ -46,13 +48,14 @@ if triton is not None:
 
     @triton.jit
     def _key_tile(
-        tile, q, m, l, acc, k_base, v_base, table_row, vis_seq, token, rows_ok, d, start, keys,
+        tile, q, m, l, acc, k_base, v_base, table_row, vis_seq, token, rows_ok, d, low, start, keys,
         stride_ks, stride_vs, stride_mt, scale_log2,
         PAGE: tl.constexpr, BLOCK_S: tl.constexpr, IEEE: tl.constexpr,
     ):
         """One step of the online softmax: key tile ``tile`` of a sequence, read through its block
-        table ``table_row``; columns at or past ``keys`` are masked off (not loaded). Columns below
-        ``start`` (the committed prefix) are visible to every row: their visibility is not read."""
+        table ``table_row``; columns at or past ``keys`` are masked off (not loaded). Columns from
+        ``low`` to ``start`` (the committed prefix) are visible to every row: their visibility is
+        not read."""
         cols = tile * BLOCK_S + tl.arange(0, BLOCK_S)  # [BLOCK_S] key columns
         cols_ok = cols < keys
         block = tl.load(table_row + cols // PAGE, mask=cols_ok, other=0)
@@ -62,7 +65,7 @@ if triton is not None:
             s = tl.dot(q, k_t.to(tl.float32), input_precision="ieee")
         else:
             s = tl.dot(q, k_t)
-        prefix = cols < start  # [BLOCK_S]
+        prefix = (cols >= low) & (cols < start)  # [BLOCK_S]
         # A tile of the prefix alone loads no visibility (its loads are all masked off).
         seen = tl.load(
             vis_seq + token[:, None] * stride_mt + cols[None, :], mask=rows_ok[:, None] & (cols_ok & ~prefix)[None, :], other=0
@@ -82,12 +85,12 @@ if triton is not None:
 
     @triton.jit
     def _paged_partial_kernel(
-        q_ptr, k_ptr, v_ptr, table_ptr, start_ptr, vis_ptr, acc_ptr, stat_ptr, out_ptr, row_ptr,
+        q_ptr, k_ptr, v_ptr, table_ptr, start_ptr, low_ptr, vis_ptr, acc_ptr, stat_ptr, out_ptr, row_ptr,
         T, S, stride_qb, stride_qh, stride_qt, stride_kh, stride_ks, stride_vh, stride_vs,
         stride_tb, stride_mb, stride_mt, stride_rb, scale_log2, total_rows, ragged_rows,
         KV_HEADS: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
         BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr,
-        DIRECT: tl.constexpr, IEEE: tl.constexpr, DYNAMIC_LOOP: tl.constexpr, RAGGED: tl.constexpr,
+        DIRECT: tl.constexpr, IEEE: tl.constexpr, DYNAMIC_LOOP: tl.constexpr, RAGGED: tl.constexpr, LOW: tl.constexpr,
     ):
         seq = tl.program_id(0) // KV_HEADS
         kv_head = tl.program_id(0) % KV_HEADS
@@ -111,6 +114,9 @@ if triton is not None:
             q = q.to(tl.float32)
         # Keys this sequence has: its committed prefix and its block's T rows (within the pass's S).
         start = tl.load(start_ptr + seq)
+        low = 0
+        if LOW:  # columns before it follow the visibility (a draft window)
+            low = tl.load(low_ptr + seq)
         keys = tl.minimum(start + T, S)
         tiles = tl.cdiv(keys, BLOCK_S)
         first = split * BLOCKS_PER_SPLIT
@@ -124,7 +130,7 @@ if triton is not None:
             for tile in range(first, last):  # no iteration at all for a split past the sequence's keys
                 m, l, acc = _key_tile(
                     tile, q, m, l, acc, k_base, v_base, table_ptr + seq64 * stride_tb, vis_ptr + seq64 * stride_mb,
-                    token, rows_ok, d, start, keys, stride_ks, stride_vs, stride_mt, scale_log2, PAGE, BLOCK_S, IEEE,
+                    token, rows_ok, d, low, start, keys, stride_ks, stride_vs, stride_mt, scale_log2, PAGE, BLOCK_S, IEEE,
                 )
         else:
             # Triton 3.6's interpreter (with numpy 2) takes no tensor loop bounds: the same tiles,
@@ -133,7 +139,7 @@ if triton is not None:
                 if first + i < last:
                     m, l, acc = _key_tile(
                         first + i, q, m, l, acc, k_base, v_base, table_ptr + seq64 * stride_tb, vis_ptr + seq64 * stride_mb,
-                        token, rows_ok, d, start, keys, stride_ks, stride_vs, stride_mt, scale_log2, PAGE, BLOCK_S, IEEE,
+                        token, rows_ok, d, low, start, keys, stride_ks, stride_vs, stride_mt, scale_log2, PAGE, BLOCK_S, IEEE,
                     )
         # Global row (sequence, query head, token) = (seq * H + head) * T + token.
         head_row = (seq * KV_HEADS * GROUP + head) * T + token
@@ -239,11 +245,13 @@ def paged_tree_attention(
     block_size: int,
     launch: Plan | None = None,  # plan()'s, unless given (benchmarks)
     rows: torch.Tensor | None = None,  # [B, T] ragged row of q at each padded place (N: none), PassAttention.row_index
+    prefix_from: torch.Tensor | None = None,  # [B] int64 first prefix column every row sees (None: 0)
 ) -> torch.Tensor:
     """Each row's attention over its own sequence's paged keys -> [B, T, H * D] in q's dtype
     (head h's output at columns h * D ..; query head h reads K/V head h // (H / H_kv)). Only key
-    columns below ``starts[b] + T`` are read, and of ``visible`` only those from ``starts[b]`` on:
-    the committed prefix is visible to every row (as ``PassInputs.attention`` builds it).
+    columns below ``starts[b] + T`` are read, and of ``visible`` only those before
+    ``prefix_from[b]`` and from ``starts[b]`` on: the committed prefix between is visible to every
+    row (as ``PassInputs.attention`` builds it, from column 0; a draft window's from its first).
 
     With ``rows``, q holds a pass's N ragged rows and the result is ``[N, H * D]``: the kernel reads
     each padded place's query from its ragged row and writes its output there, so a pass of
@@ -276,12 +284,13 @@ def paged_tree_attention(
         acc = torch.empty(p.splits, total_rows, d, device=q.device, dtype=torch.float32)
         stat = torch.empty(2, p.splits, total_rows, device=q.device, dtype=torch.float32)
     _paged_partial_kernel[(b * kv_heads, p.splits, p.row_blocks)](
-        q, k_pool, v_pool, tables, starts, visible, acc, stat, out, row_ptr,
+        q, k_pool, v_pool, tables, starts, starts if prefix_from is None else prefix_from.to(torch.int64).contiguous(), visible,
+        acc, stat, out, row_ptr,
         t, span, *stride_q, k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
         tables.stride(0), visible.stride(0), visible.stride(1), stride_r, math.log2(math.e) / math.sqrt(d), total_rows, ragged_rows,
         KV_HEADS=kv_heads, GROUP=group, D=d, PAGE=block_size, BLOCK_R=p.block_r, BLOCK_S=p.block_s,
         BLOCKS_PER_SPLIT=p.per_split, DIRECT=p.splits == 1, IEEE=q.dtype == torch.float32 or INTERPRETED, DYNAMIC_LOOP=not INTERPRETED,
-        RAGGED=rows is not None, num_warps=p.num_warps, num_stages=p.num_stages,
+        RAGGED=rows is not None, LOW=prefix_from is not None, num_warps=p.num_warps, num_stages=p.num_stages,
     )
     if p.splits > 1:
         _paged_combine_kernel[(total_rows,)](

@@ -562,7 +562,8 @@ class BlockGraphs:
             first = torch.maximum(first, (ends[:, None] - sliding + 1 + rows)[..., None])  # [S, B, 1]
         visible = (cols >= first) & (cols < ends[:, None, None] + b)  # [S, B or 1, span]: the window, then the block
         at = PooledAttention(
-            slots, ends, (slots[:, None] * self.context + ends[:, None] + rows).flatten(), visible.expand(s, b, span), self.context
+            slots, ends, (slots[:, None] * self.context + ends[:, None] + rows).flatten(), visible.expand(s, b, span), self.context,
+            first.flatten(1).amax(1),  # [S]: from there on every row sees the context
         )
         dtype = self.model.norm.weight.dtype
         hidden = self.model.forward_pooled(embedding_rows(self.embed, block.flatten()).to(dtype), positions.flatten(), self.pool, at)  # [S * B, hidden]

@@ -366,7 +366,8 @@ class PooledAttention:
 
     ``ends[s]``: the block's own first column (its keys go to columns ``ends[s] ..
     ends[s] + B``; ``write_slots`` are those pool slots); ``visible`` [S, B, span] bool over
-    columns ``0 .. span``. Columns a sequence does not see may hold anything finite. A region
+    columns ``0 .. span``; ``firsts[s]``: the first context column every block row sees (a draft
+    window's start; 0 without one), which ``visible`` must agree with. Columns a sequence does not see may hold anything finite. A region
     may be shorter than ``span`` only if its sequence's columns past ``ends[s] + B`` are beyond
     the pool's last slot (a pad sequence's scratch region): those are clamped to it."""
 
@@ -375,6 +376,7 @@ class PooledAttention:
     write_slots: torch.Tensor  # [S * B] int64
     visible: torch.Tensor  # [S, B, span] bool
     region: int  # slots per region
+    firsts: torch.Tensor | None = None  # [S] int64 (None: 0)
     _gather: torch.Tensor | None = field(default=None, repr=False)
 
     def gather_rows(self, pool: torch.Tensor) -> torch.Tensor:
@@ -407,14 +409,16 @@ def project_write(
 def attend_pooled(attn: QKVProjection, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, at: PooledAttention) -> torch.Tensor:
     """Attention of S blocks ``q`` [H, S * B, D], each over its own region of the pool, then
     ``o_proj`` -> [S * B, hidden]. The native paged kernel reads the keys in place (a region is
-    one page of ``region`` slots: block table ``[regions[s]]``, prefix ``ends[s]``), and only up
-    to each sequence's own ``ends[s] + B``; the torch path gathers ``[S, H_kv, span, D]`` first
+    one page of ``region`` slots: block table ``[regions[s]]``, prefix ``firsts[s] .. ends[s]``,
+    the columns before it by ``visible``), and only up to each sequence's own ``ends[s] + B``; the torch path gathers ``[S, H_kv, span, D]`` first
     (``QKVProjection.attend_paged``'s plain path)."""
     heads, rows, d = q.shape
     s, b, span = at.visible.shape
     blocks = q.unflatten(1, (s, b)).transpose(0, 1)  # [S, H, B, D]
     if heads * b <= TREE_ATTENTION_ROWS and use_triton(q, "paged_attention") and paged_attention.supported(blocks, k_pool, v_pool, at.visible):
-        out = paged_attention.paged_tree_attention(blocks, k_pool, v_pool, at.regions[:, None], at.ends, at.visible, at.region)
+        out = paged_attention.paged_tree_attention(
+            blocks, k_pool, v_pool, at.regions[:, None], at.ends, at.visible, at.region, prefix_from=at.firsts,
+        )
     else:
         gather = at.gather_rows(k_pool).flatten()
         k = k_pool.view(-1, d).index_select(0, gather).view(s, -1, span, d)  # [S, H_kv, span, D]

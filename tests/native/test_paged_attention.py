@@ -5,6 +5,8 @@ source runs on the GPU). The passes are built the way the engine builds them
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -179,6 +181,30 @@ def test_keys_and_visibility_past_each_sequence_never_matter(forced_splits, monk
         visible[s, :, past] = True
         visible[s, :, : int(at.starts[s])] = False
     assert torch.equal(run(k, v, visible), clean)
+
+
+@pytest.mark.parametrize("forced_splits", [False, True])
+def test_a_window_hides_the_prefix_before_prefix_from(forced_splits, monkeypatch):
+    """``prefix_from``: columns before it follow ``visible`` (a draft window: each row's own first
+    column, as a sliding window's differ by row), the prefix from it on is seen by every row
+    without its visibility read; without it, the whole prefix is (the window ignored)."""
+    if not forced_splits:
+        monkeypatch.setattr(paged_attention, "sm_count", lambda device: 1)
+    block_size, heads, kv_heads, head_dim = 8, 4, 2, 64
+    pool, inputs, at = make_pass(block_size, kv_heads, head_dim, [6, 3, 1], [150, 40, 9], torch.float32, seed=8, pad_sequence=False)
+    b, t = at.row_index.shape
+    span = at.visible.shape[-1]
+    q = torch.randn(b, heads, t, head_dim, generator=torch.Generator().manual_seed(2))
+    firsts = torch.tensor([70, 33, 0])  # the last sequence has no window
+    rows, cols = torch.arange(t)[:, None], torch.arange(span)
+    first_by_row = torch.minimum(firsts[:, None, None] + rows, at.starts[:, None, None])  # [B, T, 1]: a sliding window
+    windowed = at.visible & ((cols >= first_by_row) | (cols >= at.starts[:, None, None]))
+    prefix_from = first_by_row.flatten(1).amax(1)  # every row sees the prefix from there on
+    out = paged_attention.paged_tree_attention(q, pool.k[0], pool.v[0], at.tables, at.starts, windowed, block_size, prefix_from=prefix_from)
+    check(out, reference(q, pool.k[0], pool.v[0], SimpleNamespace(tables=at.tables, block_size=block_size, visible=windowed)), at, torch.float32)
+    whole = paged_attention.paged_tree_attention(q, pool.k[0], pool.v[0], at.tables, at.starts, windowed, block_size)
+    check(whole, reference(q, pool.k[0], pool.v[0], at), at, torch.float32)  # the window ignored
+    assert not torch.allclose(out[:2], whole[:2])
 
 
 def test_attend_paged_runs_the_kernel_and_matches_the_torch_path(monkeypatch):

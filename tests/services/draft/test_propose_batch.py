@@ -304,8 +304,9 @@ BATCHED_SHAPES = {
     (4, 256, (3, 5, 8), True),  # round 7: "c" is out
 }
 # Through the kernels (Triton's interpreter: slow): 3 sequences padded to 4, span 512, an in-pass
-# append and eager ones.
-KERNEL_ROUNDS = [dict(a=5, b=23, c=250)]
+# append and eager ones, then in-pass appends with "b"'s window hiding the first 3 of its 11
+# positions (the kernel read the whole prefix until the window's start was passed to it).
+KERNEL_ROUNDS = [dict(a=5, b=23, c=250), dict(a=1, b=3, c=2)]
 
 
 @pytest.mark.parametrize(
@@ -321,7 +322,7 @@ def test_batched_fixed_shapes_match_each_sequence_alone(drafts, dtype, native, m
     monkeypatch.setenv("SPLITSPEC_NATIVE_CPU", native)
     paged = []  # a spy on the paged attention kernel: the real one runs
     kernel = paged_attention.paged_tree_attention
-    monkeypatch.setattr(paged_attention, "paged_tree_attention", lambda *a: paged.append(a[0].shape) or kernel(*a))
+    monkeypatch.setattr(paged_attention, "paged_tree_attention", lambda *a, **kw: paged.append(a[0].shape) or kernel(*a, **kw))
     model, cfg, embed, head = drafts[dtype]
     context = 512
     graphs = BlockGraphs(model, embed, head, context=context, sequences=5, capture=False)
@@ -351,7 +352,7 @@ def test_batched_fixed_shapes_match_each_sequence_alone(drafts, dtype, native, m
         assert all((x - y).abs().max() > 1e-3 for i, x in enumerate(best) for y in best[:i])
     assert graphs.batch_shapes == (BATCHED_SHAPES if native == "0" else {(4, 512, (3, 5), True)})
     # With the kernels every layer of the batched pass read the pool through them: [S, H, B, D] queries.
-    assert paged == ([(4, cfg.num_heads, cfg.block_size, cfg.head_dim)] * cfg.num_layers if native == "1" else [])
+    assert paged == ([(4, cfg.num_heads, cfg.block_size, cfg.head_dim)] * cfg.num_layers * len(rounds) if native == "1" else [])
     for sid, seq in batch_engine.sequences.items():  # slotted contexts never regrew
         assert (seq.cache.k[0].shape[1] == context) == (sid != "f")
     if native == "0":
