@@ -1,20 +1,18 @@
-"""The draft's batched block pass as CUDA graphs: checked against the graphed single pass, then timed.
+"""The draft's block pass of S sequences as CUDA graphs: checked against the eager pass, then timed.
 
 8B-shaped random draft (``random:qwen3-8b-dflash``, bf16) with the target's embedding and LM head
 (``random:qwen3-8b``), host feature rows as from the wire. Three parts:
 
-1. check: S sequences step together through ``propose_batch`` in one engine (one batched graph
-   per step) and one by one through ``propose`` in another (the single graphed pass); per step
-   the largest log-prob difference, top-1 differences and whole-row id differences (as
-   scripts/gpu_draft_graph_check.py reports them), in float32 and bfloat16, and the same steps
-   one by one through the batched graph at one sequence (``LoneBatched``);
+1. check: S sequences step together through ``propose_batch`` in one engine (one graph per
+   step) and one by one through ``propose`` in an eager engine (no graphs); per step the largest
+   log-prob difference, top-1 differences and whole-row id differences (as
+   scripts/gpu_draft_graph_check.py reports them), in float32 and bfloat16;
 2. timing: contexts of ~900 positions, 4 new rows per sequence per step: median ms of one
    ``propose_batch`` of S sequences (host staging, replay, copies back) on the batched graph
    (and its kernels' ms a pass, under the profiler: ``graph_paged_kernels``),
    with the paged attention kernel and with the torch gather (``SPLITSPEC_NATIVE_OFF``), on the
-   eager batched pass, and S = 1 on its slot's own graph and on the batched graph at one sequence
-   (``LoneBatched``), alternating twice;
-3. a table: ms per pass against S x the single graphed pass.
+   eager batched pass;
+3. a table: ms per pass against S x the pass of one sequence.
 
 Usage: python scripts/gpu_draft_batch.py [--sizes 1,2,4,8,16,32] [--iters 20] [--json OUT.json]
 On a CPU (``--device cpu --shape tiny``) the fixed shapes run eagerly: a quick check of the script.
@@ -32,30 +30,9 @@ import traceback
 
 import torch
 
-import services.draft.graphs as draft_graphs
 from services.draft.engine import DraftEngine, ProposeStep
-from services.draft.graphs import BatchItem, BlockGraphs
+from services.draft.graphs import BlockGraphs
 from splitspec.bench.random_weights import random_draft, random_target_head
-
-
-class LoneBatched(BlockGraphs):
-    """A lone step through the batched graph at one sequence (no pad sequence) instead of its
-    slot's own graph: the candidate that would need no per-slot captures while serving."""
-
-    def run(self, cache, anchor_token, anchor_position, first, top_k, features=None, feature_position=0):
-        m = 0 if features is None else features.shape[0]
-        if m > self.model.config.block_size or not self.fits(cache, m):
-            return None
-        padded = draft_graphs.padded_batch
-        draft_graphs.padded_batch = lambda n: 1 if n == 1 else padded(n)
-        try:
-            ran = self.run_batch([BatchItem(cache, anchor_token, anchor_position, first, top_k, features, feature_position)])
-        finally:
-            draft_graphs.padded_batch = padded
-        if ran is None:
-            return None
-        outs, [(k, n)] = ran
-        return tuple(t[n] for t in outs[k])
 
 
 def sync(device: torch.device) -> None:
@@ -95,11 +72,10 @@ def check(device: torch.device, shape: str, dtype: torch.dtype, count: int, step
     model, config = random_draft(f"random:{shape}-dflash", device, dtype)
     embed, head, _ = random_target_head(f"random:{shape}", device, dtype)
     batched = DraftEngine(model, embed, head, graphs=BlockGraphs(model, embed, head, context, count, capture))
-    alone = DraftEngine(model, embed, head, graphs=BlockGraphs(model, embed, head, context, count, capture))
-    lone = DraftEngine(model, embed, head, graphs=LoneBatched(model, embed, head, context, count, capture))
+    alone = DraftEngine(model, embed, head)
     script = Script(config, count, 300, 1, dtype, "c")
     g = torch.Generator().manual_seed(2)
-    worst, top1, rows_differ, total, worst_lone = 0.0, 0, 0, 0, 0.0
+    worst, top1, rows_differ, total = 0.0, 0, 0, 0
     for n in range(steps + 1):
         if n == 0:
             work = script.prompts(8)
@@ -112,8 +88,6 @@ def check(device: torch.device, shape: str, dtype: torch.dtype, count: int, step
         for step, result in zip(work, results):
             assert not isinstance(result, BaseException), result
             ref = alone.propose(step.sequence_id, step.anchor_token, step.anchor_position, step.features, step.top_k)
-            own = lone.propose(step.sequence_id, step.anchor_token, step.anchor_position, step.features, step.top_k)
-            worst_lone = max(worst_lone, (own.top_logprobs - ref.top_logprobs).abs().max().item())
             worst = max(worst, (result.top_logprobs - ref.top_logprobs).abs().max().item())
             top1 += int((result.top_ids[:, 0] != ref.top_ids[:, 0]).sum())
             rows_differ += int((result.top_ids != ref.top_ids).any(-1).sum())
@@ -122,11 +96,11 @@ def check(device: torch.device, shape: str, dtype: torch.dtype, count: int, step
     shapes = sorted(batched.graphs.batch_shapes)
     out = {
         "dtype": str(dtype).removeprefix("torch."), "sequences": count, "steps": steps + 1, "rows": total,
-        "max_logprob_diff": worst, "lone_batched_max_logprob_diff": worst_lone, "top1_differences": top1, "rows_with_any_id_difference": rows_differ,
+        "max_logprob_diff": worst, "top1_differences": top1, "rows_with_any_id_difference": rows_differ,
         "batched_shapes": [list(map(str, s)) for s in shapes], "capture_failed": bool(batched.graphs.uncaptured),
     }
     print(json.dumps(out), flush=True)
-    del batched, alone, lone, model, embed, head
+    del batched, alone, model, embed, head
     return out
 
 
@@ -165,15 +139,13 @@ def timing(device: torch.device, shape: str, sizes: list[int], iters: int, promp
     single = None
     for s in sizes:
         row = {"S": s}
-        # Per S: the single graphed pass (pool views; separate slot tensors as before the pool), or
-        # the batched graph (paged attention kernel; torch gather) and the eager batched pass.
-        labels = ("graph_paged", "batched_one", "graph_paged_again", "batched_one_again") if s == 1 else ("graph_paged", "graph_gather", "eager")
+        # Per S: the graph (paged attention kernel; torch gather, S > 1) and the eager batched pass (S > 1).
+        labels = ("graph_paged",) if s == 1 else ("graph_paged", "graph_gather", "eager")
         for label in labels:
             try:
                 graphs = None
                 if label != "eager":  # slots for these S sequences alone: every one of them gets one
-                    kind = LoneBatched if label.startswith("batched_one") else BlockGraphs
-                    graphs = kind(model, embed, head, context, s, capture)
+                    graphs = BlockGraphs(model, embed, head, context, s, capture)
                 if label == "graph_gather":
                     os.environ["SPLITSPEC_NATIVE_OFF"] = "paged_attention"  # read at capture: the graphs keep it
                 engine = DraftEngine(model, embed, head, graphs=graphs)
@@ -181,7 +153,7 @@ def timing(device: torch.device, shape: str, sizes: list[int], iters: int, promp
                 engine.propose_batch(script.prompts(8))
                 assert graphs is None or all(engine.sequences.get(sid).cache.slot is not None for sid in script.ids)
                 ms = time_passes(engine, script, iters, 3, device, 8)
-                if label in ("graph_paged", "batched_one") and device.type == "cuda":
+                if label == "graph_paged" and device.type == "cuda":
                     row[label + "_kernels"] = round(kernel_ms(engine, script, iters, 8), 3)
                 row[label] = None if graphs is not None and graphs.uncaptured else round(ms, 3)
                 if graphs is not None and s > 1:
@@ -245,9 +217,8 @@ def main() -> None:
     checked(torch.float32)
     print(f"\n{report['device']}: ms per propose_batch (contexts ~{args.prompt}, 4 new rows per sequence per step, top-8)")
     first = report["timing"][0]
-    print(f"one sequence: its slot's graph {first.get('graph_paged')}, {first.get('graph_paged_again')} ms; the batched graph at one "
-          f"sequence {first.get('batched_one')}, {first.get('batched_one_again')} ms (kernels {first.get('graph_paged_kernels')} / {first.get('batched_one_kernels')})")
-    print(f"{'S':>3} {'batched graph (paged)':>22} {'batched graph (gather)':>23} {'eager batched':>14} {'S x single graphed':>19}")
+    print(f"one sequence: {first.get('graph_paged')} ms (kernels {first.get('graph_paged_kernels')})")
+    print(f"{'S':>3} {'batched graph (paged)':>22} {'batched graph (gather)':>23} {'eager batched':>14} {'S x one sequence':>19}")
     for row in report["timing"]:
         cells = [row.get("graph_paged"), row.get("graph_gather"), row.get("eager"), row.get("S_x_single")]
         print(f"{row['S']:>3} " + " ".join(f"{'-' if c is None else c:>{w}}" for c, w in zip(cells, (22, 23, 14, 19))))

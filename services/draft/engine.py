@@ -215,14 +215,13 @@ class DraftEngine:
 
         The admitted steps run in up to two passes, each computing its steps' proposals together
         (an error there goes to each of them): those whose contexts are in ``BlockGraphs`` slots
-        and fit one more block there, and the others. One step alone runs the single-sequence pass
-        (the CUDA graph of its slot, when it has one). Several in slots run one batched graph
+        and fit one more block there, and the others. Those in slots, one or more, run one graph
         (``BlockGraphs.run_batch``: the batch size padded by ``padded_batch``, their new rows of up
-        to a block appended inside it). Several others share one eager pass: their new rows' keys
-        and values in one ``context_kv``, appended to each context, then one block pass
-        (``DFlashDraft.forward_batch``). On an H200 (bf16, 8B-sized draft, contexts ~900) the
-        batched graph takes 1.6 ms for 2 sequences, 2.3 ms for 8 and 5.9 ms for 32, the eager pass
-        8.2, 9.9 and 18.7 ms, one graphed single pass 1.2 ms (services/draft/graphs.py).
+        to a block appended inside it). The others share one eager pass: their new rows' keys and
+        values in one ``context_kv``, appended to each context, then one block pass
+        (``DFlashDraft.forward_batch``; one step alone, ``top_k_proposal``). On an H200 (bf16,
+        8B-sized draft, contexts ~900) the graph takes 1.6 ms for 2 sequences, 2.3 ms for 8 and
+        5.9 ms for 32, the eager pass 8.2, 9.9 and 18.7 ms (services/draft/graphs.py).
         """
         results: list[Proposal | BaseException | None] = [None] * len(steps)
         admitted: list[tuple[int, ProposeStep, DraftSequence]] = []
@@ -239,7 +238,7 @@ class DraftEngine:
         slotted = [a for a, ok in zip(admitted, fits) if ok]
         others = [a for a, ok in zip(admitted, fits) if not ok]
         for group, graphed in ((slotted, True), (others, False)):
-            if len(group) == 1:
+            if len(group) == 1 and not graphed:  # the eager pass of one sequence, at its exact shape
                 i, step, seq = group[0]
                 try:
                     results[i] = self._propose_one(step, seq)
@@ -359,27 +358,16 @@ class DraftEngine:
         return features, positions.to(self.device, non_blocking=True)
 
     def _propose_one(self, step: ProposeStep, seq: DraftSequence) -> Proposal:
-        """One sequence's pass: a CUDA graph where one serves it (appending up to a block of new
-        rows inside the graph), else the eager pass."""
+        """One sequence's eager pass (its context outside the slots)."""
         c: DFlashConfig = self.config
         t0 = time.perf_counter_ns()
-        dev, m, window = self.device, step.rows, step.window
-        out = None
-        if m and self.graphs:  # the graphed pass appends up to a block of new rows itself
-            first = max(0, seq.cache.size + m - window) if window else 0
-            out = self.graphs.run(seq.cache, step.anchor_token, step.anchor_position, first, step.top_k, step.features, seq.ctx_end)
-            if out:
-                seq.cache.size += m
-        self._extend(step, seq, None if out else self._context_kv([(step, seq)])[0])
-        if not out:
-            first = max(0, seq.cache.size - window) if window else 0
-            out = self.graphs and self.graphs.run(seq.cache, step.anchor_token, step.anchor_position, first, step.top_k)
-        if not out:
-            block = torch.full((c.block_size,), c.mask_token_id, dtype=torch.int64, device=dev)
-            block[0] = step.anchor_token
-            positions = torch.arange(step.anchor_position, step.anchor_position + c.block_size, device=dev)
-            out = top_k_proposal(self.model, self.embed, self.lm_head, block, positions, seq.cache.layers(window), step.top_k, step.depths)
-        [host] = _to_host([tuple(part[: step.depths] for part in out)])  # a graph computes every depth
+        dev = self.device
+        self._extend(step, seq, self._context_kv([(step, seq)])[0])
+        block = torch.full((c.block_size,), c.mask_token_id, dtype=torch.int64, device=dev)
+        block[0] = step.anchor_token
+        positions = torch.arange(step.anchor_position, step.anchor_position + c.block_size, device=dev)
+        out = top_k_proposal(self.model, self.embed, self.lm_head, block, positions, seq.cache.layers(step.window), step.top_k, step.depths)
+        [host] = _to_host([out])
         return Proposal.of(host, time.perf_counter_ns() - t0)
 
     def _propose_many(self, admitted: list[tuple[ProposeStep, DraftSequence]], graphed: bool = False) -> list[Proposal | BaseException]:

@@ -20,14 +20,11 @@ A graph needs fixed shapes and addresses, so:
   the same graph for up to ``B`` new rows. Larger appends (a prompt) run eagerly before a
   block-only pass.
 
-One sequence (``run``): one graph per (slot, span, top_k, append), over views of its slot, so
-it reads its keys in place exactly as when slots were separate tensors. Graphs belong to the
-slot, not to the sequence, so the next sequence in that slot replays them.
-
-Several sequences (``run_batch``): one graph per (S, span, top-K values, append) with S padded
-(``padded_batch``: a power of two up to 8, then a multiple of 4, then of 16), serving *any* S slots: the slot of each sequence is an input. Every sequence's
-block rows, appended rows (packed, at most ``B`` each, pad rows written to the scratch region)
-and key positions are addressed through pool indices computed from that input
+A pass (``run_batch``) of S sequences, one alone included: one graph per (S, span, top-K values,
+append) with S padded (``padded_batch``: a power of two up to 8, then a multiple of 4, then of
+16), serving *any* S slots: the slot of each sequence is an input, so the warm-up captures every
+graph before a sequence arrives. Every sequence's block rows, appended rows (packed, at most
+``B`` each, pad rows written to the scratch region) and key positions are addressed through pool indices computed from that input
 (``DFlashDraft.forward_pooled``); a pad sequence's block lives in the scratch region and sees
 only its own keys. Attention reads each sequence's keys in place through the native paged kernel
 (``native/paged_attention.py``: a slot is one page, the block table ``[slot]``, and the kernel
@@ -39,22 +36,25 @@ Measured (scripts/gpu_draft_batch.py, H200, 8B-shaped bf16 draft, contexts ~900,
 feature rows per sequence a step, top-8; ms per ``propose_batch`` with staging and copies back):
 
     S                              1      2      4      8      16     32
-    batched graph, paged kernel    1.21   1.61   1.72   2.31   3.06   5.90
+    batched graph, paged kernel    -      1.61   1.72   2.31   3.06   5.90
     batched graph, torch gather    -      1.71   2.10   2.76   4.40   8.45
     eager batched pass             -      8.23   9.59   9.87   12.6   18.7
-    S x the single graphed pass    1.21   2.42   4.84   9.67   19.3   38.7
+    S x a slot's own graph         1.21   2.42   4.84   9.67   19.3   38.7
 
 so the kernel is the batched path's attention (the gather where it does not run: a CPU, float64,
-``SPLITSPEC_NATIVE_OFF=paged_attention``), and the single pass over pool views stays as fast as
-over separate slot tensors (1.21 against 1.20 ms). Batched against alone, 6 sequences over 11
-steps: every top-8 id equal; log-probs within 1.5e-3 in float32 and within one bfloat16 step of
-the logits (1.0 at random weights' logits of ~200) in bfloat16.
+``SPLITSPEC_NATIVE_OFF=paged_attention``). Batched against alone, 6 sequences over 11 steps:
+every top-8 id equal; log-probs within 1.5e-3 in float32 and within one bfloat16 step of the
+logits (1.0 at random weights' logits of ~200) in bfloat16. One sequence used to run in a graph
+of its slot's own (over views of the slot, one graph per slot, span and kind, captured at its
+first pass while serving: 17-34 captures, 1.3-2.4 s, in a 32-user bench); on an H100 the
+pass of one sequence took 1.69, 1.70 ms against 1.58, 1.63 in its slot's graph, and at 32 users
+without those captures the measured round was 62-65 against 83-99 ms (BENCHMARKS.md [S21]).
 
 Why slots in one pool rather than the target's block-paged pool: a draft context is short and
 bounded by the draft window (or ``context``), appended by at most a block a step and compacted
-in place, so fixed regions need no block tables, no allocator and no copy on compaction, and the
-single-sequence graphs keep their slice views (not slower); yet the pool layout is the paged
-one with a page of ``context`` positions, so the batched pass reuses the paged attention kernel.
+in place, so fixed regions need no block tables, no allocator and no copy on compaction; yet the
+pool layout is the paged one with a page of ``context`` positions, so the pass reuses the paged
+attention kernel.
 
 Without ``capture`` (a CPU) the same fixed-shape passes run eagerly, which is how CI tests them.
 """
@@ -77,55 +77,6 @@ from splitspec.models.dflash import DFlashDraft, PooledAttention
 from splitspec.models.quantized import embedding_rows, head_logits
 
 logger = logging.getLogger(__name__)
-
-
-# head [6] int64: anchor token, anchor position, first visible slot, end of the context (the
-# block's first slot), first slot and first position of the appended rows.
-HEAD = 6
-
-
-@dataclass
-class BlockPass:
-    """Static buffers of one captured pass: inputs are copied in, outputs read out."""
-
-    inputs: StagedInputs  # the head, then (appending) B feature rows
-    feature_dtype: torch.dtype | None  # of the appended rows; None: a block-only pass
-    width: int  # of a feature row: taps * hidden
-    graph: torch.cuda.CUDAGraph | None = None
-    # top-K ids [B-1, K] int32, log-probs [B-1, K] float32, then (DFlash2) pair scores [B-1, K, K]
-    outputs: tuple[torch.Tensor, ...] = ()
-
-    @staticmethod
-    def allocate(device: torch.device, rows: int, width: int, feature_dtype: torch.dtype | None) -> BlockPass:
-        size = 8 * HEAD + (rows * width * feature_dtype.itemsize if feature_dtype else 0)
-        return BlockPass(StagedInputs.allocate(size, device), feature_dtype, width)
-
-    @property
-    def head(self) -> torch.Tensor:
-        """[HEAD] int64."""
-        return self.inputs.on_device[: 8 * HEAD].view(torch.int64)
-
-    @property
-    def features(self) -> torch.Tensor | None:
-        """[B, taps * hidden]: rows to append, or None (block only)."""
-        if self.feature_dtype is None:
-            return None
-        return self.inputs.on_device[8 * HEAD :].view(self.feature_dtype).view(-1, self.width)
-
-    def write(self, head: tuple[int, ...], features: torch.Tensor | None) -> None:
-        """Fill the head and the first ``len(features)`` feature rows, in one copy to the device
-        (host features; rows already on the device are copied there directly)."""
-        raw = self.inputs.writable()
-        raw[: 8 * HEAD].view(np.int64)[:] = head
-        size = 8 * HEAD
-        if features is not None:
-            if features.device == self.inputs.on_device.device:
-                self.features[: len(features)].copy_(features)
-            else:  # numpy's copy: one thread (torch's would wake its pool for a few hundred KB)
-                rows = features.to(self.feature_dtype).contiguous().view(torch.uint8).numpy().reshape(-1)
-                raw[size : size + rows.size] = rows
-                size += rows.size
-        self.inputs.upload(size)
 
 
 def top_k_log_softmax(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -209,7 +160,7 @@ def proposals_of(
 
 @dataclass
 class BatchItem:
-    """One sequence of a batched pass: the arguments of :meth:`BlockGraphs.run`."""
+    """One sequence of a pass (:meth:`BlockGraphs.run_batch`)."""
 
     cache: object  # its ContextCache, in a slot
     anchor_token: int
@@ -267,12 +218,12 @@ BATCH_HEAD = 5
 
 def padded_batch(sequences: int) -> int:
     """The number of sequences a batched pass of ``sequences`` runs as (the rest pad sequences):
-    a power of two up to 8, then a multiple of 4 up to 32, then of 16. A pad sequence costs its
-    block's rows in every matmul and in the top-K: at the 8B shape on an H200, 18 sequences ran in
-    4.16 ms as 20 against 5.44 ms as 32, and 12 in 2.92 ms against 3.69 as 16 (BENCHMARKS.md,
-    [D6]). Each size is a graph per span and top-K set, captured at its first pass."""
+    a power of two up to 8 (one alone), then a multiple of 4 up to 32, then of 16. A pad sequence
+    costs its block's rows in every matmul and in the top-K: at the 8B shape on an H200, 18
+    sequences ran in 4.16 ms as 20 against 5.44 ms as 32, and 12 in 2.92 ms against 3.69 as 16
+    (BENCHMARKS.md, [D6]). Each size is a graph per span and top-K set, captured at warm-up."""
     if sequences <= 8:
-        return max(2, 1 << (sequences - 1).bit_length())
+        return 1 << (sequences - 1).bit_length()
     step = 4 if sequences <= 32 else 16
     return -(-sequences // step) * step
 
@@ -281,8 +232,8 @@ class BlockGraphs:
     """``sequences`` context slots of ``context`` positions each, and the graphs captured over them.
 
     A sequence is seated in a free slot (its ``ContextCache`` stores into the slot's region of the
-    pool) and gives it back when it is garbage or outgrows it. Graphs belong to the slot (one sequence) or to
-    the batch size (several), not to a sequence: after warm-up no request pays for a capture.
+    pool) and gives it back when it is garbage or outgrows it. Graphs belong to the (padded) number
+    of sequences in a pass, not to a sequence or a slot: after warm-up no request pays for a capture.
     """
 
     def __init__(
@@ -291,11 +242,10 @@ class BlockGraphs:
         self.model, self.embed, self.lm_head = model, embed, lm_head
         self.context, self.sequences, self.capture = context, sequences, capture
         self.device = model.norm.weight.device
-        self.uncaptured: set[tuple] = set()  # ("slot", key) / ("batch", key) of passes whose capture failed: run eagerly
+        self.uncaptured: set[tuple] = set()  # keys of passes whose capture failed: they run eagerly
         self._lock = threading.Lock()  # slots come back on whichever thread drops the last reference
         self._free = list(range(sequences - 1, -1, -1))
         self.pool: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer (k, v) [H_kv, sequences * context + B, D]
-        self._passes: dict[tuple[int, int, int, bool], BlockPass] = {}  # (slot, span, top_k, append)
         # (S, span, top-K values, append) -> (graph, outputs per top-K value)
         self._batch_passes: dict[tuple[int, int, tuple[int, ...], bool], tuple[torch.cuda.CUDAGraph, list]] = {}
         self._batch_inputs: dict[int, BatchInputs] = {}  # S -> inputs
@@ -346,7 +296,7 @@ class BlockGraphs:
             self.pool = [tuple(torch.zeros(shape, device=self.device, dtype=dtype) for _ in "kv") for _ in range(c.num_layers)]
 
     def warm_up(self, top_k: int, spans: tuple[int, ...] = WARM_SPANS) -> int:
-        """Capture, before any sequence takes a slot, the batched passes that steps of 2 to
+        """Capture, before any sequence takes a slot, the passes that steps of 1 to
         ``sequences`` sequences asking for ``top_k`` make at each of ``spans``: one per padded
         batch size and span with new rows appended in the pass, and one without (a sequence's first
         step, its prompt appended before). Otherwise each is captured at its first
@@ -361,7 +311,7 @@ class BlockGraphs:
         b = self.model.config.block_size
         width = self.model.fc.in_features
         row = torch.zeros(1, width, dtype=self.model.norm.weight.dtype, device=self.device)
-        sizes = sorted({padded_batch(n) for n in range(2, self.sequences + 1)})
+        sizes = sorted({padded_batch(n) for n in range(1, self.sequences + 1)})
         runs = 0
         for span in sorted({min(s, self.context) for s in spans}):  # a pass's span is capped at the slot
             for features in (row, None):
@@ -383,48 +333,12 @@ class BlockGraphs:
 
     def fits(self, cache, rows: int) -> bool:
         """Whether ``cache`` (a ``ContextCache``) can take ``rows`` new rows and a block in its
-        slot: then :meth:`run` and :meth:`run_batch` serve it (unless a capture fails)."""
+        slot: then :meth:`run_batch` serves it (unless a capture fails)."""
         b = self.model.config.block_size
         return (
             cache.slot is not None and bool(cache.k) and cache.k[0].shape[1] == self.context
             and cache.size + rows + b <= self.context
         )
-
-    def run(
-        self, cache, anchor_token: int, anchor_position: int, first: int, top_k: int,
-        features: torch.Tensor | None = None, feature_position: int = 0,
-    ) -> tuple[torch.Tensor, ...] | None:
-        """Top-K ids and log-probs of one block (a DFlash2 draft's pair scores after them), appending ``features`` [m, taps * hidden] (m <= B,
-        positions ``feature_position ..``) to ``cache`` first; None when the pass cannot run here
-        (no slot, the cache outgrew it, or its shape's capture failed): the caller runs it eagerly and
-        appends nothing itself before asking again."""
-        b = self.model.config.block_size
-        m = 0 if features is None else features.shape[0]
-        end = cache.size + m
-        if m > b or not self.fits(cache, m):
-            return None
-        span = min(attention_span(end + b), self.context)
-        key = (cache.slot, span, top_k, features is not None)
-        if ("slot", *key) in self.uncaptured:
-            return None
-        p = self._passes.get(key)
-        fresh = p is None
-        if fresh:
-            dtype = None if features is None else self.model.norm.weight.dtype
-            p = BlockPass.allocate(self.device, b, self.model.fc.in_features, dtype)
-        p.write((anchor_token, anchor_position, first, end, cache.size, feature_position), features)
-        compute = lambda: self._compute(cache, p.head, p.features, span, top_k)  # noqa: E731
-        if not self.capture:  # the same fixed-shape pass, run eagerly (CPU; how CI tests it)
-            return compute()
-        if fresh:
-            outs = self._capture(compute, ("slot", *key), f"slot {cache.slot}: span {span}, top-{top_k}, {'appending' if features is not None else 'block only'}")
-            if outs is None:
-                return None
-            p.graph, p.outputs = outs
-            self._passes[key] = p
-        else:
-            p.graph.replay()
-        return p.outputs
 
     def _capture(self, compute, key: tuple, what: str):
         """(graph, outputs) of ``compute`` captured, or None when capture fails: logged, and the
@@ -440,32 +354,12 @@ class BlockGraphs:
             return None
         logger.info(
             "captured the block graph of %s in %.0f ms (%d graphs)",
-            what, 1e3 * (time.perf_counter() - t0), len(self._passes) + len(self._batch_passes) + 1,
+            what, 1e3 * (time.perf_counter() - t0), len(self._batch_passes) + 1,
         )
         return graph, outputs
 
-    @torch.inference_mode()  # the slots are views of the pool: autograd may not track writes to them
-    def _compute(self, cache, head: torch.Tensor, features: torch.Tensor | None, span: int, top_k: int) -> tuple[torch.Tensor, ...]:
-        c = self.model.config
-        rows = self._rows  # [B]
-        caches = list(zip(cache.k, cache.v))
-        if features is not None:
-            self.model.append_cached(features, head[5] + rows, caches, head[4] + rows)
-        block = torch.where(rows == 0, head[0], c.mask_token_id)  # [B]: anchor, MASK × (B-1)
-        cols = self._cols[:span]
-        first = head[2]
-        sliding = self.model.sliding_window
-        if sliding:  # DFlash2: row t sees the context columns >= end - window + 1 + t (and the whole block)
-            first = torch.maximum(first, head[3] - sliding + 1 + rows[:, None])  # [B, 1]
-        mask = (cols >= first) & (cols < head[3] + c.block_size)  # [B, span] (or [span]): the window, then the block
-        mask = mask.expand(c.block_size, -1)
-        hidden = self.model.forward_cached(embedding_rows(self.embed, block).to(self.model.norm.weight.dtype), head[1] + rows, caches, head[3] + rows, mask)
-        if getattr(self.model, "candidate_selector", None) is not None:
-            return proposals_of(self.model, hidden[None, 1:], self.lm_head, block[:1], [top_k])[0]
-        return top_k_of(hidden, self.lm_head, top_k)
-
     def run_batch(self, items: list[BatchItem]) -> tuple[list[tuple[torch.Tensor, ...]], list[tuple[int, int]]] | None:
-        """The blocks of several sequences in slots, in one pass: each appends its ``features``
+        """The blocks of one or more sequences in slots, in one pass: each appends its ``features``
         (at most B rows) first. Returns the outputs per distinct top_k (top-K ids [S', B-1, K]
         int32 and log-probs [S', B-1, K] float32 over the padded S' sequences, in the graphs'
         pool: read them before the next pass) and, per item, (output, row) of its proposal; None
@@ -483,7 +377,7 @@ class BlockGraphs:
         ks = tuple(sorted({it.top_k for it in items}))
         append = any(it.features is not None for it in items)
         key = (s, span, ks, append)
-        if ("batch", *key) in self.uncaptured:
+        if key in self.uncaptured:
             return None
         self.batch_shapes.add(key)
         inputs = self._batch_inputs.get(s)
@@ -499,7 +393,7 @@ class BlockGraphs:
             return compute(), where
         entry = self._batch_passes.get(key)
         if entry is None:
-            entry = self._capture(compute, ("batch", *key), f"{s} sequences: span {span}, top-{ks}, {'appending' if append else 'block only'}")
+            entry = self._capture(compute, key, f"{s} sequences: span {span}, top-{ks}, {'appending' if append else 'block only'}")
             if entry is None:
                 return None
             self._batch_passes[key] = entry

@@ -36,7 +36,7 @@ class ShapedOracleDrafter:
         self._answers: Future | None = None  # the oracle's answers to _steps, once the pass is launched
         graphs = getattr(engine, "graphs", None)
         if graphs is not None:  # the graphed passes: the oracle starts when one returns, launched
-            graphs.run, graphs.run_batch = self._launched(graphs.run), self._launched(graphs.run_batch)
+            graphs.run_batch = self._launched(graphs.run_batch)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.engine, name)
