@@ -24,9 +24,9 @@ A pass (``run_batch``) of S sequences, one alone included: one graph per (S, spa
 append) with S padded (``padded_batch``: a power of two up to 8, then a multiple of 4, then of
 16), serving *any* S slots: the slot of each sequence is an input, so the warm-up captures every
 graph before a sequence arrives. Every sequence's block rows, appended rows (packed, at most
-``B`` each, pad rows written to the scratch region) and key positions are addressed through pool indices computed from that input
-(``DFlashDraft.forward_pooled``); a pad sequence's block lives in the scratch region and sees
-only its own keys. Attention reads each sequence's keys in place through the native paged kernel
+``B`` each, pad rows written to the scratch region) and key positions are addressed through
+pool indices computed from that input (``DFlashDraft.forward_pooled``); a pad sequence's block
+lives in the scratch region and sees only its own keys. Attention reads each sequence's keys in place through the native paged kernel
 (``native/paged_attention.py``: a slot is one page, the block table ``[slot]``, and the kernel
 stops at each sequence's own end, so a short context next to a long one costs little), or, where
 it does not run, gathers ``[S, H_kv, span, D]`` (torch). A span is the batch's longest; the
