@@ -218,6 +218,7 @@ def check_and_time(shape: str, dtype: torch.dtype, sequences: list[int], iters: 
     # The prompts replay prompt-chunk graphs captured at warm-up, on the pad sequence (whose state
     # slot warm-up puts back): the checks below start from the state those prefills left.
     graphed.runner.warm_up(1, blocks=(1,), spans=(256,), prompt_chunk=graphed.prompt_chunk)
+    graphed.runner.capture_rows = graphed.runner.max_rows  # warm-up lowered it to its one row: the trees below are captured at first use
     warmed = graphed.runner.graphs
     rng = np.random.default_rng(1)
     ids = [f"s{i}" for i in range(top)]
