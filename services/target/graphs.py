@@ -302,8 +302,8 @@ class PassRunner:
         passes = warm_up_passes(max_sequences, self.max_rows, blocks, spans)
         self.capture_rows = max((bucket(n * rows, ROW_BUCKETS) for _, rows, n in passes), default=0)
         chunks = warm_up_prompt_chunks(prompt_chunk, spans) if prompt_chunk else []
-        layouts = [self._warm_up_layout(warm_up_start(span, rows), rows, n, False) for span, rows, n in passes]
-        layouts += [self._warm_up_layout(start, rows, 1, True) for start, rows in chunks]
+        layouts = [(self._warm_up_layout(warm_up_start(span, rows), rows, n), False) for span, rows, n in passes]
+        layouts += [(self._warm_up_layout(start, rows, 1), True) for start, rows in chunks]
         slots = self.state.slots
         restore = _state_restorer(slots, [0]) if chunks and slots is not None else None  # the chunks move the pad state on
         made = 0
@@ -319,13 +319,13 @@ class PassRunner:
                 restore()
         return made
 
-    def _warm_up_layout(self, start: int, rows: int, sequences: int, prompt_chunk: bool) -> tuple[PassLayout, bool]:
+    def _warm_up_layout(self, start: int, rows: int, sequences: int) -> PassLayout:
         """A warm-up pass of ``sequences`` pad sequences of ``rows`` rows (a causal chain) after
         ``start`` positions, every position in the pad block."""
         table = [PAD_BLOCK] * self.state.kv.blocks_for(start + rows)
         tree = np.tril(np.ones((rows, rows), dtype=bool))
         n = sequences
-        return pass_layout(self.state.kv, [[0] * rows] * n, [np.arange(-1, rows - 1)] * n, [start] * n, [table] * n, [tree] * n), prompt_chunk
+        return pass_layout(self.state.kv, [[0] * rows] * n, [np.arange(-1, rows - 1)] * n, [start] * n, [table] * n, [tree] * n)
 
     def _captured(self) -> list[tuple]:
         """The keys of the passes captured as graphs (those a stand-in is chosen from)."""
