@@ -47,11 +47,17 @@ def use_triton(tensor: torch.Tensor, kernel: str = "", *weights: torch.Tensor) -
     # The CPU's answer first: a CPU pass asks this ~40 times a step, and each lookup reads the environment.
     if not HAVE_TRITON or not (tensor.is_cuda or os.environ.get("SPLITSPEC_NATIVE_CPU") == "1"):
         return False
-    if os.environ.get("SPLITSPEC_NATIVE") == "0":
-        return False
     if torch.is_grad_enabled() and (tensor.requires_grad or any(w.requires_grad for w in weights)):
         return False
-    return not (kernel and kernel in os.environ.get("SPLITSPEC_NATIVE_OFF", "").split(","))
+    return not switched_off(kernel)
+
+
+def switched_off(name: str = "") -> bool:
+    """Whether ``SPLITSPEC_NATIVE=0`` or ``SPLITSPEC_NATIVE_OFF`` (comma-separated) turns ``name`` off
+    (a kernel, or a layout the kernels read: ``interleave``); ``name`` empty: only the first."""
+    if os.environ.get("SPLITSPEC_NATIVE") == "0":
+        return True
+    return bool(name) and name in os.environ.get("SPLITSPEC_NATIVE_OFF", "").split(",")
 
 
 INTERPRETER_SMS = 132  # an H100/H200's multiprocessors: the CPU interpreter (CI) splits work as they would

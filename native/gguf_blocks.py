@@ -80,14 +80,18 @@ if triton is not None:
         return scale, minimum
 
     @triton.jit
-    def q4_k_chunk(w_ptr, rows, row_nbytes, k0, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
+    def q4_k_chunk(w_ptr, rows, row_nbytes, k0, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, INTERLEAVED: tl.constexpr):
         """Values k0 .. k0 + CHUNK (inside one super-block) -> f32 [BLOCK_N, CHUNK]. A super-block
         is f16 d, f16 dmin, 12 bytes of eight 6-bit scales and mins, then 128 bytes where 32-byte
         group j holds sub-block 2j in its low nibbles and 2j + 1 in its high nibbles;
-        value = d * scale[s] * q - dmin * min[s]."""
+        value = d * scale[s] * q - dmin * min[s]. ``INTERLEAVED``: the weight is laid out by
+        ``native.gguf_matmul.interleave`` (16 features' super-blocks side by side)."""
         G: tl.constexpr = CHUNK // 32
         s = (k0 % 256) // 32 + tl.arange(0, G)  # [G] sub-blocks of this chunk
-        base = rows * row_nbytes + (k0 // 256) * 144  # [BLOCK_N]
+        if INTERLEAVED:
+            base = (rows // 16) * (16 * row_nbytes) + (k0 // 256) * (16 * 144) + (rows % 16) * 144  # [BLOCK_N]
+        else:
+            base = rows * row_nbytes + (k0 // 256) * 144  # [BLOCK_N]
         scale, minimum = q4_k_scale_min(w_ptr, base[:, None], s)
         d = f16(w_ptr, base)[:, None] * scale.to(tl.float32)  # [BLOCK_N, G]
         dmin = f16(w_ptr, base + 2)[:, None] * minimum.to(tl.float32)
@@ -164,13 +168,15 @@ if triton is not None:
         return tl.reshape(scale * q, (BLOCK_N, CHUNK))
 
     @triton.jit
-    def chunk(w_ptr, levels_ptr, rows, row_nbytes, k0, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
+    def chunk(w_ptr, levels_ptr, rows, row_nbytes, k0, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
+              INTERLEAVED: tl.constexpr):
         """Values k0 .. k0 + CHUNK of ``rows`` [BLOCK_N] of a weight of type ``QTYPE`` (``TYPE_IDS``)
-        -> f32 [BLOCK_N, CHUNK]; ``levels_ptr`` is read for IQ4_XS only."""
+        -> f32 [BLOCK_N, CHUNK]; ``levels_ptr`` is read for IQ4_XS only; ``INTERLEAVED`` (Q4_K only):
+        see ``q4_k_chunk``."""
         if QTYPE == 0:
             w = q8_0_chunk(w_ptr, rows, row_nbytes, k0, BLOCK_N, CHUNK)
         elif QTYPE == 1:
-            w = q4_k_chunk(w_ptr, rows, row_nbytes, k0, BLOCK_N, CHUNK)
+            w = q4_k_chunk(w_ptr, rows, row_nbytes, k0, BLOCK_N, CHUNK, INTERLEAVED)
         elif QTYPE == 2:
             w = q6_k_chunk(w_ptr, rows, row_nbytes, k0, BLOCK_N, CHUNK)
         elif QTYPE == 3:

@@ -62,21 +62,23 @@ if triton is not None:
 
     @triton.jit
     def _expand_kernel(w_ptr, levels_ptr, out_ptr, first, end, row_nbytes, stride_out,
-                       QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
+                       QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, INTERLEAVED: tl.constexpr):
         """out[r - first, k0 : k0 + CHUNK] = W[r, k0 : k0 + CHUNK] in out's dtype, for this program's
-        rows r of [first, end) and k0 = CHUNK * program_id(1); QTYPE as ``gguf_blocks.TYPE_IDS``."""
+        rows r of [first, end) and k0 = CHUNK * program_id(1); QTYPE as ``gguf_blocks.TYPE_IDS``;
+        INTERLEAVED: W in ``gguf_matmul.interleave``'s layout."""
         local = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] rows of the tile
         rows = tl.minimum(first + local, end - 1).to(tl.int64)  # the tail re-reads the last row, unstored
         k0 = tl.program_id(1) * CHUNK
-        w = chunk(w_ptr, levels_ptr, rows, row_nbytes, k0, QTYPE, BLOCK_N, CHUNK)
+        w = chunk(w_ptr, levels_ptr, rows, row_nbytes, k0, QTYPE, BLOCK_N, CHUNK, INTERLEAVED)
         out = out_ptr + local[:, None].to(tl.int64) * stride_out + (k0 + tl.arange(0, CHUNK))[None, :]
         tl.store(out, w.to(out_ptr.dtype.element_ty), mask=(first + local < end)[:, None])
 
 
-def expand(raw: torch.Tensor, qtype: Q, levels: torch.Tensor, first: int, end: int, out: torch.Tensor) -> torch.Tensor:
+def expand(raw: torch.Tensor, qtype: Q, levels: torch.Tensor, first: int, end: int, out: torch.Tensor,
+           interleaved: bool = False) -> torch.Tensor:
     """Rows [first, end) of the weight in ``raw`` [N, row_bytes], expanded into ``out`` [>= end -
     first, K] (its dtype) -> that view of ``out``. ``levels``: IQ4_XS's level table (any tensor for
-    the other types, never read)."""
+    the other types, never read); ``interleaved``: ``raw`` in ``gguf_matmul.interleave``'s layout."""
     K = out.shape[1]
     # A program's values of a row: CHUNK, or one block where K is no multiple of it (Q8_0's 32).
     values = CHUNK if K % CHUNK == 0 else GGML_QUANT_SIZES[qtype][0]
@@ -84,19 +86,21 @@ def expand(raw: torch.Tensor, qtype: Q, levels: torch.Tensor, first: int, end: i
         raise ValueError(f"{qtype.name} rows of {K} values do not split into whole blocks")
     grid = (triton.cdiv(end - first, BLOCK_N), K // values)
     _expand_kernel[grid](raw, levels, out, first, end, raw.stride(0), out.stride(0),
-                         QTYPE=TYPE_IDS[qtype], BLOCK_N=BLOCK_N, CHUNK=values, num_warps=4)
+                         QTYPE=TYPE_IDS[qtype], BLOCK_N=BLOCK_N, CHUNK=values, INTERLEAVED=interleaved, num_warps=4)
     return out[: end - first]
 
 
-def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: Q, out_features: int, levels: torch.Tensor) -> torch.Tensor:
-    """x [M, K] (rows contiguous) @ W^T -> [M, out_features] in x's dtype, W expanded a tile at a time."""
+def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: Q, out_features: int, levels: torch.Tensor,
+           interleaved: bool = False) -> torch.Tensor:
+    """x [M, K] (rows contiguous) @ W^T -> [M, out_features] in x's dtype, W expanded a tile at a
+    time (``interleaved``: ``raw`` in ``gguf_matmul.interleave``'s layout)."""
     M, K = x.shape
     rows = tile_rows(out_features, K, x.element_size())
     tile = torch.empty(rows, K, dtype=x.dtype, device=x.device)
     if rows == out_features:
-        return torch.mm(x, expand(raw, qtype, levels, 0, out_features, tile).t())
+        return torch.mm(x, expand(raw, qtype, levels, 0, out_features, tile, interleaved).t())
     y = x.new_empty(M, out_features)
     for first in range(0, out_features, rows):
         end = min(first + rows, out_features)
-        torch.mm(x, expand(raw, qtype, levels, first, end, tile).t(), out=y[:, first:end])
+        torch.mm(x, expand(raw, qtype, levels, first, end, tile, interleaved).t(), out=y[:, first:end])
     return y

@@ -29,6 +29,14 @@ dequantized model in that dtype holds it; the GEMV kernel multiplies the float32
 to the exact product; both stay within x's dtype rounding of the reference). The output has x's
 dtype.
 
+**Interleaved Q4_K.** On a GPU where ``gguf_mma`` runs, the loaders lay each decoder layer's Q4_K
+weight out by ``interleave`` (``splitspec.models.quantized.interleave_layers``): the 16 features a
+warp of its Q4_K kernel computes have their super-blocks side by side, so each step of the warp
+reads 2,304 contiguous bytes instead of 16 runs 144 bytes long and a row apart. The same kernel
+ran 1.19-1.24x faster at one row on the 27B and 8B layer shapes, bit for bit the same output
+(BENCHMARKS.md [V4]). ``gguf_mma`` and ``gguf_expand`` read the layout in place; the Triton kernels
+and the reference read a de-interleaved copy (``deinterleave``), paths a GPU in bf16 does not take.
+
 ``gguf_matmul_reference`` is the plain-torch definition the kernels are tested against, and
 ``QuantLinear`` is the ``nn.Linear`` stand-in the loader builds (``load_target(keep_quantized=True)``).
 """
@@ -64,9 +72,34 @@ def row_bytes(qtype: Q, in_features: int) -> int:
     return in_features // block_values * block_bytes
 
 
-def gguf_matmul_reference(x: torch.Tensor, raw: torch.Tensor, qtype: Q, out_features: int) -> torch.Tensor:
-    """x [..., K] @ dequantize(raw)^T in x's dtype -> [..., out_features]: the definition."""
-    w = dequantize(raw, qtype, (out_features, x.shape[-1])).to(x.dtype)
+INTERLEAVE = 16  # features whose super-blocks ``interleave`` puts side by side (a warp's of gguf_mma's Q4_K kernel)
+Q4_K_BLOCK_BYTES = GGML_QUANT_SIZES[Q.Q4_K][1]
+
+
+def interleavable(raw: torch.Tensor, qtype: Q) -> bool:
+    """Whether ``interleave`` takes this weight: Q4_K blocks of a multiple of ``INTERLEAVE`` rows."""
+    return qtype == Q.Q4_K and raw.dim() == 2 and raw.shape[0] % INTERLEAVE == 0
+
+
+def interleave(raw: torch.Tensor) -> torch.Tensor:
+    """Q4_K blocks [N, row_bytes] in the file's layout (row n: feature n's super-blocks) -> a new
+    tensor of the same shape holding them as [N / 16, super-blocks, 16, 144]: super-block s of
+    features 16 t .. 16 t + 15 side by side. Rows [16 a, 16 b) of it still hold exactly the
+    features [16 a, 16 b), so a fused weight's parts stay views of it (``layers.fuse_linears``)."""
+    n = raw.shape[0]
+    return raw.view(n // INTERLEAVE, INTERLEAVE, -1, Q4_K_BLOCK_BYTES).transpose(1, 2).contiguous().view(n, -1)
+
+
+def deinterleave(raw: torch.Tensor) -> torch.Tensor:
+    """``interleave``'s inverse: a new tensor in the file's layout."""
+    n = raw.shape[0]
+    return raw.view(n // INTERLEAVE, -1, INTERLEAVE, Q4_K_BLOCK_BYTES).transpose(1, 2).contiguous().view(n, -1)
+
+
+def gguf_matmul_reference(x: torch.Tensor, raw: torch.Tensor, qtype: Q, out_features: int, interleaved: bool = False) -> torch.Tensor:
+    """x [..., K] @ dequantize(raw)^T in x's dtype -> [..., out_features]: the definition
+    (``interleaved``: ``raw`` in ``interleave``'s layout)."""
+    w = dequantize(deinterleave(raw) if interleaved else raw, qtype, (out_features, x.shape[-1])).to(x.dtype)
     return F.linear(x, w)
 
 
@@ -101,7 +134,7 @@ if triton is not None:
         # under numpy >= 2.4, and the compiler can pipeline a known count.
         for i in range(CHUNKS_PER_SPLIT):
             k0 = (split * CHUNKS_PER_SPLIT + i) * CHUNK
-            w = chunk(w_ptr, levels_ptr, rows, row_nbytes, k0, QTYPE, BLOCK_N, CHUNK)
+            w = chunk(w_ptr, levels_ptr, rows, row_nbytes, k0, QTYPE, BLOCK_N, CHUNK, False)
             x = tl.load(x_ptr + m[:, None] * stride_xm + (k0 + tl.arange(0, CHUNK))[None, :], mask=m_ok[:, None], other=0.0)
             w = w.to(x.dtype)  # the weight as a dequantized model in x's dtype holds it
             if FP32_DOT:
@@ -293,13 +326,14 @@ def _next_power_of_2(n: int) -> int:
 
 
 def gguf_matmul(
-    x: torch.Tensor, raw: torch.Tensor, qtype: Q, out_features: int, tiling: Tiling | None = None
+    x: torch.Tensor, raw: torch.Tensor, qtype: Q, out_features: int, tiling: Tiling | None = None, interleaved: bool = False
 ) -> torch.Tensor:
     """x [..., K] (bf16, fp16 or fp32) @ W^T for W [out_features, K] held as GGUF blocks ``raw``
-    [out_features, row_bytes] (uint8) -> [..., out_features] in x's dtype: by ``native.gguf_mma``
-    where it takes the call (Q4_K/Q6_K/IQ4_XS, bf16, 1-64 rows), by ``native.gguf_expand`` (expanded tiles on
-    cuBLAS) for many rows, else by the Triton kernels. ``tiling`` forces the Triton kernels with
-    that tiling (benchmarks compare tilings)."""
+    [out_features, row_bytes] (uint8; ``interleaved``: Q4_K in ``interleave``'s layout) ->
+    [..., out_features] in x's dtype: by ``native.gguf_mma`` where it takes the call
+    (Q4_K/Q6_K/IQ4_XS, bf16, 1-64 rows), by ``native.gguf_expand`` (expanded tiles on cuBLAS) for
+    many rows, else by the Triton kernels. ``tiling`` forces the Triton kernels with that tiling
+    (benchmarks compare tilings)."""
     if qtype not in KERNEL_TYPES:
         raise ValueError(f"no kernel for {qtype.name} (kernels: {', '.join(sorted(t.name for t in KERNEL_TYPES))})")
     if x.dtype not in KERNEL_DTYPES:
@@ -309,6 +343,8 @@ def gguf_matmul(
         raise ValueError(f"raw {qtype.name} weight must be uint8 [{out_features}, {row_bytes(qtype, K)}], got {raw.dtype} {list(raw.shape)}")
     if not raw.is_contiguous():  # the GEMV kernel's 16-byte loads rely on whole packed rows
         raise ValueError(f"raw {qtype.name} weight must be contiguous, got strides {raw.stride()}")
+    if interleaved and not interleavable(raw, qtype):
+        raise ValueError(f"an interleaved weight must be Q4_K of a multiple of {INTERLEAVE} rows, got {qtype.name} [{out_features}, ...]")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, K)
     if x2.stride(-1) != 1:
@@ -317,10 +353,12 @@ def gguf_matmul(
     if M == 0:
         return x.new_empty(*lead, N)
     if tiling is None and gguf_mma.usable(x2, raw, qtype):
-        return gguf_mma.matmul(x2, raw, qtype, N).reshape(*lead, N)
+        return gguf_mma.matmul(x2, raw, qtype, N, interleaved=interleaved).reshape(*lead, N)
     table = levels(x.device) if qtype == Q.IQ4_XS else raw  # the other types never read this pointer
     if tiling is None and gguf_expand.takes(x2, qtype):
-        return gguf_expand.matmul(x2, raw, qtype, N, table).reshape(*lead, N)
+        return gguf_expand.matmul(x2, raw, qtype, N, table, interleaved).reshape(*lead, N)
+    if interleaved:  # the Triton kernels read the file's layout (a GPU computing in bf16 never gets here)
+        raw = deinterleave(raw)
     tiling = tiling or default_tiling(M, qtype)
     if tiling.gemv:
         block_m = 1
@@ -348,19 +386,23 @@ def gguf_matmul(
     return y.reshape(*lead, N)
 
 
-def quant_linear(x: torch.Tensor, raw: torch.Tensor, qtype: Q, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ W^T (+ bias)`` for W [rows of raw, K] in ``raw``'s blocks: the kernels where
-    ``triton_enabled``, else ``gguf_matmul_reference``."""
-    matmul = gguf_matmul if triton_enabled(x) else gguf_matmul_reference
-    y = matmul(x, raw, qtype, raw.shape[0])
+def quant_linear(x: torch.Tensor, raw: torch.Tensor, qtype: Q, bias: torch.Tensor | None = None,
+                 interleaved: bool = False) -> torch.Tensor:
+    """``x @ W^T (+ bias)`` for W [rows of raw, K] in ``raw``'s blocks (``interleaved``: in
+    ``interleave``'s layout): the kernels where ``triton_enabled``, else ``gguf_matmul_reference``."""
+    if triton_enabled(x):
+        y = gguf_matmul(x, raw, qtype, raw.shape[0], interleaved=interleaved)
+    else:
+        y = gguf_matmul_reference(x, raw, qtype, raw.shape[0], interleaved)
     return y if bias is None else y + bias.to(y.dtype)
 
 
 class QuantLinear(nn.Module):
     """A bias-optional linear layer whose weight [out_features, in_features] stays in GGUF blocks.
 
-    ``raw`` (buffer, uint8 [out_features, row_bytes]) holds the rows exactly as in the file. The
-    forward runs the Triton kernel when ``triton_enabled``, else ``gguf_matmul_reference``.
+    ``raw`` (buffer, uint8 [out_features, row_bytes]) holds the rows exactly as in the file, or,
+    once ``interleave`` has run, in ``interleave``'s layout (``interleaved``). The forward runs the
+    kernels when ``triton_enabled``, else ``gguf_matmul_reference``.
     """
 
     def __init__(self, qtype: Q, in_features: int, out_features: int, bias: bool = False,
@@ -371,9 +413,25 @@ class QuantLinear(nn.Module):
         self.qtype, self.in_features, self.out_features = qtype, in_features, out_features
         self.register_buffer("raw", torch.empty(out_features, row_bytes(qtype, in_features), dtype=torch.uint8, device=device))
         self.bias = nn.Parameter(torch.empty(out_features, device=device)) if bias else None
+        self.interleaved = False
+
+    def interleave(self) -> None:
+        """Rewrite the blocks in place in ``interleave``'s layout (``interleavable`` must hold). In
+        place, so that a loader's references to the loaded tensor keep no second copy alive (the
+        extra memory is one weight's, while it is rewritten)."""
+        if not self.interleaved:
+            self.raw.copy_(interleave(self.raw))
+            self.interleaved = True
+
+    def deinterleave(self) -> None:
+        """Rewrite the blocks in place in the file's layout."""
+        if self.interleaved:
+            self.raw.copy_(deinterleave(self.raw))
+            self.interleaved = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return quant_linear(x, self.raw, self.qtype, self.bias)
+        return quant_linear(x, self.raw, self.qtype, self.bias, self.interleaved)
 
     def extra_repr(self) -> str:
-        return f"{self.qtype.name}, in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        layout = ", interleaved" if self.interleaved else ""
+        return f"{self.qtype.name}{layout}, in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

@@ -114,6 +114,14 @@ def usable(x: torch.Tensor, raw: torch.Tensor, qtype: Q) -> bool:
     return _extension(0) is not None
 
 
+def runs_on(device: torch.device) -> bool:
+    """Whether ``matmul`` can run on ``device`` at all (a CUDA GPU with bf16 tensor cores, the
+    kernels not switched off, the extension built): what ``usable`` asks beyond the call's shapes."""
+    if device.type != "cuda" or not use_triton(torch.empty(0, device=device), "gguf_mma"):
+        return False
+    return _capable(device.index if device.index is not None else torch.cuda.current_device()) and _extension(0) is not None
+
+
 def default_splits(n_programs: int, super_blocks: int, sms: int) -> int:
     """How many programs share one tile's K range, for ``n_programs`` tiles of one n-tile a warp
     (IQ4_XS): enough for about four programs a multiprocessor (so the last wave leaves
@@ -145,10 +153,11 @@ def _counters(device: torch.device) -> torch.Tensor:
 
 
 def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: Q, out_features: int, n_tiles: int = 0,
-           splits: int = 0, min_blocks: int = 0) -> torch.Tensor:
+           splits: int = 0, min_blocks: int = 0, interleaved: bool = False) -> torch.Tensor:
     """x [M, K] bf16 @ W^T for W [out_features, K] in ``raw`` blocks -> [M, out_features] bf16
-    (``usable`` must hold). ``n_tiles`` (1 or 2; 0: ``default_n_tiles``), ``splits`` (0:
-    ``default_splits``/``a_operand_splits``) and ``min_blocks`` (``_extension``) are for benchmarks."""
+    (``usable`` must hold); ``interleaved``: Q4_K blocks in ``gguf_matmul.interleave``'s layout.
+    ``n_tiles`` (1 or 2; 0: ``default_n_tiles``), ``splits`` (0: ``default_splits``/``a_operand_splits``)
+    and ``min_blocks`` (``_extension``) are for benchmarks."""
     M, K = x.shape
     one_tile_programs = -(-out_features // (WARPS * 8))
     if one_tile_programs > MAX_TILES:
@@ -167,5 +176,5 @@ def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: Q, out_features: int, n_ti
     out = torch.empty(M, out_features, dtype=torch.bfloat16, device=x.device)
     partial = torch.empty(splits, partial_rows, out_features, dtype=torch.float32, device=x.device) if splits > 1 else out
     counters = _counters(x.device)  # made at the first call, whatever its splits: before any capture
-    _extension(min_blocks).gguf_mma(x, raw, out, partial, counters, MMA_TYPES[qtype], splits, n_tiles)
+    _extension(min_blocks).gguf_mma(x, raw, out, partial, counters, MMA_TYPES[qtype], splits, n_tiles, interleaved)
     return out

@@ -16,6 +16,11 @@
 // slots 2c, 2c + 1 take values l0, l0 + 2 of sub-block t, slots 2c + 8, 2c + 9 the same positions
 // of sub-block t + 1: the byte pair (l0, l0 + 2) of a word is what one mask selects into the two
 // halves of a register, low nibbles (sub-block t) and high ones (t + 1).
+//
+// W's layout (kInterleaved): the file's, row n the super-blocks of feature n, or interleaved by
+// native.gguf_matmul.interleave, [N / 16, super-blocks, 16, 144]: a warp's 16 features of one
+// super-block 2,304 contiguous bytes. The interleaved layout ran 1.19-1.24x faster at one row on the
+// 27B and 8B layer shapes, bit for bit the same sums (BENCHMARKS.md [V4]).
 
 #include <ATen/cuda/CUDAContext.h>
 #include <cuda_bf16.h>
@@ -206,7 +211,7 @@ __device__ __forceinline__ void accumulate(float (&acc)[NB][4], Q4K (&f)[2], con
 // With splits > 1 each writes float32 partial sums and the last of a tile adds them (add_splits).
 // At one n-tile the compiler's own register choice (about 130) ran fastest on an H200; from two
 // on, a cap of 168 (3 blocks a multiprocessor) did (BENCHMARKS.md, the ninth session's probes).
-template <int NB>
+template <int NB, bool kInterleaved>
 __global__ void __launch_bounds__(kWarps * 32, NB == 1 ? 1 : 3) q4k_kernel(
     const uint2* __restrict__ xq, const uint2* __restrict__ xs, const float* __restrict__ xscale,
     const uint8_t* __restrict__ w, __nv_bfloat16* __restrict__ out, float* __restrict__ partial,
@@ -217,8 +222,10 @@ __global__ void __launch_bounds__(kWarps * 32, NB == 1 ? 1 : 3) q4k_kernel(
   const int split = blockIdx.y;
   const int sb_begin = static_cast<int>(static_cast<int64_t>(super_blocks) * split / splits);
   const int sb_end = static_cast<int>(static_cast<int64_t>(super_blocks) * (split + 1) / splits);
-  const uint8_t* rows[2] = {w + static_cast<int64_t>(min(n0 + g, N - 1)) * row_bytes,  // this lane's two features
-                            w + static_cast<int64_t>(min(n0 + 8 + g, N - 1)) * row_bytes};
+  // This lane's two features (a feature past N re-reads the last: its sums are not stored).
+  const uint8_t* tile = w + static_cast<int64_t>(min(n0, N - 16) / 16) * 16 * row_bytes;  // kInterleaved: N % 16 == 0
+  const uint8_t* rows[2] = {kInterleaved ? tile + 144 * g : w + static_cast<int64_t>(min(n0 + g, N - 1)) * row_bytes,
+                            kInterleaved ? tile + 144 * (8 + g) : w + static_cast<int64_t>(min(n0 + 8 + g, N - 1)) * row_bytes};
 
   float acc[NB][4];
 #pragma unroll
@@ -241,7 +248,7 @@ __global__ void __launch_bounds__(kWarps * 32, NB == 1 ? 1 : 3) q4k_kernel(
                                             reinterpret_cast<const uint4*>(xscale)},
                                            {32 * kRowsPadded, 2 * kRowsPadded, kRowsPadded / 4}};
   extern __shared__ uint4 x_shared[];
-  mma_common::over_super_blocks<Q4K>(rows, c, sb_begin, sb_end, [&](Q4K(&blocks)[2], int sb) {
+  mma_common::over_super_blocks<Q4K, kInterleaved ? 16 * Q4K::kBytes : Q4K::kBytes>(rows, c, sb_begin, sb_end, [&](Q4K(&blocks)[2], int sb) {
     if constexpr (NB >= X_STAGED_MIN_NB) {
       const uint4* stage = x_stages.next(x_shared, sb, sb_begin, sb_end);
       accumulate<NB>(acc, blocks, stage, reinterpret_cast<const uint2*>(stage + 32 * kRowsPadded),
@@ -256,7 +263,7 @@ __global__ void __launch_bounds__(kWarps * 32, NB == 1 ? 1 : 3) q4k_kernel(
   mma_common::store_c<NB>(acc, out, partial, counters, M, N, n0, g, c, split, splits);
 }
 
-template <int NB>
+template <int NB, bool kInterleaved>
 void launch(const torch::Tensor& x, const torch::Tensor& w, torch::Tensor& out, torch::Tensor& partial,
             torch::Tensor& counters, int splits, cudaStream_t stream) {
   const int M = x.size(0), N = out.size(1), K = x.size(1), sbs = K / 256;
@@ -272,7 +279,7 @@ void launch(const torch::Tensor& x, const torch::Tensor& w, torch::Tensor& out, 
   const int tiles = (N + kWarps * 16 - 1) / (kWarps * 16);
   const size_t shared_bytes = NB >= X_STAGED_MIN_NB ? 2 * sizeof(uint4) * x_stage_units(rows_padded) : 0;  // XStages' two stages
   mma_common::launch_dependent(
-      q4k_kernel<NB>, dim3(tiles, splits), kWarps * 32, shared_bytes, stream, reinterpret_cast<const uint2*>(xq.data_ptr()),
+      q4k_kernel<NB, kInterleaved>, dim3(tiles, splits), kWarps * 32, shared_bytes, stream, reinterpret_cast<const uint2*>(xq.data_ptr()),
       reinterpret_cast<const uint2*>(xs.data_ptr()), static_cast<const float*>(xscale.data_ptr<float>()),
       static_cast<const uint8_t*>(w.data_ptr<uint8_t>()), reinterpret_cast<__nv_bfloat16*>(out.data_ptr()),
       splits > 1 ? partial.data_ptr<float>() : nullptr, splits > 1 ? counters.data_ptr<int>() : nullptr, M, N,
@@ -282,13 +289,14 @@ void launch(const torch::Tensor& x, const torch::Tensor& w, torch::Tensor& out, 
 }  // namespace
 
 // Called by gguf_mma() (native/gguf_mma.cu), which checks shapes and alignment: x [M, K] bf16 rows
-// 16-byte aligned, w [N, K / 256 * 144] uint8, out [M, N] bf16; partial [splits, >= 32, N] float32
-// and counters as there.
+// 16-byte aligned, w [N, K / 256 * 144] uint8 (interleaved: N % 16 == 0), out [M, N] bf16;
+// partial [splits, >= 32, N] float32 and counters as there.
 void q4k_mma(torch::Tensor x, torch::Tensor w, torch::Tensor out, torch::Tensor partial, torch::Tensor counters,
-             int64_t splits) {
+             int64_t splits, bool interleaved) {
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   mma_common::by_32_rows(x, out, [&](auto nb, const torch::Tensor& xc, torch::Tensor& oc) {
-    launch<decltype(nb)::value>(xc, w, oc, partial, counters, splits, stream);
+    if (interleaved) launch<decltype(nb)::value, true>(xc, w, oc, partial, counters, splits, stream);
+    else launch<decltype(nb)::value, false>(xc, w, oc, partial, counters, splits, stream);
   });
 }
 

@@ -8,7 +8,9 @@ step, BENCHMARKS.md's [V1], so time a winner in the step too) or allocated in L1
 in shared memory from three n-tiles (``xldg``), or staged from one or two n-tiles (``xs1``,
 ``xs2``); Q6_K's runs loaded a 32-bit word at a
 time at one n-tile too, as before [K2] (``q6words``; the words lost 2-28% not allocated in L1 [K1],
-and with a 256-byte L2 hint [V1]), or as 8-byte pairs up to two n-tiles (``q6pairs2``); the
+and with a 256-byte L2 hint [V1]), or as 8-byte pairs up to two n-tiles (``q6pairs2``); Q4_K's
+weights interleaved so that a warp's 16 features of one super-block are 2,304 contiguous bytes
+(``interleaved``, the serving layout since [V4]; the file's puts them 144 x super-blocks apart); the
 super-block two ahead prefetched into L2 with ``cp.async.bulk.prefetch`` (``pf2``); the k steps' two
 mma chains accumulated apart (``chains2``: the sums' order changes, so its outputs differ from the
 others' in the last bits); one n-tile capped at four blocks a multiprocessor (``mb4``: 121
@@ -26,6 +28,7 @@ Usage: python3 scripts/gpu_mma_variants.py   (``VARIANTS=base,q4l2h`` builds onl
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -54,15 +57,19 @@ VARIANTS = {
     "xs2": {"X_STAGED_MIN_NB": 2},  # x staged from two n-tiles (9 rows) on
     "q6words": {"Q6K_PAIRS_MAX_NB": 0},  # Q6_K's runs loaded a word at a time at one n-tile too (before [K2])
     "q6pairs2": {"Q6K_PAIRS_MAX_NB": 2},  # Q6_K's runs loaded as 8-byte pairs up to two n-tiles
-    "q4tiled": {"PROBE_Q4_TILED": 1},  # Q4_K's blocks repacked: a warp's 16 features' super-block contiguous
+    "interleaved": {},  # the current kernels on Q4_K blocks in ``gguf_matmul.interleave``'s layout
 }
-REPACKED = {"q4tiled"}  # variants that read Q4_K weights as ``tiled16`` lays them out
+INTERLEAVED = {"interleaved"}  # variants that take Q4_K weights interleaved (the others: the file's layout)
 
 BIND = r"""
 #include <torch/extension.h>
-void q4k_mma(torch::Tensor x, torch::Tensor w, torch::Tensor out, torch::Tensor partial, torch::Tensor counters, int64_t splits);
+void q4k_mma(torch::Tensor x, torch::Tensor w, torch::Tensor out, torch::Tensor partial, torch::Tensor counters, int64_t splits, bool interleaved);
 void q6k_mma(torch::Tensor x, torch::Tensor w, torch::Tensor out, torch::Tensor partial, torch::Tensor counters, int64_t splits);
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("q4k_mma", &q4k_mma); m.def("q6k_mma", &q6k_mma); }
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("q4k_mma", &q4k_mma, pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("out"), pybind11::arg("partial"),
+        pybind11::arg("counters"), pybind11::arg("splits"), pybind11::arg("interleaved") = false);
+  m.def("q6k_mma", &q6k_mma);
+}
 """
 
 
@@ -84,9 +91,7 @@ def patch() -> None:
 #ifndef PROBE_CHAINS2
 #define PROBE_CHAINS2 0
 #endif
-#ifndef PROBE_Q4_TILED
-#define PROBE_Q4_TILED 0
-#endif
+
 #ifndef PROBE_MB1
 #define PROBE_MB1 1
 #endif
@@ -123,12 +128,9 @@ __device__ __forceinline__ void bulk_prefetch(const uint8_t* p, int bytes) {
 }
 """ + h[end:]
     h = sub(h, """      compute(buf[st], sb);""", """#if PROBE_PREFETCH
-      if (c < 2 && sb + PROBE_PREFETCH < end) bulk_prefetch((c ? rows[1] : rows[0]) + static_cast<int64_t>(sb + PROBE_PREFETCH) * Block::kBytes, Block::kBytes);
+      if (c < 2 && sb + PROBE_PREFETCH < end) bulk_prefetch((c ? rows[1] : rows[0]) + static_cast<int64_t>(sb + PROBE_PREFETCH) * kStride, Block::kBytes);
 #endif
       compute(buf[st], sb);""")
-    start = h.index("__device__ __forceinline__ void over_super_blocks(")
-    end = h.index("\n}\n", start)
-    h = h[:start] + h[start:end].replace("* Block::kBytes", "* Block::kStride") + h[end:]
     (SRC / "gguf_mma.cuh").write_text(h)
 
     q4 = (ROOT / "native/gguf_q4k.cu").read_text()
@@ -142,13 +144,6 @@ __device__ __forceinline__ void bulk_prefetch(const uint8_t* p, int bytes) {
       for (int e = 0; e < 4; ++e) part[nb][e] += part2[nb][e];
   const uint32_t m[4] = {f[0].mins""")
     q4 = sub(q4, "NB == 1 ? 1 : 3", "NB == 1 ? PROBE_MB1 : 3")
-    q4 = sub(q4, "  static constexpr int kBytes = 144;", "  static constexpr int kBytes = 144, kStride = PROBE_Q4_TILED ? 16 * 144 : 144;")
-    q4 = sub(q4, "  const uint8_t* rows[2] = {", """#if PROBE_Q4_TILED  // tile n0 / 16 of tiled16's layout: its super-blocks 2,304 bytes apart, feature f at 144 f
-  const uint8_t* tile = w + static_cast<int64_t>(min(n0, N - 16) / 16) * 16 * row_bytes;
-  const uint8_t* rows[2] = {tile + 144 * g, tile + 144 * (8 + g)};
-#else
-  const uint8_t* rows[2] = {""")
-    q4 = sub(q4, "w + static_cast<int64_t>(min(n0 + 8 + g, N - 1)) * row_bytes};", "w + static_cast<int64_t>(min(n0 + 8 + g, N - 1)) * row_bytes};\n#endif")
     (SRC / "gguf_q4k.cu").write_text(q4)
 
     q6 = (ROOT / "native/gguf_q6k.cu").read_text()
@@ -166,7 +161,6 @@ __device__ __forceinline__ void bulk_prefetch(const uint8_t* p, int bytes) {
   for (int nb = 0; nb < NB; ++nb) {
     const float2 sx =""")
     q6 = sub(q6, "NB == 4 ? 2 : 3", "NB == 1 ? PROBE_Q6_MB1 : NB == 4 ? PROBE_Q6_MB4 : 3")
-    q6 = sub(q6, "  static constexpr int kBytes = 210;", "  static constexpr int kBytes = 210, kStride = kBytes;")
     (SRC / "gguf_q6k.cu").write_text(q6)
     (SRC / "bind.cpp").write_text(BIND)
 
@@ -177,11 +171,6 @@ def extension(name: str):
 
     return load(name=f"mma_variant_{name}", sources=[str(SRC / f) for f in ("gguf_q4k.cu", "gguf_q6k.cu", "bind.cpp")],
                 extra_cuda_cflags=["-O3"] + [f"-D{k}={v}" for k, v in VARIANTS[name].items()], verbose=False)
-
-
-def tiled16(raw: torch.Tensor, n: int) -> torch.Tensor:
-    """Q4_K blocks [n, sb * 144] as ``q4tiled`` reads them: [n / 16, sb, 16, 144], viewed as [n, sb * 144]."""
-    return raw.view(n // 16, 16, -1, 144).transpose(1, 2).contiguous().view(n, -1)
 
 
 def build(name: str):
@@ -229,15 +218,18 @@ def time_shape(exts, names, qtype, shape, counters, sms, results) -> None:
     read_us = timed(lambda: torch.amax(next_ints()), reps=20)
     print(f"\n{qtype.name} {shape} N={n} K={k} {mb:.1f} MB, default splits {default}; amax read {read_us:.1f} us "
           f"({mb / read_us:.2f} TB/s)", flush=True)
-    tiled = [tiled16(c, n) for c in copies] if qtype == Q.Q4_K and REPACKED & set(names) else []
+    from native.gguf_matmul import interleave
+
+    interleaved = [interleave(c) for c in copies] if qtype == Q.Q4_K and INTERLEAVED & set(names) else []
     for m in (1, 8, 16, 23, 32):
         x = torch.randn(m, k, device=dev).to(torch.bfloat16)
         base_out = {}
         for name in names:
-            if name in REPACKED and not tiled:
+            if name in INTERLEAVED and not interleaved:
                 continue
-            weights = tiled if name in REPACKED else copies
-            fn = getattr(exts[name], "q4k_mma" if qtype == Q.Q4_K else "q6k_mma")
+            weights = interleaved if name in INTERLEAVED else copies
+            kernel = getattr(exts[name], "q4k_mma" if qtype == Q.Q4_K else "q6k_mma")
+            fn = functools.partial(kernel, interleaved=True) if name in INTERLEAVED else kernel
             for splits in sorted({1, 2, 3, 4, 6, 8, default}) if name == "base" else (default,):
                 out = torch.empty(m, n, dtype=torch.bfloat16, device=dev)
                 partial = torch.empty(splits, min(m, 32), n, dtype=torch.float32, device=dev)

@@ -32,7 +32,8 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from native.gguf_matmul import gguf_matmul, gguf_matmul_reference, triton_enabled
+from native import gguf_mma
+from native.gguf_matmul import gguf_matmul, gguf_matmul_reference, interleavable, interleave, triton_enabled
 from services.draft.engine import DraftEngine
 from services.draft.graphs import BlockGraphs
 from services.target.engine import TargetEngine, TargetLimits
@@ -258,7 +259,8 @@ def time_quant_kernels(
     ``KERNEL_TABLE_TYPES`` and any other the model holds (``in_model`` says which the model holds). Each
     row: ``us`` (median per call), ``packed_bytes``, ``bandwidth`` (bytes/s), ``copy_share`` (of
     ``copy_bandwidth``), ``vs_one_row`` (× the M = 1 time), ``path`` ("kernel", or "reference" where
-    the Triton kernel cannot run) and ``timing`` (how it was timed; see the module docstring)."""
+    the Triton kernel cannot run), ``timing`` (how it was timed; see the module docstring) and
+    ``interleaved`` (Q4_K blocks in the layout the models hold them in on this device)."""
     config = random_shape(path).config
     present = quant_types(path)
     types = list(KERNEL_TABLE_TYPES) + [q for q in present if q not in KERNEL_TABLE_TYPES]
@@ -267,6 +269,8 @@ def time_quant_kernels(
     for qtype in types:
         for layer, (n, k) in kernel_layers(config).items():
             weight = random_blocks(qtype, n, k, 0.02, generator)
+            interleaved = interleavable(weight, qtype) and gguf_mma.runs_on(device)  # as the models hold it there
+            weight = interleave(weight) if interleaved else weight
             packed = weight.numel()
             weights = [weight] + [weight.clone() for _ in range(_weight_copies(packed, device) - 1)]
             turns = math.ceil(GRAPH_CALLS / len(weights)) if device.type == "cuda" else 1
@@ -275,13 +279,13 @@ def time_quant_kernels(
                 x = torch.randn(m, k, device=device, generator=generator).to(dtype)
                 kernel = triton_enabled(x)
                 matmul = gguf_matmul if kernel else gguf_matmul_reference
-                calls = [lambda w=w, x=x, matmul=matmul: matmul(x, w, qtype, n) for w in weights] * turns
+                calls = [lambda w=w, x=x, matmul=matmul: matmul(x, w, qtype, n, interleaved=interleaved) for w in weights] * turns
                 us, how = _per_call_us(calls, iters, device)
                 one_row = one_row or us
                 bandwidth = packed / (us * 1e-6)
                 out.append({
                     "qtype": qtype.name, "layer": layer, "out_features": n, "in_features": k, "rows": m,
-                    "in_model": qtype in present, "path": "kernel" if kernel else "reference", "timing": how,
+                    "in_model": qtype in present, "path": "kernel" if kernel else "reference", "timing": how, "interleaved": interleaved,
                     "us": us, "packed_bytes": packed, "bandwidth": bandwidth, "copy_share": bandwidth / copy_bandwidth,
                     "vs_one_row": us / one_row,
                 })

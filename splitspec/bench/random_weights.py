@@ -27,7 +27,7 @@ from native.gguf_dequant import dequantize
 from native.gguf_matmul import QuantLinear, row_bytes
 from splitspec.models.dense import DenseConfig, DenseForCausalLM
 from splitspec.models.dflash import DFlashConfig, DFlashDraft, default_target_layer_ids
-from splitspec.models.quantized import QuantEmbedding, q4_k_m_types, quant_linear, swap_quant_linears
+from splitspec.models.quantized import QuantEmbedding, interleave_layers, q4_k_m_types, quant_linear, swap_quant_linears
 from splitspec.models.qwen35 import Qwen35Config, Qwen35ForCausalLM
 
 PREFIX = "random:"
@@ -348,6 +348,7 @@ def random_target(
         for name, module in list(model.named_modules()):
             if isinstance(module, QuantLinear):
                 model.set_submodule(name, _dequantized(module, dtype))
+    interleave_layers(model)
     model.fuse_projections()
     return model.eval(), config
 

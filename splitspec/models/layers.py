@@ -15,7 +15,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from native import paged_attention, qkv_rope, rms_norm, silu_mul, tree_attention, use_triton
-from native.gguf_matmul import QuantLinear, quant_linear
+from native.gguf_matmul import INTERLEAVE, QuantLinear, quant_linear
 from splitspec.models.paged import PassAttention
 
 # cuDNN's attention builds a plan for every new shape: ~1.3 ms of host time per call measured on
@@ -68,12 +68,14 @@ class RMSNorm(nn.Module):
 class FusedLinear:
     """Several linear layers over one input as one matmul (:func:`fuse_linears`). ``weight`` is
     their float weights [sum of outputs, in] or, for ``QuantLinear`` layers, their GGUF blocks
-    [sum of outputs, row bytes] of type ``qtype``. ``fused(x, first)``: the outputs of rows
-    ``first`` on, [..., out_features - first] (0: all)."""
+    [sum of outputs, row bytes] of type ``qtype`` (``interleaved``: in
+    ``native.gguf_matmul.interleave``'s layout, as its parts were). ``fused(x, first)``: the outputs
+    of rows ``first`` on, [..., out_features - first] (0: all)."""
 
     weight: torch.Tensor
     bias: torch.Tensor | None
     qtype: Q | None = None  # None: a float weight
+    interleaved: bool = False
 
     @property
     def out_features(self) -> int:
@@ -83,14 +85,18 @@ class FusedLinear:
         bias = None if self.bias is None else self.bias[first:]
         if self.qtype is None:
             return F.linear(x, self.weight[first:], bias)
-        return quant_linear(x, self.weight[first:], self.qtype, bias)
+        if self.interleaved and first % INTERLEAVE:  # rows from `first` on are no whole groups of features
+            return quant_linear(x, self.weight, self.qtype, self.bias, interleaved=True)[..., first:]
+        return quant_linear(x, self.weight[first:], self.qtype, bias, self.interleaved)
 
 
 def fuse_linears(*linears: nn.Module) -> FusedLinear | None:
     """One weight whose row blocks *are* the given layers' weights: each layer's parameter (or
     ``QuantLinear`` blocks) becomes a view into it, so one matmul replaces several at no extra
     memory. None (nothing changed) unless all are plain ``nn.Linear``, or all ``QuantLinear`` of
-    one block type and input size, alike in bias."""
+    one block type and input size, alike in bias. Interleaved blocks stay so where every part's
+    are (each part's rows then are whole groups of the fused weight's); otherwise all are
+    de-interleaved first."""
     if all(type(m) is nn.Linear for m in linears):
         attr, qtype = "weight", None
     elif all(isinstance(m, QuantLinear) for m in linears) and len({(m.qtype, m.in_features) for m in linears}) == 1:
@@ -99,6 +105,10 @@ def fuse_linears(*linears: nn.Module) -> FusedLinear | None:
         return None
     if len({m.bias is None for m in linears}) != 1:
         return None
+    interleaved = qtype is not None and all(m.interleaved for m in linears)
+    if qtype is not None and not interleaved:
+        for m in linears:
+            m.deinterleave()
     fused = []
     for name in (attr, "bias"):
         if getattr(linears[0], name) is None:
@@ -111,7 +121,7 @@ def fuse_linears(*linears: nn.Module) -> FusedLinear | None:
             setattr(m, name, view if name == "raw" else nn.Parameter(view, requires_grad=False))  # raw: a buffer
             offset += m.out_features
         fused.append(whole)
-    return FusedLinear(fused[0], fused[1], qtype)
+    return FusedLinear(fused[0], fused[1], qtype, interleaved)
 
 
 class SwiGLU(nn.Module):

@@ -43,6 +43,7 @@ from splitspec.models.hub import resolve_model
 from splitspec.models.layers import llama3_freq_factors
 from splitspec.models.quantized import (
     QuantEmbedding,
+    interleave_layers,
     keeps_embedding,
     kept_summary,
     quant_linear,
@@ -340,6 +341,7 @@ def _load_dense(
         part = "raw" if isinstance(model.lm_head, QuantLinear) else "weight"
         state[f"lm_head.{part}"] = state[f"embed_tokens.{part}"]
     model.load_state_dict(state, assign=True, strict=True)
+    interleave_layers(model)
     model.fuse_projections()
     return model.eval(), config
 
@@ -468,6 +470,7 @@ def load_dflash_draft(
         else:
             state[name] = read(src, expected[name]).to(device=device, dtype=dtype)
     model.load_state_dict(state, assign=True, strict=True)
+    interleave_layers(model)
     model.fuse_projections()
     return model.eval(), config
 

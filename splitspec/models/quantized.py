@@ -5,17 +5,23 @@
 linears as modules. ``q4_k_m_types`` is llama.cpp's Q4_K_M recipe (``llama_tensor_get_type`` in
 ``src/llama-quant.cpp``) for the linear layers.
 ``QuantEmbedding`` keeps a token embedding in its blocks too, and ``swap_quant_modules`` is the
-whole keep-quantized swap of a decoder the loaders make (linears, embedding, tied head).
+whole keep-quantized swap of a decoder the loaders make (linears, embedding, tied head), and
+``interleave_layers`` the layout its Q4_K blocks take on a GPU.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 from gguf import GGMLQuantizationType as Q
 from torch import nn
 
+from native import gguf_mma, switched_off
 from native.gguf_dequant import dequantize
-from native.gguf_matmul import KERNEL_TYPES, QuantLinear, row_bytes
+from native.gguf_matmul import KERNEL_TYPES, QuantLinear, interleavable, row_bytes
+
+logger = logging.getLogger(__name__)
 
 
 def swap_quant_linears(model: nn.Module, types: dict[str, Q]) -> dict[str, str]:
@@ -193,3 +199,21 @@ def head_summary(embed: torch.Tensor | nn.Module, head: torch.Tensor | nn.Module
         kept = isinstance(module, (QuantEmbedding, QuantLinear))
         parts.append(f"{what} in blocks ({module.qtype.name})" if kept else f"{what} dequantized")
     return ", ".join(parts)
+
+
+def interleave_layers(model: nn.Module) -> int:
+    """Hold the Q4_K blocks of ``model.layers``' linears in the layout ``native.gguf_mma``'s Q4_K
+    kernel reads fastest (``native.gguf_matmul.interleave``), where that kernel runs on their
+    device; returns how many changed. Call it before ``fuse_projections`` (a fused weight keeps
+    its parts' layout). The embedding and the head keep the file's layout: an embedding's rows are
+    looked up by token id, and a head may be handed to the draft as it is.
+    ``SPLITSPEC_NATIVE_OFF=interleave`` keeps the file's layout (comparisons: ``native.use_triton``)."""
+    changed = 0
+    for module in model.layers.modules():
+        if (isinstance(module, QuantLinear) and interleavable(module.raw, module.qtype) and gguf_mma.runs_on(module.raw.device)
+                and not switched_off("interleave")):
+            module.interleave()
+            changed += 1
+    if changed:
+        logger.info("%d Q4_K weights interleaved for the GPU's quantized matmul", changed)
+    return changed

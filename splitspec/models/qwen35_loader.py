@@ -26,7 +26,7 @@ from torch import nn
 from native.gguf_matmul import QuantLinear
 from splitspec.models.gguf_file import GGUFFile, ModelFileError, skip_other_tensors
 from splitspec.models.hf_dir import HFDirectory
-from splitspec.models.quantized import swap_quant_modules
+from splitspec.models.quantized import interleave_layers, swap_quant_modules
 from splitspec.models.qwen35 import QWEN35_ARCHS, Qwen35Config, Qwen35ForCausalLM
 from splitspec.models.weights import load_gguf_raw, progress
 
@@ -184,6 +184,7 @@ def _load_qwen35_state(
         part = "raw" if isinstance(model.lm_head, QuantLinear) else "weight"
         state[f"lm_head.{part}"] = state[f"embed_tokens.{part}"]
     model.load_state_dict(state, assign=True, strict=True)
+    interleave_layers(model)
     model.fuse_projections()
     return model.eval()
 

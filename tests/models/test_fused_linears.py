@@ -80,3 +80,41 @@ def test_hybrid_fused_projections_keep_the_logits():
                 layer.linear_attn._in_proj = layer.linear_attn._in_proj_zba = None
         ids = torch.randint(0, config.vocab_size, (12,), generator=torch.Generator().manual_seed(3))
         torch.testing.assert_close(_prefill_logits(fused, ids, dtype), _prefill_logits(unfused, ids, dtype), rtol=tol, atol=tol)
+
+
+def test_interleaved_blocks_fuse_as_they_are_and_give_the_same_outputs():
+    layers = [_quant_linear(Q.Q4_K, n, 512, seed) for seed, n in enumerate((48, 16, 32))]
+    x = torch.randn(5, 512)
+    apart = torch.cat([m(x) for m in layers], dim=-1)
+    file_bytes = [m.raw.clone() for m in layers]
+    for m, before in zip(layers, file_bytes):
+        m.interleave()
+        assert m.interleaved and m.raw.shape == before.shape and not torch.equal(m.raw, before) and "interleaved" in repr(m)
+    torch.testing.assert_close(torch.cat([m(x) for m in layers], dim=-1), apart, rtol=0, atol=0)
+    fused = fuse_linears(*layers)
+    assert fused is not None and fused.interleaved
+    torch.testing.assert_close(fused(x), apart, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(fused(x, 48), apart[:, 48:], rtol=1e-6, atol=1e-6)  # whole groups of 16 features
+    torch.testing.assert_close(fused(x, 40), apart[:, 40:], rtol=1e-6, atol=1e-6)  # not: all rows, then the slice
+    for m, before in zip(layers, file_bytes):  # each part a view of its groups of the fused blocks, still interleaved
+        torch.testing.assert_close(m(x), torch.nn.functional.linear(x, _dequantized(before, m)), rtol=1e-6, atol=1e-6)
+        m.deinterleave()
+        assert torch.equal(m.raw, before) and not m.interleaved
+
+
+def test_a_part_in_the_files_layout_makes_the_fused_blocks_the_files():
+    layers = [_quant_linear(Q.Q4_K, 32, 512, 0), _quant_linear(Q.Q4_K, 8, 512, 1)]  # 8 rows: no whole group
+    x = torch.randn(3, 512)
+    apart = torch.cat([m(x) for m in layers], dim=-1)
+    file_bytes = layers[0].raw.clone()
+    layers[0].interleave()
+    fused = fuse_linears(*layers)
+    assert fused is not None and not fused.interleaved and not layers[0].interleaved
+    assert torch.equal(fused.weight[:32], file_bytes)
+    torch.testing.assert_close(fused(x), apart, rtol=1e-6, atol=1e-6)
+
+
+def _dequantized(raw: torch.Tensor, m: QuantLinear) -> torch.Tensor:
+    from native.gguf_dequant import dequantize
+
+    return dequantize(raw, m.qtype, (m.out_features, m.in_features))

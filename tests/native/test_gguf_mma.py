@@ -26,6 +26,11 @@ def test_not_usable_off_cuda(qtype):
     assert not gguf_mma.usable(x, raw, qtype)
 
 
+def test_runs_on_no_cpu():
+    # So a CPU load keeps every weight in the file's layout (splitspec.models.quantized.interleave_layers).
+    assert not gguf_mma.runs_on(torch.device("cpu"))
+
+
 @pytest.mark.parametrize("programs", [1, 40, 160, 1088, 7760])
 @pytest.mark.parametrize("super_blocks", [1, 2, 20, 68])
 def test_default_splits(programs, super_blocks):
