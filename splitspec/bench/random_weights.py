@@ -348,7 +348,7 @@ def random_target(
         for name, module in list(model.named_modules()):
             if isinstance(module, QuantLinear):
                 model.set_submodule(name, _dequantized(module, dtype))
-    interleave_layers(model)
+    interleave_layers(model, dtype)
     model.fuse_projections()
     return model.eval(), config
 

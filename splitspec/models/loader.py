@@ -341,7 +341,7 @@ def _load_dense(
         part = "raw" if isinstance(model.lm_head, QuantLinear) else "weight"
         state[f"lm_head.{part}"] = state[f"embed_tokens.{part}"]
     model.load_state_dict(state, assign=True, strict=True)
-    interleave_layers(model)
+    interleave_layers(model, dtype)
     model.fuse_projections()
     return model.eval(), config
 
@@ -470,7 +470,7 @@ def load_dflash_draft(
         else:
             state[name] = read(src, expected[name]).to(device=device, dtype=dtype)
     model.load_state_dict(state, assign=True, strict=True)
-    interleave_layers(model)
+    interleave_layers(model, dtype)
     model.fuse_projections()
     return model.eval(), config
 

@@ -201,14 +201,17 @@ def head_summary(embed: torch.Tensor | nn.Module, head: torch.Tensor | nn.Module
     return ", ".join(parts)
 
 
-def interleave_layers(model: nn.Module) -> int:
+def interleave_layers(model: nn.Module, dtype: torch.dtype) -> int:
     """Hold the Q4_K blocks of ``model.layers``' linears in the layout ``native.gguf_mma``'s Q4_K
-    kernel reads fastest (``native.gguf_matmul.interleave``), where that kernel runs on their
-    device; returns how many changed. Call it before ``fuse_projections`` (a fused weight keeps
+    kernel reads fastest (``native.gguf_matmul.interleave``), where that kernel runs: on their
+    device, for a model computing in ``dtype`` bfloat16 (the kernel's; in other dtypes the Triton
+    kernels would read a de-interleaved copy at every call). Returns how many changed. Call it before ``fuse_projections`` (a fused weight keeps
     its parts' layout). The embedding and the head keep the file's layout: an embedding's rows are
     looked up by token id, and a head may be handed to the draft as it is.
     ``SPLITSPEC_NATIVE_OFF=interleave`` keeps the file's layout (comparisons: ``native.use_triton``)."""
     changed = 0
+    if dtype != torch.bfloat16:
+        return changed
     for module in model.layers.modules():
         if (isinstance(module, QuantLinear) and interleavable(module.raw, module.qtype) and gguf_mma.runs_on(module.raw.device)
                 and not switched_off("interleave")):

@@ -184,7 +184,7 @@ def _load_qwen35_state(
         part = "raw" if isinstance(model.lm_head, QuantLinear) else "weight"
         state[f"lm_head.{part}"] = state[f"embed_tokens.{part}"]
     model.load_state_dict(state, assign=True, strict=True)
-    interleave_layers(model)
+    interleave_layers(model, dtype)
     model.fuse_projections()
     return model.eval()
 

@@ -157,12 +157,12 @@ def test_dense_target_keeps_its_embedding_in_blocks(tmp_path, quant, tie):
         assert torch.equal(packed.lm_head(ours), dense.lm_head(reference))  # same weights, same order: the same bits
 
 
-def _interleaved_load(path, monkeypatch, **kwargs):
-    """``load_target(path, keep_quantized=True)`` as on a GPU where gguf_mma's Q4_K kernel runs (the
-    loaders then interleave each layer's Q4_K blocks: ``quantized.interleave_layers``)."""
+def _interleaved_load(path, monkeypatch):
+    """``load_target(path, dtype=bfloat16, keep_quantized=True)`` as on a GPU where gguf_mma's Q4_K
+    kernel runs (the loaders then interleave each layer's Q4_K blocks: ``quantized.interleave_layers``)."""
     with monkeypatch.context() as patched:
         patched.setattr(gguf_mma, "runs_on", lambda device: True)
-        model, _ = load_target(path, keep_quantized=True, **kwargs)
+        model, _ = load_target(path, dtype=torch.bfloat16, keep_quantized=True)
     layouts = {name: m.interleaved for name, m in model.named_modules() if isinstance(m, QuantLinear)}
     assert any(layouts.values())
     assert all(m.interleaved == (m.qtype == Q.Q4_K and m.out_features % 16 == 0)
@@ -172,17 +172,17 @@ def _interleaved_load(path, monkeypatch, **kwargs):
 
 
 def test_interleaved_hybrid_gives_the_file_layouts_logits_bit_for_bit(files, monkeypatch):
-    packed, config = load_target(files["target"], keep_quantized=True)
+    packed, config = load_target(files["target"], dtype=torch.bfloat16, keep_quantized=True)
     interleaved = _interleaved_load(files["target"], monkeypatch)
     fused = [f for m in interleaved.modules() for f in vars(m).values() if isinstance(f, FusedLinear) and f.interleaved]
     assert fused  # fused projections keep their parts' layout
     ids = torch.randint(0, config.vocab_size, (72,), generator=torch.Generator().manual_seed(8))
-    assert torch.equal(_logits(interleaved, ids, torch.float32, 68), _logits(packed, ids, torch.float32, 68))
+    assert torch.equal(_logits(interleaved, ids, torch.bfloat16, 68), _logits(packed, ids, torch.bfloat16, 68))
 
 
 def test_interleaved_dense_gives_the_file_layouts_logits_bit_for_bit(tmp_path, monkeypatch):
     path = write_gguf(hf_model("qwen3", seed=5, layers=1), tmp_path / "dense.gguf", "q4_k_m")
-    packed, _ = load_target(path, keep_quantized=True)
+    packed, _ = load_target(path, dtype=torch.bfloat16, keep_quantized=True)
     interleaved = _interleaved_load(path, monkeypatch)
     tokens = torch.tensor([[5, 9, 200, 31, 7]])
     with torch.inference_mode():
@@ -190,12 +190,15 @@ def test_interleaved_dense_gives_the_file_layouts_logits_bit_for_bit(tmp_path, m
 
 
 def test_nothing_is_interleaved_where_the_kernel_does_not_run_or_the_switch_says_so(files, monkeypatch):
-    packed, _ = load_target(files["target"], keep_quantized=True)  # the CPU
-    assert not any(m.interleaved for m in packed.modules() if isinstance(m, QuantLinear))
+    def interleaved(**kwargs) -> bool:
+        model, _ = load_target(files["target"], keep_quantized=True, **kwargs)
+        return any(m.interleaved for m in model.modules() if isinstance(m, QuantLinear))
+
+    assert not interleaved(dtype=torch.bfloat16)  # the CPU
     monkeypatch.setattr(gguf_mma, "runs_on", lambda device: True)
+    assert not interleaved(dtype=torch.float32)  # not the kernel's dtype: the Triton kernels would de-interleave each call
     monkeypatch.setenv("SPLITSPEC_NATIVE_OFF", "interleave")
-    switched, _ = load_target(files["target"], keep_quantized=True)
-    assert not any(m.interleaved for m in switched.modules() if isinstance(m, QuantLinear))
+    assert not interleaved(dtype=torch.bfloat16)
 
 
 def test_draft_head_and_embedding_in_blocks_equal_the_dequantized_ones(files):
