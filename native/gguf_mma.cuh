@@ -190,10 +190,11 @@ __device__ __forceinline__ void add_splits(const float* __restrict__ partial, __
 }
 
 // The A-operand kernels' main loop over super-blocks [begin, end) of a lane's two features (`rows`:
-// each feature's first byte, its super-blocks kStride bytes apart): two super-blocks in hand, the next one's bytes in flight while one
-// is computed by compute(blocks, sb). Block::load(bytes, c) only issues the loads; x is read only
-// after wait_for_x(), so the first loads overlap x's preparation. (This loop form ran up to 24%
-// faster on an H200 than an even/odd pair of steps written out; three stages ran 4-41% slower.)
+// each feature's first byte, its super-blocks kStride bytes apart): two super-blocks in hand, the
+// next one's bytes in flight while one is computed by compute(blocks, sb). Block::load(bytes, c)
+// only issues the loads; x is read only after wait_for_x(), so the first loads overlap x's
+// preparation. (This loop form ran up to 24% faster on an H200 than an even/odd pair of steps
+// written out; three stages ran 4-41% slower.)
 template <typename Block, int kStride = Block::kBytes, typename Compute>
 __device__ __forceinline__ void over_super_blocks(const uint8_t* const (&rows)[2], int c, int begin, int end,
                                                   Compute&& compute) {

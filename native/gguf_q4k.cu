@@ -222,10 +222,16 @@ __global__ void __launch_bounds__(kWarps * 32, NB == 1 ? 1 : 3) q4k_kernel(
   const int split = blockIdx.y;
   const int sb_begin = static_cast<int>(static_cast<int64_t>(super_blocks) * split / splits);
   const int sb_end = static_cast<int>(static_cast<int64_t>(super_blocks) * (split + 1) / splits);
-  // This lane's two features (a feature past N re-reads the last: its sums are not stored).
-  const uint8_t* tile = w + static_cast<int64_t>(min(n0, N - 16) / 16) * 16 * row_bytes;  // kInterleaved: N % 16 == 0
-  const uint8_t* rows[2] = {kInterleaved ? tile + 144 * g : w + static_cast<int64_t>(min(n0 + g, N - 1)) * row_bytes,
-                            kInterleaved ? tile + 144 * (8 + g) : w + static_cast<int64_t>(min(n0 + 8 + g, N - 1)) * row_bytes};
+  // This lane's two features' first bytes (a warp past N re-reads the last features: its sums are not stored).
+  const uint8_t* rows[2];
+  if constexpr (kInterleaved) {  // N % 16 == 0: the warp's 16 features, 144 bytes apart in each super-block
+    const uint8_t* tile = w + static_cast<int64_t>(min(n0, N - 16) / 16) * 16 * row_bytes;
+    rows[0] = tile + 144 * g;
+    rows[1] = tile + 144 * (8 + g);
+  } else {
+    rows[0] = w + static_cast<int64_t>(min(n0 + g, N - 1)) * row_bytes;
+    rows[1] = w + static_cast<int64_t>(min(n0 + 8 + g, N - 1)) * row_bytes;
+  }
 
   float acc[NB][4];
 #pragma unroll
