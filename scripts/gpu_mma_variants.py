@@ -10,7 +10,9 @@ in shared memory from three n-tiles (``xldg``), or staged from one or two n-tile
 time at one n-tile too, as before [K2] (``q6words``; the words lost 2-28% not allocated in L1 [K1],
 and with a 256-byte L2 hint [V1]), or as 8-byte pairs up to two n-tiles (``q6pairs2``); Q4_K's
 weights interleaved so that a warp's 16 features of one super-block are 2,304 contiguous bytes
-(``interleaved``, the serving layout since [V4]; the file's puts them 144 x super-blocks apart); the
+(``interleaved``, the serving layout since [V4]; the file's puts them 144 x super-blocks apart),
+Q6_K's likewise (``q6interleaved``, a probe: 3,360 bytes a step, each block then as 4-byte aligned
+as the first); the
 super-block two ahead prefetched into L2 with ``cp.async.bulk.prefetch`` (``pf2``); the k steps' two
 mma chains accumulated apart (``chains2``: the sums' order changes, so its outputs differ from the
 others' in the last bits); one n-tile capped at four blocks a multiprocessor (``mb4``: 121
@@ -58,8 +60,9 @@ VARIANTS = {
     "q6words": {"Q6K_PAIRS_MAX_NB": 0},  # Q6_K's runs loaded a word at a time at one n-tile too (before [K2])
     "q6pairs2": {"Q6K_PAIRS_MAX_NB": 2},  # Q6_K's runs loaded as 8-byte pairs up to two n-tiles
     "interleaved": {},  # the current kernels on Q4_K blocks in ``gguf_matmul.interleave``'s layout
+    "q6interleaved": {"PROBE_Q6_INTERLEAVED": 1},  # Q6_K's blocks interleaved the same way (16 x 210 bytes a step)
 }
-INTERLEAVED = {"interleaved"}  # variants that take Q4_K weights interleaved (the others: the file's layout)
+INTERLEAVED = {"interleaved": "Q4_K", "q6interleaved": "Q6_K"}  # variants timed on one type's blocks interleaved only
 
 BIND = r"""
 #include <torch/extension.h>
@@ -100,6 +103,9 @@ def patch() -> None:
 #endif
 #ifndef PROBE_Q6_MB1
 #define PROBE_Q6_MB1 3
+#endif
+#ifndef PROBE_Q6_INTERLEAVED
+#define PROBE_Q6_INTERLEAVED 0
 #endif
 namespace mma_common {""")
     start = h.index("__device__ __forceinline__ uint4 load16(")
@@ -161,6 +167,16 @@ __device__ __forceinline__ void bulk_prefetch(const uint8_t* p, int bytes) {
   for (int nb = 0; nb < NB; ++nb) {
     const float2 sx =""")
     q6 = sub(q6, "NB == 4 ? 2 : 3", "NB == 1 ? PROBE_Q6_MB1 : NB == 4 ? PROBE_Q6_MB4 : 3")
+    q6 = sub(q6, "  const uint8_t* rows[2] = {w + static_cast<int64_t>(min(n0 + g, N - 1)) * row_bytes,",
+             """#if PROBE_Q6_INTERLEAVED
+  const uint8_t* tile = w + static_cast<int64_t>(min(n0, N - 16) / 16) * 16 * row_bytes;
+  const uint8_t* rows[2] = {tile + 210 * g, tile + 210 * (8 + g)};
+#else
+  const uint8_t* rows[2] = {w + static_cast<int64_t>(min(n0 + g, N - 1)) * row_bytes,""")
+    q6 = sub(q6, "                            w + static_cast<int64_t>(min(n0 + 8 + g, N - 1)) * row_bytes};\n\n  float acc",
+             "                            w + static_cast<int64_t>(min(n0 + 8 + g, N - 1)) * row_bytes};\n#endif\n\n  float acc")
+    q6 = sub(q6, "over_super_blocks<Q6K<NB>>(", "over_super_blocks<Q6K<NB>, PROBE_Q6_INTERLEAVED ? 16 * 210 : 210>(")
+    q6 = sub(q6, "static_cast<int64_t>(sb) * Q6KCommon::kBytes);", "static_cast<int64_t>(sb) * (PROBE_Q6_INTERLEAVED ? 16 * 210 : 210));")
     (SRC / "gguf_q6k.cu").write_text(q6)
     (SRC / "bind.cpp").write_text(BIND)
 
@@ -171,6 +187,13 @@ def extension(name: str):
 
     return load(name=f"mma_variant_{name}", sources=[str(SRC / f) for f in ("gguf_q4k.cu", "gguf_q6k.cu", "bind.cpp")],
                 extra_cuda_cflags=["-O3"] + [f"-D{k}={v}" for k, v in VARIANTS[name].items()], verbose=False)
+
+
+def interleave_blocks(raw: torch.Tensor, block_bytes: int) -> torch.Tensor:
+    """Blocks [N, row_bytes] with each 16 features' super-blocks side by side: ``native.gguf_matmul.interleave``
+    (Q4_K's 144 bytes) for any block size."""
+    n = raw.shape[0]
+    return raw.view(n // 16, 16, -1, block_bytes).transpose(1, 2).contiguous().view(n, -1)
 
 
 def build(name: str):
@@ -205,6 +228,7 @@ def build_all(names: list[str]) -> list[str]:
 
 def time_shape(exts, names, qtype, shape, counters, sms, results) -> None:
     """Every variant on one layer shape at 1, 8, 23 and 32 rows (the current kernels at 1-8 splits too)."""
+    from gguf import GGML_QUANT_SIZES
     from gguf import GGMLQuantizationType as Q
     from gpu_quant_libraries import SHAPES, random_blocks, timed
 
@@ -218,18 +242,16 @@ def time_shape(exts, names, qtype, shape, counters, sms, results) -> None:
     read_us = timed(lambda: torch.amax(next_ints()), reps=20)
     print(f"\n{qtype.name} {shape} N={n} K={k} {mb:.1f} MB, default splits {default}; amax read {read_us:.1f} us "
           f"({mb / read_us:.2f} TB/s)", flush=True)
-    from native.gguf_matmul import interleave
-
-    interleaved = [interleave(c) for c in copies] if qtype == Q.Q4_K and INTERLEAVED & set(names) else []
+    wanted = [name for name in names if INTERLEAVED.get(name, qtype.name) == qtype.name]
+    block_bytes = GGML_QUANT_SIZES[qtype][1]
+    interleaved = [interleave_blocks(c, block_bytes) for c in copies] if set(INTERLEAVED) & set(wanted) else []
     for m in (1, 8, 16, 23, 32):
         x = torch.randn(m, k, device=dev).to(torch.bfloat16)
         base_out = {}
-        for name in names:
-            if name in INTERLEAVED and not interleaved:
-                continue
+        for name in wanted:
             weights = interleaved if name in INTERLEAVED else copies
             kernel = getattr(exts[name], "q4k_mma" if qtype == Q.Q4_K else "q6k_mma")
-            fn = functools.partial(kernel, interleaved=True) if name in INTERLEAVED else kernel
+            fn = functools.partial(kernel, interleaved=True) if name in INTERLEAVED and qtype == Q.Q4_K else kernel
             for splits in sorted({1, 2, 3, 4, 6, 8, default}) if name == "base" else (default,):
                 out = torch.empty(m, n, dtype=torch.bfloat16, device=dev)
                 partial = torch.empty(splits, min(m, 32), n, dtype=torch.float32, device=dev)
