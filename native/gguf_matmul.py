@@ -29,13 +29,14 @@ dequantized model in that dtype holds it; the GEMV kernel multiplies the float32
 to the exact product; both stay within x's dtype rounding of the reference). The output has x's
 dtype.
 
-**Interleaved Q4_K.** On a GPU where ``gguf_mma`` runs, the loaders lay each decoder layer's Q4_K
-weight out by ``interleave`` (``splitspec.models.quantized.interleave_layers``): the 16 features a
-warp of its Q4_K kernel computes have their super-blocks side by side, so each step of the warp
-reads 2,304 contiguous bytes instead of 16 runs 144 bytes long and a row apart. The same kernel
-ran 1.19-1.24x faster at one row on the 27B and 8B layer shapes, bit for bit the same output
-(BENCHMARKS.md [V4]). ``gguf_mma`` and ``gguf_expand`` read the layout in place; the Triton kernels
-and the reference read a de-interleaved copy (``deinterleave``), paths a GPU in bf16 does not take.
+**Interleaved Q4_K.** On a GPU where ``gguf_mma`` runs, the loaders of a model computing in bf16
+lay each decoder layer's Q4_K weight out by ``interleave`` (``splitspec.models.quantized.
+interleave_layers``): the 16 features a warp of its Q4_K kernel computes have their super-blocks
+side by side, so each step of the warp reads 2,304 contiguous bytes instead of 16 runs 144 bytes
+long and a row apart. The same kernel ran 1.19-1.24x faster at one row on the 27B and 8B layer
+shapes, bit for bit the same output (BENCHMARKS.md [V4]). ``gguf_mma`` and ``gguf_expand`` read
+the layout in place; the Triton kernels and the reference read a de-interleaved copy
+(``deinterleave``), paths a GPU in bf16 does not take.
 
 ``gguf_matmul_reference`` is the plain-torch definition the kernels are tested against, and
 ``QuantLinear`` is the ``nn.Linear`` stand-in the loader builds (``load_target(keep_quantized=True)``).
