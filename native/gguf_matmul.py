@@ -30,8 +30,8 @@ to the exact product; both stay within x's dtype rounding of the reference). The
 dtype.
 
 **Interleaved Q4_K.** On a GPU where ``gguf_mma`` runs, the loaders of a model computing in bf16
-lay each decoder layer's Q4_K weight out by ``interleave`` (``splitspec.models.quantized.
-interleave_layers``): the 16 features a warp of its Q4_K kernel computes have their super-blocks
+lay each decoder layer's Q4_K weight out by ``interleave`` (their ``interleave_layers``, in
+``splitspec.models.quantized``): the 16 features a warp of its Q4_K kernel computes have their super-blocks
 side by side, so each step of the warp reads 2,304 contiguous bytes instead of 16 runs 144 bytes
 long and a row apart. The same kernel ran 1.19-1.24x faster at one row on the 27B and 8B layer
 shapes, bit for bit the same output (BENCHMARKS.md [V4]). ``gguf_mma`` and ``gguf_expand`` read
