@@ -82,13 +82,14 @@ def interleavable(raw: torch.Tensor, qtype: Q) -> bool:
     return qtype == Q.Q4_K and raw.dim() == 2 and raw.shape[0] % INTERLEAVE == 0
 
 
-def interleave(raw: torch.Tensor) -> torch.Tensor:
+def interleave(raw: torch.Tensor, block_bytes: int = Q4_K_BLOCK_BYTES) -> torch.Tensor:
     """Q4_K blocks [N, row_bytes] in the file's layout (row n: feature n's super-blocks) -> a new
     tensor of the same shape holding them as [N / 16, super-blocks, 16, 144]: super-block s of
     features 16 t .. 16 t + 15 side by side. Rows [16 a, 16 b) of it still hold exactly the
-    features [16 a, 16 b), so a fused weight's parts stay views of it (``layers.fuse_linears``)."""
+    features [16 a, 16 b), so a fused weight's parts stay views of it (``layers.fuse_linears``).
+    ``block_bytes``: another type's blocks the same way (benchmark probes)."""
     n = raw.shape[0]
-    return raw.view(n // INTERLEAVE, INTERLEAVE, -1, Q4_K_BLOCK_BYTES).transpose(1, 2).contiguous().view(n, -1)
+    return raw.view(n // INTERLEAVE, INTERLEAVE, -1, block_bytes).transpose(1, 2).contiguous().view(n, -1)
 
 
 def deinterleave(raw: torch.Tensor) -> torch.Tensor:

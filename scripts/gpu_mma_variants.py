@@ -94,7 +94,6 @@ def patch() -> None:
 #ifndef PROBE_CHAINS2
 #define PROBE_CHAINS2 0
 #endif
-
 #ifndef PROBE_MB1
 #define PROBE_MB1 1
 #endif
@@ -189,13 +188,6 @@ def extension(name: str):
                 extra_cuda_cflags=["-O3"] + [f"-D{k}={v}" for k, v in VARIANTS[name].items()], verbose=False)
 
 
-def interleave_blocks(raw: torch.Tensor, block_bytes: int) -> torch.Tensor:
-    """Blocks [N, row_bytes] with each 16 features' super-blocks side by side: ``native.gguf_matmul.interleave``
-    (Q4_K's 144 bytes) for any block size."""
-    n = raw.shape[0]
-    return raw.view(n // 16, 16, -1, block_bytes).transpose(1, 2).contiguous().view(n, -1)
-
-
 def build(name: str):
     t0 = time.time()
     try:
@@ -232,6 +224,8 @@ def time_shape(exts, names, qtype, shape, counters, sms, results) -> None:
     from gguf import GGMLQuantizationType as Q
     from gpu_quant_libraries import SHAPES, random_blocks, timed
 
+    from native.gguf_matmul import interleave
+
     dev = counters.device
     n, k = SHAPES[shape]
     first = random_blocks(qtype, n, k, dev)
@@ -244,7 +238,7 @@ def time_shape(exts, names, qtype, shape, counters, sms, results) -> None:
           f"({mb / read_us:.2f} TB/s)", flush=True)
     wanted = [name for name in names if INTERLEAVED.get(name, qtype.name) == qtype.name]
     block_bytes = GGML_QUANT_SIZES[qtype][1]
-    interleaved = [interleave_blocks(c, block_bytes) for c in copies] if set(INTERLEAVED) & set(wanted) else []
+    interleaved = [interleave(c, block_bytes) for c in copies] if set(INTERLEAVED) & set(wanted) else []
     for m in (1, 8, 16, 23, 32):
         x = torch.randn(m, k, device=dev).to(torch.bfloat16)
         base_out = {}

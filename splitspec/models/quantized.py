@@ -205,16 +205,18 @@ def interleave_layers(model: nn.Module, dtype: torch.dtype) -> int:
     """Hold the Q4_K blocks of ``model.layers``' linears in the layout ``native.gguf_mma``'s Q4_K
     kernel reads fastest (``native.gguf_matmul.interleave``), where that kernel runs: on their
     device, for a model computing in ``dtype`` bfloat16 (the kernel's; in other dtypes the Triton
-    kernels would read a de-interleaved copy at every call). Returns how many changed. Call it before ``fuse_projections`` (a fused weight keeps
-    its parts' layout). The embedding and the head keep the file's layout: an embedding's rows are
-    looked up by token id, and a head may be handed to the draft as it is.
-    ``SPLITSPEC_NATIVE_OFF=interleave`` keeps the file's layout (comparisons: ``native.use_triton``)."""
+    kernels would read a de-interleaved copy at every call). Returns how many changed. Call it
+    before ``fuse_projections`` (a fused weight keeps its parts' layout). The embedding and the
+    head keep the file's layout: an embedding's rows are looked up by token id, and a head may be
+    handed to the draft as it is. ``SPLITSPEC_NATIVE_OFF=interleave`` keeps the file's layout
+    (comparisons: ``native.switched_off``)."""
+    if dtype != torch.bfloat16 or switched_off("interleave"):
+        return 0
+    linears = [m for m in model.layers.modules() if isinstance(m, QuantLinear) and interleavable(m.raw, m.qtype)]
+    runs = {device: gguf_mma.runs_on(device) for device in {m.raw.device for m in linears}}  # once a device: it may build the extension
     changed = 0
-    if dtype != torch.bfloat16:
-        return changed
-    for module in model.layers.modules():
-        if (isinstance(module, QuantLinear) and interleavable(module.raw, module.qtype) and gguf_mma.runs_on(module.raw.device)
-                and not switched_off("interleave")):
+    for module in linears:
+        if runs[module.raw.device]:
             module.interleave()
             changed += 1
     if changed:
