@@ -12,8 +12,11 @@ and with a 256-byte L2 hint [V1]), or as 8-byte pairs up to two n-tiles (``q6pai
 weights interleaved so that a warp's 16 features of one super-block are 2,304 contiguous bytes
 (``interleaved``, the serving layout since [V4]; the file's puts them 144 x super-blocks apart),
 Q6_K's likewise (``q6interleaved``, a probe: 3,360 bytes a step, each block then as 4-byte aligned
-as the first); the
-super-block two ahead prefetched into L2 with ``cp.async.bulk.prefetch`` (``pf2``); the k steps' two
+as the first); Q4_K interleaved with each warp's super-blocks copied ahead by ``cp.async`` into a
+ring of shared memory, 4 or 8 slots (3 or 4 from three n-tiles, beside x's stages) in place of
+the two super-blocks in registers (``q4smem4``, ``q4smem8``: more bytes in flight a multiprocessor
+and fewer registers, 122 at one n-tile against 140, for the latency that longer super-blocks of
+many rows leave exposed); the super-block two ahead prefetched into L2 with ``cp.async.bulk.prefetch`` (``pf2``); the k steps' two
 mma chains accumulated apart (``chains2``: the sums' order changes, so its outputs differ from the
 others' in the last bits); one n-tile capped at four blocks a multiprocessor (``mb4``: 121
 registers); Q6_K's four n-tiles at three blocks (``q6nb4mb3``: spills; the kernels before [V1]). The
@@ -61,8 +64,13 @@ VARIANTS = {
     "q6pairs2": {"Q6K_PAIRS_MAX_NB": 2},  # Q6_K's runs loaded as 8-byte pairs up to two n-tiles
     "interleaved": {},  # the current kernels on Q4_K blocks in ``gguf_matmul.interleave``'s layout
     "q6interleaved": {"PROBE_Q6_INTERLEAVED": 1},  # Q6_K's blocks interleaved the same way (16 x 210 bytes a step)
+    # Q4_K interleaved, each warp's 2,304-byte super-blocks copied ahead into a ring of shared memory
+    # (cp.async) instead of registers: stages below three n-tiles / from three on
+    "q4smem4": {"PROBE_Q4_SMEM": 4, "PROBE_Q4_SMEM_X": 3},
+    "q4smem8": {"PROBE_Q4_SMEM": 8, "PROBE_Q4_SMEM_X": 4},
 }
-INTERLEAVED = {"interleaved": "Q4_K", "q6interleaved": "Q6_K"}  # variants timed on one type's blocks interleaved only
+# variants timed on one type's blocks interleaved only
+INTERLEAVED = {"interleaved": "Q4_K", "q6interleaved": "Q6_K", "q4smem4": "Q4_K", "q4smem8": "Q4_K"}
 
 BIND = r"""
 #include <torch/extension.h>
@@ -80,6 +88,64 @@ def sub(text: str, old: str, new: str) -> str:
     """``text`` with its one ``old`` replaced (a source that no longer holds it exactly once fails here)."""
     assert text.count(old) == 1, old
     return text.replace(old, new)
+
+
+PROBE_Q4_SMEM_LOOP = r"""
+#ifndef PROBE_Q4_SMEM
+#define PROBE_Q4_SMEM 0
+#endif
+#ifndef PROBE_Q4_SMEM_X
+#define PROBE_Q4_SMEM_X 3
+#endif
+template <int NB>
+__host__ __device__ constexpr int probe_stages() { return NB >= X_STAGED_MIN_NB ? PROBE_Q4_SMEM_X : PROBE_Q4_SMEM; }
+
+// The loop over super-blocks: interleaved blocks with PROBE_Q4_SMEM, each warp's 16 features'
+// super-block (2,304 contiguous bytes) copied into a ring of probe_stages<NB>() slots in shared
+// memory (after x's stages), S - 1 super-blocks ahead, the lanes loading their blocks from there;
+// otherwise mma_common::over_super_blocks (two super-blocks in registers).
+template <int NB, bool kInterleaved, typename Compute>
+__device__ __forceinline__ void probe_over(const uint8_t* const (&rows)[2], uint4* shared, int x_units, int lane, int warp,
+                                           int g, int c, int begin, int end, Compute&& compute) {
+  if constexpr (kInterleaved && PROBE_Q4_SMEM > 0) {
+    constexpr int S = probe_stages<NB>();
+    constexpr int kChunk = 16 * Q4K::kBytes;
+    uint8_t* ring = reinterpret_cast<uint8_t*>(shared + x_units) + warp * S * kChunk;
+    const uint8_t* tile = rows[0] - Q4K::kBytes * g;
+    const auto fetch = [&](int sb) {
+      const uint8_t* src = tile + static_cast<int64_t>(sb) * kChunk;
+      uint8_t* dst = ring + (sb % S) * kChunk;
+      for (int i = lane; i < kChunk / 16; i += 32) {
+        const uint32_t to = static_cast<uint32_t>(__cvta_generic_to_shared(dst + 16 * i));
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(to), "l"(src + 16 * i) : "memory");
+      }
+    };
+#pragma unroll
+    for (int st = 0; st + 1 < S; ++st) {
+      if (begin + st < end) fetch(begin + st);
+      asm volatile("cp.async.commit_group;" ::: "memory");
+    }
+    mma_common::wait_for_x();
+    for (int sb = begin; sb < end; ++sb) {
+      // Super-block sb's group is complete when at most S - 2 later ones are pending; the
+      // warp's barrier makes every lane's copies visible and ends every lane's reads of slot
+      // (sb - 1) % S, which the fetch below overwrites.
+      asm volatile("cp.async.wait_group %0;" ::"n"(S - 2) : "memory");
+      __syncwarp();
+      const uint8_t* stage = ring + (sb % S) * kChunk;
+      Q4K blocks[2];
+      blocks[0].load_shared(stage + Q4K::kBytes * g, c);
+      blocks[1].load_shared(stage + Q4K::kBytes * (8 + g), c);
+      if (sb + S - 1 < end) fetch(sb + S - 1);
+      asm volatile("cp.async.commit_group;" ::: "memory");
+      compute(blocks, sb);
+    }
+  } else {
+    mma_common::over_super_blocks<Q4K, kInterleaved ? 16 * Q4K::kBytes : Q4K::kBytes>(rows, c, begin, end, compute);
+  }
+}
+
+"""
 
 
 def patch() -> None:
@@ -149,6 +215,25 @@ __device__ __forceinline__ void bulk_prefetch(const uint8_t* p, int bytes) {
       for (int e = 0; e < 4; ++e) part[nb][e] += part2[nb][e];
   const uint32_t m[4] = {f[0].mins""")
     q4 = sub(q4, "NB == 1 ? 1 : 3", "NB == 1 ? PROBE_MB1 : 3")
+    q4 = sub(q4, "  __device__ __forceinline__ void load(const uint8_t* block, int c) {", """  __device__ __forceinline__ void load_shared(const uint8_t* block, int c) {
+    head = *reinterpret_cast<const uint4*>(block);
+    q0 = *reinterpret_cast<const uint4*>(block + 16 + 16 * c);
+    q1 = *reinterpret_cast<const uint4*>(block + 80 + 16 * c);
+  }
+  __device__ __forceinline__ void load(const uint8_t* block, int c) {""")
+    q4 = sub(q4, "// One program: kWarps warps", PROBE_Q4_SMEM_LOOP + "// One program: kWarps warps")
+    q4 = sub(q4, "mma_common::over_super_blocks<Q4K, kInterleaved ? 16 * Q4K::kBytes : Q4K::kBytes>(rows, c, sb_begin, sb_end, ",
+             "probe_over<NB, kInterleaved>(rows, x_shared, NB >= X_STAGED_MIN_NB ? 2 * x_stage_units(kRowsPadded) : 0, lane, warp, g, c, "
+             "sb_begin, sb_end, ")
+    q4 = sub(q4, "  const size_t shared_bytes = NB >= X_STAGED_MIN_NB ? 2 * sizeof(uint4) * x_stage_units(rows_padded) : 0;",
+             """  const size_t shared_bytes = (NB >= X_STAGED_MIN_NB ? 2 * sizeof(uint4) * x_stage_units(rows_padded) : 0) +
+      (kInterleaved && PROBE_Q4_SMEM ? size_t(kWarps) * probe_stages<NB>() * 16 * Q4K::kBytes : 0);
+  static const bool sized = [&] {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(q4k_kernel<NB, kInterleaved>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(shared_bytes)));
+    return true;
+  }();
+  (void)sized;""")
     (SRC / "gguf_q4k.cu").write_text(q4)
 
     q6 = (ROOT / "native/gguf_q6k.cu").read_text()
