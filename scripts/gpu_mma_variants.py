@@ -15,8 +15,8 @@ Q6_K's likewise (``q6interleaved``, a probe: 3,360 bytes a step, each block then
 as the first); Q4_K interleaved with each warp's super-blocks copied ahead by ``cp.async`` into a
 ring of shared memory, 4 or 8 slots (3 or 4 from three n-tiles, beside x's stages) in place of
 the two super-blocks in registers (``q4smem4``, ``q4smem8``: more bytes in flight a multiprocessor
-and fewer registers, 122 at one n-tile against 140, for the latency that longer super-blocks of
-many rows leave exposed); the super-block two ahead prefetched into L2 with ``cp.async.bulk.prefetch`` (``pf2``); the k steps' two
+and fewer registers, 122 at one n-tile against 140; 0.71-0.95x of ``interleaved`` at 1-32 rows,
+BENCHMARKS.md [V5]); the super-block two ahead prefetched into L2 with ``cp.async.bulk.prefetch`` (``pf2``); the k steps' two
 mma chains accumulated apart (``chains2``: the sums' order changes, so its outputs differ from the
 others' in the last bits); one n-tile capped at four blocks a multiprocessor (``mb4``: 121
 registers); Q6_K's four n-tiles at three blocks (``q6nb4mb3``: spills; the kernels before [V1]). The
@@ -63,7 +63,7 @@ VARIANTS = {
     "q6words": {"Q6K_PAIRS_MAX_NB": 0},  # Q6_K's runs loaded a word at a time at one n-tile too (before [K2])
     "q6pairs2": {"Q6K_PAIRS_MAX_NB": 2},  # Q6_K's runs loaded as 8-byte pairs up to two n-tiles
     "interleaved": {},  # the current kernels on Q4_K blocks in ``gguf_matmul.interleave``'s layout
-    "q6interleaved": {"PROBE_Q6_INTERLEAVED": 1},  # Q6_K's blocks interleaved the same way (16 x 210 bytes a step)
+    "q6interleaved": {"PROBE_Q6_INTERLEAVED": 1},  # Q6_K's blocks interleaved the same way (16 x 210 bytes a step; [V5] 1.04-1.09x at one row)
     # Q4_K interleaved, each warp's 2,304-byte super-blocks copied ahead into a ring of shared memory
     # (cp.async) instead of registers: stages below three n-tiles / from three on
     "q4smem4": {"PROBE_Q4_SMEM": 4, "PROBE_Q4_SMEM_X": 3},
