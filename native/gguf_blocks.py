@@ -65,6 +65,17 @@ if triton is not None:
         return tl.reshape(exact_f32(q ^ 128, 128.0) * d[:, :, None], (BLOCK_N, CHUNK))  # q ^ 128: int8 + 128
 
     @triton.jit
+    def super_block(rows, row_nbytes, k0, BLOCK_BYTES: tl.constexpr, INTERLEAVED: tl.constexpr):
+        """Byte offset [BLOCK_N] of the super-block (``BLOCK_BYTES``) holding value k0 of ``rows``
+        [BLOCK_N]: row by row as in the file, or ``INTERLEAVED`` as ``native.gguf_matmul.interleave``
+        lays it out (16 features' super-blocks side by side)."""
+        if INTERLEAVED:
+            base = (rows // 16) * (16 * row_nbytes) + (k0 // 256) * (16 * BLOCK_BYTES) + (rows % 16) * BLOCK_BYTES
+        else:
+            base = rows * row_nbytes + (k0 // 256) * BLOCK_BYTES
+        return base
+
+    @triton.jit
     def q4_k_scale_min(w_ptr, block_byte, s):
         """Sub-block ``s`` [G] of the Q4_K super-blocks at ``block_byte`` [BLOCK_N, G] -> its 6-bit
         (scale, min) as int32 [BLOCK_N, G]: bytes 4 .. 15 hold scale s and min s in the low 6 bits of
@@ -84,14 +95,10 @@ if triton is not None:
         """Values k0 .. k0 + CHUNK (inside one super-block) -> f32 [BLOCK_N, CHUNK]. A super-block
         is f16 d, f16 dmin, 12 bytes of eight 6-bit scales and mins, then 128 bytes where 32-byte
         group j holds sub-block 2j in its low nibbles and 2j + 1 in its high nibbles;
-        value = d * scale[s] * q - dmin * min[s]. ``INTERLEAVED``: the weight is laid out by
-        ``native.gguf_matmul.interleave`` (16 features' super-blocks side by side)."""
+        value = d * scale[s] * q - dmin * min[s]. ``INTERLEAVED``: see ``super_block``."""
         G: tl.constexpr = CHUNK // 32
         s = (k0 % 256) // 32 + tl.arange(0, G)  # [G] sub-blocks of this chunk
-        if INTERLEAVED:
-            base = (rows // 16) * (16 * row_nbytes) + (k0 // 256) * (16 * 144) + (rows % 16) * 144  # [BLOCK_N]
-        else:
-            base = rows * row_nbytes + (k0 // 256) * 144  # [BLOCK_N]
+        base = super_block(rows, row_nbytes, k0, 144, INTERLEAVED)  # [BLOCK_N]
         scale, minimum = q4_k_scale_min(w_ptr, base[:, None], s)
         d = f16(w_ptr, base)[:, None] * scale.to(tl.float32)  # [BLOCK_N, G]
         dmin = f16(w_ptr, base + 2)[:, None] * minimum.to(tl.float32)
@@ -144,17 +151,17 @@ if triton is not None:
         return tl.reshape(dl[:, :, None] * tl.load(levels_ptr + index), (BLOCK_N, CHUNK))
 
     @triton.jit
-    def q6_k_chunk(w_ptr, rows, row_nbytes, k0, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
+    def q6_k_chunk(w_ptr, rows, row_nbytes, k0, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, INTERLEAVED: tl.constexpr):
         """Values k0 .. k0 + CHUNK (inside one super-block) -> f32 [BLOCK_N, CHUNK]. A super-block
         is 128 bytes of low 4 bits, 64 of high 2 bits, sixteen int8 scales, f16 d. Value
         v = 128 h + 32 r + l (h < 2, r < 4, l < 32) has its low bits in nibble r // 2 of byte
         64 h + 32 (r % 2) + l, its high bits at bit 2 r of byte 128 + 32 h + l, and scale v // 16;
-        value = d * scale * (q - 32)."""
+        value = d * scale * (q - 32). ``INTERLEAVED``: see ``super_block``."""
         G: tl.constexpr = CHUNK // 32
         g = (k0 % 256) // 32 + tl.arange(0, G)  # [G] groups of 32 values: g = 4 h + r
         h, r = g // 4, g % 4
         lane = tl.arange(0, 32)[None, :]
-        base = rows * row_nbytes + (k0 // 256) * 210  # [BLOCK_N]
+        base = super_block(rows, row_nbytes, k0, 210, INTERLEAVED)  # [BLOCK_N]
         low_at = (64 * h + 32 * (r % 2))[:, None] + lane  # [G, 32]
         high_at = 128 + (32 * h)[:, None] + lane
         low = (tl.load(w_ptr + base[:, None, None] + low_at[None]).to(tl.int32) >> (4 * (r // 2))[None, :, None]) & 15
@@ -171,14 +178,14 @@ if triton is not None:
     def chunk(w_ptr, levels_ptr, rows, row_nbytes, k0, QTYPE: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
               INTERLEAVED: tl.constexpr):
         """Values k0 .. k0 + CHUNK of ``rows`` [BLOCK_N] of a weight of type ``QTYPE`` (``TYPE_IDS``)
-        -> f32 [BLOCK_N, CHUNK]; ``levels_ptr`` is read for IQ4_XS only; ``INTERLEAVED`` (Q4_K only):
-        see ``q4_k_chunk``."""
+        -> f32 [BLOCK_N, CHUNK]; ``levels_ptr`` is read for IQ4_XS only; ``INTERLEAVED`` (Q4_K and
+        Q6_K only): see ``super_block``."""
         if QTYPE == 0:
             w = q8_0_chunk(w_ptr, rows, row_nbytes, k0, BLOCK_N, CHUNK)
         elif QTYPE == 1:
             w = q4_k_chunk(w_ptr, rows, row_nbytes, k0, BLOCK_N, CHUNK, INTERLEAVED)
         elif QTYPE == 2:
-            w = q6_k_chunk(w_ptr, rows, row_nbytes, k0, BLOCK_N, CHUNK)
+            w = q6_k_chunk(w_ptr, rows, row_nbytes, k0, BLOCK_N, CHUNK, INTERLEAVED)
         elif QTYPE == 3:
             w = q5_k_chunk(w_ptr, rows, row_nbytes, k0, BLOCK_N, CHUNK)
         else:

@@ -29,13 +29,14 @@ dequantized model in that dtype holds it; the GEMV kernel multiplies the float32
 to the exact product; both stay within x's dtype rounding of the reference). The output has x's
 dtype.
 
-**Interleaved Q4_K.** On a GPU where ``gguf_mma`` runs, the loaders of a model computing in bf16
-lay each decoder layer's Q4_K weight out by ``interleave`` (their ``interleave_layers``, in
-``splitspec.models.quantized``): the 16 features a warp of its Q4_K kernel computes have their super-blocks
-side by side, so each step of the warp reads 2,304 contiguous bytes instead of 16 runs 144 bytes
-long and a row apart. The same kernel ran 1.19-1.24x faster at one row on the 27B and 8B layer
-shapes, bit for bit the same output (BENCHMARKS.md [V4]). ``gguf_mma`` and ``gguf_expand`` read
-the layout in place; the Triton kernels and the reference read a de-interleaved copy
+**Interleaved Q4_K and Q6_K.** On a GPU where ``gguf_mma`` runs, the loaders of a model computing
+in bf16 lay each decoder layer's Q4_K and Q6_K weight out by ``interleave`` (their
+``interleave_layers``, in ``splitspec.models.quantized``): the 16 features a warp of those
+kernels computes have their super-blocks side by side, so each step of the warp reads 2,304
+(Q4_K) or 3,360 (Q6_K) contiguous bytes instead of 16 runs 144 or 210 bytes long and a row apart.
+The same kernels ran 1.19-1.24x (Q4_K) and 1.04-1.09x (Q6_K) faster at one row on the 27B and 8B
+layer shapes, bit for bit the same output (BENCHMARKS.md [V4], [V5]); the 27B AR step 1.13x with
+Q4_K's ([K8]). ``gguf_mma`` and ``gguf_expand`` read the layout in place; the Triton kernels and the reference read a de-interleaved copy
 (``deinterleave``), paths a GPU in bf16 does not take.
 
 ``gguf_matmul_reference`` is the plain-torch definition the kernels are tested against, and
@@ -73,35 +74,35 @@ def row_bytes(qtype: Q, in_features: int) -> int:
     return in_features // block_values * block_bytes
 
 
-INTERLEAVE = 16  # features whose super-blocks ``interleave`` puts side by side (a warp's of gguf_mma's Q4_K kernel)
-Q4_K_BLOCK_BYTES = GGML_QUANT_SIZES[Q.Q4_K][1]
+INTERLEAVE = 16  # features whose super-blocks ``interleave`` puts side by side (a warp's of gguf_mma's kernels)
+INTERLEAVED_TYPES = (Q.Q4_K, Q.Q6_K)  # the types gguf_mma reads interleaved
 
 
 def interleavable(raw: torch.Tensor, qtype: Q) -> bool:
-    """Whether ``interleave`` takes this weight: Q4_K blocks of a multiple of ``INTERLEAVE`` rows."""
-    return qtype == Q.Q4_K and raw.dim() == 2 and raw.shape[0] % INTERLEAVE == 0
+    """Whether ``interleave`` takes this weight: Q4_K or Q6_K blocks of a multiple of ``INTERLEAVE`` rows."""
+    return qtype in INTERLEAVED_TYPES and raw.dim() == 2 and raw.shape[0] % INTERLEAVE == 0
 
 
-def interleave(raw: torch.Tensor, block_bytes: int = Q4_K_BLOCK_BYTES) -> torch.Tensor:
-    """Q4_K blocks [N, row_bytes] in the file's layout (row n: feature n's super-blocks) -> a new
-    tensor of the same shape holding them as [N / 16, super-blocks, 16, 144]: super-block s of
-    features 16 t .. 16 t + 15 side by side. Rows [16 a, 16 b) of it still hold exactly the
-    features [16 a, 16 b), so a fused weight's parts stay views of it (``layers.fuse_linears``).
-    ``block_bytes``: another type's blocks the same way (benchmark probes)."""
-    n = raw.shape[0]
+def interleave(raw: torch.Tensor, qtype: Q) -> torch.Tensor:
+    """``qtype`` blocks [N, row_bytes] in the file's layout (row n: feature n's super-blocks) -> a
+    new tensor of the same shape holding them as [N / 16, super-blocks, 16, block bytes]:
+    super-block s of features 16 t .. 16 t + 15 side by side. Rows [16 a, 16 b) of it still hold
+    exactly the features [16 a, 16 b), so a fused weight's parts stay views of it
+    (``layers.fuse_linears``)."""
+    n, block_bytes = raw.shape[0], GGML_QUANT_SIZES[qtype][1]
     return raw.view(n // INTERLEAVE, INTERLEAVE, -1, block_bytes).transpose(1, 2).contiguous().view(n, -1)
 
 
-def deinterleave(raw: torch.Tensor) -> torch.Tensor:
+def deinterleave(raw: torch.Tensor, qtype: Q) -> torch.Tensor:
     """``interleave``'s inverse: a new tensor in the file's layout."""
-    n = raw.shape[0]
-    return raw.view(n // INTERLEAVE, -1, INTERLEAVE, Q4_K_BLOCK_BYTES).transpose(1, 2).contiguous().view(n, -1)
+    n, block_bytes = raw.shape[0], GGML_QUANT_SIZES[qtype][1]
+    return raw.view(n // INTERLEAVE, -1, INTERLEAVE, block_bytes).transpose(1, 2).contiguous().view(n, -1)
 
 
 def gguf_matmul_reference(x: torch.Tensor, raw: torch.Tensor, qtype: Q, out_features: int, interleaved: bool = False) -> torch.Tensor:
     """x [..., K] @ dequantize(raw)^T in x's dtype -> [..., out_features]: the definition
     (``interleaved``: ``raw`` in ``interleave``'s layout)."""
-    w = dequantize(deinterleave(raw) if interleaved else raw, qtype, (out_features, x.shape[-1])).to(x.dtype)
+    w = dequantize(deinterleave(raw, qtype) if interleaved else raw, qtype, (out_features, x.shape[-1])).to(x.dtype)
     return F.linear(x, w)
 
 
@@ -331,7 +332,7 @@ def gguf_matmul(
     x: torch.Tensor, raw: torch.Tensor, qtype: Q, out_features: int, tiling: Tiling | None = None, interleaved: bool = False
 ) -> torch.Tensor:
     """x [..., K] (bf16, fp16 or fp32) @ W^T for W [out_features, K] held as GGUF blocks ``raw``
-    [out_features, row_bytes] (uint8; ``interleaved``: Q4_K in ``interleave``'s layout) ->
+    [out_features, row_bytes] (uint8; ``interleaved``: in ``interleave``'s layout) ->
     [..., out_features] in x's dtype: by ``native.gguf_mma`` where it takes the call
     (Q4_K/Q6_K/IQ4_XS, bf16, 1-64 rows), by ``native.gguf_expand`` (expanded tiles on cuBLAS) for
     many rows, else by the Triton kernels. ``tiling`` forces the Triton kernels with that tiling
@@ -346,7 +347,7 @@ def gguf_matmul(
     if not raw.is_contiguous():  # the GEMV kernel's 16-byte loads rely on whole packed rows
         raise ValueError(f"raw {qtype.name} weight must be contiguous, got strides {raw.stride()}")
     if interleaved and not interleavable(raw, qtype):
-        raise ValueError(f"an interleaved weight must be Q4_K of a multiple of {INTERLEAVE} rows, got {qtype.name} [{out_features}, ...]")
+        raise ValueError(f"an interleaved weight must be Q4_K or Q6_K of a multiple of {INTERLEAVE} rows, got {qtype.name} [{out_features}, ...]")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, K)
     if x2.stride(-1) != 1:
@@ -360,7 +361,7 @@ def gguf_matmul(
     if tiling is None and gguf_expand.takes(x2, qtype):
         return gguf_expand.matmul(x2, raw, qtype, N, table, interleaved).reshape(*lead, N)
     if interleaved:  # the Triton kernels read the file's layout (a GPU computing in bf16 never gets here)
-        raw = deinterleave(raw)
+        raw = deinterleave(raw, qtype)
     tiling = tiling or default_tiling(M, qtype)
     if tiling.gemv:
         block_m = 1
@@ -422,13 +423,13 @@ class QuantLinear(nn.Module):
         place, so that a loader's references to the loaded tensor keep no second copy alive (the
         extra memory is one weight's, while it is rewritten)."""
         if not self.interleaved:
-            self.raw.copy_(interleave(self.raw))
+            self.raw.copy_(interleave(self.raw, self.qtype))
             self.interleaved = True
 
     def deinterleave(self) -> None:
         """Rewrite the blocks in place in the file's layout."""
         if self.interleaved:
-            self.raw.copy_(deinterleave(self.raw))
+            self.raw.copy_(deinterleave(self.raw, self.qtype))
             self.interleaved = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

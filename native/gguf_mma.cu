@@ -25,7 +25,7 @@
 void q4k_mma(torch::Tensor x, torch::Tensor w, torch::Tensor out, torch::Tensor partial, torch::Tensor counters,
              int64_t splits, bool interleaved);
 void q6k_mma(torch::Tensor x, torch::Tensor w, torch::Tensor out, torch::Tensor partial, torch::Tensor counters,
-             int64_t splits);
+             int64_t splits, bool interleaved);
 
 namespace {
 
@@ -251,7 +251,7 @@ void by_rows(const torch::Tensor& x, const torch::Tensor& w, torch::Tensor& out,
 // qtype: 12 (Q4_K), 14 (Q6_K) or 23 (IQ4_XS), gguf's GGMLQuantizationType values. `partial` [splits, M, N]
 // float32 and `counters` [>= tiles] int32 zeros are the caller's (unused when splits == 1). n_tiles
 // (1 or 2) is the IQ4_XS kernel's; the Q4_K and Q6_K kernels have one shape. `interleaved`: w in
-// native.gguf_matmul.interleave's layout (Q4_K only).
+// native.gguf_matmul.interleave's layout (Q4_K and Q6_K).
 void gguf_mma(torch::Tensor x, torch::Tensor w, torch::Tensor out, torch::Tensor partial, torch::Tensor counters,
               int64_t qtype, int64_t splits, int64_t n_tiles, bool interleaved) {
   TORCH_CHECK(x.is_cuda() && x.scalar_type() == torch::kBFloat16 && x.dim() == 2 && x.stride(1) == 1, "x: bf16 [M, K], rows contiguous");
@@ -260,8 +260,8 @@ void gguf_mma(torch::Tensor x, torch::Tensor w, torch::Tensor out, torch::Tensor
   TORCH_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 4 == 0 && x.stride(0) % 2 == 0, "x rows must be 4-byte aligned");
   TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.dim() == 2 && w.stride(1) == 1, "w: uint8 [N, row bytes]");
   TORCH_CHECK(out.scalar_type() == torch::kBFloat16 && out.is_contiguous(), "out: bf16 [M, N] contiguous");
-  TORCH_CHECK(!interleaved || (qtype == 12 && w.size(0) % 16 == 0 && w.is_contiguous()),
-              "an interleaved weight must be Q4_K, contiguous, of a multiple of 16 rows");
+  TORCH_CHECK(!interleaved || ((qtype == 12 || qtype == 14) && w.size(0) % 16 == 0 && w.is_contiguous()),
+              "an interleaved weight must be Q4_K or Q6_K, contiguous, of a multiple of 16 rows");
   const at::cuda::CUDAGuard guard(x.device());
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   if (qtype == 12) {
@@ -271,7 +271,7 @@ void gguf_mma(torch::Tensor x, torch::Tensor w, torch::Tensor out, torch::Tensor
   } else if (qtype == 14) {
     TORCH_CHECK(reinterpret_cast<uintptr_t>(w.data_ptr()) % 2 == 0 && w.stride(0) % 2 == 0, "Q6_K rows must be 2-byte aligned");
     TORCH_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 && x.stride(0) % 8 == 0, "x rows must be 16-byte aligned for Q6_K");
-    q6k_mma(x, w, out, partial, counters, splits);
+    q6k_mma(x, w, out, partial, counters, splits, interleaved);
   } else if (qtype == 23) {
     TORCH_CHECK(reinterpret_cast<uintptr_t>(w.data_ptr()) % 8 == 0 && w.stride(0) % 8 == 0, "IQ4_XS rows must be 8-byte aligned");
     if (n_tiles == 1) by_rows<IQ4XS, 1>(x, w, out, partial, counters, splits, stream);

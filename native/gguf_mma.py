@@ -4,8 +4,9 @@ Decode and tree verify multiply a few rows by every weight once, so their time i
 bytes over the card's bandwidth, provided that expanding the bytes costs fewer instructions than
 the memory system takes to deliver them. ``native.gguf_matmul``'s Triton kernels reach 27-32% of
 copy bandwidth at one row and take 2.3-4.0x that time at 23 rows on ``tl.dot`` tiles (27B shapes,
-BENCHMARKS.md). The kernels here take the weights as the file's bytes (nothing is repacked at
-load) into registers and feed ``mma.sync.m16n8k16`` without a tile of expanded weights in shared
+BENCHMARKS.md). The kernels here take the weights as the file's blocks (Q4_K's and Q6_K's at
+most moved at load, 16 features' super-blocks side by side: ``gguf_matmul.interleave``) into
+registers and feed ``mma.sync.m16n8k16`` without a tile of expanded weights in shared
 memory, so the tensor cores take 8 or 16 rows of x for the price of one.
 
 **Q4_K and Q6_K** (``gguf_q4k.cu``, ``gguf_q6k.cu``: nearly all of a Q4_K_M file's bytes): the
@@ -155,7 +156,7 @@ def _counters(device: torch.device) -> torch.Tensor:
 def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: Q, out_features: int, n_tiles: int = 0,
            splits: int = 0, min_blocks: int = 0, interleaved: bool = False) -> torch.Tensor:
     """x [M, K] bf16 @ W^T for W [out_features, K] in ``raw`` blocks -> [M, out_features] bf16
-    (``usable`` must hold); ``interleaved``: Q4_K blocks in ``gguf_matmul.interleave``'s layout.
+    (``usable`` must hold); ``interleaved``: Q4_K or Q6_K blocks in ``gguf_matmul.interleave``'s layout.
     ``n_tiles`` (1 or 2; 0: ``default_n_tiles``), ``splits`` (0: ``default_splits``/``a_operand_splits``)
     and ``min_blocks`` (``_extension``) are for benchmarks."""
     M, K = x.shape

@@ -26,6 +26,11 @@
 // Step s (0..15): word i = s / 4, rho = (s / 2) % 2, parity p = s % 2; slots 2c, 2c + 1 take
 // r = rho at l0 + p, l0 + p + 2, slots 2c + 8, 2c + 9 take r = rho + 2 at the same l: bytes p and
 // p + 2 of the ql word of r % 2 = rho (its low nibbles, then its high ones) and of the qh word.
+//
+// W's layout (kInterleaved), as gguf_q4k.cu's: the file's, or native.gguf_matmul.interleave's
+// [N / 16, super-blocks, 16, 210] (a warp's 16 features of one super-block 3,360 contiguous bytes;
+// 1.04-1.09x faster at one row on the 27B shapes, the same sums, BENCHMARKS.md [V5]). Each block
+// keeps its own alignment there (210 g bytes into a run that starts 8-byte aligned).
 
 #include <ATen/cuda/CUDAContext.h>
 #include <cuda_bf16.h>
@@ -264,7 +269,7 @@ __device__ __forceinline__ void accumulate(float (&acc)[NB][4], Q6K<NB> (&f)[2],
 // needs 167 without spills, where the compiler's own choice, 187, would fit only 2); 2 blocks at
 // four (25-32 rows), where 3 would spill: 246 registers and no spills made the 27B LM head 1.58x
 // faster at 32 rows on an H100 (BENCHMARKS.md, [V1]).
-template <int NB>
+template <int NB, bool kInterleaved>
 __global__ void __launch_bounds__(kWarps * 32, NB == 4 ? 2 : 3) q6k_kernel(
     const uint4* __restrict__ xq, const float* __restrict__ xscale, const uint8_t* __restrict__ w,
     __nv_bfloat16* __restrict__ out, float* __restrict__ partial, int* __restrict__ counters, int M, int N,
@@ -275,8 +280,18 @@ __global__ void __launch_bounds__(kWarps * 32, NB == 4 ? 2 : 3) q6k_kernel(
   const int split = blockIdx.y;
   const int sb_begin = static_cast<int>(static_cast<int64_t>(super_blocks) * split / splits);
   const int sb_end = static_cast<int>(static_cast<int64_t>(super_blocks) * (split + 1) / splits);
-  const uint8_t* rows[2] = {w + static_cast<int64_t>(min(n0 + g, N - 1)) * row_bytes,  // this lane's two features
-                            w + static_cast<int64_t>(min(n0 + 8 + g, N - 1)) * row_bytes};
+  // This lane's two features' first bytes (a warp past N re-reads the last features: its sums are
+  // not stored), their super-blocks kStride bytes apart.
+  constexpr int kStride = kInterleaved ? 16 * Q6KCommon::kBytes : Q6KCommon::kBytes;
+  const uint8_t* rows[2];
+  if constexpr (kInterleaved) {  // N % 16 == 0: the warp's 16 features, 210 bytes apart in each super-block
+    const uint8_t* tile = w + static_cast<int64_t>(min(n0, N - 16) / 16) * 16 * row_bytes;
+    rows[0] = tile + Q6KCommon::kBytes * g;
+    rows[1] = tile + Q6KCommon::kBytes * (8 + g);
+  } else {
+    rows[0] = w + static_cast<int64_t>(min(n0 + g, N - 1)) * row_bytes;
+    rows[1] = w + static_cast<int64_t>(min(n0 + 8 + g, N - 1)) * row_bytes;
+  }
 
   float acc[NB][4];
 #pragma unroll
@@ -293,14 +308,14 @@ __global__ void __launch_bounds__(kWarps * 32, NB == 4 ? 2 : 3) q6k_kernel(
   const mma_common::XStages<2> x_stages = {{xq, reinterpret_cast<const uint4*>(xscale)},
                                            {32 * kRowsPadded, kRowsPadded / 4}};
   extern __shared__ uint4 x_shared[];
-  mma_common::over_super_blocks<Q6K<NB>>(rows, c, sb_begin, sb_end, [&](Q6K<NB>(&blocks)[2], int sb) {
+  mma_common::over_super_blocks<Q6K<NB>, kStride>(rows, c, sb_begin, sb_end, [&](Q6K<NB>(&blocks)[2], int sb) {
     // The blocks' address mod 4 (0 or 2 bytes) as the funnel shift that realigns their runs
     // (recomputed here rather than kept per stage: registers are short).
     uint32_t shift[2];
     bool odd[2];  // the block's first word odd: its runs' pairs start a word early
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-      const uintptr_t block = reinterpret_cast<uintptr_t>(rows[i] + static_cast<int64_t>(sb) * Q6KCommon::kBytes);
+      const uintptr_t block = reinterpret_cast<uintptr_t>(rows[i] + static_cast<int64_t>(sb) * kStride);
       shift[i] = static_cast<uint32_t>(block & 2) * 8;
       odd[i] = (block >> 2) & 1;
     }
@@ -317,7 +332,7 @@ __global__ void __launch_bounds__(kWarps * 32, NB == 4 ? 2 : 3) q6k_kernel(
   mma_common::store_c<NB>(acc, out, partial, counters, M, N, n0, g, c, split, splits);
 }
 
-template <int NB>
+template <int NB, bool kInterleaved>
 void launch(const torch::Tensor& x, const torch::Tensor& w, torch::Tensor& out, torch::Tensor& partial,
             torch::Tensor& counters, int splits, cudaStream_t stream) {
   const int M = x.size(0), N = out.size(1), K = x.size(1), sbs = K / 256;
@@ -331,7 +346,7 @@ void launch(const torch::Tensor& x, const torch::Tensor& w, torch::Tensor& out, 
   const int tiles = (N + kWarps * 16 - 1) / (kWarps * 16);
   const size_t shared_bytes = NB >= X_STAGED_MIN_NB ? 2 * sizeof(uint4) * x_stage_units(rows_padded) : 0;  // XStages' two stages
   mma_common::launch_dependent(
-      q6k_kernel<NB>, dim3(tiles, splits), kWarps * 32, shared_bytes, stream, reinterpret_cast<const uint4*>(xq.data_ptr()),
+      q6k_kernel<NB, kInterleaved>, dim3(tiles, splits), kWarps * 32, shared_bytes, stream, reinterpret_cast<const uint4*>(xq.data_ptr()),
       static_cast<const float*>(xscale.data_ptr<float>()), static_cast<const uint8_t*>(w.data_ptr<uint8_t>()),
       reinterpret_cast<__nv_bfloat16*>(out.data_ptr()), splits > 1 ? partial.data_ptr<float>() : nullptr,
       splits > 1 ? counters.data_ptr<int>() : nullptr, M, N, static_cast<int64_t>(w.stride(0)), sbs, splits);
@@ -339,12 +354,13 @@ void launch(const torch::Tensor& x, const torch::Tensor& w, torch::Tensor& out, 
 
 }  // namespace
 
-// x [M, K] bf16 rows 16-byte aligned, w [N, K / 256 * 210] uint8 rows 2-byte aligned, out [M, N]
-// bf16; partial [splits, >= min(M, 32), N] float32 and counters as q4k_mma's.
+// x [M, K] bf16 rows 16-byte aligned, w [N, K / 256 * 210] uint8 rows 2-byte aligned (interleaved:
+// N % 16 == 0), out [M, N] bf16; partial [splits, >= min(M, 32), N] float32 and counters as q4k_mma's.
 void q6k_mma(torch::Tensor x, torch::Tensor w, torch::Tensor out, torch::Tensor partial, torch::Tensor counters,
-             int64_t splits) {
+             int64_t splits, bool interleaved) {
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   mma_common::by_32_rows(x, out, [&](auto nb, const torch::Tensor& xc, torch::Tensor& oc) {
-    launch<decltype(nb)::value>(xc, w, oc, partial, counters, splits, stream);
+    if (interleaved) launch<decltype(nb)::value, true>(xc, w, oc, partial, counters, splits, stream);
+    else launch<decltype(nb)::value, false>(xc, w, oc, partial, counters, splits, stream);
   });
 }

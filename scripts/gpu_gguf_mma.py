@@ -8,14 +8,14 @@ Triton ``gguf_matmul`` kernels and cuBLAS on a bf16 copy.
    exact), d times sc (q - 32) rounded to fp16 (Q6_K), dequantized and rounded to bf16 (IQ4_XS);
    the kernels' other roundings are the bf16 output and the order of float32 sums (and x as
    scaled fp16 for Q4_K and Q6_K): the bound is 2^-8 of the row's largest magnitude. Every run
-   twice, bitwise equal; row 0 of every M bitwise equal to M = 1's; Q4_K's first multiple of 16
-   rows interleaved (``gguf_matmul.interleave``, as the models hold them on a GPU) bitwise equal
-   to the file's layout.
+   twice, bitwise equal; row 0 of every M bitwise equal to M = 1's; Q4_K's and Q6_K's first
+   multiple of 16 rows interleaved (``gguf_matmul.interleave``, as the models hold them on a GPU)
+   bitwise equal to the file's layout.
 2. Timing (a CUDA graph of 20 calls, best of 5, the calls reading copies of the weight in turn so
    that L2 holds none of it): per 8B/27B layer shape and M, microseconds and bandwidth on the
    packed bytes for ``n_tiles`` 1 and 2 (default splits; ``--min-blocks`` adds builds whose IQ4_XS
    kernel is register-capped; the Q4_K and Q6_K kernels have one shape, so their two columns time
-   the same kernel), Q4_K's kernel on interleaved blocks (``mma_il``), the Triton kernels
+   the same kernel), the Q4_K and Q6_K kernels on interleaved blocks (``mma_il``), the Triton kernels
    (``default_tiling``) and cuBLAS bf16; "x1" is the time over the same variant's M = 1 time.
 
 Weights are random GGUF blocks (benchmark only). Prints PASS/FAIL and writes ``$OUT/gpu_gguf_mma.json``.
@@ -91,10 +91,11 @@ def check(device: torch.device) -> bool:
                         same = torch.equal(y, again)
                         first_row = y[0].clone() if m == 1 else first_row
                         row_free = torch.equal(y[0], first_row)
-                        n16 = n - n % 16  # Q4_K interleaved (gguf_matmul.interleave): the same bits as the file's layout
-                        if qtype == Q.Q4_K and n16:
+                        n16 = n - n % 16  # interleaved (gguf_matmul.interleave): the same bits as the file's layout
+                        if interleavable(raw[:n16], qtype) and n16:
                             file_layout = gguf_mma.matmul(x, raw[:n16], qtype, n16, splits=splits)
-                            same &= torch.equal(gguf_mma.matmul(x, interleave(raw[:n16]), qtype, n16, splits=splits, interleaved=True), file_layout)
+                            interleaved = gguf_mma.matmul(x, interleave(raw[:n16], qtype), qtype, n16, splits=splits, interleaved=True)
+                            same &= torch.equal(interleaved, file_layout)
                         good = err <= 2**-8 and same and row_free
                         ok &= good
                         worst = max(worst, err)
@@ -132,7 +133,7 @@ def main() -> None:
             # of the weights a call reads, as in a model's step.
             copies = [raw] + [raw.clone() for _ in range(max(3, -(-400_000_000 // raw.numel())) - 1)]
             turn = itertools.cycle(copies)
-            interleaved = itertools.cycle([interleave(c) for c in copies] if interleavable(raw, qtype) else [])
+            interleaved = itertools.cycle([interleave(c, qtype) for c in copies] if interleavable(raw, qtype) else [])
             one = {}
             for m in rows:
                 x = torch.randn(m, k, device=device, dtype=torch.bfloat16)

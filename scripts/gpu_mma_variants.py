@@ -9,10 +9,9 @@ in shared memory from three n-tiles (``xldg``), or staged from one or two n-tile
 ``xs2``); Q6_K's runs loaded a 32-bit word at a
 time at one n-tile too, as before [K2] (``q6words``; the words lost 2-28% not allocated in L1 [K1],
 and with a 256-byte L2 hint [V1]), or as 8-byte pairs up to two n-tiles (``q6pairs2``); Q4_K's
-weights interleaved so that a warp's 16 features of one super-block are 2,304 contiguous bytes
-(``interleaved``, the serving layout since [V4]; the file's puts them 144 x super-blocks apart),
-Q6_K's likewise (``q6interleaved``, a probe: 3,360 bytes a step, each block then as 4-byte aligned
-as the first); Q4_K interleaved with each warp's super-blocks copied ahead by ``cp.async`` into a
+and Q6_K's weights interleaved so that a warp's 16 features of one super-block are 2,304 or 3,360
+contiguous bytes (``interleaved``, the serving layout since [V4] and [V5]; the file's puts them
+144 or 210 x super-blocks apart); Q4_K interleaved with each warp's super-blocks copied ahead by ``cp.async`` into a
 ring of shared memory, 4 or 8 slots (3 or 4 from three n-tiles, beside x's stages) in place of
 the two super-blocks in registers (``q4smem4``, ``q4smem8``: more bytes in flight a multiprocessor
 and fewer registers, 122 at one n-tile against 140; 0.71-0.95x of ``interleaved`` at 1-32 rows,
@@ -62,24 +61,24 @@ VARIANTS = {
     "xs2": {"X_STAGED_MIN_NB": 2},  # x staged from two n-tiles (9 rows) on
     "q6words": {"Q6K_PAIRS_MAX_NB": 0},  # Q6_K's runs loaded a word at a time at one n-tile too (before [K2])
     "q6pairs2": {"Q6K_PAIRS_MAX_NB": 2},  # Q6_K's runs loaded as 8-byte pairs up to two n-tiles
-    "interleaved": {},  # the current kernels on Q4_K blocks in ``gguf_matmul.interleave``'s layout
-    "q6interleaved": {"PROBE_Q6_INTERLEAVED": 1},  # Q6_K's blocks interleaved the same way (16 x 210 bytes a step; [V5] 1.04-1.09x at one row)
+    "interleaved": {},  # the current kernels on blocks in ``gguf_matmul.interleave``'s layout
     # Q4_K interleaved, each warp's 2,304-byte super-blocks copied ahead into a ring of shared memory
     # (cp.async) instead of registers: stages below three n-tiles / from three on
     "q4smem4": {"PROBE_Q4_SMEM": 4, "PROBE_Q4_SMEM_X": 3},
     "q4smem8": {"PROBE_Q4_SMEM": 8, "PROBE_Q4_SMEM_X": 4},
 }
-# variants timed on one type's blocks interleaved only
-INTERLEAVED = {"interleaved": "Q4_K", "q6interleaved": "Q6_K", "q4smem4": "Q4_K", "q4smem8": "Q4_K"}
+# variants timed on interleaved blocks, and of which types
+INTERLEAVED = {"interleaved": ("Q4_K", "Q6_K"), "q4smem4": ("Q4_K",), "q4smem8": ("Q4_K",)}
 
 BIND = r"""
 #include <torch/extension.h>
 void q4k_mma(torch::Tensor x, torch::Tensor w, torch::Tensor out, torch::Tensor partial, torch::Tensor counters, int64_t splits, bool interleaved);
-void q6k_mma(torch::Tensor x, torch::Tensor w, torch::Tensor out, torch::Tensor partial, torch::Tensor counters, int64_t splits);
+void q6k_mma(torch::Tensor x, torch::Tensor w, torch::Tensor out, torch::Tensor partial, torch::Tensor counters, int64_t splits, bool interleaved);
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4k_mma", &q4k_mma, pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("out"), pybind11::arg("partial"),
         pybind11::arg("counters"), pybind11::arg("splits"), pybind11::arg("interleaved") = false);
-  m.def("q6k_mma", &q6k_mma);
+  m.def("q6k_mma", &q6k_mma, pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("out"), pybind11::arg("partial"),
+        pybind11::arg("counters"), pybind11::arg("splits"), pybind11::arg("interleaved") = false);
 }
 """
 
@@ -169,9 +168,6 @@ def patch() -> None:
 #ifndef PROBE_Q6_MB1
 #define PROBE_Q6_MB1 3
 #endif
-#ifndef PROBE_Q6_INTERLEAVED
-#define PROBE_Q6_INTERLEAVED 0
-#endif
 namespace mma_common {""")
     start = h.index("__device__ __forceinline__ uint4 load16(")
     end = h.index("\n}\n", start) + 3
@@ -251,16 +247,6 @@ __device__ __forceinline__ void bulk_prefetch(const uint8_t* p, int bytes) {
   for (int nb = 0; nb < NB; ++nb) {
     const float2 sx =""")
     q6 = sub(q6, "NB == 4 ? 2 : 3", "NB == 1 ? PROBE_Q6_MB1 : NB == 4 ? PROBE_Q6_MB4 : 3")
-    q6 = sub(q6, "  const uint8_t* rows[2] = {w + static_cast<int64_t>(min(n0 + g, N - 1)) * row_bytes,",
-             """#if PROBE_Q6_INTERLEAVED
-  const uint8_t* tile = w + static_cast<int64_t>(min(n0, N - 16) / 16) * 16 * row_bytes;
-  const uint8_t* rows[2] = {tile + 210 * g, tile + 210 * (8 + g)};
-#else
-  const uint8_t* rows[2] = {w + static_cast<int64_t>(min(n0 + g, N - 1)) * row_bytes,""")
-    q6 = sub(q6, "                            w + static_cast<int64_t>(min(n0 + 8 + g, N - 1)) * row_bytes};\n\n  float acc",
-             "                            w + static_cast<int64_t>(min(n0 + 8 + g, N - 1)) * row_bytes};\n#endif\n\n  float acc")
-    q6 = sub(q6, "over_super_blocks<Q6K<NB>>(", "over_super_blocks<Q6K<NB>, PROBE_Q6_INTERLEAVED ? 16 * 210 : 210>(")
-    q6 = sub(q6, "static_cast<int64_t>(sb) * Q6KCommon::kBytes);", "static_cast<int64_t>(sb) * (PROBE_Q6_INTERLEAVED ? 16 * 210 : 210));")
     (SRC / "gguf_q6k.cu").write_text(q6)
     (SRC / "bind.cpp").write_text(BIND)
 
@@ -305,7 +291,6 @@ def build_all(names: list[str]) -> list[str]:
 
 def time_shape(exts, names, qtype, shape, counters, sms, results) -> None:
     """Every variant on one layer shape at 1, 8, 23 and 32 rows (the current kernels at 1-8 splits too)."""
-    from gguf import GGML_QUANT_SIZES
     from gguf import GGMLQuantizationType as Q
     from gpu_quant_libraries import SHAPES, random_blocks, timed
 
@@ -321,16 +306,15 @@ def time_shape(exts, names, qtype, shape, counters, sms, results) -> None:
     read_us = timed(lambda: torch.amax(next_ints()), reps=20)
     print(f"\n{qtype.name} {shape} N={n} K={k} {mb:.1f} MB, default splits {default}; amax read {read_us:.1f} us "
           f"({mb / read_us:.2f} TB/s)", flush=True)
-    wanted = [name for name in names if INTERLEAVED.get(name, qtype.name) == qtype.name]
-    block_bytes = GGML_QUANT_SIZES[qtype][1]
-    interleaved = [interleave(c, block_bytes) for c in copies] if set(INTERLEAVED) & set(wanted) else []
+    wanted = [name for name in names if qtype.name in INTERLEAVED.get(name, (qtype.name,))]
+    interleaved = [interleave(c, qtype) for c in copies] if set(INTERLEAVED) & set(wanted) else []
     for m in (1, 8, 16, 23, 32):
         x = torch.randn(m, k, device=dev).to(torch.bfloat16)
         base_out = {}
         for name in wanted:
             weights = interleaved if name in INTERLEAVED else copies
             kernel = getattr(exts[name], "q4k_mma" if qtype == Q.Q4_K else "q6k_mma")
-            fn = functools.partial(kernel, interleaved=True) if name in INTERLEAVED and qtype == Q.Q4_K else kernel
+            fn = functools.partial(kernel, interleaved=True) if name in INTERLEAVED else kernel
             for splits in sorted({1, 2, 3, 4, 6, 8, default}) if name == "base" else (default,):
                 out = torch.empty(m, n, dtype=torch.bfloat16, device=dev)
                 partial = torch.empty(splits, min(m, 32), n, dtype=torch.float32, device=dev)

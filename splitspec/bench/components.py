@@ -260,7 +260,7 @@ def time_quant_kernels(
     row: ``us`` (median per call), ``packed_bytes``, ``bandwidth`` (bytes/s), ``copy_share`` (of
     ``copy_bandwidth``), ``vs_one_row`` (× the M = 1 time), ``path`` ("kernel", or "reference" where
     the Triton kernel cannot run), ``timing`` (how it was timed; see the module docstring) and
-    ``interleaved`` (Q4_K blocks in the layout the models hold them in on this device)."""
+    ``interleaved`` (Q4_K or Q6_K blocks in the layout the models hold them in on this device)."""
     config = random_shape(path).config
     present = quant_types(path)
     types = list(KERNEL_TABLE_TYPES) + [q for q in present if q not in KERNEL_TABLE_TYPES]
@@ -270,7 +270,7 @@ def time_quant_kernels(
         for layer, (n, k) in kernel_layers(config).items():
             weight = random_blocks(qtype, n, k, 0.02, generator)
             interleaved = interleavable(weight, qtype) and gguf_mma.runs_on(device)  # as the models hold it there
-            weight = interleave(weight) if interleaved else weight
+            weight = interleave(weight, qtype) if interleaved else weight
             packed = weight.numel()
             weights = [weight] + [weight.clone() for _ in range(_weight_copies(packed, device) - 1)]
             turns = math.ceil(GRAPH_CALLS / len(weights)) if device.type == "cuda" else 1

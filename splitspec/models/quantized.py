@@ -6,7 +6,7 @@ linears as modules. ``q4_k_m_types`` is llama.cpp's Q4_K_M recipe (``llama_tenso
 ``src/llama-quant.cpp``) for the linear layers.
 ``QuantEmbedding`` keeps a token embedding in its blocks too, and ``swap_quant_modules`` is the
 whole keep-quantized swap of a decoder the loaders make (linears, embedding, tied head), and
-``interleave_layers`` the layout its Q4_K blocks take on a GPU.
+``interleave_layers`` the layout its Q4_K and Q6_K blocks take on a GPU.
 """
 
 from __future__ import annotations
@@ -202,8 +202,8 @@ def head_summary(embed: torch.Tensor | nn.Module, head: torch.Tensor | nn.Module
 
 
 def interleave_layers(model: nn.Module, dtype: torch.dtype) -> int:
-    """Hold the Q4_K blocks of ``model.layers``' linears in the layout ``native.gguf_mma``'s Q4_K
-    kernel reads fastest (``native.gguf_matmul.interleave``), where that kernel runs: on their
+    """Hold the Q4_K and Q6_K blocks of ``model.layers``' linears in the layout ``native.gguf_mma``'s
+    kernels read fastest (``native.gguf_matmul.interleave``), where that kernel runs: on their
     device, for a model computing in ``dtype`` bfloat16 (the kernel's; in other dtypes the Triton
     kernels would read a de-interleaved copy at every call). Returns how many changed. Call it
     before ``fuse_projections`` (a fused weight keeps its parts' layout). The embedding and the
@@ -220,5 +220,5 @@ def interleave_layers(model: nn.Module, dtype: torch.dtype) -> int:
             module.interleave()
             changed += 1
     if changed:
-        logger.info("%d Q4_K weights interleaved for the GPU's quantized matmul", changed)
+        logger.info("%d Q4_K and Q6_K weights interleaved for the GPU's quantized matmul", changed)
     return changed

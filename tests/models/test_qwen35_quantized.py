@@ -158,14 +158,14 @@ def test_dense_target_keeps_its_embedding_in_blocks(tmp_path, quant, tie):
 
 
 def _interleaved_load(path, monkeypatch):
-    """``load_target(path, dtype=bfloat16, keep_quantized=True)`` as on a GPU where gguf_mma's Q4_K
-    kernel runs (the loaders then interleave each layer's Q4_K blocks: ``quantized.interleave_layers``)."""
+    """``load_target(path, dtype=bfloat16, keep_quantized=True)`` as on a GPU where gguf_mma's
+    kernels run (the loaders then interleave each layer's Q4_K and Q6_K blocks: ``quantized.interleave_layers``)."""
     with monkeypatch.context() as patched:
         patched.setattr(gguf_mma, "runs_on", lambda device: True)
         model, _ = load_target(path, dtype=torch.bfloat16, keep_quantized=True)
     layouts = {name: m.interleaved for name, m in model.named_modules() if isinstance(m, QuantLinear)}
     assert any(layouts.values())
-    assert all(m.interleaved == (m.qtype == Q.Q4_K and m.out_features % 16 == 0)
+    assert all(m.interleaved == (m.qtype in (Q.Q4_K, Q.Q6_K) and m.out_features % 16 == 0)
                for name, m in model.layers.named_modules() if isinstance(m, QuantLinear))
     assert not getattr(model.lm_head, "interleaved", False)  # the head keeps the file's layout (the draft may borrow it)
     return model

@@ -59,7 +59,7 @@ EXPAND_CASES = [(qtype, 37, 768, first, end) for qtype in TYPES for first, end i
 EXPAND_MATMULS = [(qtype, 70, dtype, tile) for qtype in TYPES for dtype in ("float32", "float16") for tile in (None, 16)]
 # (N, first, end, M): Q4_K blocks interleaved (gguf_matmul.interleave): rows of W expanded from
 # them, and gguf_matmul of M rows (5: the Triton kernels, on a de-interleaved copy; 70: gguf_expand).
-INTERLEAVED_CASES = [(48, 0, 48, 70), (48, 5, 29, 5), (32, 16, 32, 70)]
+INTERLEAVED_CASES = [("Q4_K", 48, 0, 48, 70), ("Q4_K", 48, 5, 29, 5), ("Q4_K", 32, 16, 32, 70), ("Q6_K", 48, 0, 48, 70), ("Q6_K", 48, 5, 29, 5)]
 MODELS = [("llama", "q4_k_m"), ("qwen2", "q8_0"), ("qwen3", "q6_k"), ("qwen3", "q5_k")]  # permuted q/k rows; biases; one type everywhere
 
 
@@ -132,15 +132,16 @@ def _expand_checks() -> dict[str, object]:
             out = torch.full((end - first + 3, k), float("nan"), dtype=dtype)  # spare rows must stay untouched
             rows = gguf_expand.expand(raw, qtype, levels(raw.device), first, end, out)
             results[repr((name, n, k, first, end, str(dtype)))] = torch.equal(rows, expected.to(dtype)) and bool(out[end - first :].isnan().all())
-    for n, first, end, m in INTERLEAVED_CASES:
-        raw = torch.from_numpy(_random_bytes(rng, Q.Q4_K, n, 512))
+    for name, n, first, end, m in INTERLEAVED_CASES:
+        qtype = Q[name]
+        raw = torch.from_numpy(_random_bytes(rng, qtype, n, 512))
         out = torch.empty(end - first, 512)
-        rows = gguf_expand.expand(interleave(raw), Q.Q4_K, raw, first, end, out, interleaved=True)
+        rows = gguf_expand.expand(interleave(raw, qtype), qtype, raw, first, end, out, interleaved=True)
         x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m))
-        file_layout = gguf_matmul(x, raw, Q.Q4_K, n)
-        results[repr(("interleaved", n, first, end, m))] = {
-            "rows": torch.equal(rows, dequantize(raw, Q.Q4_K, (n, 512))[first:end]),
-            "matmul": torch.equal(gguf_matmul(x, interleave(raw), Q.Q4_K, n, interleaved=True), file_layout),
+        file_layout = gguf_matmul(x, raw, qtype, n)
+        results[repr(("interleaved", name, n, first, end, m))] = {
+            "rows": torch.equal(rows, dequantize(raw, qtype, (n, 512))[first:end]),
+            "matmul": torch.equal(gguf_matmul(x, interleave(raw, qtype), qtype, n, interleaved=True), file_layout),
         }
     for name, m, dtype, tile in EXPAND_MATMULS:
         qtype = Q[name]
@@ -241,17 +242,18 @@ def test_interleaved_blocks_expand_and_multiply_as_the_files_layout(interpreted,
     assert interpreted["expand"][repr(("interleaved", *case))] == {"rows": True, "matmul": True}
 
 
-def test_interleave_puts_16_features_of_a_super_block_side_by_side():
+@pytest.mark.parametrize("qtype, size", [(Q.Q4_K, 144), (Q.Q6_K, 210)], ids=["Q4_K", "Q6_K"])
+def test_interleave_puts_16_features_of_a_super_block_side_by_side(qtype, size):
     from native.gguf_matmul import deinterleave, interleavable, interleave
 
-    raw = torch.randint(0, 256, (48, 3 * 144), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
-    ours = interleave(raw)
-    assert ours.shape == raw.shape and torch.equal(deinterleave(ours), raw)
+    raw = torch.randint(0, 256, (48, 3 * size), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    ours = interleave(raw, qtype)
+    assert ours.shape == raw.shape and torch.equal(deinterleave(ours, qtype), raw)
     for feature, block in ((0, 0), (17, 2), (47, 1)):
-        start = (feature // 16) * 16 * raw.shape[1] + block * 16 * 144 + (feature % 16) * 144
-        assert torch.equal(ours.flatten()[start : start + 144], raw[feature, block * 144 : (block + 1) * 144])
-    assert torch.equal(ours[16:32], interleave(raw[16:32]))  # rows of whole groups hold those features
-    assert interleavable(raw, Q.Q4_K) and not interleavable(raw[:40], Q.Q4_K) and not interleavable(raw, Q.Q6_K)
+        start = (feature // 16) * 16 * raw.shape[1] + block * 16 * size + (feature % 16) * size
+        assert torch.equal(ours.flatten()[start : start + size], raw[feature, block * size : (block + 1) * size])
+    assert torch.equal(ours[16:32], interleave(raw[16:32], qtype))  # rows of whole groups hold those features
+    assert interleavable(raw, qtype) and not interleavable(raw[:40], qtype) and not interleavable(raw, Q.Q8_0)
 
 
 def test_interleaved_is_refused_where_it_cannot_be():
@@ -260,8 +262,8 @@ def test_interleaved_is_refused_where_it_cannot_be():
     x = torch.zeros(1, 256)
     with pytest.raises(ValueError, match="multiple of 16 rows"):
         gguf_matmul(x, torch.zeros(8, 144, dtype=torch.uint8), Q.Q4_K, 8, interleaved=True)
-    with pytest.raises(ValueError, match="must be Q4_K"):
-        gguf_matmul(x, torch.zeros(16, 210, dtype=torch.uint8), Q.Q6_K, 16, interleaved=True)
+    with pytest.raises(ValueError, match="must be Q4_K or Q6_K"):
+        gguf_matmul(x, torch.zeros(16, 34 * 8, dtype=torch.uint8), Q.Q8_0, 16, interleaved=True)
 
 
 def test_expand_tiles_hold_at_most_tile_bytes():
