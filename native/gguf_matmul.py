@@ -36,8 +36,8 @@ kernels computes have their super-blocks side by side, so each step of the warp 
 (Q4_K) or 3,360 (Q6_K) contiguous bytes instead of 16 runs 144 or 210 bytes long and a row apart.
 The same kernels ran 1.19-1.24x (Q4_K) and 1.04-1.09x (Q6_K) faster at one row on the 27B and 8B
 layer shapes, bit for bit the same output (BENCHMARKS.md [V4], [V5]); the 27B AR step 1.13x with
-Q4_K's ([K8]). ``gguf_mma`` and ``gguf_expand`` read the layout in place; the Triton kernels and the reference read a de-interleaved copy
-(``deinterleave``), paths a GPU in bf16 does not take.
+Q4_K's ([K8]). ``gguf_mma`` and ``gguf_expand`` read the layout in place; the Triton kernels
+and the reference read a de-interleaved copy (``deinterleave``), paths a GPU in bf16 does not take.
 
 ``gguf_matmul_reference`` is the plain-torch definition the kernels are tested against, and
 ``QuantLinear`` is the ``nn.Linear`` stand-in the loader builds (``load_target(keep_quantized=True)``).
