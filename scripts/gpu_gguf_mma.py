@@ -92,7 +92,7 @@ def check(device: torch.device) -> bool:
                         first_row = y[0].clone() if m == 1 else first_row
                         row_free = torch.equal(y[0], first_row)
                         n16 = n - n % 16  # interleaved (gguf_matmul.interleave): the same bits as the file's layout
-                        if interleavable(raw[:n16], qtype) and n16:
+                        if n16 and interleavable(raw[:n16], qtype):
                             file_layout = gguf_mma.matmul(x, raw[:n16], qtype, n16, splits=splits)
                             interleaved = gguf_mma.matmul(x, interleave(raw[:n16], qtype), qtype, n16, splits=splits, interleaved=True)
                             same &= torch.equal(interleaved, file_layout)

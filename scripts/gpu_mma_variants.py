@@ -11,12 +11,12 @@ time at one n-tile too, as before [K2] (``q6words``; the words lost 2-28% not al
 and with a 256-byte L2 hint [V1]), or as 8-byte pairs up to two n-tiles (``q6pairs2``); Q4_K's
 and Q6_K's weights interleaved so that a warp's 16 features of one super-block are 2,304 or 3,360
 contiguous bytes (``interleaved``, the serving layout since [V4] and [V5]; the file's puts them
-144 or 210 x super-blocks apart); Q4_K interleaved with each warp's super-blocks copied ahead by ``cp.async`` into a
-ring of shared memory, 4 or 8 slots (3 or 4 from three n-tiles, beside x's stages) in place of
-the two super-blocks in registers (``q4smem4``, ``q4smem8``: more bytes in flight a multiprocessor
-and fewer registers, 122 at one n-tile against 140; 0.71-0.95x of ``interleaved`` at 1-32 rows,
-BENCHMARKS.md [V5]); the super-block two ahead prefetched into L2 with ``cp.async.bulk.prefetch`` (``pf2``); the k steps' two
-mma chains accumulated apart (``chains2``: the sums' order changes, so its outputs differ from the
+144 or 210 x super-blocks apart); Q4_K interleaved with each warp's super-blocks copied ahead by
+``cp.async`` into a ring of shared memory, 4 or 8 slots (3 or 4 from three n-tiles, beside x's
+stages) in place of the two super-blocks in registers (``q4smem4``, ``q4smem8``: more bytes in
+flight a multiprocessor and fewer registers, 122 at one n-tile against 140; 0.71-0.95x of
+``interleaved`` at 1-32 rows, BENCHMARKS.md [V5]); the super-block two ahead prefetched into L2
+with ``cp.async.bulk.prefetch`` (``pf2``); the k steps' two mma chains accumulated apart (``chains2``: the sums' order changes, so its outputs differ from the
 others' in the last bits); one n-tile capped at four blocks a multiprocessor (``mb4``: 121
 registers); Q6_K's four n-tiles at three blocks (``q6nb4mb3``: spills; the kernels before [V1]). The
 variants build in parallel, each an extension of the two kernel files and a binding; one process

@@ -203,7 +203,7 @@ def head_summary(embed: torch.Tensor | nn.Module, head: torch.Tensor | nn.Module
 
 def interleave_layers(model: nn.Module, dtype: torch.dtype) -> int:
     """Hold the Q4_K and Q6_K blocks of ``model.layers``' linears in the layout ``native.gguf_mma``'s
-    kernels read fastest (``native.gguf_matmul.interleave``), where that kernel runs: on their
+    kernels read fastest (``native.gguf_matmul.interleave``), where those kernels run: on their
     device, for a model computing in ``dtype`` bfloat16 (the kernel's; in other dtypes the Triton
     kernels would read a de-interleaved copy at every call). Returns how many changed. Call it
     before ``fuse_projections`` (a fused weight keeps its parts' layout). The embedding and the

@@ -57,7 +57,7 @@ QUANT_LINEAR_CASES = [(1, "bfloat16"), (5, "float16")]  # (M, x dtype): a decode
 EXPAND_CASES = [(qtype, 37, 768, first, end) for qtype in TYPES for first, end in ((0, 37), (5, 29))] + [("Q8_0", 20, 224, 3, 20)]
 # (qtype, M, dtype, tile rows): many rows go to gguf_expand; a tile of 16 rows makes N = 37 three tiles.
 EXPAND_MATMULS = [(qtype, 70, dtype, tile) for qtype in TYPES for dtype in ("float32", "float16") for tile in (None, 16)]
-# (N, first, end, M): Q4_K blocks interleaved (gguf_matmul.interleave): rows of W expanded from
+# (type, N, first, end, M): Q4_K or Q6_K blocks interleaved (gguf_matmul.interleave): rows of W expanded from
 # them, and gguf_matmul of M rows (5: the Triton kernels, on a de-interleaved copy; 70: gguf_expand).
 INTERLEAVED_CASES = [("Q4_K", 48, 0, 48, 70), ("Q4_K", 48, 5, 29, 5), ("Q4_K", 32, 16, 32, 70), ("Q6_K", 48, 0, 48, 70), ("Q6_K", 48, 5, 29, 5)]
 MODELS = [("llama", "q4_k_m"), ("qwen2", "q8_0"), ("qwen3", "q6_k"), ("qwen3", "q5_k")]  # permuted q/k rows; biases; one type everywhere
