@@ -15,13 +15,14 @@ contiguous bytes (``interleaved``, the serving layout since [V4] and [V5]; the f
 ``cp.async`` into a ring of shared memory, 4 or 8 slots (3 or 4 from three n-tiles, beside x's
 stages) in place of the two super-blocks in registers (``q4smem4``, ``q4smem8``: more bytes in
 flight a multiprocessor and fewer registers, 122 at one n-tile against 140; 0.71-0.95x of
-``interleaved`` at 1-32 rows, BENCHMARKS.md [V5]); the super-block two ahead prefetched into L2
+``interleaved`` at 1-32 rows, BENCHMARKS.md [V5]); interleaved in blocks of 6 or 8 warps, which
+share one staged x among 96 or 128 features (``w6``, ``w8``); the super-block two ahead prefetched into L2
 with ``cp.async.bulk.prefetch`` (``pf2``); the k steps' two mma chains accumulated apart (``chains2``: the sums' order changes, so its outputs differ from the
 others' in the last bits); one n-tile capped at four blocks a multiprocessor (``mb4``: 121
 registers); Q6_K's four n-tiles at three blocks (``q6nb4mb3``: spills; the kernels before [V1]). The
 variants build in parallel, each an extension of the two kernel files and a binding; one process
 then times every variant on each shape (27B and 8B layer shapes, the 27B LM head) at 1, 8, 16, 23
-and 32 rows, the current kernels also at 1-8 splits, as ``gpu_gguf_mma.py`` times (a CUDA graph of
+and 32 rows, the current kernels (both layouts) also at 1-8 splits, as ``gpu_gguf_mma.py`` times (a CUDA graph of
 20 calls over weight copies L2 cannot hold, best of 5), beside a read of the same bytes by
 ``torch.amax``, and prints each variant's largest difference from the current kernel's output at the
 same splits. Writes ``$OUT/gpu_mma_variants.json``.
@@ -66,9 +67,16 @@ VARIANTS = {
     # (cp.async) instead of registers: stages below three n-tiles / from three on
     "q4smem4": {"PROBE_Q4_SMEM": 4, "PROBE_Q4_SMEM_X": 3},
     "q4smem8": {"PROBE_Q4_SMEM": 8, "PROBE_Q4_SMEM_X": 4},
+    # interleaved, blocks of 6 or 8 warps (96 or 128 features) sharing one staged x, at the same
+    # 12 warps a multiprocessor from two n-tiles (w8: 8): x's traffic into a multiprocessor over
+    # its weights' falls from 1.4 to 0.9 or 0.7 at 23 rows
+    "w6": {"PROBE_WARPS": 6},
+    "w8": {"PROBE_WARPS": 8},
 }
 # variants timed on interleaved blocks, and of which types
-INTERLEAVED = {"interleaved": ("Q4_K", "Q6_K"), "q4smem4": ("Q4_K",), "q4smem8": ("Q4_K",)}
+INTERLEAVED = {"interleaved": ("Q4_K", "Q6_K"), "q4smem4": ("Q4_K",), "q4smem8": ("Q4_K",), "w6": ("Q4_K", "Q6_K"),
+               "w8": ("Q4_K", "Q6_K")}
+SPLIT_SWEEP = ("base", "interleaved")  # variants timed at 1-8 splits too
 
 BIND = r"""
 #include <torch/extension.h>
@@ -150,6 +158,10 @@ __device__ __forceinline__ void probe_over(const uint8_t* const (&rows)[2], uint
 def patch() -> None:
     SRC.mkdir(exist_ok=True)
     h = (ROOT / "native/gguf_mma.cuh").read_text()
+    h = sub(h, "constexpr int kWarps = 4;", """#ifndef PROBE_WARPS
+#define PROBE_WARPS 4
+#endif
+constexpr int kWarps = PROBE_WARPS;""")
     h = sub(h, "namespace mma_common {", """#ifndef PROBE_Q4_LOAD
 #define PROBE_Q4_LOAD 3
 #endif
@@ -210,7 +222,7 @@ __device__ __forceinline__ void bulk_prefetch(const uint8_t* p, int bytes) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) part[nb][e] += part2[nb][e];
   const uint32_t m[4] = {f[0].mins""")
-    q4 = sub(q4, "NB == 1 ? 1 : 3", "NB == 1 ? PROBE_MB1 : 3")
+    q4 = sub(q4, "NB == 1 ? 1 : 3", "NB == 1 ? PROBE_MB1 : 12 / kWarps")  # 12 warps a multiprocessor
     q4 = sub(q4, "  __device__ __forceinline__ void load(const uint8_t* block, int c) {", """  __device__ __forceinline__ void load_shared(const uint8_t* block, int c) {
     head = *reinterpret_cast<const uint4*>(block);
     q0 = *reinterpret_cast<const uint4*>(block + 16 + 16 * c);
@@ -246,7 +258,7 @@ __device__ __forceinline__ void bulk_prefetch(const uint8_t* p, int bytes) {
 #pragma unroll
   for (int nb = 0; nb < NB; ++nb) {
     const float2 sx =""")
-    q6 = sub(q6, "NB == 4 ? 2 : 3", "NB == 1 ? PROBE_Q6_MB1 : NB == 4 ? PROBE_Q6_MB4 : 3")
+    q6 = sub(q6, "NB == 4 ? 2 : 3", "(NB == 1 ? PROBE_Q6_MB1 : NB == 4 ? PROBE_Q6_MB4 : 3) * 4 / kWarps")
     (SRC / "gguf_q6k.cu").write_text(q6)
     (SRC / "bind.cpp").write_text(BIND)
 
@@ -315,7 +327,7 @@ def time_shape(exts, names, qtype, shape, counters, sms, results) -> None:
             weights = interleaved if name in INTERLEAVED else copies
             kernel = getattr(exts[name], "q4k_mma" if qtype == Q.Q4_K else "q6k_mma")
             fn = functools.partial(kernel, interleaved=True) if name in INTERLEAVED else kernel
-            for splits in sorted({1, 2, 3, 4, 6, 8, default}) if name == "base" else (default,):
+            for splits in sorted({1, 2, 3, 4, 6, 8, default}) if name in SPLIT_SWEEP else (default,):
                 out = torch.empty(m, n, dtype=torch.bfloat16, device=dev)
                 partial = torch.empty(splits, min(m, 32), n, dtype=torch.float32, device=dev)
                 fn(x, weights[0], out, partial, counters, splits)
