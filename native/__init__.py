@@ -14,7 +14,8 @@ which hand Q4_K, Q6_K and IQ4_XS calls of 1-64 bf16 rows to ``gguf_mma`` (CUDA C
 built at first use with nvcc; checked on a GPU by ``scripts/gpu_gguf_mma.py``) and calls of
 many rows to ``gguf_expand`` (the blocks expanded tile by tile for cuBLAS);
 ``tree_delta_rule`` (the tree-aware Gated DeltaNet conv and delta rule; references in
-``splitspec.models.delta_rule``, which dispatches to them); ``delta_inputs`` (a Gated DeltaNet
+``splitspec.models.delta_rule``, which dispatches to them); ``tree_chunk_delta`` (a tree pass's
+delta-rule outputs in chunked form, products over the block instead of a walk over its rows); ``delta_inputs`` (a Gated DeltaNet
 row's normalised q and k, beta and log-decay in one launch); ``top_k`` (the draft's top-K of
 log-softmax over the vocabulary in two launches); ``dynamic_conv`` (a DFlash2 draft's two-tap
 dynamic convolution in one launch); ``selector`` (a DFlash2 draft's pair scores in one launch).

@@ -107,6 +107,7 @@ __all__ = [
     "path_gated_delta",
     "path_gated_delta_reference",
     "reloaded_rows",
+    "tree_outputs",
 ]
 
 
@@ -336,6 +337,32 @@ def gated_delta(
     if group > 1:
         q, k = q.repeat_interleave(group, 1), k.repeat_interleave(group, 1)
     return gated_delta_tree(q, k, v, g, beta, state, parents, store_dtype, state_index, depths, levels)
+
+
+def tree_outputs(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    state: torch.Tensor, parents: torch.Tensor, store_dtype: torch.dtype, offsets: torch.Tensor | None,
+    *,
+    max_rows: int,
+    state_index: torch.Tensor | None = None,
+    keep: torch.Tensor | None = None,
+    depths: torch.Tensor | None = None,
+    levels: int = 0,
+) -> torch.Tensor:
+    """A tree pass's outputs ``[T, H, Dv]`` alone (its states are not needed: the commit
+    recomputes the accepted path's). Where the kernels run, states are stored in float32 and a
+    sequence has 2 to ``native.tree_chunk_delta.MAX_ROWS`` rows (``max_rows``, from the pass's
+    shape), by the chunked form over the tree (:mod:`native.tree_chunk_delta`: products over the
+    block instead of a walk over its rows; ``SPLITSPEC_NATIVE_OFF=tree_chunk_delta`` turns it off);
+    otherwise :func:`gated_delta` with ``keep`` (:func:`reloaded_rows`) and the other arguments
+    as there. Other storage dtypes keep the walk, which rounds each row's state to them."""
+    if native_kernels_for(v) and store_dtype == torch.float32 and state.dtype == torch.float32:
+        from native.tree_chunk_delta import KERNEL_NAME, MAX_ROWS, tree_chunk_delta
+
+        if 2 <= max_rows <= MAX_ROWS and use_triton(v, KERNEL_NAME):
+            return tree_chunk_delta(q, k, v, g, beta, state, parents, max_rows, offsets, state_index=state_index)
+    return gated_delta(q, k, v, g, beta, state, parents, store_dtype, offsets, state_index=state_index, keep=keep,
+                       depths=depths, levels=levels)[0]
 
 
 def reloaded_rows(parents: torch.Tensor) -> torch.Tensor:

@@ -58,6 +58,7 @@ from splitspec.models.delta_rule import (
     l2_normalize,
     path_gated_delta,
     reloaded_rows,
+    tree_outputs,
 )
 from splitspec.models.layers import FusedLinear, QKVProjection, RMSNorm, SwiGLU, apply_rope, embedding, fuse_linears, rope_cos_sin
 from splitspec.models.paged import KVBlockPool, PagedState, PassAttention, PassInputs
@@ -684,10 +685,10 @@ class Qwen35ForCausalLM(nn.Module):
         def delta(layer: int, net: GatedDeltaNet, x: torch.Tensor) -> torch.Tensor:
             # histories [B, K-1, C]; k, g and beta written straight into what the pass keeps
             d = net.project(x, slots.conv[layer].index_select(0, seq_slots), ancestors, pending.gate_buffers(layer))
-            out, _ = gated_delta(  # q and k in key heads (the torch path repeats them per value head)
+            out = tree_outputs(  # q and k in key heads (the torch path repeats them per value head)
                 d.q, d.k, d.v, d.g, d.beta, slots.recurrent[layer], inputs.parents,
-                slots.recurrent.dtype, inputs.offsets, state_index=seq_slots, keep=keep, depths=depths,
-                levels=block_rows if inputs.static else 0,
+                slots.recurrent.dtype, inputs.offsets, max_rows=block_rows, state_index=seq_slots, keep=keep,
+                depths=depths, levels=block_rows if inputs.static else 0,
             )
             pending.record(layer, d)
             return net.output(d, out)

@@ -139,6 +139,47 @@ def test_fixed_shape_passes_equal_the_eager_ones(model, path, monkeypatch):
     assert fixed.state.slots.read(0)["recurrent"].abs().max() == 0  # the pad slot stays zero
 
 
+def test_tree_passes_on_the_chunked_kernel_give_the_torch_logits(model, monkeypatch):
+    """A fixed-shape pass of three sequences (a budget-22 tree, a chain, a decode step), then a
+    second tree pass after committing: the DeltaNet outputs from the chunked tree kernel
+    (native.tree_chunk_delta, every tree pass's with float32 states) give the logits and committed
+    states of the torch walk."""
+    from native import tree_chunk_delta
+
+    calls, chunked = [], tree_chunk_delta.tree_chunk_delta
+    monkeypatch.setattr(tree_chunk_delta, "tree_chunk_delta", lambda *a, **kw: calls.append(1) or chunked(*a, **kw))
+    vocab = model.config.vocab_size
+    engines = {}
+    for path in ("torch", "kernels"):
+        with monkeypatch.context() as m:
+            if path == "kernels":
+                m.setenv("SPLITSPEC_NATIVE_CPU", "1")
+                m.setenv("SPLITSPEC_NATIVE_OFF", OTHER_KERNELS)
+            engine = TargetEngine(model, fixed_shapes=True)
+            step_rng = np.random.default_rng(11)
+            for sid, length in zip(("a", "b", "c"), (12, 30, 5)):
+                with monkeypatch.context() as torch_prefill:
+                    torch_prefill.delenv("SPLITSPEC_NATIVE_CPU", raising=False)
+                    engine.prefill(sid, step_rng.integers(0, vocab, length).tolist(), GREEDY, reserve_tokens=200)
+            results = []
+            for kinds in (("b22", "chain", "decode"), ("small", "b22", "chain")):
+                steps = [(sid, *tree_of(step_rng, vocab, kind)) for sid, kind in zip(("a", "b", "c"), kinds)]
+                layout, logits = tree_pass(engine, steps)
+                results.append(logits)
+                commits = [(engine.sequences.get(sid), root_path(parents, len(parents)), int(layout.offsets[s]))
+                           for s, (sid, _, parents) in enumerate(steps)]
+                engine._commit(commits)
+                for sid in ("a", "b", "c"):
+                    engine.sequences.get(sid).pending_token = int(step_rng.integers(0, vocab))
+            engines[path] = (engine, results)
+    assert len(calls) == 2 * model.config.num_linear_layers  # the kernel ran every DeltaNet layer of both passes
+    (torch_engine, want), (kernel_engine, got) = engines["torch"], engines["kernels"]
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=ATOL, rtol=1e-4)
+    for sid in ("a", "b", "c"):
+        assert_same_states(torch_engine, kernel_engine, sid)
+
+
 def test_padding_reads_and_a_tree_pass_writes_no_sequence_state(model):
     """A padded tree pass (3 sequences padded to 4, 23 + 1 + 6 rows padded to 32) leaves every
     state slot as it was and writes K/V only at its rows' own positions and the pad block."""
