@@ -15,7 +15,8 @@ built at first use with nvcc; checked on a GPU by ``scripts/gpu_gguf_mma.py``) a
 many rows to ``gguf_expand`` (the blocks expanded tile by tile for cuBLAS);
 ``tree_delta_rule`` (the tree-aware Gated DeltaNet conv and delta rule; references in
 ``splitspec.models.delta_rule``, which dispatches to them); ``tree_chunk_delta`` (a tree pass's
-delta-rule outputs in chunked form, products over the block instead of a walk over its rows); ``delta_inputs`` (a Gated DeltaNet
+delta-rule outputs in chunked form, products over the block instead of a walk over its rows; off
+unless ``SPLITSPEC_NATIVE_ON=tree_chunk_delta``: slower than the walk so far); ``delta_inputs`` (a Gated DeltaNet
 row's normalised q and k, beta and log-decay in one launch); ``top_k`` (the draft's top-K of
 log-softmax over the vocabulary in two launches); ``dynamic_conv`` (a DFlash2 draft's two-tap
 dynamic convolution in one launch); ``selector`` (a DFlash2 draft's pair scores in one launch).
@@ -59,6 +60,12 @@ def switched_off(name: str = "") -> bool:
     if os.environ.get("SPLITSPEC_NATIVE") == "0":
         return True
     return bool(name) and name in os.environ.get("SPLITSPEC_NATIVE_OFF", "").split(",")
+
+
+def switched_on(name: str) -> bool:
+    """Whether ``SPLITSPEC_NATIVE_ON`` (comma-separated) names ``name``: a kernel that stays off
+    unless asked for (an experiment that has not yet beaten what it would replace on a GPU)."""
+    return name in os.environ.get("SPLITSPEC_NATIVE_ON", "").split(",")
 
 
 INTERPRETER_SMS = 132  # an H100/H200's multiprocessors: the CPU interpreter (CI) splits work as they would

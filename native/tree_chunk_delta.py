@@ -28,9 +28,11 @@ the parent matrix by squaring. All are ``tl.dot`` on ``[BT, BT]``, ``[BT, Dk]`` 
 
 It equals the row walk up to float32 rounding where states are stored in float32 (the walk
 rounds each row's state to the storage dtype; this form keeps none), so the dispatcher
-(:func:`splitspec.models.delta_rule.tree_outputs`) uses it only then. One program per (value
-head, ``Dv`` tile, sequence); the sequences' states are read in place from a table through their
-slots. Nothing is read on the host: a pass calling it can be captured.
+(:func:`splitspec.models.delta_rule.tree_outputs`) would use it only then; it does so only with
+``SPLITSPEC_NATIVE_ON=tree_chunk_delta``, since on an H100 it ran 5x slower a layer than the walk
+in the 27B's verify pass (BENCHMARKS.md [T11]). One program per (value head, ``Dv`` tile,
+sequence); the sequences' states are read in place from a table through their slots. Nothing is
+read on the host: a pass calling it can be captured.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from native.tree_delta_rule import _on_device_of
 __all__ = ["MAX_ROWS", "tree_chunk_delta"]
 
 MAX_ROWS = 64  # the most rows a sequence may have here: BT x BT tiles above that outgrow the registers
-KERNEL_NAME = "tree_chunk_delta"  # for SPLITSPEC_NATIVE_OFF
+KERNEL_NAME = "tree_chunk_delta"  # for SPLITSPEC_NATIVE_ON (off by default) and SPLITSPEC_NATIVE_OFF
 
 
 @triton.jit
@@ -74,6 +76,7 @@ def _tree_chunk_kernel(
     RAGGED: tl.constexpr,
     INDEXED: tl.constexpr,
     PRECISION: tl.constexpr,  # tl.dot's input_precision for the products of float32 values
+    KEY_PRECISION: tl.constexpr,  # and for q.k products
 ):
     head = tl.program_id(0)
     key_head = head // GROUP
@@ -96,8 +99,8 @@ def _tree_chunk_kernel(
     local = tl.arange(0, BT)  # [BT]
     rows = start + local  # [BT]
     live = rows < end
-    Q = tl.load(q + rows[:, None] * q_row + key_head * DK + keys[None, :], mask=live[:, None] & key_ok[None, :], other=0.0).to(tl.float32)  # [BT, BK]
-    K = tl.load(k + rows[:, None] * k_row + key_head * DK + keys[None, :], mask=live[:, None] & key_ok[None, :], other=0.0).to(tl.float32)  # [BT, BK]
+    Q = tl.load(q + rows[:, None] * q_row + key_head * DK + keys[None, :], mask=live[:, None] & key_ok[None, :], other=0.0)  # [BT, BK]
+    K = tl.load(k + rows[:, None] * k_row + key_head * DK + keys[None, :], mask=live[:, None] & key_ok[None, :], other=0.0)  # [BT, BK]
     V = tl.load(v + rows[:, None] * v_row + head * DV + cols[None, :], mask=live[:, None] & col_ok[None, :], other=0.0).to(tl.float32)  # [BT, BV]
     gl = tl.load(g + rows * H + head, mask=live, other=0.0).to(tl.float32)  # [BT]
     bl = tl.load(beta + rows * H + head, mask=live, other=0.0).to(tl.float32)  # [BT]
@@ -110,14 +113,20 @@ def _tree_chunk_kernel(
     # Its entries are small integers, exact in any dot precision.
     reach = tl.where(eye | (up[:, None] == local[None, :]), 1.0, 0.0)  # [BT, BT]
     for _ in tl.static_range(LOG_BT):
-        reach = tl.where(tl.dot(reach, reach) > 0.5, 1.0, 0.0)
+        reach = tl.where(tl.dot(reach, reach, input_precision="tf32") > 0.5, 1.0, 0.0)
     ancestor = reach > 0.5  # [BT, BT]
     G = tl.sum(reach * gl[None, :], axis=1)  # [BT] log-decay from the state before the block, row included
     decay = tl.where(ancestor, tl.exp(tl.where(ancestor, G[:, None] - G[None, :], 0.0)), 0.0)  # [BT, BT] D
-    kk = tl.dot(K, tl.trans(K), input_precision=PRECISION)  # [BT, BT]
+    # q.k products in KEY_PRECISION: tf32 where q and k are bfloat16, whose 8-bit significands
+    # tf32's 11 hold exactly (the products are then exact, the sums float32).
+    Q, K = Q.to(tl.float32), K.to(tl.float32)
+    kk = tl.dot(K, tl.trans(K), input_precision=KEY_PRECISION)  # [BT, BT]
+    qk = tl.dot(Q, tl.trans(K), input_precision=KEY_PRECISION)  # [BT, BT]
+    ks = tl.dot(K, s0, input_precision=PRECISION)  # [BT, BV]
+    qs = tl.dot(Q, s0, input_precision=PRECISION)  # [BT, BV]
     lower = tl.where(ancestor & ~eye, bl[:, None] * kk * decay, 0.0)  # [BT, BT] L
     grown = tl.exp(G)  # [BT]
-    rhs = bl[:, None] * (V - grown[:, None] * tl.dot(K, s0, input_precision=PRECISION))  # [BT, BV]
+    rhs = bl[:, None] * (V - grown[:, None] * ks)  # [BT, BV]
     # (I + L)^{-1} by doubling blocks: X_1 = I (I + L's 1 x 1 diagonal blocks are 1).
     inverse = tl.where(eye, 1.0, 0.0)  # [BT, BT]
     for level in tl.static_range(LOG_BT):
@@ -126,8 +135,7 @@ def _tree_chunk_kernel(
         c = tl.where(between, lower, 0.0)
         inverse = inverse - tl.dot(inverse, tl.dot(c, inverse, input_precision=PRECISION), input_precision=PRECISION)
     w = tl.dot(inverse, rhs, input_precision=PRECISION)  # [BT, BV] the corrections
-    qk = tl.dot(Q, tl.trans(K), input_precision=PRECISION)  # [BT, BT]
-    o = grown[:, None] * tl.dot(Q, s0, input_precision=PRECISION) + tl.dot(qk * decay, w, input_precision=PRECISION)
+    o = grown[:, None] * qs + tl.dot(qk * decay, w, input_precision=PRECISION)
     tl.store(out + (rows[:, None] * H + head) * DV + cols[None, :], o, mask=live[:, None] & col_ok[None, :])
 
 
@@ -145,7 +153,7 @@ def tree_chunk_delta(
     state_index: torch.Tensor | None = None,  # [S] int64: sequence s starts from state[state_index[s]]
     block_v: int | None = None,
     num_warps: int | None = None,
-    precision: str = "ieee",
+    precision: str = "tf32x3",
 ) -> torch.Tensor:
     """The outputs ``[T, H, Dv]`` (float32) of :func:`native.tree_delta_rule.tree_gated_delta` on
     the same arguments, from the chunked form (module docstring); no states. ``max_rows`` (at most
@@ -170,7 +178,7 @@ def tree_chunk_delta(
 
         offsets = _sequence_offsets(parents, num_seqs)
     block_t = max(16, triton.next_power_of_2(max_rows))
-    block_v = max(16, min(block_v or 64, triton.next_power_of_2(dv)))
+    block_v = max(16, min(block_v or 128, triton.next_power_of_2(dv)))
     unread = parents  # a pointer for the arguments a variant does not read
     with _on_device_of(v):
         _tree_chunk_kernel[(heads, triton.cdiv(dv, block_v), num_seqs)](
@@ -181,6 +189,7 @@ def tree_chunk_delta(
             out, q.stride(0), k.stride(0), v.stride(0), num_rows, heads, heads // key_heads,
             DK=dk, DV=dv, BK=max(16, triton.next_power_of_2(dk)), BV=block_v, BT=block_t,
             LOG_BT=block_t.bit_length() - 1, RAGGED=offsets is not None, INDEXED=state_index is not None,
-            PRECISION=precision, num_warps=num_warps or 4,
+            PRECISION=precision, KEY_PRECISION="tf32" if q.dtype == k.dtype == torch.bfloat16 else precision,
+            num_warps=num_warps or 8,
         )
     return out

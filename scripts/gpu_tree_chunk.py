@@ -3,19 +3,23 @@
 served it before), at the Qwen3.5-27B DeltaNet geometry (48 value heads over 16 key heads, 128 x
 128 float32 states read from a slot table), on random inputs (benchmark-only).
 
-Usage (a CUDA machine; about a minute): python3 scripts/gpu_tree_chunk.py
-Prints, per block (one sequence's best-first tree of budget 16, 22, 32 or 63, and 8 or 32
-sequences of a budget-22 tree each), the walk's time and each chunked variant's (``tl.dot``
-precision ieee or tf32x3, Dv tile 32 / 64 / 128, 4 or 8 warps: median ms of 30 calls, CUDA
-events), and each one's largest output error against the float64 walk in torch, over the
-largest output. Writes ``$OUT/tree_chunk.json``; the last line is PASS (every variant within
-1e-5 of the largest output) or FAIL.
+Usage (a CUDA machine; each variant compiles for about 10 s a row bucket, 32 and 64):
+    python3 scripts/gpu_tree_chunk.py   (VARIANTS=tf32x3/128/8 BLOCKS="1 x b22,32 x b22" for fewer)
+Prints, per block (one sequence's best-first tree of budget 22 or 63, and 8 or 32 sequences of a
+budget-22 tree each), the walk's time and each chunked variant's (``tl.dot`` precision of its
+float32 products, Dv tile, warps), and each one's largest output error against the float64 walk
+in torch, over the largest output. Times are a call's share of a CUDA graph of 20 calls (median
+of 10 replays), as a captured pass runs them: timed call by call, the wrappers' launches made
+the walk look 5x slower than in the 27B step (BENCHMARKS.md [T11]). Writes
+``$OUT/tree_chunk.json``; the last line is PASS (every variant within 1e-5 of the largest output)
+or FAIL.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
 from pathlib import Path
 
@@ -25,14 +29,39 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gpu_tree_delta import timed, tree_parents  # noqa: E402
+from gpu_tree_delta import tree_parents  # noqa: E402
 
 from native.tree_chunk_delta import tree_chunk_delta  # noqa: E402
 from native.tree_delta_rule import tree_gated_delta  # noqa: E402
 from splitspec.models.delta_rule import batch_parents, gated_delta_tree, l2_normalize, reloaded_rows  # noqa: E402
 
 HEADS, KEY_HEADS, DK, DV, SLOTS = 48, 16, 128, 128, 40
-VARIANTS = [(p, bv, w) for p in ("ieee", "tf32x3") for bv in (32, 64, 128) for w in (4, 8)]
+VARIANTS = [("tf32x3", bv, w) for bv in (64, 128) for w in (4, 8)] + [("ieee", 64, 8)]
+if os.environ.get("VARIANTS"):  # e.g. tf32x3/128/8,tf32x3/64/4 (each variant compiles for ~10 s)
+    VARIANTS = [(p, int(bv), int(w)) for p, bv, w in (x.split("/") for x in os.environ["VARIANTS"].split(","))]
+
+
+def graphed_ms(fn, calls: int = 20, reps: int = 10) -> float:
+    """Median ms a call of ``fn`` takes replayed from a CUDA graph of ``calls`` calls."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile and warm up outside the capture
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return statistics.median(times)
 
 
 def block(budgets: list[int], rng, device):
@@ -48,7 +77,9 @@ def main() -> int:
     rng = np.random.default_rng(0)
     table = 0.1 * torch.randn(SLOTS, HEADS, DK, DV, generator=gen, device=device)
     print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
-    blocks = {f"1 x b{b}": [b] for b in (16, 22, 32, 63)} | {"8 x b22": [22] * 8, "32 x b22": [22] * 32}
+    blocks = {f"1 x b{b}": [b] for b in (22, 63)} | {"8 x b22": [22] * 8, "32 x b22": [22] * 32}
+    if os.environ.get("BLOCKS"):  # e.g. "1 x b22,32 x b22"
+        blocks = {name: blocks[name] for name in os.environ["BLOCKS"].split(",")}
     results, ok = [], True
     for name, budgets in blocks.items():
         parents, offsets, max_rows = block(budgets, rng, device)
@@ -68,7 +99,7 @@ def main() -> int:
             return tree_gated_delta(q, k, v, g, beta, table, parents, torch.float32, offsets, state_index=slots, keep=keep)[0]
 
         row = {"block": name, "rows": n, "max_rows": max_rows, "walk_err": (walk().double() - exact).abs().max().item() / scale,
-               "walk_ms": timed(walk)}
+               "walk_ms": graphed_ms(walk)}
         line = f"{name:<9} rows {n:4d}: walk {row['walk_ms']:.3f} ms (err {row['walk_err']:.1e})"
         for precision, block_v, warps in VARIANTS:
             def chunked():
@@ -76,7 +107,7 @@ def main() -> int:
                                         block_v=block_v, num_warps=warps, precision=precision)  # noqa: B023 - called now
             try:
                 err = (chunked().double() - exact).abs().max().item() / scale
-                ms = timed(chunked)
+                ms = graphed_ms(chunked)
             except Exception as exc:  # noqa: BLE001 - one variant's failure (registers, shared memory) must not end the run
                 print(f"  {precision} BV {block_v} w{warps}: FAILED {str(exc)[-300:]}", flush=True)
                 continue

@@ -350,16 +350,19 @@ def tree_outputs(
     levels: int = 0,
 ) -> torch.Tensor:
     """A tree pass's outputs ``[T, H, Dv]`` alone (its states are not needed: the commit
-    recomputes the accepted path's). Where the kernels run, states are stored in float32 and a
-    sequence has 2 to ``native.tree_chunk_delta.MAX_ROWS`` rows (``max_rows``, from the pass's
-    shape), by the chunked form over the tree (:mod:`native.tree_chunk_delta`: products over the
-    block instead of a walk over its rows; ``SPLITSPEC_NATIVE_OFF=tree_chunk_delta`` turns it off);
-    otherwise :func:`gated_delta` with ``keep`` (:func:`reloaded_rows`) and the other arguments
-    as there. Other storage dtypes keep the walk, which rounds each row's state to them."""
+    recomputes the accepted path's): :func:`gated_delta` with ``keep`` (:func:`reloaded_rows`) and
+    the other arguments as there. With ``SPLITSPEC_NATIVE_ON=tree_chunk_delta``, where the kernels
+    run, states are stored in float32 and a sequence has 2 to ``native.tree_chunk_delta.MAX_ROWS``
+    rows (``max_rows``, from the pass's shape), by the chunked form over the tree instead
+    (:mod:`native.tree_chunk_delta`: products over the block in place of a walk over its rows).
+    It is off by default: on an H100 it made the 27B's verify b22 pass 26.7 ms against the walk's
+    20.3 and a 32-sequence pass 286 ms against 146 (BENCHMARKS.md [T11]). Other storage dtypes
+    would keep the walk in any case, which rounds each row's state to them."""
     if native_kernels_for(v) and store_dtype == torch.float32 and state.dtype == torch.float32:
+        from native import switched_on
         from native.tree_chunk_delta import KERNEL_NAME, MAX_ROWS, tree_chunk_delta
 
-        if 2 <= max_rows <= MAX_ROWS and use_triton(v, KERNEL_NAME):
+        if 2 <= max_rows <= MAX_ROWS and switched_on(KERNEL_NAME) and use_triton(v, KERNEL_NAME):
             return tree_chunk_delta(q, k, v, g, beta, state, parents, max_rows, offsets, state_index=state_index)
     return gated_delta(q, k, v, g, beta, state, parents, store_dtype, offsets, state_index=state_index, keep=keep,
                        depths=depths, levels=levels)[0]

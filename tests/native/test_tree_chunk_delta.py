@@ -1,6 +1,7 @@
 """The chunked tree delta rule (native.tree_chunk_delta) against the row walk's torch reference
 (splitspec.models.delta_rule.gated_delta_tree) under Triton's interpreter, and the dispatch of a
-tree pass's outputs (delta_rule.tree_outputs) between it and the walk."""
+tree pass's outputs (delta_rule.tree_outputs) between it and the walk (the chunked form only with
+SPLITSPEC_NATIVE_ON=tree_chunk_delta)."""
 
 from __future__ import annotations
 
@@ -140,17 +141,22 @@ def _counting(monkeypatch) -> dict:
     return calls
 
 
+ON = "tree_chunk_delta"
+
+
 @pytest.mark.parametrize(
-    "store_dtype, max_rows, off, expected",
+    "store_dtype, max_rows, on, off, expected",
     [
-        (torch.float32, 9, "", "chunk"),
-        (torch.bfloat16, 9, "", "walk"),  # the walk rounds each row's state to the storage dtype
-        (torch.float32, 1, "", "walk"),  # a decode step: one row
-        (torch.float32, 65, "", "walk"),  # past MAX_ROWS
-        (torch.float32, 9, "tree_chunk_delta", "walk"),
+        (torch.float32, 9, ON, "", "chunk"),
+        (torch.float32, 9, "", "", "walk"),  # off unless asked for
+        (torch.bfloat16, 9, ON, "", "walk"),  # the walk rounds each row's state to the storage dtype
+        (torch.float32, 1, ON, "", "walk"),  # a decode step: one row
+        (torch.float32, 65, ON, "", "walk"),  # past MAX_ROWS
+        (torch.float32, 9, ON, ON, "walk"),  # SPLITSPEC_NATIVE_OFF wins
     ],
 )
-def test_tree_outputs_dispatch(monkeypatch, store_dtype, max_rows, off, expected):
+def test_tree_outputs_dispatch(monkeypatch, store_dtype, max_rows, on, off, expected):
+    monkeypatch.setenv("SPLITSPEC_NATIVE_ON", on)
     monkeypatch.setenv("SPLITSPEC_NATIVE_OFF", off)
     calls = _counting(monkeypatch)
     rng, gen = np.random.default_rng(7), torch.Generator().manual_seed(7)
@@ -164,3 +170,17 @@ def test_tree_outputs_dispatch(monkeypatch, store_dtype, max_rows, off, expected
     ref = reference(q, k, v, g, beta, state[0].float(), parents)
     tolerance = 1e-3 if store_dtype == torch.bfloat16 else 2e-5
     torch.testing.assert_close(out, ref, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("kind", ["deep", "random"])
+def test_bfloat16_inputs_take_exact_products(kind):
+    """bf16 q, k and v (as a served pass hands them over) and a float32 state: the bf16 dots and
+    the state's three bf16 parts give the float64 walk's outputs to float32 accuracy."""
+    rng, gen = np.random.default_rng(8), torch.Generator().manual_seed(8)
+    parents = parents_of(kind, 23, rng)
+    q, k, v, g, beta = inputs(gen, 23)
+    q, k, v = (x.bfloat16() for x in (q, k, v))
+    state = torch.randn(HEADS, DK, DV, generator=gen)
+    exact = reference(*(x.double() for x in (q, k, v, g, beta, state)), parents)
+    out = chunk.tree_chunk_delta(q, k, v, g, beta, state, parents, 23)
+    assert (out.double() - exact).abs().max().item() < 2e-6 * exact.abs().max().item()

@@ -142,8 +142,7 @@ def test_fixed_shape_passes_equal_the_eager_ones(model, path, monkeypatch):
 def test_tree_passes_on_the_chunked_kernel_give_the_torch_logits(model, monkeypatch):
     """A fixed-shape pass of three sequences (a budget-22 tree, a chain, a decode step), then a
     second tree pass after committing: the DeltaNet outputs from the chunked tree kernel
-    (native.tree_chunk_delta, every tree pass's with float32 states) give the logits and committed
-    states of the torch walk."""
+    (native.tree_chunk_delta, turned on) give the logits and committed states of the torch walk."""
     from native import tree_chunk_delta
 
     calls, chunked = [], tree_chunk_delta.tree_chunk_delta
@@ -155,6 +154,7 @@ def test_tree_passes_on_the_chunked_kernel_give_the_torch_logits(model, monkeypa
             if path == "kernels":
                 m.setenv("SPLITSPEC_NATIVE_CPU", "1")
                 m.setenv("SPLITSPEC_NATIVE_OFF", OTHER_KERNELS)
+                m.setenv("SPLITSPEC_NATIVE_ON", "tree_chunk_delta")
             engine = TargetEngine(model, fixed_shapes=True)
             step_rng = np.random.default_rng(11)
             for sid, length in zip(("a", "b", "c"), (12, 30, 5)):
