@@ -29,8 +29,9 @@ the parent matrix by squaring. All are ``tl.dot`` on ``[BT, BT]``, ``[BT, Dk]`` 
 It equals the row walk up to float32 rounding where states are stored in float32 (the walk
 rounds each row's state to the storage dtype; this form keeps none), so the dispatcher
 (:func:`splitspec.models.delta_rule.tree_outputs`) would use it only then; it does so only with
-``SPLITSPEC_NATIVE_ON=tree_chunk_delta``, since on an H100 it ran 5x slower a layer than the walk
-in the 27B's verify pass (BENCHMARKS.md [T11]). One program per (value head, ``Dv`` tile,
+``SPLITSPEC_NATIVE_ON=tree_chunk_delta``, since on an H100 its first configuration (``ieee``
+products, ``Dv`` tiles of 64, 4 warps) ran 5x slower a layer than the walk in the 27B's verify
+pass (BENCHMARKS.md [T11]); the defaults since are not measured yet. One program per (value head, ``Dv`` tile,
 sequence); the sequences' states are read in place from a table through their slots. Nothing is
 read on the host: a pass calling it can be captured.
 """

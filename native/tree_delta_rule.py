@@ -61,14 +61,19 @@ def _rounded(x, dtype: tl.constexpr):
 @triton.jit
 def _conv_silu_kernel(
     history,  # [S, K-1, C]
-    inputs,  # [T, C]
+    inputs,  # [T, C] rows in_row elements apart
     ancestors,  # [T, K] int64
     weight,  # [C, K]
     out,  # [T, C]
+    kept_inputs,  # [T, C] a copy of inputs (written only with KEEP)
+    kept_values,  # [T, C - V_START] a copy of out's channels V_START.. (written only with KEEP)
     C,
+    in_row,
+    V_START,
     K: tl.constexpr,
     BLOCK_C: tl.constexpr,
     BATCHED: tl.constexpr,  # histories of several sequences: virtual rows need the sequence decoded
+    KEEP: tl.constexpr,
 ):
     row = tl.program_id(0)
     channels = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -85,12 +90,15 @@ def _conv_silu_kernel(
         else:
             past = tl.maximum(a + K - 1, 0)
         # Both indices clamped in range; the masks pick the one that applies.
-        x_block = tl.load(inputs + tl.maximum(a, 0) * C + channels, mask=valid & in_block, other=0.0)
+        x_block = tl.load(inputs + tl.maximum(a, 0) * in_row + channels, mask=valid & in_block, other=0.0)
         x_history = tl.load(history + past * C + channels, mask=valid & (a < 0), other=0.0)
         w = tl.load(weight + channels * K + tap, mask=valid, other=0.0)
         acc += (x_block.to(tl.float32) + x_history.to(tl.float32)) * w.to(tl.float32)
-    y = acc * tl.sigmoid(acc)
-    tl.store(out + row * C + channels, _rounded(y, out.dtype.element_ty), mask=valid)
+    y = _rounded(acc * tl.sigmoid(acc), out.dtype.element_ty)
+    tl.store(out + row * C + channels, y, mask=valid)
+    if KEEP:  # the row's own input is tap K - 1's load; read again here, from L1
+        tl.store(kept_inputs + row * C + channels, tl.load(inputs + row * in_row + channels, mask=valid), mask=valid)
+        tl.store(kept_values + row * (C - V_START) + channels - V_START, y, mask=valid & (channels >= V_START))
 
 
 def tree_conv_silu(
@@ -99,9 +107,14 @@ def tree_conv_silu(
     ancestors: torch.Tensor,  # [T, K] int64, see delta_rule.ancestor_table
     weight: torch.Tensor,  # [C, K], oldest tap first
     block_c: int = 512,
+    *,
+    keep: tuple[torch.Tensor, torch.Tensor] | None = None,  # ([T, C], [T, V]) contiguous, inputs.dtype
 ) -> torch.Tensor:
     """``SiLU(sum_k window[t, k] * weight[:, k])`` for every row ``t``: ``[T, C]`` in ``inputs.dtype``,
-    accumulated in float32 (the torch reference rounds each product to ``inputs.dtype`` first)."""
+    accumulated in float32 (the torch reference rounds each product to ``inputs.dtype`` first).
+    ``inputs`` may have its rows apart (a slice of a fused projection's output). ``keep``: the
+    same launch also writes a copy of ``inputs`` and of the output's last ``V`` channels there
+    (what a tree pass keeps of the rows, ``TreeRows``), saving a tree pass two copies a layer."""
     num_rows, channels = inputs.shape
     width = weight.shape[1]
     if (
@@ -112,15 +125,24 @@ def tree_conv_silu(
             f"tree_conv_silu: history {tuple(history.shape)}, inputs {tuple(inputs.shape)}, ancestors "
             f"{tuple(ancestors.shape)} and weight {tuple(weight.shape)} disagree"
         )
-    out = torch.empty_like(inputs)
+    if keep is not None and (
+        keep[0].shape != inputs.shape or keep[1].shape[0] != num_rows or not 0 < keep[1].shape[1] <= channels
+        or any(x.dtype != inputs.dtype or not x.is_contiguous() for x in keep)
+    ):
+        raise ValueError(f"tree_conv_silu: keep {[tuple(x.shape) for x in keep]} does not fit inputs {tuple(inputs.shape)}")
+    out = torch.empty(num_rows, channels, dtype=inputs.dtype, device=inputs.device)
     if num_rows == 0:
         return out
-    history, inputs, ancestors, weight = (x.contiguous() for x in (history.to(inputs.dtype), inputs, ancestors.long(), weight))
+    if inputs.stride(-1) != 1:
+        inputs = inputs.contiguous()
+    history, ancestors, weight = (x.contiguous() for x in (history.to(inputs.dtype), ancestors.long(), weight))
     block_c = min(block_c, triton.next_power_of_2(channels))
+    kept_inputs, kept_values = keep if keep is not None else (out, out)  # pointers the kernel does not write without KEEP
     with _on_device_of(inputs):
         _conv_silu_kernel[(num_rows, triton.cdiv(channels, block_c))](
-            history, inputs, ancestors, weight, out, channels, K=width, BLOCK_C=block_c,
-            BATCHED=history.dim() == 3 and history.shape[0] > 1,
+            history, inputs, ancestors, weight, out, kept_inputs, kept_values, channels, inputs.stride(0),
+            channels - kept_values.shape[1] if keep is not None else channels, K=width, BLOCK_C=block_c,
+            BATCHED=history.dim() == 3 and history.shape[0] > 1, KEEP=keep is not None,
         )
     return out
 

@@ -302,13 +302,22 @@ def native_kernels_for(x: torch.Tensor) -> bool:
     return use_triton(x) and x.dtype != torch.float64
 
 
-def conv_silu(history: torch.Tensor, inputs: torch.Tensor, ancestors: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """:func:`conv_silu_reference`, by a Triton kernel where :func:`native_kernels_for` says so."""
+def conv_silu(
+    history: torch.Tensor, inputs: torch.Tensor, ancestors: torch.Tensor, weight: torch.Tensor,
+    keep: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """:func:`conv_silu_reference`, by a Triton kernel where :func:`native_kernels_for` says so.
+    ``keep``: ``[T, C]`` and ``[T, V]`` tensors that also get a copy of ``inputs`` and of the
+    output's last ``V`` channels (by the kernel's own launch where it runs)."""
     if native_kernels_for(inputs):
         from native.tree_delta_rule import tree_conv_silu
 
-        return tree_conv_silu(history, inputs, ancestors, weight)
-    return conv_silu_reference(history, inputs, ancestors, weight)
+        return tree_conv_silu(history, inputs, ancestors, weight, keep=keep)
+    out = conv_silu_reference(history, inputs, ancestors, weight)
+    if keep is not None:
+        keep[0].copy_(inputs)
+        keep[1].copy_(out[:, out.shape[1] - keep[1].shape[1]:])
+    return out
 
 
 def gated_delta(

@@ -254,6 +254,11 @@ class TreeRows:
         straight away (``record`` then has nothing to copy)."""
         return self.keys[layer], self.decays[layer], self.betas[layer]
 
+    def conv_buffers(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s conv inputs ``[T, C]`` and values ``[T, Hv * Dv]``: where the conv
+        writes them as it runs (``GatedDeltaNet.project``'s ``keep``)."""
+        return self.conv_inputs[layer], self.values[layer].flatten(1)
+
     def record(self, layer: int, d: DeltaInputs) -> None:
         """Keep DeltaNet layer ``layer``'s rows (copies: the buffers may be a captured pass's),
         but for those already written in place."""
@@ -450,10 +455,12 @@ class GatedDeltaNet(nn.Module):
 
     def project(
         self, x: torch.Tensor, history: torch.Tensor, ancestors: torch.Tensor, into: tuple[torch.Tensor, ...] | None = None,
+        keep: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> DeltaInputs:
         """The delta rule's inputs of rows ``x`` [T, hidden] (normed), the conv reading ``history``
         [(S,) K-1, C] and the rows' ``ancestors`` [T, K]. q and k keep their key heads. ``into``:
-        where ``gates`` writes k, g and beta (``TreeRows.gate_buffers``)."""
+        where ``gates`` writes k, g and beta (``TreeRows.gate_buffers``); ``keep``: where the conv
+        writes the conv inputs and v (``TreeRows.conv_buffers``), which the result then holds."""
         c, t = self.config, x.shape[0]
         nv = c.linear_num_value_heads
         if self._in_proj is not None:
@@ -463,9 +470,12 @@ class GatedDeltaNet(nn.Module):
             z, b, a = self._in_proj_zba(x).split([c.value_dim, nv, nv], dim=-1)
         else:
             inputs, z, b, a = self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
-        mixed = conv_silu(history, inputs, ancestors, self.conv_weight)  # [T, C] compute dtype
+        mixed = conv_silu(history, inputs, ancestors, self.conv_weight, keep)  # [T, C] compute dtype
         q, k, beta, g = self.gates(mixed, b, a, into)
-        v = mixed[:, 2 * c.key_dim:]
+        if keep is not None:
+            inputs, v = keep
+        else:
+            v = mixed[:, 2 * c.key_dim:]
         return DeltaInputs(inputs, q, k, v.view(t, -1, c.linear_value_head_dim), g, beta, z)
 
     def gates(
@@ -683,8 +693,9 @@ class Qwen35ForCausalLM(nn.Module):
             depths = torch.where(real, inputs.positions - inputs.starts[sequence], -1)
 
         def delta(layer: int, net: GatedDeltaNet, x: torch.Tensor) -> torch.Tensor:
-            # histories [B, K-1, C]; k, g and beta written straight into what the pass keeps
-            d = net.project(x, slots.conv[layer].index_select(0, seq_slots), ancestors, pending.gate_buffers(layer))
+            # histories [B, K-1, C]; k, g, beta, the conv inputs and v written straight into what the pass keeps
+            d = net.project(x, slots.conv[layer].index_select(0, seq_slots), ancestors, pending.gate_buffers(layer),
+                            pending.conv_buffers(layer))
             out = tree_outputs(  # q and k in key heads (the torch path repeats them per value head)
                 d.q, d.k, d.v, d.g, d.beta, slots.recurrent[layer], inputs.parents,
                 slots.recurrent.dtype, inputs.offsets, max_rows=block_rows, state_index=seq_slots, keep=keep,

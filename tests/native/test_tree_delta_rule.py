@@ -238,6 +238,36 @@ def test_batched_tree_conv_silu_equals_per_sequence_calls(width, dtype):
         torch.testing.assert_close(out[rows], own, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dispatch", ["kernel", "torch"])
+def test_tree_conv_keeps_inputs_and_values_from_strided_rows(dispatch, monkeypatch):
+    """Inputs sliced from a wider projection output (rows apart), as a tree pass hands them over:
+    the same output as from a packed copy, and ``keep`` gets the inputs and the output's last
+    channels (the values), on the kernel and on the torch path alike."""
+    if dispatch == "torch":
+        monkeypatch.delenv("SPLITSPEC_NATIVE_CPU")
+    gen = torch.Generator().manual_seed(21)
+    parents, _ = batch_parents([tree_parents("deep", 7, np.random.default_rng(2)), chain_parents(3)])
+    channels, width, values = 20, 4, 8
+    projected = torch.randn(len(parents), channels + 5, generator=gen)  # [T, C + 5]: inputs are its first C columns
+    inputs = projected[:, :channels]
+    history = torch.randn(2, width - 1, channels, generator=gen)
+    weight = torch.randn(channels, width, generator=gen)
+    ancestors = ancestor_table(parents, width)
+    keep = (torch.full((len(parents), channels), float("nan")), torch.full((len(parents), values), float("nan")))
+    out = delta_rule.conv_silu(history, inputs, ancestors, weight, keep)
+    ref = conv_silu_reference(history, inputs.contiguous(), ancestors, weight)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert torch.equal(keep[0], inputs)
+    assert torch.equal(keep[1], out[:, channels - values:])
+
+
+def test_tree_conv_refuses_keep_buffers_that_do_not_fit():
+    inputs = torch.randn(3, 12)
+    with pytest.raises(ValueError, match="keep"):
+        native.tree_conv_silu(torch.zeros(3, 12), inputs, ancestor_table(chain_parents(3), 4), torch.randn(12, 4),
+                              keep=(torch.empty(3, 12), torch.empty(3, 13)))
+
+
 def test_dispatch_runs_batches_on_the_kernels(monkeypatch):
     """delta_rule.conv_silu and gated_delta hand ``[S, ...]`` histories, states and offsets to the kernels."""
     rng, gen = np.random.default_rng(13), torch.Generator().manual_seed(13)
@@ -248,9 +278,9 @@ def test_dispatch_runs_batches_on_the_kernels(monkeypatch):
     def counted(name):
         kernel = getattr(native, name)
 
-        def wrapper(*args):
+        def wrapper(*args, **kwargs):
             calls.append(name)
-            return kernel(*args)
+            return kernel(*args, **kwargs)
         return wrapper
 
     for name in ("tree_conv_silu", "tree_gated_delta"):
