@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from native.tree_delta_rule import _on_device_of
+from native.tree_delta_rule import _on_device_of, _packed_block
 
 __all__ = ["MAX_ROWS", "tree_chunk_delta"]
 
@@ -171,13 +171,8 @@ def tree_chunk_delta(
     out = (torch.zeros if offsets is not None else torch.empty)(num_rows, heads, dv, dtype=torch.float32, device=v.device)
     if num_rows == 0:
         return out
-    q, k, v = (x if x.stride(-1) == 1 and x.stride(-2) == x.shape[-1] else x.contiguous() for x in (q, k, v))
-    g, beta, parents = (x.contiguous() for x in (g, beta, parents.long()))
+    q, k, v, g, beta, parents, offsets = _packed_block(q, k, v, g, beta, parents, offsets, num_seqs, state_index)
     initial = state.contiguous()
-    if offsets is None and (num_seqs > 1 or state_index is not None):
-        from native.tree_delta_rule import _sequence_offsets
-
-        offsets = _sequence_offsets(parents, num_seqs)
     block_t = max(16, triton.next_power_of_2(max_rows))
     block_v = max(16, min(block_v or 128, triton.next_power_of_2(dv)))
     unread = parents  # a pointer for the arguments a variant does not read

@@ -255,6 +255,18 @@ def _sequence_offsets(parents: torch.Tensor, num_seqs: int) -> torch.Tensor:
     return torch.where(starts >= sequences[:, None], rows, parents.shape[0]).amin(1)
 
 
+def _packed_block(q, k, v, g, beta, parents, offsets, num_seqs: int, state_index):
+    """A block's delta-rule inputs as the tree kernels read them: q, k, v may stay views with rows
+    apart (v is a slice of the conv output; only heads and dims need to be packed), the rest
+    contiguous, and the sequences' ``offsets`` derived from ``parents`` where several sequences
+    (or a state table) need them and the caller gave none."""
+    q, k, v = (x if x.stride(-1) == 1 and x.stride(-2) == x.shape[-1] else x.contiguous() for x in (q, k, v))
+    g, beta, parents = (x.contiguous() for x in (g, beta, parents.long()))
+    if offsets is None and (num_seqs > 1 or state_index is not None):
+        offsets = _sequence_offsets(parents, num_seqs)
+    return q, k, v, g, beta, parents, offsets
+
+
 def tree_gated_delta(
     q: torch.Tensor,  # [T, H / G, Dk] normalised and scaled: value head h reads key head h // G
     k: torch.Tensor,  # [T, H / G, Dk] normalised
@@ -311,13 +323,8 @@ def tree_gated_delta(
     states = torch.empty(num_rows, heads, dk, dv, dtype=store_dtype, device=v.device)
     if num_rows == 0:
         return out, states
-    # q, k, v may be views with rows apart (v is a slice of the conv output): only heads and dims
-    # need to be packed.
-    q, k, v = (x if x.stride(-1) == 1 and x.stride(-2) == x.shape[-1] else x.contiguous() for x in (q, k, v))
-    g, beta, parents = (x.contiguous() for x in (g, beta, parents.long()))
+    q, k, v, g, beta, parents, offsets = _packed_block(q, k, v, g, beta, parents, offsets, num_seqs, state_index)
     initial = state.to(store_dtype).contiguous()
-    if offsets is None and (num_seqs > 1 or state_index is not None):
-        offsets = _sequence_offsets(parents, num_seqs)
     ragged = offsets is not None
     if num_seqs == 1:
         block_v, num_warps = block_v or 16, num_warps or 4
