@@ -244,8 +244,8 @@ void by_32_rows(const at::Tensor& x, const at::Tensor& out, Launch&& launch) {
 // The end of a program of the A-operand kernels (gguf_q4k.cu, gguf_q6k.cu): lane (g, c)'s
 // accumulators of NB n-tiles of its warp's 16 features from n0 (C of n-tile nb: features g for
 // e < 2, g + 8 for e >= 2; rows 8 nb + 2c + e % 2) into `out`, or with splits > 1 into
-// partial[split] and through add_splits. Called by every thread of the block.
-template <int NB>
+// partial[split] and through add_splits. Called by every thread of the block (Warps warps).
+template <int NB, int Warps = kWarps>
 __device__ __forceinline__ void store_c(const float (&acc)[NB][4], __nv_bfloat16* __restrict__ out, float* __restrict__ partial,
                                         int* __restrict__ counters, int M, int N, int n0, int g, int c, int split, int splits) {
   float* mine = splits == 1 ? nullptr : partial + static_cast<int64_t>(split) * M * N;
@@ -258,7 +258,7 @@ __device__ __forceinline__ void store_c(const float (&acc)[NB][4], __nv_bfloat16
       if (splits == 1) out[static_cast<int64_t>(m) * N + n] = __float2bfloat16_rn(acc[nb][e]);
       else mine[static_cast<int64_t>(m) * N + n] = acc[nb][e];
     }
-  if (splits > 1) add_splits(partial, out, counters, M, N, blockIdx.x * kWarps * 16, kWarps * 16, splits);
+  if (splits > 1) add_splits(partial, out, counters, M, N, blockIdx.x * Warps * 16, Warps * 16, splits);
 }
 
 }  // namespace mma_common

@@ -22,8 +22,9 @@ a super-block. A launch before the matmul writes x as fp16 scaled by a power of 
 256 values (so fp16's range holds every value and sum) in the operand's order; on sm_90 the
 matmul is launched as that launch's programmatic dependent, so its blocks start and load their
 first weights while x is prepared (about 4% of the 27B decode step on an H100, BENCHMARKS.md).
-From 17 rows a block copies each super-block's x into shared memory once for its four warps
-(``XStages`` in ``gguf_mma.cuh``: 7-17% off the 27B verify's 23-row calls, BENCHMARKS.md [Z2]).
+From 17 rows a block copies each super-block's x into shared memory once for its warps
+(``XStages`` in ``gguf_mma.cuh``: 7-17% off the 27B verify's 23-row calls, BENCHMARKS.md [Z2]),
+six of them on Q4_K's interleaved blocks (8-17% off again at 23-32 rows, [K10]).
 
 **IQ4_XS** (``gguf_mma.cu``): each lane expands its bytes to float32 in registers (a byte
 permute, a subtract and one fused multiply-add a value, exact as the dequantizer's arithmetic)

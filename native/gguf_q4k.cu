@@ -207,18 +207,25 @@ __device__ __forceinline__ void accumulate(float (&acc)[NB][4], Q4K (&f)[2], con
   }
 }
 
-// One program: kWarps warps x 16 features, K super-blocks [split's range), NB n-tiles of 8 x rows.
+// Warps a block of q4k_kernel: from three n-tiles (17-32 rows) on interleaved blocks, six warps
+// share each staged super-block of x, which halves x's shared-memory traffic against the weights'
+// (from 1.4 to 0.9 of it at 23 rows); that ran 8-17% faster at 23-32 rows on the 27B layer shapes
+// and 12-14% slower at 1-8 rows (H100, BENCHMARKS.md [K10]).
+template <int NB, bool kInterleaved>
+constexpr int q4k_warps() { return kInterleaved && NB >= 3 ? 6 : kWarps; }
+
+// One program: W warps x 16 features, K super-blocks [split's range), NB n-tiles of 8 x rows.
 // With splits > 1 each writes float32 partial sums and the last of a tile adds them (add_splits).
 // At one n-tile the compiler's own register choice (about 130) ran fastest on an H200; from two
-// on, a cap of 168 (3 blocks a multiprocessor) did (BENCHMARKS.md, the ninth session's probes).
-template <int NB, bool kInterleaved>
-__global__ void __launch_bounds__(kWarps * 32, NB == 1 ? 1 : 3) q4k_kernel(
+// on, a cap of 168 registers (12 warps a multiprocessor) did (BENCHMARKS.md, the ninth session's probes).
+template <int NB, bool kInterleaved, int W = q4k_warps<NB, kInterleaved>()>
+__global__ void __launch_bounds__(W * 32, NB == 1 ? 1 : 12 / W) q4k_kernel(
     const uint2* __restrict__ xq, const uint2* __restrict__ xs, const float* __restrict__ xscale,
     const uint8_t* __restrict__ w, __nv_bfloat16* __restrict__ out, float* __restrict__ partial,
     int* __restrict__ counters, int M, int N, int64_t row_bytes, int super_blocks, int splits) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, c = lane & 3;
-  const int n0 = (blockIdx.x * kWarps + warp) * 16;
+  const int n0 = (blockIdx.x * W + warp) * 16;
   const int split = blockIdx.y;
   const int sb_begin = static_cast<int>(static_cast<int64_t>(super_blocks) * split / splits);
   const int sb_end = static_cast<int>(static_cast<int64_t>(super_blocks) * (split + 1) / splits);
@@ -266,7 +273,7 @@ __global__ void __launch_bounds__(kWarps * 32, NB == 1 ? 1 : 3) q4k_kernel(
     }
   });
 
-  mma_common::store_c<NB>(acc, out, partial, counters, M, N, n0, g, c, split, splits);
+  mma_common::store_c<NB, W>(acc, out, partial, counters, M, N, n0, g, c, split, splits);
 }
 
 template <int NB, bool kInterleaved>
@@ -282,10 +289,11 @@ void launch(const torch::Tensor& x, const torch::Tensor& w, torch::Tensor& out, 
   prepare_x_kernel<<<(items + kWarps - 1) / kWarps, kWarps * 32, 0, stream>>>(
       reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()), reinterpret_cast<uint2*>(xq.data_ptr()),
       reinterpret_cast<uint2*>(xs.data_ptr()), xscale.data_ptr<float>(), M, rows_padded, x.stride(0), sbs);
-  const int tiles = (N + kWarps * 16 - 1) / (kWarps * 16);
+  constexpr int W = q4k_warps<NB, kInterleaved>();
+  const int tiles = (N + W * 16 - 1) / (W * 16);
   const size_t shared_bytes = NB >= X_STAGED_MIN_NB ? 2 * sizeof(uint4) * x_stage_units(rows_padded) : 0;  // XStages' two stages
   mma_common::launch_dependent(
-      q4k_kernel<NB, kInterleaved>, dim3(tiles, splits), kWarps * 32, shared_bytes, stream, reinterpret_cast<const uint2*>(xq.data_ptr()),
+      q4k_kernel<NB, kInterleaved>, dim3(tiles, splits), W * 32, shared_bytes, stream, reinterpret_cast<const uint2*>(xq.data_ptr()),
       reinterpret_cast<const uint2*>(xs.data_ptr()), static_cast<const float*>(xscale.data_ptr<float>()),
       static_cast<const uint8_t*>(w.data_ptr<uint8_t>()), reinterpret_cast<__nv_bfloat16*>(out.data_ptr()),
       splits > 1 ? partial.data_ptr<float>() : nullptr, splits > 1 ? counters.data_ptr<int>() : nullptr, M, N,

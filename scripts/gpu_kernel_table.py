@@ -5,7 +5,9 @@ the engine the target worker runs (fixed shapes, CUDA graphs). For each pass it 
 wall time of a step (pass, acceptance walk, commit, read-back), then the profile of ``--reps``
 steps: kernels per step, their summed device time, the share of the wall time no kernel ran
 (launch gaps and host work), the device time by kind (``KINDS``: the first pattern a kernel's name
-contains decides) and the most expensive kernels.
+contains decides), the most expensive kernels, and where the device sat idle: the idle time a step
+between each pair of kernels (the one before, the one after; the step's end and the next step's
+start too), the largest pairs first.
 
 With ``--unfused`` the same weights are profiled again with every fused projection
 (``layers.fuse_linears``) split back into its layers' own matmuls.
@@ -60,10 +62,12 @@ def kernel_table(title: str, call, wall_ms: float, reps: int, top: int) -> None:
             call()
         torch.cuda.synchronize()
     total, count = collections.Counter(), collections.Counter()
+    kernels = []  # (start, end, name) in microseconds
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
             total[e.name] += e.device_time_total
             count[e.name] += 1
+            kernels.append((e.time_range.start, e.time_range.end, re.sub(r"^void |\(anonymous namespace\)::", "", e.name)))
     kernels_us = sum(total.values()) / reps
     print(f"== {title}: {wall_ms:.3f} ms a step; {sum(count.values()) / reps:.0f} kernels, {kernels_us / 1e3:.3f} ms of device time"
           f" ({1 - kernels_us / 1e3 / wall_ms:.0%} of the step without a kernel running)")
@@ -75,6 +79,24 @@ def kernel_table(title: str, call, wall_ms: float, reps: int, top: int) -> None:
         print(f"  {kind:30s} {us / 1e3:7.3f} ms {kind_count[kind]:7.0f} kernels")
     for name, us in total.most_common(top):
         print(f"  {us / reps:9.1f} us {count[name] / reps:6.1f}x  {name[:110]}")
+    gaps = idle_between(kernels)
+    print(f"  idle {sum(gaps.values()) / reps / 1e3:.3f} ms a step between kernels (over {len(kernels)} kernels); the largest:")
+    for (before, after), us in gaps.most_common(top):
+        print(f"  {us / reps:9.1f} us  {before[:60]}  ->  {after[:60]}")
+
+
+def idle_between(kernels: list[tuple[float, float, str]]) -> collections.Counter:
+    """Idle microseconds between consecutive kernels (sorted by start; overlapping ones, as
+    programmatic dependent launches overlap, leave no gap), summed by (kernel before, kernel after)."""
+    gaps: collections.Counter = collections.Counter()
+    kernels = sorted(kernels)
+    end, last = None, ""
+    for start, stop, name in kernels:
+        if end is not None and start > end:
+            gaps[(last, name)] += start - end
+        if end is None or stop >= end:
+            end, last = stop, name
+    return gaps
 
 
 def main() -> None:

@@ -16,7 +16,9 @@ contiguous bytes (``interleaved``, the serving layout since [V4] and [V5]; the f
 stages) in place of the two super-blocks in registers (``q4smem4``, ``q4smem8``: more bytes in
 flight a multiprocessor and fewer registers, 122 at one n-tile against 140; 0.71-0.95x of
 ``interleaved`` at 1-32 rows, BENCHMARKS.md [V5]); interleaved in blocks of 6 or 8 warps, which
-share one staged x among 96 or 128 features (``w6``, ``w8``); the super-block two ahead prefetched into L2
+share one staged x among 96 or 128 features (``w6``, ``w8``: at every row count; the committed Q4_K
+kernels take 6 from 17 rows since [K10]), or Q4_K's in blocks of 4 at every row count as before
+(``q4w4``); the super-block two ahead prefetched into L2
 with ``cp.async.bulk.prefetch`` (``pf2``); the k steps' two mma chains accumulated apart (``chains2``: the sums' order changes, so its outputs differ from the
 others' in the last bits); one n-tile capped at four blocks a multiprocessor (``mb4``: 121
 registers); Q6_K's four n-tiles at three blocks (``q6nb4mb3``: spills; the kernels before [V1]). The
@@ -72,10 +74,11 @@ VARIANTS = {
     # its weights' falls from 1.4 to 0.9 or 0.7 at 23 rows
     "w6": {"PROBE_WARPS": 6},
     "w8": {"PROBE_WARPS": 8},
+    "q4w4": {"PROBE_Q4_WARPS": 4},  # Q4_K in blocks of 4 warps at every row count (before [K10])
 }
 # variants timed on interleaved blocks, and of which types
 INTERLEAVED = {"interleaved": ("Q4_K", "Q6_K"), "q4smem4": ("Q4_K",), "q4smem8": ("Q4_K",), "w6": ("Q4_K", "Q6_K"),
-               "w8": ("Q4_K", "Q6_K")}
+               "w8": ("Q4_K", "Q6_K"), "q4w4": ("Q4_K",)}
 SPLIT_SWEEP = ("base", "interleaved")  # variants timed at 1-8 splits too
 
 BIND = r"""
@@ -180,6 +183,9 @@ constexpr int kWarps = PROBE_WARPS;""")
 #ifndef PROBE_Q6_MB1
 #define PROBE_Q6_MB1 3
 #endif
+#ifndef PROBE_Q4_WARPS
+#define PROBE_Q4_WARPS 0
+#endif
 namespace mma_common {""")
     start = h.index("__device__ __forceinline__ uint4 load16(")
     end = h.index("\n}\n", start) + 3
@@ -222,20 +228,23 @@ __device__ __forceinline__ void bulk_prefetch(const uint8_t* p, int bytes) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) part[nb][e] += part2[nb][e];
   const uint32_t m[4] = {f[0].mins""")
-    q4 = sub(q4, "NB == 1 ? 1 : 3", "NB == 1 ? PROBE_MB1 : 12 / kWarps")  # 12 warps a multiprocessor
+    q4 = sub(q4, "NB == 1 ? 1 : 12 / W", "NB == 1 ? PROBE_MB1 : 12 / W")
+    # PROBE_Q4_WARPS: every Q4_K kernel in blocks of that many warps (0: the committed choice)
+    q4 = sub(q4, "{ return kInterleaved && NB >= 3 ? 6 : kWarps; }",
+             "{ return PROBE_Q4_WARPS ? PROBE_Q4_WARPS : kInterleaved && NB >= 3 ? 6 : kWarps; }")
     q4 = sub(q4, "  __device__ __forceinline__ void load(const uint8_t* block, int c) {", """  __device__ __forceinline__ void load_shared(const uint8_t* block, int c) {
     head = *reinterpret_cast<const uint4*>(block);
     q0 = *reinterpret_cast<const uint4*>(block + 16 + 16 * c);
     q1 = *reinterpret_cast<const uint4*>(block + 80 + 16 * c);
   }
   __device__ __forceinline__ void load(const uint8_t* block, int c) {""")
-    q4 = sub(q4, "// One program: kWarps warps", PROBE_Q4_SMEM_LOOP + "// One program: kWarps warps")
+    q4 = sub(q4, "// One program: W warps", PROBE_Q4_SMEM_LOOP + "// One program: W warps")
     q4 = sub(q4, "mma_common::over_super_blocks<Q4K, kInterleaved ? 16 * Q4K::kBytes : Q4K::kBytes>(rows, c, sb_begin, sb_end, ",
              "probe_over<NB, kInterleaved>(rows, x_shared, NB >= X_STAGED_MIN_NB ? 2 * x_stage_units(kRowsPadded) : 0, lane, warp, g, c, "
              "sb_begin, sb_end, ")
     q4 = sub(q4, "  const size_t shared_bytes = NB >= X_STAGED_MIN_NB ? 2 * sizeof(uint4) * x_stage_units(rows_padded) : 0;",
              """  const size_t shared_bytes = (NB >= X_STAGED_MIN_NB ? 2 * sizeof(uint4) * x_stage_units(rows_padded) : 0) +
-      (kInterleaved && PROBE_Q4_SMEM ? size_t(kWarps) * probe_stages<NB>() * 16 * Q4K::kBytes : 0);
+      (kInterleaved && PROBE_Q4_SMEM ? size_t(W) * probe_stages<NB>() * 16 * Q4K::kBytes : 0);
   static const bool sized = [&] {
     C10_CUDA_CHECK(cudaFuncSetAttribute(q4k_kernel<NB, kInterleaved>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         static_cast<int>(shared_bytes)));
