@@ -31,7 +31,10 @@ rounds each row's state to the storage dtype; this form keeps none), so the disp
 (:func:`splitspec.models.delta_rule.tree_outputs`) would use it only then; it does so only with
 ``SPLITSPEC_NATIVE_ON=tree_chunk_delta``, since on an H100 its first configuration (``ieee``
 products, ``Dv`` tiles of 64, 4 warps) ran 5x slower a layer than the walk in the 27B's verify
-pass (BENCHMARKS.md [T11]); the defaults since are not measured yet. One program per (value head, ``Dv`` tile,
+pass (BENCHMARKS.md [T11]). Its defaults since (q.k in ``tf32``, other products ``tf32x3``, ``Dv``
+tiles of 64, 8 warps) were the fastest of five variants at one and 8 and 32 sequences of 23 rows,
+1.12-1.28x the walk, each call timed as its share of a CUDA graph (0.70x at 64 rows; [T12]).
+One program per (value head, ``Dv`` tile,
 sequence); the sequences' states are read in place from a table through their slots. Nothing is
 read on the host: a pass calling it can be captured.
 """
@@ -174,7 +177,7 @@ def tree_chunk_delta(
     q, k, v, g, beta, parents, offsets = _packed_block(q, k, v, g, beta, parents, offsets, num_seqs, state_index)
     initial = state.contiguous()
     block_t = max(16, triton.next_power_of_2(max_rows))
-    block_v = max(16, min(block_v or 128, triton.next_power_of_2(dv)))
+    block_v = max(16, min(block_v or 64, triton.next_power_of_2(dv)))
     unread = parents  # a pointer for the arguments a variant does not read
     with _on_device_of(v):
         _tree_chunk_kernel[(heads, triton.cdiv(dv, block_v), num_seqs)](

@@ -349,9 +349,9 @@ def tree_gated_delta(
 @triton.jit
 def _path_delta_kernel(
     states,  # [L, slots, H, DK, DV] storage dtype, advanced in place
-    slots,  # [B] int64
-    paths,  # [B, P] int64 rows of each path, root first
-    lengths,  # [B] int64
+    slots,  # [B] int64 (strided: slot_stride)
+    paths,  # [B, P] int64 rows of each path, root first (rows strided: path_row)
+    lengths,  # [B] int64 (strided: length_stride)
     keys,  # [L, *, HK, DK] (rows strided)
     values,  # [L, *, H, DV]
     decays,  # [L, *, H]
@@ -365,7 +365,9 @@ def _path_delta_kernel(
     g_row,
     b_layer,
     b_row,
-    P,
+    slot_stride,
+    path_row,
+    length_stride,
     H,
     GROUP,  # value heads per key head
     DK: tl.constexpr,
@@ -382,14 +384,14 @@ def _path_delta_kernel(
     keys_at = tl.arange(0, BK)
     col_ok, key_ok = cols < DV, keys_at < DK
     tile_ok = key_ok[:, None] & col_ok[None, :]
-    slot = tl.load(slots + sequence)
-    count = tl.load(lengths + sequence).to(tl.int32)
+    slot = tl.load(slots + sequence * slot_stride)
+    count = tl.load(lengths + sequence * length_stride).to(tl.int32)
     state = states + layer * state_layer + (slot * H + head) * DK * DV  # this slot's head, in place
     tile = keys_at[:, None] * DV + cols[None, :]
     s = tl.load(state + tile, mask=tile_ok, other=0.0).to(tl.float32)
     j = 0
     while j < count:
-        row = tl.load(paths + sequence * P + j)
+        row = tl.load(paths + sequence * path_row + j)
         kt = tl.load(keys + layer * k_layer + row * k_row + key_head * DK + keys_at, mask=key_ok, other=0.0).to(tl.float32)
         vt = tl.load(values + layer * v_layer + row * v_row + head * DV + cols, mask=col_ok, other=0.0).to(tl.float32)
         gt = tl.load(decays + layer * g_layer + row * g_row + head).to(tl.float32)
@@ -417,19 +419,21 @@ def path_gated_delta(
 ) -> None:
     """:func:`splitspec.models.delta_rule.path_gated_delta_reference` as one launch over every
     layer, head and sequence: each program loads its ``[Dk, block_v]`` tile of a slot's state,
-    walks the path's rows in registers and stores the tile back in place."""
+    walks the path's rows in registers and stores the tile back in place. ``slots``, ``paths`` and
+    ``lengths`` are read where they are (views of one table of the commit's indices: no copies)."""
     layers, _, heads, dk, dv = states.shape
-    num_seqs, width = paths.shape
+    num_seqs = paths.shape[0]
     if (
         not states.is_contiguous() or slots.shape != (num_seqs,) or lengths.shape != (num_seqs,)
         or keys.shape[0] != layers or keys.shape[-1] != dk or heads % keys.shape[2]
         or values.shape[0] != layers or values.shape[2:] != (heads, dv)
         or decays.shape[0] != layers or decays.shape[2:] != (heads,) or betas.shape != decays.shape
+        or any(x.dtype != torch.int64 for x in (slots, paths, lengths)) or paths.stride(1) != 1
     ):
         raise ValueError(
             f"path_gated_delta: states {tuple(states.shape)}, slots {tuple(slots.shape)}, paths {tuple(paths.shape)}, "
             f"lengths {tuple(lengths.shape)}, keys {tuple(keys.shape)}, values {tuple(values.shape)}, "
-            f"decays {tuple(decays.shape)} and betas {tuple(betas.shape)} disagree"
+            f"decays {tuple(decays.shape)} and betas {tuple(betas.shape)} disagree (or the indices are not int64 rows)"
         )
     if num_seqs == 0:
         return
@@ -438,8 +442,73 @@ def path_gated_delta(
     block_v = min(block_v, triton.next_power_of_2(dv))
     with _on_device_of(states):
         _path_delta_kernel[(layers * heads, triton.cdiv(dv, block_v), num_seqs)](
-            states, slots.long().contiguous(), paths.long().contiguous(), lengths.long().contiguous(), keys, values, decays, betas,
+            states, slots, paths, lengths, keys, values, decays, betas,
             states.stride(0), keys.stride(0), keys.stride(1), values.stride(0), values.stride(1), decays.stride(0), decays.stride(1),
-            betas.stride(0), betas.stride(1), width, heads, heads // keys.shape[2],
+            betas.stride(0), betas.stride(1), slots.stride(0), paths.stride(0), lengths.stride(0), heads, heads // keys.shape[2],
             DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV=block_v, num_warps=num_warps,
+        )
+
+
+@triton.jit
+def _conv_commit_kernel(
+    conv,  # [L, slots, KM1, C] compute dtype, rewritten in place
+    inputs,  # [L, *, C] the tree pass's conv inputs (rows strided)
+    slots,  # [B] int64 (strided: slot_stride)
+    windows,  # [B, KM1] int64 (rows strided: window_row)
+    conv_layer,
+    in_layer,
+    in_row,
+    slot_stride,
+    window_row,
+    C,
+    KM1: tl.constexpr,
+    KP: tl.constexpr,  # KM1 rounded up to a power of two
+    BLOCK: tl.constexpr,
+):
+    layer = tl.program_id(0).to(tl.int64)
+    sequence = tl.program_id(1)
+    cols = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
+    entries = tl.arange(0, KP)
+    col_ok, entry_ok = cols < C, entries < KM1
+    slot = tl.load(slots + sequence * slot_stride)
+    w = tl.load(windows + sequence * window_row + entries, mask=entry_ok, other=0)  # [KP]
+    history = conv + layer * conv_layer + slot * KM1 * C
+    from_row = (w >= 0) & entry_ok
+    rows = tl.load(inputs + layer * in_layer + tl.maximum(w, 0)[:, None] * in_row + cols[None, :],
+                   mask=from_row[:, None] & col_ok[None, :], other=0.0)
+    old = tl.load(history + (KM1 + w)[:, None] * C + cols[None, :], mask=(~from_row & entry_ok)[:, None] & col_ok[None, :], other=0.0)
+    new = tl.where(from_row[:, None], rows.to(conv.dtype.element_ty), old)
+    # Every thread's reads of the old history are done before any thread overwrites it.
+    tl.debug_barrier()
+    tl.store(history + entries[:, None] * C + cols[None, :], new, mask=entry_ok[:, None] & col_ok[None, :])
+
+
+def commit_conv_histories(
+    conv: torch.Tensor,  # [L, slots, K-1, C] advanced in place
+    slots: torch.Tensor,  # [B] int64 distinct
+    windows: torch.Tensor,  # [B, K-1] int64
+    inputs: torch.Tensor,  # [L, T, C] (rows strided)
+    block: int = 256,
+) -> None:
+    """``conv[:, slots] = committed_histories(conv[:, slots], inputs, windows)``
+    (:func:`splitspec.models.delta_rule.committed_histories`) as one launch in place, for conv
+    histories and inputs of one dtype; ``slots`` and ``windows`` read where they are."""
+    layers, _, before, channels = conv.shape
+    num_seqs = slots.shape[0]
+    if (
+        not conv.is_contiguous() or inputs.dtype != conv.dtype or inputs.shape[0] != layers or inputs.shape[2] != channels
+        or inputs.stride(2) != 1 or windows.shape != (num_seqs, before) or windows.stride(1) != 1
+        or slots.dtype != torch.int64 or windows.dtype != torch.int64
+    ):
+        raise ValueError(
+            f"commit_conv_histories: conv {tuple(conv.shape)} {conv.dtype}, inputs {tuple(inputs.shape)} {inputs.dtype}, "
+            f"slots {tuple(slots.shape)} and windows {tuple(windows.shape)} disagree"
+        )
+    if num_seqs == 0:
+        return
+    block = min(block, triton.next_power_of_2(channels))
+    with _on_device_of(conv):
+        _conv_commit_kernel[(layers, num_seqs, triton.cdiv(channels, block))](
+            conv, inputs, slots, windows, conv.stride(0), inputs.stride(0), inputs.stride(1), slots.stride(0), windows.stride(0),
+            channels, KM1=before, KP=triton.next_power_of_2(before), BLOCK=block,
         )

@@ -10,7 +10,9 @@ between each pair of kernels (the one before, the one after; the step's end and 
 start too), the largest pairs first.
 
 With ``--unfused`` the same weights are profiled again with every fused projection
-(``layers.fuse_linears``) split back into its layers' own matmuls.
+(``layers.fuse_linears``) split back into its layers' own matmuls. With ``--host N`` each pass's
+host work is timed by phase over N steps (the engine's prepare, launch, the wait for the device,
+settle and finish) and profiled (cProfile, the functions of most own time), the wait left out.
 
 Usage: python3 scripts/gpu_kernel_table.py [--shape random:qwen35-27b-q4km] [--budget 22] [--unfused]
 """
@@ -19,14 +21,18 @@ from __future__ import annotations
 
 import argparse
 import collections
+import cProfile
 import gc
+import io
+import pstats
 import re
+import time
 
 import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from services.target.engine import TargetEngine, TargetLimits
+from services.target.engine import TargetEngine, TargetLimits, VerifyStep
 from splitspec.bench.components import copy_bandwidth, median_ms, random_tree, weight_bytes
 from splitspec.bench.random_weights import random_target
 from splitspec.spec.sampling import SamplingParams
@@ -108,6 +114,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--top", type=int, default=30)
     parser.add_argument("--unfused", action="store_true", help="then again with every projection unfused (the same weights)")
+    parser.add_argument("--host", type=int, default=0, help="time and profile the host work of N steps of each pass")
     args = parser.parse_args()
     device = torch.device("cuda")
     model, config = random_target(args.shape, device, getattr(torch, args.dtype))
@@ -137,6 +144,39 @@ def profile_engine(model, config, args, label: str) -> None:
     tree = median_ms(lambda: engine.verify("p", tokens, parents), 20, 3, device)
     kernel_table(f"verify b{args.budget} (graph)", lambda: engine.verify("p", tokens, parents), tree, args.reps, args.top)
     print(f"verify b{args.budget} / AR = {tree / ar:.2f}")
+    if args.host:
+        host_phases(engine, "AR step", [], [], args.host, args.top)
+        host_phases(engine, f"verify b{args.budget}", tokens, parents, args.host, args.top)
+
+
+def host_phases(engine: TargetEngine, title: str, tokens: list[int], parents: list[int], steps: int, top: int) -> None:
+    """Mean ms a step of each phase of the engine's pass (verify_batch's own sequence), then the
+    host phases' cProfile."""
+    step = [VerifyStep("p", tokens, parents)]
+    phases = collections.Counter()
+    profiler = cProfile.Profile()
+    for _ in range(steps):
+        marks = [time.perf_counter()]
+        profiler.enable()
+        verify = engine.prepare_pass(step)
+        marks.append(time.perf_counter())
+        engine.launch_pass(verify)
+        profiler.disable()
+        marks.append(time.perf_counter())
+        engine.wait_pass(verify)
+        marks.append(time.perf_counter())
+        profiler.enable()
+        engine.settle_pass(verify)
+        marks.append(time.perf_counter())
+        engine.finish_pass(verify)
+        profiler.disable()
+        marks.append(time.perf_counter())
+        for name, t0, t1 in zip(("prepare", "launch", "wait", "settle", "finish"), marks, marks[1:]):
+            phases[name] += (t1 - t0) * 1e3 / steps
+    print(f"== host work of the {title}, {steps} steps: " + ", ".join(f"{k} {v:.3f}" for k, v in phases.items()) + " ms a step")
+    out = io.StringIO()
+    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(top)
+    print("\n".join(line[:160] for line in out.getvalue().splitlines() if line.strip()))
 
 
 if __name__ == "__main__":

@@ -93,6 +93,7 @@ __all__ = [
     "ancestor_table",
     "batch_parents",
     "chain_parents",
+    "commit_conv_histories",
     "committed_histories",
     "committed_history",
     "conv_silu",
@@ -427,6 +428,18 @@ def path_gated_delta(
 
         return kernel(states, slots, paths, lengths, keys, values, decays, betas)
     return path_gated_delta_reference(states, slots, paths, lengths, keys, values, decays, betas)
+
+
+def commit_conv_histories(conv: torch.Tensor, slots: torch.Tensor, windows: torch.Tensor, inputs: torch.Tensor) -> None:
+    """Rewrite the conv histories ``conv`` ``[L, slots, K-1, C]`` of ``slots`` ``[B]`` in place with
+    :func:`committed_histories` of ``inputs`` (of ``conv``'s dtype) and ``windows``: by one Triton
+    launch where :func:`native_kernels_for` says so, else by a gather, the torch function and a
+    scatter."""
+    if native_kernels_for(inputs):
+        from native.tree_delta_rule import commit_conv_histories as kernel
+
+        return kernel(conv, slots, windows, inputs)
+    conv[:, slots] = committed_histories(conv[:, slots], inputs, windows)
 
 
 def committed_histories(history: torch.Tensor, inputs: torch.Tensor, windows: torch.Tensor) -> torch.Tensor:

@@ -50,7 +50,7 @@ from native.chunked_delta_rule import chunk_prefill
 from splitspec.models.delta_rule import (
     ancestor_table,
     chain_parents,
-    committed_histories,
+    commit_conv_histories,
     conv_silu,
     conv_windows,
     gated_delta,
@@ -367,7 +367,7 @@ class Qwen35Slots:
             packed_t[:, :width], packed_t[:, width], packed_t[:, width + 1], packed_t[:, width + 2 :]
         )
         path_gated_delta(self.recurrent, slots_t, paths_t, lengths_t, rows.keys, rows.values, rows.decays, rows.betas)
-        self.conv[:, slots_t] = committed_histories(self.conv[:, slots_t], rows.conv_inputs, windows_t)
+        commit_conv_histories(self.conv, slots_t, windows_t, rows.conv_inputs)
 
     def read(self, slot: int) -> dict[str, torch.Tensor]:
         return {"conv": self.conv[:, slot], "recurrent": self.recurrent[:, slot]}

@@ -379,12 +379,51 @@ def test_path_kernel_equals_its_reference(kernels, store_dtype, monkeypatch):
         torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
     else:
         assert (ours == ref).float().mean().item() > 0.99  # the same roundings: nearly every bit equal
+    # The indices as views of one table (as Qwen35Slots.commit_paths packs them): the same bits.
+    table = torch.cat([paths, lengths[:, None], slots[:, None], torch.full((3, 2), -7)], dim=1)
+    packed = states.clone()
+    kernels.path_gated_delta(packed, table[:, 5], table[:, :4], table[:, 4], keys, values, decays, betas, block_v=8)
+    assert torch.equal(packed, ours)
+    with pytest.raises(ValueError, match="int64"):
+        kernels.path_gated_delta(packed, slots.int(), paths, lengths, keys, values, decays, betas)
     # The dispatcher picks the kernel here.
     calls = []
     original = kernels.path_gated_delta
     monkeypatch.setattr(kernels, "path_gated_delta", lambda *args: calls.append(1) or original(*args))
     delta_rule.path_gated_delta(states.clone(), slots, paths, lengths, keys, values, decays, betas)
     assert calls == [1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_conv_commit_kernel_equals_the_torch_commit(kernels, dtype, monkeypatch):
+    """Three sequences' new conv histories (K - 1 = 3) over 3 layers, from rows of a larger buffer
+    and from their old histories (windows as Qwen35Slots.commit_paths packs them, read as views of
+    one table): the kernel rewrites the slots in place bit for bit as the torch commit does, and
+    leaves the other slots alone."""
+    gen = torch.Generator().manual_seed(12)
+    layers, capacity, n, channels = 3, 16, 10, 40
+    conv = torch.randn(layers, 5, 3, channels, generator=gen).to(dtype)
+    inputs = torch.randn(layers, capacity, channels, generator=gen).to(dtype)[:, :n]
+    slots = torch.tensor([3, 1, 4])
+    # paths [2], [0, 1, 5], [8, 9]: their last three rows, the old history's latest before them
+    windows = torch.tensor([[-2, -1, 2], [0, 1, 5], [-1, 8, 9]])
+    table = torch.cat([torch.zeros(3, 2, dtype=torch.int64), slots[:, None], windows], dim=1)
+    ours, ref = conv.clone(), conv.clone()
+    kernels.commit_conv_histories(ours, table[:, 2], table[:, 3:], inputs, block=16)
+    ref[:, slots] = delta_rule.committed_histories(ref[:, slots], inputs, windows)
+    assert torch.equal(ours, ref)
+    assert torch.equal(ours[:, 3, :2], conv[:, 3, 1:]) and torch.equal(ours[:, 3, 2], inputs[:, 2])
+    assert torch.equal(ours[:, [0, 2]], conv[:, [0, 2]])
+    # The dispatcher takes the kernel, and the torch commit where the math is float64.
+    calls = []
+    original = kernels.commit_conv_histories
+    monkeypatch.setattr(kernels, "commit_conv_histories", lambda *args: calls.append(1) or original(*args))
+    again = conv.clone()
+    delta_rule.commit_conv_histories(again, slots, windows, inputs)
+    assert calls == [1] and torch.equal(again, ref)
+    wide = conv.double()
+    delta_rule.commit_conv_histories(wide, slots, windows, inputs.double())
+    assert calls == [1] and torch.equal(wide.to(dtype), ref)
 
 
 def test_tree_passes_beyond_the_reserved_rows_run_eagerly(model):
