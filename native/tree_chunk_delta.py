@@ -33,8 +33,10 @@ rounds each row's state to the storage dtype; this form keeps none), so the disp
 products, ``Dv`` tiles of 64, 4 warps) ran 5x slower a layer than the walk in the 27B's verify
 pass (BENCHMARKS.md [T11]). Its defaults since (q.k in ``tf32``, other products ``tf32x3``, ``Dv``
 tiles of 64, 8 warps) were the fastest of five variants at one and 8 and 32 sequences of 23 rows,
-1.12-1.28x the walk, each call timed as its share of a CUDA graph (0.70x at 64 rows); yet in the
-27B's graphed verify pass it took 391 µs a layer against the walk's 31 ([T12]: not explained).
+1.12-1.28x the walk, each call timed as its share of a CUDA graph (0.70x at 64 rows), on bf16 q
+and k; in the 27B's graphed verify pass, whose q and k are float32 (q.k then in tf32x3), it took
+391 µs a layer against the walk's 31 ([T12]). Its outputs also differ from the walk's (which a
+decode step runs) in the last bits, so a tree pass's logits would not equal a decode step's.
 One program per (value head, ``Dv`` tile,
 sequence); the sequences' states are read in place from a table through their slots. Nothing is
 read on the host: a pass calling it can be captured.
