@@ -45,7 +45,9 @@ decode step's bit for bit.
 
 Built at first use with ``torch.utils.cpp_extension`` (nvcc, for the GPU at hand; cached under
 ``TORCH_EXTENSIONS_DIR``); where it cannot be built or the GPU predates bf16 tensor cores (sm_80),
-``gguf_matmul`` keeps its Triton kernels. ``SPLITSPEC_NATIVE_OFF=gguf_mma`` turns it off.
+``gguf_matmul`` keeps its Triton kernels. ``SPLITSPEC_NATIVE_OFF=gguf_mma`` turns it off, and
+``SPLITSPEC_NATIVE_OFF=gguf_mma_pdl`` builds it without the dependent launch (each matmul waits
+for its x preparation to finish: a benchmark's comparison, for one, of a graph's launch time).
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ from pathlib import Path
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from native import sm_count, use_triton
+from native import sm_count, switched_off, use_triton
 
 log = logging.getLogger(__name__)
 
@@ -83,13 +85,14 @@ def _extension(min_blocks: int):
     """The compiled extension, or None (logged once) where it cannot be built. ``min_blocks`` > 0
     builds a variant whose IQ4_XS kernel must fit that many blocks a multiprocessor (benchmarks).
     (No default: the cache keys ``f()`` and ``f(0)`` apart, and each loaded the extension again.)"""
-    name = "splitspec_gguf_mma" + (f"_mb{min_blocks}" if min_blocks else "")
+    dependent = not switched_off("gguf_mma_pdl")
+    name = "splitspec_gguf_mma" + (f"_mb{min_blocks}" if min_blocks else "") + ("" if dependent else "_nopdl")
     try:
         from torch.utils.cpp_extension import _get_build_directory, load
 
         log.info("building %s for this GPU (first use; later starts load it from %s)",
                  " and ".join(s.name for s in SOURCES), _get_build_directory(name, verbose=False))
-        flags = ["-O3"] + ([f"-DMIN_BLOCKS={min_blocks}"] if min_blocks else [])
+        flags = ["-O3"] + ([f"-DMIN_BLOCKS={min_blocks}"] if min_blocks else []) + ([] if dependent else ["-DMMA_PDL=0"])
         return load(name=name, sources=[str(s) for s in SOURCES], extra_cuda_cflags=flags, verbose=False)
     except Exception as exc:  # noqa: BLE001 - any build failure means: use the Triton kernels
         log.warning("gguf_mma not built (%s: %s); quantized matmuls use the Triton kernels", type(exc).__name__, str(exc)[-500:])
