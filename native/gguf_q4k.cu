@@ -209,7 +209,7 @@ __device__ __forceinline__ void accumulate(float (&acc)[NB][4], Q4K (&f)[2], con
 
 // Warps a block of q4k_kernel: from three n-tiles (17-32 rows) on interleaved blocks, six warps
 // share each staged super-block of x, so a multiprocessor stages x once for 96 features, not 64
-// (x's bytes into it from 1.4 to 0.9 of its weights' at 23 rows); that ran 8-17% faster at 23-32 rows on the 27B layer shapes
+// (x's bytes into it from 1.4 to 0.95 of its weights' at 23 rows); that ran 8-17% faster at 23-32 rows on the 27B layer shapes
 // and 12-14% slower at 1-8 rows (H100, BENCHMARKS.md [K10]).
 template <int NB, bool kInterleaved>
 constexpr int q4k_warps() { return kInterleaved && NB >= 3 ? 6 : kWarps; }

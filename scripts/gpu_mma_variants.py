@@ -71,7 +71,7 @@ VARIANTS = {
     "q4smem8": {"PROBE_Q4_SMEM": 8, "PROBE_Q4_SMEM_X": 4},
     # interleaved, blocks of 6 or 8 warps (96 or 128 features) sharing one staged x, at the same
     # 12 warps a multiprocessor from two n-tiles (w8: 8): x's traffic into a multiprocessor over
-    # its weights' falls from 1.4 to 0.9 or 0.7 at 23 rows
+    # its weights' falls from 1.4 to 0.95 or 0.71 at 23 rows
     "w6": {"PROBE_WARPS": 6},
     "w8": {"PROBE_WARPS": 8},
     "q4w4": {"PROBE_Q4_WARPS": 4},  # Q4_K in blocks of 4 warps at every row count (before [K10])
