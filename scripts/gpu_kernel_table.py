@@ -14,7 +14,7 @@ With ``--unfused`` the same weights are profiled again with every fused projecti
 host work is timed by phase over N steps (the engine's prepare, launch, the wait for the device,
 settle and finish) and profiled (cProfile, the functions of most own time), the wait left out.
 
-Usage: python3 scripts/gpu_kernel_table.py [--shape random:qwen35-27b-q4km] [--budget 22] [--unfused]
+Usage: python3 scripts/gpu_kernel_table.py [--shape random:qwen35-27b-q4km] [--budget 22] [--unfused] [--host 30]
 """
 
 from __future__ import annotations
