@@ -60,7 +60,8 @@ def _rounded(x, dtype: tl.constexpr):
 
 @triton.jit
 def _conv_silu_kernel(
-    history,  # [S, K-1, C]
+    history,  # [S, K-1, C] (with INDEXED: a table of histories)
+    history_index,  # [S] int64 row of history each sequence reads (read only when INDEXED)
     inputs,  # [T, C] rows in_row elements apart
     ancestors,  # [T, K] int64
     weight,  # [C, K]
@@ -73,6 +74,7 @@ def _conv_silu_kernel(
     K: tl.constexpr,
     BLOCK_C: tl.constexpr,
     BATCHED: tl.constexpr,  # histories of several sequences: virtual rows need the sequence decoded
+    INDEXED: tl.constexpr,  # sequence s reads history[history_index[s]]
     KEEP: tl.constexpr,
 ):
     row = tl.program_id(0)
@@ -86,9 +88,15 @@ def _conv_silu_kernel(
         # divide on every tap's load chain (int32: a divide by the constant K - 1 is a multiply).
         if BATCHED:
             back = tl.maximum(-a - 1, 0).to(tl.int32)  # s(K-1) + i - 1
-            past = back // (K - 1) * (K - 1) + K - 2 - back % (K - 1)
+            sequence = back // (K - 1)
+            within = K - 2 - back % (K - 1)
         else:
-            past = tl.maximum(a + K - 1, 0)
+            sequence = 0
+            within = tl.maximum(a + K - 1, 0)
+        if INDEXED:
+            past = tl.load(history_index + sequence) * (K - 1) + within
+        else:
+            past = sequence * (K - 1) + within
         # Both indices clamped in range; the masks pick the one that applies.
         x_block = tl.load(inputs + tl.maximum(a, 0) * in_row + channels, mask=valid & in_block, other=0.0)
         x_history = tl.load(history + past * C + channels, mask=valid & (a < 0), other=0.0)
@@ -109,21 +117,26 @@ def tree_conv_silu(
     block_c: int = 512,
     *,
     keep: tuple[torch.Tensor, torch.Tensor] | None = None,  # ([T, C], [T, V]) contiguous, inputs.dtype
+    history_index: torch.Tensor | None = None,  # [S] int64: sequence s reads history[history_index[s]] (history: a table)
 ) -> torch.Tensor:
     """``SiLU(sum_k window[t, k] * weight[:, k])`` for every row ``t``: ``[T, C]`` in ``inputs.dtype``,
     accumulated in float32 (the torch reference rounds each product to ``inputs.dtype`` first).
     ``inputs`` may have its rows apart (a slice of a fused projection's output). ``keep``: the
     same launch also writes a copy of ``inputs`` and of the output's last ``V`` channels there
-    (what a tree pass keeps of the rows, ``TreeRows``), saving a tree pass two copies a layer."""
+    (what a tree pass keeps of the rows, ``TreeRows``), saving a tree pass two copies a layer.
+    ``history_index``: the histories are read in place from a table (a layer's state slots),
+    which saves gathering them first (a launch a layer)."""
     num_rows, channels = inputs.shape
     width = weight.shape[1]
     if (
         history.dim() not in (2, 3) or history.shape[-2:] != (width - 1, channels)
         or ancestors.shape != (num_rows, width) or weight.shape[0] != channels
+        or (history_index is not None and (history.dim() != 3 or history_index.dim() != 1))
     ):
         raise ValueError(
             f"tree_conv_silu: history {tuple(history.shape)}, inputs {tuple(inputs.shape)}, ancestors "
-            f"{tuple(ancestors.shape)} and weight {tuple(weight.shape)} disagree"
+            f"{tuple(ancestors.shape)}, weight {tuple(weight.shape)} and history_index "
+            f"{None if history_index is None else tuple(history_index.shape)} disagree"
         )
     if keep is not None and (
         keep[0].shape != inputs.shape or keep[1].shape[0] != num_rows or not 0 < keep[1].shape[1] <= channels
@@ -138,11 +151,13 @@ def tree_conv_silu(
     history, ancestors, weight = (x.contiguous() for x in (history.to(inputs.dtype), ancestors.long(), weight))
     block_c = min(block_c, triton.next_power_of_2(channels))
     kept_inputs, kept_values = keep if keep is not None else (out, out)  # pointers the kernel does not write without KEEP
+    sequences = history.shape[0] if history_index is None else history_index.shape[0]
     with _on_device_of(inputs):
         _conv_silu_kernel[(num_rows, triton.cdiv(channels, block_c))](
-            history, inputs, ancestors, weight, out, kept_inputs, kept_values, channels, inputs.stride(0),
+            history, ancestors if history_index is None else history_index.long().contiguous(), inputs, ancestors, weight, out,
+            kept_inputs, kept_values, channels, inputs.stride(0),
             channels - kept_values.shape[1] if keep is not None else channels, K=width, BLOCK_C=block_c,
-            BATCHED=history.dim() == 3 and history.shape[0] > 1, KEEP=keep is not None,
+            BATCHED=history.dim() == 3 and sequences > 1, INDEXED=history_index is not None, KEEP=keep is not None,
         )
     return out
 
@@ -241,6 +256,13 @@ def _tree_delta_kernel(
         qt, kt, vt = qn.to(tl.float32), kn.to(tl.float32), vn.to(tl.float32)
         gt, bt = gn.to(tl.float32), bn.to(tl.float32)
         t = nt
+    if RAGGED:
+        # Rows of no sequence (padding, past offsets[S]) feed the rest of the pass: the last
+        # sequence's programs write them zeros (the output is not cleared beforehand, a launch saved).
+        if sequence == tl.num_programs(2) - 1:
+            while end < T:
+                tl.store(out + (end * H + head) * DV + cols, tl.zeros([BV], dtype=tl.float32), mask=col_ok)
+                end += 1
 
 
 def _sequence_offsets(parents: torch.Tensor, num_seqs: int) -> torch.Tensor:
@@ -318,8 +340,7 @@ def tree_gated_delta(
     for name, tensor in given.items():
         if tuple(tensor.shape) != expected[name]:
             raise ValueError(f"tree_gated_delta: {name} has shape {tuple(tensor.shape)}, expected {expected[name]}")
-    # Zeros where padding may leave rows to no sequence: their output feeds the rest of the pass.
-    out = (torch.zeros if offsets is not None else torch.empty)(num_rows, heads, dv, dtype=torch.float32, device=v.device)
+    out = torch.empty(num_rows, heads, dv, dtype=torch.float32, device=v.device)  # padding rows: the kernel's zeros
     states = torch.empty(num_rows, heads, dk, dv, dtype=store_dtype, device=v.device)
     if num_rows == 0:
         return out, states

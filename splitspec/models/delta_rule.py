@@ -306,14 +306,19 @@ def native_kernels_for(x: torch.Tensor) -> bool:
 def conv_silu(
     history: torch.Tensor, inputs: torch.Tensor, ancestors: torch.Tensor, weight: torch.Tensor,
     keep: tuple[torch.Tensor, torch.Tensor] | None = None,
+    history_index: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`conv_silu_reference`, by a Triton kernel where :func:`native_kernels_for` says so.
     ``keep``: ``[T, C]`` and ``[T, V]`` tensors that also get a copy of ``inputs`` and of the
-    output's last ``V`` channels (by the kernel's own launch where it runs)."""
+    output's last ``V`` channels (by the kernel's own launch where it runs). ``history_index``
+    [S]: ``history`` is a table, sequence s's history its row ``history_index[s]`` (the kernel
+    reads it in place)."""
     if native_kernels_for(inputs):
         from native.tree_delta_rule import tree_conv_silu
 
-        return tree_conv_silu(history, inputs, ancestors, weight, keep=keep)
+        return tree_conv_silu(history, inputs, ancestors, weight, keep=keep, history_index=history_index)
+    if history_index is not None:
+        history = history.index_select(0, history_index)
     out = conv_silu_reference(history, inputs, ancestors, weight)
     if keep is not None:
         keep[0].copy_(inputs)

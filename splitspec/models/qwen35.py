@@ -455,10 +455,11 @@ class GatedDeltaNet(nn.Module):
 
     def project(
         self, x: torch.Tensor, history: torch.Tensor, ancestors: torch.Tensor, into: tuple[torch.Tensor, ...] | None = None,
-        keep: tuple[torch.Tensor, torch.Tensor] | None = None,
+        keep: tuple[torch.Tensor, torch.Tensor] | None = None, history_index: torch.Tensor | None = None,
     ) -> DeltaInputs:
         """The delta rule's inputs of rows ``x`` [T, hidden] (normed), the conv reading ``history``
-        [(S,) K-1, C] and the rows' ``ancestors`` [T, K]. q and k keep their key heads. ``into``:
+        [(S,) K-1, C] (with ``history_index`` [S]: a table, sequence s's at row ``history_index[s]``)
+        and the rows' ``ancestors`` [T, K]. q and k keep their key heads. ``into``:
         where ``gates`` writes k, g and beta (``TreeRows.gate_buffers``); ``keep``: where the conv
         writes the conv inputs and v (``TreeRows.conv_buffers``), which the result then holds."""
         c, t = self.config, x.shape[0]
@@ -470,7 +471,7 @@ class GatedDeltaNet(nn.Module):
             z, b, a = self._in_proj_zba(x).split([c.value_dim, nv, nv], dim=-1)
         else:
             inputs, z, b, a = self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
-        mixed = conv_silu(history, inputs, ancestors, self.conv_weight, keep)  # [T, C] compute dtype
+        mixed = conv_silu(history, inputs, ancestors, self.conv_weight, keep, history_index)  # [T, C] compute dtype
         q, k, beta, g = self.gates(mixed, b, a, into)
         if keep is not None:
             inputs, v = keep
@@ -693,9 +694,9 @@ class Qwen35ForCausalLM(nn.Module):
             depths = torch.where(real, inputs.positions - inputs.starts[sequence], -1)
 
         def delta(layer: int, net: GatedDeltaNet, x: torch.Tensor) -> torch.Tensor:
-            # histories [B, K-1, C]; k, g, beta, the conv inputs and v written straight into what the pass keeps
-            d = net.project(x, slots.conv[layer].index_select(0, seq_slots), ancestors, pending.gate_buffers(layer),
-                            pending.conv_buffers(layer))
+            # the sequences' histories read in place from the layer's slots; k, g, beta, the conv
+            # inputs and v written straight into what the pass keeps
+            d = net.project(x, slots.conv[layer], ancestors, pending.gate_buffers(layer), pending.conv_buffers(layer), seq_slots)
             out = tree_outputs(  # q and k in key heads (the torch path repeats them per value head)
                 d.q, d.k, d.v, d.g, d.beta, slots.recurrent[layer], inputs.parents,
                 slots.recurrent.dtype, inputs.offsets, max_rows=block_rows, state_index=seq_slots, keep=keep,

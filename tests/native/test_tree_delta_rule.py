@@ -261,6 +261,45 @@ def test_tree_conv_keeps_inputs_and_values_from_strided_rows(dispatch, monkeypat
     assert torch.equal(keep[1], out[:, channels - values:])
 
 
+@pytest.mark.parametrize("dispatch", ["kernel", "torch"])
+@pytest.mark.parametrize("sequences", [1, 3], ids=["one-sequence", "three-sequences"])
+def test_tree_conv_reads_histories_in_place(sequences, dispatch, monkeypatch):
+    """``history_index`` picks each sequence's history out of a table (a layer's state slots), as
+    the tree pass hands them over: the same output as from the gathered histories, bit for bit."""
+    if dispatch == "torch":
+        monkeypatch.delenv("SPLITSPEC_NATIVE_CPU")
+    rng, gen = np.random.default_rng(31), torch.Generator().manual_seed(31)
+    blocks = [tree_parents("deep", 6, rng), chain_parents(1), tree_parents("random", 5, rng)][:sequences]
+    parents, _ = batch_parents(blocks)
+    channels, width = 20, 4
+    ancestors = ancestor_table(parents, width)
+    table = torch.randn(5, width - 1, channels, generator=gen)  # [slots, K-1, C]
+    index = torch.tensor([3, 0, 4][:sequences])
+    inputs = torch.randn(len(parents), channels, generator=gen)
+    weight = torch.randn(channels, width, generator=gen)
+    in_place = delta_rule.conv_silu(table, inputs, ancestors, weight, history_index=index)
+    gathered = delta_rule.conv_silu(table[index] if sequences > 1 else table[index[0]], inputs, ancestors, weight)
+    assert torch.equal(in_place, gathered)
+    torch.testing.assert_close(in_place, conv_silu_reference(table[index], inputs, ancestors, weight), atol=1e-5, rtol=1e-5)
+
+
+def test_tree_delta_rule_writes_zeros_to_rows_of_no_sequence(monkeypatch):
+    """Rows past ``offsets[S]`` (a fixed-shape pass's padding) feed the rest of the pass: the kernel
+    writes them zeros itself (the output it is given is not cleared: poisoned here)."""
+    real_empty = torch.empty
+    monkeypatch.setattr(native.torch, "empty", lambda *a, **kw: real_empty(*a, **kw).fill_(float("nan")))
+    rng, gen = np.random.default_rng(32), torch.Generator().manual_seed(32)
+    blocks = [tree_parents("deep", 5, rng), tree_parents("wide", 4, rng)]
+    parents, offsets = batch_parents(blocks)
+    padded = torch.cat([parents, torch.tensor([-1, 0, -1])])  # three pad rows, as a pad row reads sequence 0
+    q, k, v, g, beta = delta_inputs(gen, len(padded))
+    state = torch.randn(2, H, DK, DV, generator=gen)
+    out, _ = native.tree_gated_delta(q, k, v, g, beta, state, padded, torch.float32, offsets, block_v=BLOCK_V)
+    assert torch.equal(out[len(parents):], torch.zeros(3, H, DV))
+    ref_out, _ = gated_delta_tree(q[:9], k[:9], v[:9], g[:9], beta[:9], state, parents, torch.float32)
+    torch.testing.assert_close(out[: len(parents)], ref_out, atol=1e-5, rtol=1e-5)
+
+
 def test_tree_conv_refuses_keep_buffers_that_do_not_fit():
     inputs = torch.randn(3, 12)
     with pytest.raises(ValueError, match="keep"):
