@@ -8,7 +8,8 @@ step. Here it is one launch of ``T × (H + 2·H_kv)`` programs, one per (row, he
 
 Two layouts of the projections' output:
 
-- dense (:func:`qkv_rope`): one fused matmul's row ``[q | k | v]``, ``H + 2·H_kv`` heads of ``D``;
+- dense (:func:`qkv_rope`): q ``[T, H·D]``, k and v ``[T, H_kv·D]``, separate matmuls' outputs or
+  views of one fused matmul's row ``[q | k | v]``;
 - gated (:func:`gated_qkv_rope`, Qwen3.5's full attention): ``q_proj``'s row packs
   ``[q_h | gate_h]`` per head, so q head ``h`` starts at ``2·D·h``; the gate is not read (the
   caller takes it as a strided view). k and v may be separate tensors or views of one matmul.
@@ -38,7 +39,7 @@ if triton is not None:
     @triton.jit
     def _qkv_rope_kernel(
         q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, slots_ptr,
-        T, eps, stride_q_row, stride_q_head, stride_kv_row, stride_cache_head, stride_cache_slot,
+        T, eps, stride_q_row, stride_q_head, stride_k_row, stride_v_row, stride_cache_head, stride_cache_slot,
         NUM_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, ROTARY: tl.constexpr,
         BLOCK: tl.constexpr, NORM: tl.constexpr,
     ):
@@ -50,7 +51,7 @@ if triton is not None:
         if head >= NUM_HEADS + KV_HEADS:  # v: copied into the cache as is
             # Names apart from the other branch's: Triton requires one type per name across branches.
             v_head = head - NUM_HEADS - KV_HEADS
-            value = tl.load(v_ptr + row * stride_kv_row + v_head * HEAD_DIM + offs, mask=inside)
+            value = tl.load(v_ptr + row * stride_v_row + v_head * HEAD_DIM + offs, mask=inside)
             v_dst = v_cache_ptr + v_head * stride_cache_head + slot * stride_cache_slot
             tl.store(v_dst + offs, value.to(v_cache_ptr.dtype.element_ty), mask=inside)
         else:
@@ -58,7 +59,7 @@ if triton is not None:
                 src = q_ptr + row * stride_q_row + head * stride_q_head
                 w_ptr = qw_ptr
             else:
-                src = k_ptr + row * stride_kv_row + (head - NUM_HEADS) * HEAD_DIM
+                src = k_ptr + row * stride_k_row + (head - NUM_HEADS) * HEAD_DIM
                 w_ptr = kw_ptr
             # Each dim's rotation partner, read as a second (cached) gather of the same head
             # rather than as halves: the pass-through part (D - R dims) need not be a power of two.
@@ -85,7 +86,9 @@ if triton is not None:
 
 
 def qkv_rope(
-    qkv: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
     q_weight: torch.Tensor | None,
@@ -94,13 +97,12 @@ def qkv_rope(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slots: torch.Tensor,
-    num_heads: int,
 ) -> torch.Tensor:
-    """Returns q [H, T, D] from ``qkv`` [T, (H + 2 H_kv) * D]; writes k (normed, RoPE'd) and v into
-    ``k_cache``/``v_cache`` [H_kv, C, D] at ``slots`` [T]. Norm weights [D] (None = no norm)."""
-    d, kv_heads = k_cache.shape[-1], k_cache.shape[0]
-    q, k, v = qkv.split([num_heads * d, kv_heads * d, kv_heads * d], -1)
-    return _launch(q, d, k, v, cos, sin, q_weight, k_weight, eps, k_cache, v_cache, slots, num_heads)
+    """Returns q [H, T, D] from ``q`` [T, H * D] (H may be 0: keys and values only); writes k [T,
+    H_kv * D] (normed, RoPE'd) and v into ``k_cache``/``v_cache`` [H_kv, C, D] at ``slots`` [T].
+    Norm weights [D] (None = no norm). Rows may be strided (views of one or two matmuls)."""
+    d = k_cache.shape[-1]
+    return _launch(q, d, k, v, cos, sin, q_weight, k_weight, eps, k_cache, v_cache, slots, q.shape[-1] // d)
 
 
 def gated_qkv_rope(
@@ -126,17 +128,17 @@ def gated_qkv_rope(
 
 def _launch(q, q_head_stride, k, v, cos, sin, q_weight, k_weight, eps, k_cache, v_cache, slots, num_heads) -> torch.Tensor:
     """The kernel over q heads ``q_head_stride`` apart in rows of ``q``, and k/v heads packed in
-    rows of ``k``/``v`` (one row stride for both)."""
+    rows of ``k``/``v``."""
     t, d, rotary = k.shape[0], k_cache.shape[-1], cos.shape[-1]
     kv_heads = k_cache.shape[0]
-    assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and k.stride(0) == v.stride(0)
+    assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
     assert cos.is_contiguous() and sin.is_contiguous() and cos.shape == sin.shape == (t, rotary) and rotary % 2 == 0 and rotary <= d
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
     q_out = torch.empty(num_heads, t, d, device=k.device, dtype=k.dtype)
     weights = (q_weight, k_weight) if q_weight is not None else (cos, cos)  # unused without NORM
     _qkv_rope_kernel[(t, num_heads + 2 * kv_heads)](
         q, k, v, cos, sin, weights[0], weights[1], q_out, k_cache, v_cache, slots,
-        t, eps, q.stride(0), q_head_stride, k.stride(0), k_cache.stride(0), k_cache.stride(1),
+        t, eps, q.stride(0), q_head_stride, k.stride(0), v.stride(0), k_cache.stride(0), k_cache.stride(1),
         NUM_HEADS=num_heads, KV_HEADS=kv_heads, HEAD_DIM=d, ROTARY=rotary, BLOCK=triton.next_power_of_2(d),
         NORM=q_weight is not None,
     )

@@ -123,7 +123,7 @@ def main() -> None:
     profile_engine(model, config, args, "fused projections")
     if args.unfused:
         for module in model.modules():
-            for name in ("_qkv", "_gate_up", "_in_proj", "_in_proj_zba"):  # layers.fuse_linears' results: their layers stay views
+            for name in ("_qkv", "_qk", "_gate_up", "_in_proj", "_in_proj_zba"):  # layers.fuse_linears' results: their layers stay views
                 if getattr(module, name, None) is not None:
                     setattr(module, name, None)
         gc.collect()  # the first engine's graphs and pools

@@ -398,8 +398,8 @@ def project_write(
     """Queries [H, T, D] of the rows ``x`` [T, hidden], their keys and values written to the pool
     ``slots`` [T]: the projection half of ``QKVProjection.project_attend_cached`` (one
     ``qkv_rope`` launch where the kernels run)."""
-    if attn._fused_native(x):
-        return qkv_rope.qkv_rope(attn._qkv(x), cos, sin, *attn._norm_args(), k_pool, v_pool, slots, attn.num_heads)
+    if attn._native_rope(x):
+        return qkv_rope.qkv_rope(*attn._projections(x), cos, sin, *attn._norm_args(), k_pool, v_pool, slots)
     q, k, v = attn.query_key_value(x, cos, sin)
     k_pool.index_copy_(1, slots, k)
     v_pool.index_copy_(1, slots, v)

@@ -232,10 +232,14 @@ class QKVProjection(nn.Module):
         self.q_norm = RMSNorm(head_dim, eps) if qk_norm else nn.Identity()
         self.k_norm = RMSNorm(head_dim, eps) if qk_norm else nn.Identity()
         self._qkv: FusedLinear | None = None
+        self._qk: FusedLinear | None = None
 
     def fuse(self) -> None:
-        """q, k and v projections as one matmul (inference; see :func:`fuse_linears`)."""
+        """q, k and v projections as one matmul (inference; see :func:`fuse_linears`), or q and k
+        where v cannot join them (a Q4_K_M file's Q6_K v beside Q4_K q and k)."""
         self._qkv = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
+        if self._qkv is None:
+            self._qk = fuse_linears(self.q_proj, self.k_proj)
 
     # Every method takes an optional leading batch dimension ([B, T, hidden]): inference runs one
     # sequence, training runs a batch through the same weights.
@@ -253,10 +257,23 @@ class QKVProjection(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """:meth:`query` and :meth:`key_value` together, as one matmul once fused."""
-        if self._qkv is None:
-            return self.query(x, cos, sin), *self.key_value(x, cos, sin)
-        q, k, v = self._qkv(x).split([self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features], -1)
+        q, k, v = self._projections(x)
         return self._heads_q(q, cos, sin), *self._heads_kv(k, v, cos, sin)
+
+    def _projections(self, x: torch.Tensor, queries: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [..., H * D] (no columns unless ``queries``), k and v [..., H_kv * D]: views of the
+        fused matmul's output (:meth:`fuse`), else each layer's own."""
+        widths = [self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features]
+        if self._qkv is not None:
+            if queries:
+                return self._qkv(x).split(widths, -1)
+            k, v = self._qkv(x, widths[0]).split(widths[1:], -1)
+            return k[..., :0], k, v
+        if self._qk is not None:  # q and k one matmul, v its own
+            q, k = self._qk(x).split(widths[:2], -1) if queries else (None, self._qk(x, widths[0]))
+        else:
+            q, k = self.q_proj(x) if queries else None, self.k_proj(x)
+        return (k[..., :0] if q is None else q), k, self.v_proj(x)
 
     def _heads_q(self, q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         q = self.q_norm(q.unflatten(-1, (self.num_heads, self.head_dim)))
@@ -398,9 +415,9 @@ class QKVProjection(nn.Module):
         at: PassAttention,
     ) -> torch.Tensor:
         """:meth:`project_attend_cached` for a pass over paged sequences."""
-        if not self._fused_native(x):
+        if not self._native_rope(x):
             return self.write_and_attend_paged(*self.query_key_value(x, cos, sin), k_pool, v_pool, at)
-        q = qkv_rope.qkv_rope(self._qkv(x), cos, sin, *self._norm_args(), k_pool, v_pool, at.write_slots, self.num_heads)
+        q = qkv_rope.qkv_rope(*self._projections(x), cos, sin, *self._norm_args(), k_pool, v_pool, at.write_slots)
         return self.attend_paged(q, k_pool, v_pool, at)
 
     def attend_cached(
@@ -431,20 +448,18 @@ class QKVProjection(nn.Module):
     ) -> None:
         """:meth:`key_value` written to the cache ``slots``: one matmul over the k/v rows of the
         fused weight and the ``qkv_rope`` kernel (with no query heads) where the kernels run."""
-        if self._fused_native(x):
-            kv = self._qkv(x, self.q_proj.out_features)
-            qkv_rope.qkv_rope(kv, cos, sin, *self._norm_args(), k_cache, v_cache, slots, 0)
+        if self._native_rope(x):
+            qkv_rope.qkv_rope(*self._projections(x, queries=False), cos, sin, *self._norm_args(), k_cache, v_cache, slots)
             return
         k, v = self.key_value(x, cos, sin)
         k_cache.index_copy_(1, slots, k)
         v_cache.index_copy_(1, slots, v)
 
-    def _fused_native(self, x: torch.Tensor) -> bool:
-        """Whether the fused projection feeds the ``qkv_rope`` kernel (both norms or neither)."""
-        return (
-            self._qkv is not None and use_triton(x, "qkv_rope")
-            and isinstance(self.q_norm, nn.Identity) == isinstance(self.k_norm, nn.Identity)
-        )
+    def _native_rope(self, x: torch.Tensor) -> bool:
+        """Whether the ``qkv_rope`` kernel norms, rotates and writes the projections (both norms or
+        neither), fused or not: a Q4_K_M file's layers whose v is Q6_K (q and k Q4_K) cannot fuse,
+        and in plain torch their norms, RoPE and writes were ~10 small launches a layer."""
+        return use_triton(x, "qkv_rope") and isinstance(self.q_norm, nn.Identity) == isinstance(self.k_norm, nn.Identity)
 
     def _norm_args(self) -> tuple[torch.Tensor | None, torch.Tensor | None, float]:
         """``qkv_rope``'s q/k norm weights and eps (None, None, 0 without q/k norm)."""
@@ -463,11 +478,11 @@ class QKVProjection(nn.Module):
         mask: torch.Tensor,  # [T, S] bool
     ) -> torch.Tensor:
         """Project, write K/V to the cache, attend: :meth:`query_key_value` + :meth:`write_and_attend`,
-        with the norms, RoPE and cache writes as one native kernel when the weights are fused."""
-        if not self._fused_native(x):
+        with the norms, RoPE and cache writes as one native kernel where the kernels run."""
+        if not self._native_rope(x):
             return self.write_and_attend(*self.query_key_value(x, cos, sin), k_cache, v_cache, start, mask)
         slots = start if isinstance(start, torch.Tensor) else torch.arange(start, start + x.shape[0], device=x.device)
-        q = qkv_rope.qkv_rope(self._qkv(x), cos, sin, *self._norm_args(), k_cache, v_cache, slots, self.num_heads)
+        q = qkv_rope.qkv_rope(*self._projections(x), cos, sin, *self._norm_args(), k_cache, v_cache, slots)
         span = mask.shape[-1]
         return self.attend(q, k_cache[:, :span], v_cache[:, :span], mask)
 

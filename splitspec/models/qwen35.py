@@ -410,10 +410,7 @@ class GatedAttention(QKVProjection):
         :meth:`key_value` + :meth:`write_and_attend_paged`, with the q/k norms, partial RoPE and
         pool writes as one ``qkv_rope`` launch where the native kernels run (the norms and RoPE
         alone are ~20 small kernels a layer). Returns ``[N, hidden]``."""
-        if self._qkv is None:
-            packed, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        else:  # strided views of one matmul's output
-            packed, k, v = self._qkv(x).split([self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features], -1)
+        packed, k, v = self._projections(x)  # strided views of one matmul's output once fused
         if not use_triton(x, "qkv_rope"):  # the kernel's reference
             q, gate = self._heads_q_gate(packed, cos, sin)
             return self.write_and_attend_paged(q, *self._heads_kv(k, v, cos, sin), k_pool, v_pool, at, gate)

@@ -43,6 +43,25 @@ def test_unlike_blocks_stay_apart():
     assert fuse_linears(nn.Linear(512, 8, bias=False), mixed[0]) is None
 
 
+def test_attention_whose_v_differs_fuses_q_and_k():
+    """A Q4_K_M file's attention layer with a Q6_K v beside Q4_K q and k: q and k become one
+    matmul, v stays alone, and the projections are the three layers' (with or without queries)."""
+    from splitspec.models.layers import QKVProjection
+
+    attn = QKVProjection(512, num_heads=2, num_kv_heads=1, head_dim=16, eps=1e-6)
+    attn.q_proj, attn.k_proj, attn.v_proj = (_quant_linear(t, n, 512, s) for s, (t, n) in enumerate(((Q.Q4_K, 32), (Q.Q4_K, 16), (Q.Q6_K, 16))))
+    x = torch.randn(3, 512)
+    apart = [m(x) for m in (attn.q_proj, attn.k_proj, attn.v_proj)]
+    attn.fuse()
+    assert attn._qkv is None and attn._qk is not None and attn._qk.out_features == 48
+    for ours, theirs in zip(attn._projections(x), apart):
+        torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
+    q, k, v = attn._projections(x, queries=False)
+    assert q.shape == (3, 0)
+    torch.testing.assert_close(k, apart[1], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(v, apart[2], rtol=0, atol=0)
+
+
 def test_float_weights_fuse_with_their_biases():
     torch.manual_seed(0)
     layers = [nn.Linear(64, n) for n in (24, 8)]

@@ -11,14 +11,28 @@ from splitspec.models.dense import DenseConfig, DenseForCausalLM
 pytest.importorskip("triton", reason="triton is not installed")
 
 
+@pytest.mark.parametrize("fused", ["qkv", "qk", "none"], ids=["fused", "q-and-k-fused", "separate-projections"])
 @pytest.mark.parametrize("qk_norm", [True, False])
-def test_layer_step_matches_the_torch_path(qk_norm, monkeypatch):
+def test_layer_step_matches_the_torch_path(qk_norm, fused, monkeypatch):
+    """The kernel from one fused matmul's views, from q and k fused with v apart (a Q4_K_M file's
+    layers whose v is Q6_K), or from three projections' outputs, against the torch path; and it
+    does run."""
+    from native import qkv_rope
+    from splitspec.models.layers import fuse_linears
+
     torch.manual_seed(0)
     config = DenseConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, qk_norm=qk_norm)
     model = DenseForCausalLM(config)
     for p in model.parameters():  # visible norm weights, not all ones
         torch.nn.init.normal_(p, 1.0 if p.dim() == 1 else 0.0, 0.3)
-    model.fuse_projections()
+    if fused == "qkv":
+        model.fuse_projections()
+    elif fused == "qk":
+        for layer in model.layers:
+            layer.self_attn._qk = fuse_linears(layer.self_attn.q_proj, layer.self_attn.k_proj)
+    launches = []
+    launch = qkv_rope._launch
+    monkeypatch.setattr(qkv_rope, "_launch", lambda *a: launches.append(a) or launch(*a))
     tokens, start = torch.randint(0, 64, (6,)), 5
     positions = torch.tensor([5, 6, 6, 7, 8, 7])
     slots = torch.arange(start, start + 6)
@@ -35,6 +49,7 @@ def test_layer_step_matches_the_torch_path(qk_norm, monkeypatch):
         results.append((logits, cache.k.clone(), cache.v.clone()))
     for a, b in zip(*results, strict=True):
         assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
+    assert len(launches) == config.num_layers  # the native run's layers, each one launch
 
 
 # Qwen3.5's gated layout (native.qkv_rope.gated_qkv_rope): q_proj packs [q_h | gate_h] per head,
