@@ -11,11 +11,8 @@ import time
 
 import torch
 
-dev = torch.device("cuda")
-x = torch.zeros(1 << 16, device=dev)
 
-
-def graphs_of(total: int, parts: int) -> list[torch.cuda.CUDAGraph]:
+def graphs_of(x: torch.Tensor, total: int, parts: int) -> list[torch.cuda.CUDAGraph]:
     out = []
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -32,6 +29,8 @@ def graphs_of(total: int, parts: int) -> list[torch.cuda.CUDAGraph]:
 
 
 def timed(replay, reps: int = 50) -> tuple[float, float]:
+    """Median µs the call holds the host, and of the call and the device's work after it (the
+    device idle before each)."""
     host, wall = [], []
     for _ in range(reps):
         torch.cuda.synchronize()
@@ -45,16 +44,22 @@ def timed(replay, reps: int = 50) -> tuple[float, float]:
     return statistics.median(host) * 1e6, statistics.median(wall) * 1e6
 
 
-for total in (160, 470):
-    for parts in (1, 2, 4, 8):
-        gs = graphs_of(total, parts)
-        host, wall = timed(lambda: [g.replay() for g in gs])
-        print(f"{total} kernels in {parts} graphs: launch holds the host {host:.0f} us; launch + run {wall:.0f} us")
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(total):
-        x.mul_(1.0001)
-    end.record()
-    torch.cuda.synchronize()
-    print(f"{total} kernels eager: GPU {start.elapsed_time(end) * 1e3:.0f} us")
+def main() -> None:
+    x = torch.zeros(1 << 16, device="cuda")
+    for total in (160, 470):
+        for parts in (1, 2, 4, 8):
+            gs = graphs_of(x, total, parts)
+            host, wall = timed(lambda: [g.replay() for g in gs])
+            print(f"{total} kernels in {parts} graphs: launch holds the host {host:.0f} us; launch + run {wall:.0f} us")
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(total):
+            x.mul_(1.0001)
+        end.record()
+        torch.cuda.synchronize()
+        print(f"{total} kernels eager: GPU {start.elapsed_time(end) * 1e3:.0f} us")
+
+
+if __name__ == "__main__":
+    main()

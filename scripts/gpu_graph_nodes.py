@@ -30,6 +30,7 @@ import numpy as np
 import torch
 import triton
 import triton.language as tl
+from gpu_graph_launch import timed as launch_times  # this folder is on the path of a script run from it
 
 import services.worker.cuda_graphs as cuda_graphs
 from services.target.engine import TargetEngine, TargetLimits
@@ -104,18 +105,10 @@ def launcher(exe: int):
 
 
 def timed(launch, reps: int) -> str:
-    host, wall = [], []
     for _ in range(3):
         launch()
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        launch()
-        t1 = time.perf_counter()
-        torch.cuda.synchronize()
-        host.append(t1 - t0)
-        wall.append(time.perf_counter() - t0)
-    return f"launch holds the host {statistics.median(host) * 1e6:7.1f} us; launch + run {statistics.median(wall) * 1e3:7.3f} ms"
+    host, wall = launch_times(launch, reps)
+    return f"launch holds the host {host:7.1f} us; launch + run {wall / 1e3:7.3f} ms"
 
 
 class KeptGraph(torch.cuda.CUDAGraph):
