@@ -13,7 +13,12 @@ their ``cudaGraph_t`` kept, and prints for each:
   torch's ``replay``; the same executable graph by ``cuGraphLaunch``; and the graph rebuilt with
   every programmatic edge made a default one (the same kernels, which then wait for the whole
   kernel before them);
+- the same replays inside ``--reps`` of the engine's own steps: the host time of each replay, and
+  the step's wall time (upload, walk and commit included);
 - for comparison, graphs of as many trivial torch kernels and trivial Triton kernels.
+
+On an H200 a launch held the host 6-66 µs (15-51 µs inside the engine's steps): the [P15] figure
+was the profiled process's (BENCHMARKS.md [G1]).
 
 Usage: python3 scripts/gpu_graph_nodes.py [--shape random:qwen35-27b-q4km] [--budget 22] [--reps 30]   (GPU only)
 """
