@@ -19,18 +19,12 @@ import itertools
 import torch
 import triton
 from gguf import GGMLQuantizationType as Q
+from gpu_quant_libraries import random_blocks  # this folder is on the path of a script run from it
 
 from native import gguf_mma, sm_count
-from native.gguf_matmul import interleave, row_bytes
+from native.gguf_matmul import interleave
 
 SHAPES = {"27b.gate_up": (2 * 17408, 5120), "27b.down": (5120, 17408), "8b.gate_up": (2 * 12288, 4096), "27b.qkv": (10240, 5120)}
-
-
-def random_q4k(n: int, k: int) -> torch.Tensor:
-    """Random Q4_K blocks with d = dmin = 1 (finite sums), interleaved."""
-    raw = torch.randint(0, 256, (n, row_bytes(Q.Q4_K, k)), dtype=torch.uint8, device="cuda")
-    raw.view(-1, 144)[:, :4] = torch.tensor([0, 0x3C, 0, 0x3C], dtype=torch.uint8, device="cuda")
-    return interleave(raw, Q.Q4_K)
 
 
 def main() -> None:
@@ -41,7 +35,7 @@ def main() -> None:
     args = parser.parse_args()
     for name in args.shapes.split(","):
         n, k = SHAPES[name]
-        weights = [random_q4k(n, k) for _ in range(3)]
+        weights = [interleave(random_blocks(Q.Q4_K, n, k, "cuda"), Q.Q4_K) for _ in range(3)]
         default = gguf_mma.a_operand_splits(-(-n // gguf_mma.A_OPERAND_FEATURES), k // 256, sm_count(weights[0].device))
         for m in (1, 23):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
