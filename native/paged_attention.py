@@ -85,12 +85,13 @@ if triton is not None:
 
     @triton.jit
     def _paged_partial_kernel(
-        q_ptr, k_ptr, v_ptr, table_ptr, start_ptr, low_ptr, vis_ptr, acc_ptr, stat_ptr, out_ptr, row_ptr,
+        q_ptr, k_ptr, v_ptr, table_ptr, start_ptr, low_ptr, vis_ptr, acc_ptr, stat_ptr, out_ptr, row_ptr, gate_ptr,
         T, S, stride_qb, stride_qh, stride_qt, stride_kh, stride_ks, stride_vh, stride_vs,
-        stride_tb, stride_mb, stride_mt, stride_rb, scale_log2, total_rows, ragged_rows,
+        stride_tb, stride_mb, stride_mt, stride_rb, stride_gr, stride_gh, scale_log2, total_rows, ragged_rows,
         KV_HEADS: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
         BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr,
         DIRECT: tl.constexpr, IEEE: tl.constexpr, DYNAMIC_LOOP: tl.constexpr, RAGGED: tl.constexpr, LOW: tl.constexpr,
+        GATED: tl.constexpr,
     ):
         seq = tl.program_id(0) // KV_HEADS
         kv_head = tl.program_id(0) % KV_HEADS
@@ -147,7 +148,11 @@ if triton is not None:
             l = tl.where(l > 0, l, 1.0)  # a row that saw nothing (a pad row) stays finite: zeros
             out_row = ragged if RAGGED else seq64 * T + token  # [BLOCK_R] row of out
             dst = out_ptr + out_row[:, None] * (KV_HEADS * GROUP * D) + head[:, None] * D + d[None, :]
-            tl.store(dst, (acc / l[:, None]).to(out_ptr.dtype.element_ty), mask=live[:, None])
+            y = (acc / l[:, None]).to(out_ptr.dtype.element_ty)
+            if GATED:
+                gate_at = gate_ptr + out_row[:, None] * stride_gr + head[:, None] * stride_gh + d[None, :]
+                y = _gated(y, tl.load(gate_at, mask=live[:, None], other=0.0))
+            tl.store(dst, y, mask=live[:, None])
         else:
             used = rows_ok & (first < tiles)  # splits past the sequence's keys store nothing
             tl.store(acc_ptr + (split * total_rows + head_row.to(tl.int64))[:, None] * D + d[None, :], acc, mask=used[:, None])
@@ -155,9 +160,19 @@ if triton is not None:
             tl.store(stat_ptr + (tl.num_programs(1) + split) * total_rows + head_row, l, mask=used)
 
     @triton.jit
+    def _gated(y, gate):
+        """``y * sigmoid(gate)`` as torch computes it in y's dtype: the sigmoid rounded to it, then
+        the product (Qwen3.5's gated attention output)."""
+        g = gate.to(tl.float32)
+        sig = (1.0 / (1.0 + tl.exp(-g))).to(y.dtype)
+        return (y.to(tl.float32) * sig.to(tl.float32)).to(y.dtype)
+
+    @triton.jit
     def _paged_combine_kernel(
-        acc_ptr, stat_ptr, start_ptr, out_ptr, row_ptr, T, S, heads, total_rows, splits, stride_rb, ragged_rows,
+        acc_ptr, stat_ptr, start_ptr, out_ptr, row_ptr, gate_ptr, T, S, heads, total_rows, splits, stride_rb, ragged_rows,
+        stride_gr, stride_gh,
         D: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr, RAGGED: tl.constexpr,
+        GATED: tl.constexpr,
     ):
         head_row = tl.program_id(0)  # (seq * H + head) * T + token
         token = head_row % T
@@ -180,7 +195,11 @@ if triton is not None:
         else:
             out_row = seq.to(tl.int64) * T + token
         dst = out_ptr + out_row * (heads * D) + head * D + d
-        tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=(d < D) & (out_row < ragged_rows))  # a pad place stores nothing
+        live = (d < D) & (out_row < ragged_rows)  # a pad place stores nothing
+        y = out.to(out_ptr.dtype.element_ty)
+        if GATED:
+            y = _gated(y, tl.load(gate_ptr + out_row * stride_gr + head * stride_gh + d, mask=live, other=0.0))
+        tl.store(dst, y, mask=live)
 
 
 @dataclass(frozen=True)
@@ -246,6 +265,7 @@ def paged_tree_attention(
     launch: Plan | None = None,  # plan()'s, unless given (benchmarks)
     rows: torch.Tensor | None = None,  # [B, T] ragged row of q at each padded place (N: none), PassAttention.row_index
     prefix_from: torch.Tensor | None = None,  # [B] int64 first prefix column every row sees (None: 0)
+    gate: torch.Tensor | None = None,  # [rows of the output, H, D] (any row and head strides): the output times sigmoid(gate)
 ) -> torch.Tensor:
     """Each row's attention over its own sequence's paged keys -> [B, T, H * D] in q's dtype
     (head h's output at columns h * D ..; query head h reads K/V head h // (H / H_kv)). Only key
@@ -257,7 +277,10 @@ def paged_tree_attention(
     each padded place's query from its ragged row and writes its output there, so a pass of
     sequences with different row counts needs no padded copy of q and no reordering of the output
     (four launches a layer, 0.51 ms of a 16-sequence 8B verify pass at budget 22: BENCHMARKS.md [B8]).
-    Rows no place names (a CUDA-graph bucket's pad rows) come out zeros."""
+    Rows no place names (a CUDA-graph bucket's pad rows) come out zeros. ``gate``: each output
+    row times ``sigmoid`` of its gate row, in the output's dtype as torch rounds it (Qwen3.5's gated
+    attention, three launches a layer otherwise); ``gate`` may be a strided view (of ``q_proj``'s
+    packed output)."""
     if rows is None:
         b, h, t, d = q.shape
         out = q.new_empty(b, t, h * d)
@@ -280,22 +303,26 @@ def paged_tree_attention(
     total_rows = b * h * t
     acc = stat = out  # unused when DIRECT
     row_ptr = out if rows is None else rows  # unused unless RAGGED
+    if gate is not None and (gate.shape != (out.shape[0] if rows is not None else b * t, h, d) or gate.stride(-1) != 1):
+        raise ValueError(f"paged_tree_attention: gate {tuple(gate.shape)} is not [rows, {h}, {d}] with contiguous heads")
+    gate_args = (out, 0, 0) if gate is None else (gate, gate.stride(0), gate.stride(1))
     if p.splits > 1:
         acc = torch.empty(p.splits, total_rows, d, device=q.device, dtype=torch.float32)
         stat = torch.empty(2, p.splits, total_rows, device=q.device, dtype=torch.float32)
     _paged_partial_kernel[(b * kv_heads, p.splits, p.row_blocks)](
         q, k_pool, v_pool, tables, starts, starts if prefix_from is None else prefix_from.to(torch.int64).contiguous(), visible,
-        acc, stat, out, row_ptr,
+        acc, stat, out, row_ptr, gate_args[0],
         t, span, *stride_q, k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
-        tables.stride(0), visible.stride(0), visible.stride(1), stride_r, math.log2(math.e) / math.sqrt(d), total_rows, ragged_rows,
+        tables.stride(0), visible.stride(0), visible.stride(1), stride_r, *gate_args[1:], math.log2(math.e) / math.sqrt(d),
+        total_rows, ragged_rows,
         KV_HEADS=kv_heads, GROUP=group, D=d, PAGE=block_size, BLOCK_R=p.block_r, BLOCK_S=p.block_s,
         BLOCKS_PER_SPLIT=p.per_split, DIRECT=p.splits == 1, IEEE=q.dtype == torch.float32 or INTERPRETED, DYNAMIC_LOOP=not INTERPRETED,
-        RAGGED=rows is not None, LOW=prefix_from is not None, num_warps=p.num_warps, num_stages=p.num_stages,
+        RAGGED=rows is not None, LOW=prefix_from is not None, GATED=gate is not None, num_warps=p.num_warps, num_stages=p.num_stages,
     )
     if p.splits > 1:
         _paged_combine_kernel[(total_rows,)](
-            acc, stat, starts, out, row_ptr, t, span, h, total_rows, p.splits, stride_r, ragged_rows,
+            acc, stat, starts, out, row_ptr, gate_args[0], t, span, h, total_rows, p.splits, stride_r, ragged_rows, *gate_args[1:],
             D=d, SPLITS=triton.next_power_of_2(p.splits), BLOCK_S=p.block_s, BLOCKS_PER_SPLIT=p.per_split,
-            RAGGED=rows is not None, num_warps=4,
+            RAGGED=rows is not None, GATED=gate is not None, num_warps=4,
         )
     return out

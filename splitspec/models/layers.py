@@ -354,11 +354,12 @@ class QKVProjection(nn.Module):
         k_pool: torch.Tensor,  # [H_kv, slots, D] this layer's paged keys (splitspec.models.paged)
         v_pool: torch.Tensor,
         at: PassAttention,
-        gate: torch.Tensor | None = None,  # [N, H * D]
+        gate: torch.Tensor | None = None,  # [N, H, D] (any row and head strides) or [N, H * D]
     ) -> torch.Tensor:
         """Attention of a pass over several sequences, each row over its own sequence's keys, laid
         out padded ``[B, T]``. The native kernel reads the keys through the block tables; the torch
-        path gathers each sequence's keys ``[B, H_kv, S, D]`` from its blocks. Returns ``[N, hidden]``."""
+        path gathers each sequence's keys ``[B, H_kv, S, D]`` from its blocks. ``gate``: the output
+        times ``sigmoid(gate)`` (in the native kernel's own launch). Returns ``[N, hidden]``."""
         h, n, d = q.shape
         b, t = at.row_index.shape
         # One sequence, or one row a sequence (the passes of one user, and decode passes), in a pass
@@ -371,23 +372,25 @@ class QKVProjection(nn.Module):
         if h * t <= TREE_ATTENTION_ROWS and use_triton(q, "paged_attention") and paged_attention.supported(q_in, k_pool, v_pool, at.visible, by_row):
             # Decode and verify shapes: keys read through the block tables, and the ragged rows
             # through row_index (no padded copy of q, no reordered output).
-            out = paged_attention.paged_tree_attention(q_in, k_pool, v_pool, at.tables, at.starts, at.visible, at.block_size, rows=by_row)
-            out = out.reshape(n, h * d)
+            gated = None if gate is None else gate.view(n, h, d) if gate.dim() == 2 else gate
+            out = paged_attention.paged_tree_attention(
+                q_in, k_pool, v_pool, at.tables, at.starts, at.visible, at.block_size, rows=by_row, gate=gated,
+            )
+            return self.o_proj(out.reshape(n, h * d))
+        rows = q_in if in_place else torch.cat([q.transpose(0, 1), q.new_zeros(1, h, d)])[at.row_index].transpose(1, 2)  # [B, H, T, D]; index N is the zero row
+        kv_heads, pool_slots, _ = k_pool.shape
+        key_rows = at.key_rows(kv_heads, pool_slots)  # [B * H_kv * S]
+        shape = (b, kv_heads, at.key_slots.shape[1], d)
+        k = k_pool.flatten(0, 1).index_select(0, key_rows).view(shape)  # [B, H_kv, S, D], contiguous
+        v = v_pool.flatten(0, 1).index_select(0, key_rows).view(shape)
+        if b == 1:  # one sequence: the unbatched forms (the native tree kernel where it runs)
+            out = self.attention(rows[0], k[0], v[0], at.visible[0])  # [T, H * D]
         else:
-            rows = q_in if in_place else torch.cat([q.transpose(0, 1), q.new_zeros(1, h, d)])[at.row_index].transpose(1, 2)  # [B, H, T, D]; index N is the zero row
-            kv_heads, pool_slots, _ = k_pool.shape
-            key_rows = at.key_rows(kv_heads, pool_slots)  # [B * H_kv * S]
-            shape = (b, kv_heads, at.key_slots.shape[1], d)
-            k = k_pool.flatten(0, 1).index_select(0, key_rows).view(shape)  # [B, H_kv, S, D], contiguous
-            v = v_pool.flatten(0, 1).index_select(0, key_rows).view(shape)
-            if b == 1:  # one sequence: the unbatched forms (the native tree kernel where it runs)
-                out = self.attention(rows[0], k[0], v[0], at.visible[0])  # [T, H * D]
-            else:
-                out = self.attention(rows, k, v, at.visible).flatten(0, 1)  # [B * T, H * D]
-            if not in_place:
-                out = out[at.out_index]  # [N, H * D]
+            out = self.attention(rows, k, v, at.visible).flatten(0, 1)  # [B * T, H * D]
+        if not in_place:
+            out = out[at.out_index]  # [N, H * D]
         if gate is not None:
-            out = out * torch.sigmoid(gate)
+            out = out * torch.sigmoid(gate.reshape(n, h * d))
         return self.o_proj(out)
 
     def write_and_attend_paged(

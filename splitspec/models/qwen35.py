@@ -415,7 +415,7 @@ class GatedAttention(QKVProjection):
             q, gate = self._heads_q_gate(packed, cos, sin)
             return self.write_and_attend_paged(q, *self._heads_kv(k, v, cos, sin), k_pool, v_pool, at, gate)
         q = qkv_rope.gated_qkv_rope(packed, k, v, cos, sin, *self._norm_args(), k_pool, v_pool, at.write_slots)
-        return self.attend_paged(q, k_pool, v_pool, at, self._gate(packed))
+        return self.attend_paged(q, k_pool, v_pool, at, self._halves(packed)[..., self.head_dim :])  # the gate: a strided view
 
 
 class GatedDeltaNet(nn.Module):

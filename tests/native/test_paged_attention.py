@@ -156,6 +156,32 @@ def test_ragged_rows_are_read_and_written_through_row_index(dtype, forced_splits
     check(by_place.view(len(counts) + 1, -1, heads * head_dim), reference(padded, pool.k[0], pool.v[0], at), at, dtype)
 
 
+@pytest.mark.parametrize("forced_splits", [False, True], ids=["one-split", "combined-splits"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_gate_is_applied_in_the_kernels_store(dtype, forced_splits, monkeypatch):
+    """``gate`` (a strided view, as of q_proj's packed output) multiplies each real row by its
+    sigmoid where the output is stored, as the separate sigmoid and product would; pad rows stay zeros."""
+    if not forced_splits:
+        monkeypatch.setattr(paged_attention, "sm_count", lambda device: 1)
+    heads, kv_heads, head_dim, counts = 4, 2, 64, [7, 1, 12]
+    pool, inputs, at = make_pass(8, kv_heads, head_dim, counts, [90, 33, 5], dtype, seed=13)
+    real, n = sum(counts), inputs.tokens.shape[0]
+    gen = torch.Generator().manual_seed(14)
+    q = torch.randn(heads, n, head_dim, generator=gen).to(dtype)
+    packed = (3 * torch.randn(n, heads, 2 * head_dim, generator=gen)).to(dtype)  # [q_h | gate_h] per head
+    gate = packed[..., head_dim:]  # [N, H, D], rows and heads strided
+    args = (pool.k[0], pool.v[0], at.tables, at.starts, at.visible, at.block_size)
+    plain = paged_attention.paged_tree_attention(q, *args, rows=at.row_index)
+    gated = paged_attention.paged_tree_attention(q, *args, rows=at.row_index, gate=gate)
+    expected = plain * torch.sigmoid(gate.reshape(n, -1))
+    # bf16: two roundings (the sigmoid's, the product's), each a truncation under the interpreter
+    tol = dict(rtol=2**-6, atol=1e-6) if dtype == torch.bfloat16 else dict(rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(gated[:real], expected[:real], **tol)
+    assert not gated[real:].any()
+    with pytest.raises(ValueError, match="gate"):
+        paged_attention.paged_tree_attention(q, *args, rows=at.row_index, gate=gate[:, :2])
+
+
 @pytest.mark.parametrize("forced_splits", [False, True])
 def test_keys_and_visibility_past_each_sequence_never_matter(forced_splits, monkeypatch):
     """Columns at or past ``starts[b] + T`` are never read: NaN K/V there (each sequence owns its
