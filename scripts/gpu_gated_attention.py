@@ -2,7 +2,9 @@
 
 Geometry of the 27B (hidden 5120, 24 heads, 4 KV heads, head_dim 256, rotary_dim 64), random bf16
 weights, a paged pool. For 1 and 23 rows: max abs/rel differences of q, the pool writes and the
-layer output (each path also against a float32 evaluation of the same bf16 inputs), then the median
+layer output (each path also against a float32 evaluation of the same bf16 inputs; the layer's
+output of the kernels, the attention gate applied in the paged kernel's store, also against the
+layer with no kernel, the gate applied by torch), then the median
 of 200 timed calls (torch.cuda.Event) of the norm/RoPE/write part and of the whole layer, eager and
 replayed as a CUDA graph. Run from the repo root: PYTHONPATH=. python3 scripts/gpu_gated_attention.py
 """
@@ -93,8 +95,11 @@ def graphed(fn):
     return graph.replay
 
 
-def use_fused(on: bool) -> None:
-    os.environ["SPLITSPEC_NATIVE_OFF"] = "" if on else "qkv_rope"  # the switch is read at call time
+def use_fused(on: bool, attention: bool = True) -> None:
+    """The fused q/k/v kernel on or off; ``attention`` False turns the paged attention kernel (and
+    with it the gate applied in its store) off as well. The switch is read at call time."""
+    off = ([] if on else ["qkv_rope"]) + ([] if attention else ["paged_attention"])
+    os.environ["SPLITSPEC_NATIVE_OFF"] = ",".join(off)
 
 
 with torch.no_grad():
@@ -126,6 +131,11 @@ with torch.no_grad():
             pool_k, pool_v = pool.k[0].clone(), pool.v[0].clone()
             outs.append((attn.project_attend_paged(x, cos, sin, pool_k, pool_v, at), pool_k, pool_v))
         diff("layer out fused vs torch", outs[0][0], outs[1][0])
+        # Against the layer with no kernel at all: the gate applied by torch after torch attention.
+        use_fused(False, attention=False)
+        plain = attn.project_attend_paged(x, cos, sin, pool.k[0].clone(), pool.v[0].clone(), at)
+        use_fused(True)
+        diff("layer out kernels vs no kernel", outs[0][0], plain)
         diff("k pool (layer) fused vs torch", outs[0][1], outs[1][1])
         diff("v pool (layer) fused vs torch", outs[0][2], outs[1][2])
         # Timings.
