@@ -218,6 +218,26 @@ def test_device_auto_is_the_first_gpu_or_the_cpu():
         resolve_device("gpu0")
 
 
+def test_device_cuda_without_index_is_the_current_gpu(monkeypatch):
+    """``--device cuda`` names the current GPU with its index: torch.cuda.set_device refuses an
+    index-less device (torch 2.11 on an H100 raised ValueError at the target's start). The CPU-only
+    test machine has no CUDA runtime, so its four calls stand in for a machine with two GPUs."""
+    import torch
+
+    from splitspec.models.devices import resolve_device
+
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    assert resolve_device("cuda") == torch.device("cuda", 1)
+    assert resolve_device("cuda:0") == torch.device("cuda", 0)
+    assert chosen == [torch.device("cuda", 1), torch.device("cuda", 0)]
+    with pytest.raises(ValueError, match="only 2 GPU"):
+        resolve_device("cuda:2")
+
+
 def _free_port_run(n: int) -> int:
     """The first of ``n`` consecutive loopback ports that are free right now."""
     import socket

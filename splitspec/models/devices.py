@@ -17,9 +17,11 @@ def auto_device() -> str:
 
 
 def resolve_device(name: str) -> torch.device:
-    """The device of a ``--device`` flag (``cpu``, ``cuda:N`` or ``auto``, see ``auto_device``); a
-    GPU also becomes the process's current device, which libraries that follow it (cuBLAS, CUDA
-    graph capture) then use."""
+    """The device of a ``--device`` flag (``cpu``, ``cuda``, ``cuda:N`` or ``auto``, see
+    ``auto_device``); a GPU also becomes the process's current device, which libraries that follow
+    it (cuBLAS, CUDA graph capture) then use. ``cuda`` without an index is the current device
+    (``cuda:0`` unless ``CUDA_VISIBLE_DEVICES`` or the process chose another): ``torch.cuda.set_device``
+    refuses a device without one."""
     if name.strip().lower() == AUTO:
         name = auto_device()
     try:
@@ -29,7 +31,9 @@ def resolve_device(name: str) -> torch.device:
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError(f"--device {name}: this torch build sees no CUDA/ROCm GPU")
-        if device.index is not None and device.index >= torch.cuda.device_count():
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        elif device.index >= torch.cuda.device_count():
             raise ValueError(f"--device {name}: only {torch.cuda.device_count()} GPU(s) visible")
         torch.cuda.set_device(device)
     elif device.type != "cpu":
