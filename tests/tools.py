@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 from collections.abc import Callable
 
 import gguf
 import numpy as np
 import pytest
+
+from splitspec.transport.ports import free_port  # noqa: F401 - the tests import it from here
 
 
 def require(tool: str, package: str) -> str:
@@ -27,22 +28,6 @@ def require(tool: str, package: str) -> str:
             pytest.fail(f"{message}; .ci/run should have installed it")
         pytest.skip(message)
     return path
-
-
-_HANDED_OUT: set[int] = set()
-
-
-def free_port() -> int:
-    """A TCP port free on the loopback interface right now, and not one this process handed out
-    before: a port closed again is free to the kernel, which may hand it out twice (two services
-    of one test, given the same port, would clash)."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port not in _HANDED_OUT:
-            _HANDED_OUT.add(port)
-            return port
 
 
 def write_gguf(path, add_metadata: Callable[[gguf.GGUFWriter], None], arch: str = "qwen3") -> str:

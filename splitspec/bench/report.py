@@ -196,6 +196,35 @@ def sweep_markdown(rows: list[dict]) -> list[str]:
     return lines
 
 
+def split_table(rows: list[dict]) -> list[str]:
+    """Markdown: where each row's decode step went, by the services' own counts
+    (``splitspec.bench.step_split``); nothing when no row has them."""
+    counted = [r for r in rows if r.get("split")]
+    if not counted:
+        return []
+
+    def ms(value: float | None) -> str:
+        return "-" if value is None else f"{value:.2f}"
+
+    lines = [
+        "",
+        "Where a decode step goes, ms (means over each row's timed requests, from the services' /metrics: "
+        "`splitspec.bench.step_split`): the gateway's round trip of a Verify (of a pipelined target-only step: its "
+        "wait for the answer) and of a Propose; the target's pass that the step ran in, preparation to settle; the "
+        "step's wait in the target for it.",
+        "",
+        "| end-to-end | wire | concurrency | decode ms/step | Verify round trip | Propose round trip | target's pass | target queue |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in counted:
+        f = r["split"]
+        lines.append(
+            f"| {_kind_header(r['label'])} | {r['wire']} | {r['concurrency']} | {r['ms_per_step']:.2f} | {ms(f['verify_rpc_ms'])} "
+            f"| {ms(f['propose_rpc_ms'])} | {ms(f['target_pass_ms'])} | {ms(f['target_queue_ms'])} |"
+        )
+    return lines
+
+
 def kernel_table(kernels: list[dict]) -> list[str]:
     """Markdown: one row per (type, layer size), one column per row count M; each cell the median µs
     per call, the share of the copy bandwidth its packed bytes moved at, and × the M = 1 time."""
@@ -312,6 +341,7 @@ def markdown(result: dict) -> str:
         if headline:
             measured = f"; {MEASURED_RULE}" if any(r.get("drafter") == SHAPED for r in rows) else ""
             lines += ["", f"**Headline**, {HEADLINE_RULE}; {AGGREGATE_RULE}{measured}:", ""] + [f"- {h['line']}" for h in headline]
+        lines += split_table(rows)
         if len(_levels(rows)) > 1:
             lines += sweep_markdown(rows)
         if result.get("workers"):

@@ -58,9 +58,11 @@ import numpy as np
 
 from services.gateway.budget import AUTO, DEFAULT_MAX_BUDGET
 from splitspec.bench.report import AR_LABEL, BUILTIN_LABELS, DFLASH_LABEL, SHAPED, oracle_label, shaped_oracle_label
+from splitspec.bench.step_split import StepSplit, means, scrape
 from splitspec.bench.workers import BENCH_WORKERS
 from splitspec.cli.serve import wait_ready
 from splitspec.spec.acceptance_length import acceptance_length, committed_tokens
+from splitspec.transport.ports import free_port
 from splitspec.v1 import gateway_pb2, gateway_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -89,6 +91,7 @@ class SystemRow:
     draft_fallbacks: int = 0  # steps that ran target-only because the draft failed or was late
     drafter: str = ""  # "off", "oracle" or "shaped-oracle" (benchmark-only), "dflash" or "dflash2"
     corruption: float | None = None  # the oracle's corruption rate
+    split: StepSplit | None = None  # where its steps went, by the services' /metrics (None: not read)
 
     @property
     def tokens_per_s(self) -> float:
@@ -124,13 +127,16 @@ def synthetic_tokenizer(vocab_size: int, path: Path) -> Path:
 
 
 class Cluster:
-    """Service processes on Unix sockets in a private directory, stopped together."""
+    """Service processes on Unix sockets in a private directory, stopped together; each but ``serve``
+    serves its /metrics on a free loopback port (``metrics_ports``: address -> port), which a row
+    reads for where its steps go (:mod:`splitspec.bench.step_split`)."""
 
     def __init__(self, log_dir: Path, busy_poll_us: int = 0) -> None:
         self.sockets = Path(tempfile.mkdtemp(prefix="splitspec-bench-"))
         self.log_dir = log_dir
         self.busy_poll_us = busy_poll_us  # every service's --busy-poll
         self.procs: list[subprocess.Popen] = []
+        self.metrics_ports: dict[str, int] = {}
 
     def start(self, name: str, *args: str, timeout: float = 600.0) -> str:
         """Start ``args[0]``: a ``splitspec`` service (or ``serve``, all three) or a benchmark-only
@@ -139,13 +145,17 @@ class Cluster:
         log = (self.log_dir / f"{name}.log").open("w")
         module = "splitspec.bench.workers" if args[0] in BENCH_WORKERS else "splitspec"
         # `splitspec serve` has no --busy-poll: its services keep their own default, as a user's do.
+        # Its --metrics-port would be the first of three ports: it serves none here.
         busy_poll = [] if args[0] == "serve" else ["--busy-poll", str(self.busy_poll_us)]
+        port = 0 if args[0] == "serve" else free_port()
         proc = subprocess.Popen(
-            [sys.executable, "-m", module, args[0], "--listen", address, "--metrics-port", "0", *busy_poll, *args[1:]],
+            [sys.executable, "-m", module, args[0], "--listen", address, "--metrics-port", str(port), *busy_poll, *args[1:]],
             stdout=log, stderr=subprocess.STDOUT,
         )
         self.procs.append(proc)
         wait_ready(address, [proc], timeout)
+        if port:
+            self.metrics_ports[address] = port
         return address
 
     def __enter__(self) -> Cluster:
@@ -348,15 +358,20 @@ def requests_for(ids: list[list[int]], spec: gateway_pb2.Speculation, max_tokens
 
 def measure(
     address: str | Sequence[str], level: Level, spec: gateway_pb2.Speculation, max_tokens: int, label: str, wire: str,
-    drafter: str = "", corruption: float | None = None,
+    drafter: str = "", corruption: float | None = None, metrics: Sequence[int] = (),
 ) -> tuple[SystemRow, list[list[int]]]:
     """One row at one level: the warm-up (N at once), then the timed requests, N at a time; and the
     outputs of all, the warm-up's first (``level.warm + level.timed``: an oracle's table needs the
-    warm-up's too, or an adaptive budget learns from it that the draft is never right)."""
+    warm-up's too, or an adaptive budget learns from it that the draft is never right). ``metrics``:
+    the /metrics ports of the row's gateways and its target, read around the timed requests for
+    the row's ``split``."""
     n = level.concurrency
     logger.info('row "%s" (%s wire, concurrency %d): %d warm-up requests, then %d timed', label, wire, n, len(level.warm), len(level.timed))
     _, warm = run_batch(address, requests_for(level.warm, spec, max_tokens), n, "warm-up", spec.budget, wire)
+    before = scrape(metrics) if metrics else None
     row, timed = run_batch(address, requests_for(level.timed, spec, max_tokens), n, label, spec.budget, wire, drafter, corruption)
+    if before is not None:
+        row = replace(row, split=means(before, scrape(metrics)))
     logger.info(
         'row "%s": AL %.2f, %.1f tok/s, %.2f ms a decode step, %.1f s', label, row.acceptance_length, row.tokens_per_s, row.ms_per_step, row.seconds,
     )
@@ -491,16 +506,22 @@ def run_system(
             for i, (label, draft) in enumerate(draft_addresses.items())
         }
         off = Spec(mode=Spec.OFF)
+
+        def ports(addresses: list[str]) -> list[int]:  # a row's gateways' /metrics, and the target's
+            return [c.metrics_ports[a] for a in (*addresses, target)]
+
         for level in plan:
             for wire in wires:
-                row, outputs = measure(gateways[wire, next(iter(drafts))], level, off, max_tokens, AR_LABEL, wire, "off")
+                first = gateways[wire, next(iter(drafts))]
+                row, outputs = measure(first, level, off, max_tokens, AR_LABEL, wire, "off", metrics=ports(first))
                 rows.append(row)
                 if wire == wires[0]:
                     with table.open("a") as f:  # the oracle re-reads its table when the file changes
                         f.writelines(json.dumps({"tokens": p + out}) + "\n" for p, out in zip(level.warm + level.timed, outputs))
             for label in drafts:
                 for wire in wires:
-                    row = measure(gateways[wire, label], level, tree, max_tokens, label, wire, *kinds[label])[0]
+                    mine = gateways[wire, label]
+                    row = measure(mine, level, tree, max_tokens, label, wire, *kinds[label], metrics=ports(mine))[0]
                     rows.append(replace(row, budget=budget))
     return rows
 

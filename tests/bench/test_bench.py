@@ -70,6 +70,17 @@ def test_bench_runs_every_part(tmp_path):
     assert len(result["system"]) == 2 * 4 and all(r["completion_tokens"] == 2 * 24 for r in result["system"])
     # Decode steps alone (prefill excluded) are shorter than the whole batch's time per step.
     assert all(0 < r["ms_per_step"] < 1e3 * r["seconds"] / r["steps"] for r in result["system"])
+    # Where the steps went, by the services' own /metrics: a drafted step's Verify round trip holds the
+    # target's pass and its wait for it (target-only steps are pipelined: their figure is the
+    # gateway's wait for each answer); a Propose's only where a draft proposes; both within the step.
+    for r in result["system"]:
+        f = r["split"]
+        assert 0 < f["target_pass_ms"] and 0 < f["verify_rpc_ms"] + (f["propose_rpc_ms"] or 0) < r["ms_per_step"], (r["label"], f)
+        if r["drafter"] != "off":
+            assert f["target_pass_ms"] + f["target_queue_ms"] <= f["verify_rpc_ms"] and f["propose_rpc_ms"] > 0, (r["label"], f)
+        else:
+            assert f["propose_rpc_ms"] is None
+        assert f"| {r['label'].replace(ORACLE_NOTE, 'benchmark-only')} | {r['wire']} | 1 | {r['ms_per_step']:.2f} | {f['verify_rpc_ms']:.2f} |" in proc.stdout
     assert {"target.log", "draft0.log", "gateway0-stream.log", "gateway0-unary.log"} <= {p.name for p in (tmp_path / "logs").iterdir()}
     assert result["baseline_tokens_per_s"] > 0
     assert "| off (AR) | stream |" in proc.stdout and "| off (AR) | unary |" in proc.stdout and "transformers eager" in proc.stdout

@@ -1,0 +1,87 @@
+"""Where a decode step goes through the services, read from their own Prometheus /metrics.
+
+A benchmark row's decode ms per step (``SystemRow.ms_per_step``) is what a client sees. The
+services count the parts of it themselves; a row scrapes the gateways and the target before and
+after its timed requests and keeps the means over the row (:class:`StepSplit`):
+
+- ``verify_rpc_ms``: a gateway's round trip of one Verify (``splitspec_rpc_duration_seconds``,
+  ``rpc="TargetWorker/Verify"``, on every wire). Target-only decode steps are pipelined on the
+  socket and stream wires (``TargetClient.decode``: the next request is sent before this answer
+  arrives), and each is timed from when the gateway starts waiting for its answer: there the
+  figure is the gateway's wait, which may be shorter than the target's pass;
+- ``propose_rpc_ms``: its round trip of one Propose (``rpc="DraftWorker/Propose"``; none without a draft);
+- ``target_pass_ms``: the target's batched verify pass that each step ran in, from its preparation
+  to its settle (``splitspec_worker_forward_duration_seconds``, ``phase="verify"``, observed once a
+  step; a pass that captured a CUDA graph is not counted);
+- ``target_queue_ms``: a step's wait in the target for its pass to start
+  (``splitspec_worker_queue_seconds``, ``phase="verify"``).
+
+So at one user, step − Verify round trip is the gateway's own time per step (with a draft, less
+its Propose round trip), and for a drafted step Verify round trip − (queue + pass) the wire and
+the target's host work outside the pass. As PromQL over a live deployment, for the first::
+
+    sum(rate(splitspec_rpc_duration_seconds_sum{rpc="TargetWorker/Verify"}[5m]))
+      / sum(rate(splitspec_rpc_duration_seconds_count{rpc="TargetWorker/Verify"}[5m]))
+"""
+
+from __future__ import annotations
+
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from prometheus_client.parser import text_string_to_metric_families
+
+# (histogram, the label that picks the series, its value): each StepSplit field's source
+SERIES = {
+    "verify_rpc_ms": ("splitspec_rpc_duration_seconds", "rpc", "TargetWorker/Verify"),
+    "propose_rpc_ms": ("splitspec_rpc_duration_seconds", "rpc", "DraftWorker/Propose"),
+    "target_pass_ms": ("splitspec_worker_forward_duration_seconds", "phase", "verify"),
+    "target_queue_ms": ("splitspec_worker_queue_seconds", "phase", "verify"),
+}
+
+Totals = dict[str, tuple[float, float]]  # StepSplit field -> (sum of seconds, count) of its series
+
+
+@dataclass(frozen=True)
+class StepSplit:
+    """Means over a row in milliseconds (module docstring); None where no call was counted."""
+
+    verify_rpc_ms: float | None = None
+    propose_rpc_ms: float | None = None
+    target_pass_ms: float | None = None
+    target_queue_ms: float | None = None
+
+
+def totals(text: str) -> Totals:
+    """The running sums and counts of :data:`SERIES` in one /metrics page (Prometheus text format)."""
+    out: Totals = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            for field, (name, label, value) in SERIES.items():
+                if sample.labels.get(label) != value or sample.name not in (f"{name}_sum", f"{name}_count"):
+                    continue
+                total, count = out.get(field, (0.0, 0.0))
+                out[field] = (total + sample.value, count) if sample.name.endswith("_sum") else (total, count + sample.value)
+    return out
+
+
+def scrape(ports: Sequence[int], timeout: float = 10.0) -> Totals:
+    """:func:`totals` of every loopback ``port``'s /metrics, added together (a row's gateways)."""
+    out: Totals = {}
+    for port in ports:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=timeout) as page:
+            for field, (total, count) in totals(page.read().decode()).items():
+                t, c = out.get(field, (0.0, 0.0))
+                out[field] = (t + total, c + count)
+    return out
+
+
+def means(before: Totals, after: Totals) -> StepSplit:
+    """The means of what was counted between two scrapes of the same processes."""
+    means = {}
+    for field in SERIES:
+        total, count = after.get(field, (0.0, 0.0))
+        total0, count0 = before.get(field, (0.0, 0.0))
+        means[field] = 1e3 * (total - total0) / (count - count0) if count > count0 else None
+    return StepSplit(**means)
