@@ -29,7 +29,7 @@ and 32 rows, the current kernels (both layouts) also at 1-8 splits, as ``gpu_ggu
 ``torch.amax``, and prints each variant's largest difference from the current kernel's output at the
 same splits. Writes ``$OUT/gpu_mma_variants.json``.
 
-Usage: python3 scripts/gpu_mma_variants.py   (``VARIANTS=base,q4l2h`` builds only those,
+Usage: python3 scripts/gpu_mma_variants.py   (``VARIANTS=q4l2h`` builds only those and base,
        ``CALLS=Q4_K:27b.gate_up,Q6_K:27b.lm_head`` times only those)
        python3 scripts/gpu_mma_variants.py --native COPY/native NAME   (variant NAME over a copy of native/)
 """
@@ -371,7 +371,7 @@ def main() -> None:
     from gguf import GGMLQuantizationType as Q
     from gpu_quant_libraries import copy_bandwidth
     t0 = time.time()
-    wanted = os.environ.get("VARIANTS", ",".join(VARIANTS)).split(",")
+    wanted = {"base", *os.environ.get("VARIANTS", ",".join(VARIANTS)).split(",")}  # base: every variant's reference
     names = build_all([n for n in VARIANTS if n in wanted])
     print(f"builds {time.time() - t0:.0f} s", flush=True)
     exts = {n: extension(n) for n in names}
