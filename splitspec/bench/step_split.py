@@ -79,9 +79,9 @@ def scrape(ports: Sequence[int], timeout: float = 10.0) -> Totals:
 
 def means(before: Totals, after: Totals) -> StepSplit:
     """The means of what was counted between two scrapes of the same processes."""
-    means = {}
+    out = {}
     for field in SERIES:
         total, count = after.get(field, (0.0, 0.0))
         total0, count0 = before.get(field, (0.0, 0.0))
-        means[field] = 1e3 * (total - total0) / (count - count0) if count > count0 else None
-    return StepSplit(**means)
+        out[field] = 1e3 * (total - total0) / (count - count0) if count > count0 else None
+    return StepSplit(**out)
