@@ -16,9 +16,10 @@ after its timed requests and keeps the means over the row (:class:`StepSplit`):
 - ``target_queue_ms``: a step's wait in the target for its pass to start
   (``splitspec_worker_queue_seconds``, ``phase="verify"``).
 
-So at one user, step − Verify round trip is the gateway's own time per step (with a draft, less
-its Propose round trip), and for a drafted step Verify round trip − (queue + pass) the wire and
-the target's host work outside the pass. As PromQL over a live deployment, for the first::
+So for a drafted step at one user, step − (Verify + Propose round trips) is the gateway's own time,
+and Verify round trip − (queue + pass) the wire and the target's host work outside the pass; a
+pipelined target-only step is its pass plus what the target's passes leave between them. As
+PromQL over a live deployment, the mean Verify round trip::
 
     sum(rate(splitspec_rpc_duration_seconds_sum{rpc="TargetWorker/Verify"}[5m]))
       / sum(rate(splitspec_rpc_duration_seconds_count{rpc="TargetWorker/Verify"}[5m]))
