@@ -54,16 +54,20 @@ class StepSplit:
     target_queue_ms: float | None = None
 
 
+def _add(out: Totals, field: str, total: float, count: float) -> None:
+    t, c = out.get(field, (0.0, 0.0))
+    out[field] = (t + total, c + count)
+
+
 def totals(text: str) -> Totals:
     """The running sums and counts of :data:`SERIES` in one /metrics page (Prometheus text format)."""
     out: Totals = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             for field, (name, label, value) in SERIES.items():
-                if sample.labels.get(label) != value or sample.name not in (f"{name}_sum", f"{name}_count"):
-                    continue
-                total, count = out.get(field, (0.0, 0.0))
-                out[field] = (total + sample.value, count) if sample.name.endswith("_sum") else (total, count + sample.value)
+                if sample.labels.get(label) == value and sample.name in (f"{name}_sum", f"{name}_count"):
+                    is_sum = sample.name.endswith("_sum")
+                    _add(out, field, sample.value if is_sum else 0.0, 0.0 if is_sum else sample.value)
     return out
 
 
@@ -73,8 +77,7 @@ def scrape(ports: Sequence[int], timeout: float = 10.0) -> Totals:
     for port in ports:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=timeout) as page:
             for field, (total, count) in totals(page.read().decode()).items():
-                t, c = out.get(field, (0.0, 0.0))
-                out[field] = (t + total, c + count)
+                _add(out, field, total, count)
     return out
 
 

@@ -394,8 +394,11 @@ class GatedAttention(QKVProjection):
     def _halves(self, packed: torch.Tensor) -> torch.Tensor:
         return packed.unflatten(-1, (self.num_heads, 2 * self.head_dim))  # [T, H, 2D]: [q_h | gate_h]
 
+    def _gate_heads(self, packed: torch.Tensor) -> torch.Tensor:
+        return self._halves(packed)[..., self.head_dim :]  # [T, H, D], a strided view
+
     def _gate(self, packed: torch.Tensor) -> torch.Tensor:
-        return self._halves(packed)[..., self.head_dim :].reshape(packed.shape[0], -1)  # [T, H * D], a copy
+        return self._gate_heads(packed).reshape(packed.shape[0], -1)  # [T, H * D], a copy
 
     def project_attend_paged(
         self,
@@ -415,7 +418,7 @@ class GatedAttention(QKVProjection):
             q, gate = self._heads_q_gate(packed, cos, sin)
             return self.write_and_attend_paged(q, *self._heads_kv(k, v, cos, sin), k_pool, v_pool, at, gate)
         q = qkv_rope.gated_qkv_rope(packed, k, v, cos, sin, *self._norm_args(), k_pool, v_pool, at.write_slots)
-        return self.attend_paged(q, k_pool, v_pool, at, self._halves(packed)[..., self.head_dim :])  # the gate: a strided view
+        return self.attend_paged(q, k_pool, v_pool, at, self._gate_heads(packed))
 
 
 class GatedDeltaNet(nn.Module):
