@@ -57,8 +57,8 @@ def kernel_usage(ptxas: str) -> list[str]:
             name, spills = m[1], ""
         elif (m := re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", line)) and name:
             spills = f"spills {m[1]}/{m[2]} B"
-        elif (m := re.search(r"Used (\d+) registers.*?(\d+) bytes smem", line)) and name:
-            lines.append(f"{m[1]:>4} registers  {spills:<20} smem {m[2]:>6} B  {short(name)}")
+        elif (m := re.search(r"Used (\d+) registers(?:.*?(\d+) bytes smem)?", line)) and name:  # no smem: not printed
+            lines.append(f"{m[1]:>4} registers  {spills:<20} smem {m[2] or 0:>6} B  {short(name)}")
             name = None
     return lines
 
