@@ -329,14 +329,16 @@ def _next_power_of_2(n: int) -> int:
 
 
 def gguf_matmul(
-    x: torch.Tensor, raw: torch.Tensor, qtype: Q, out_features: int, tiling: Tiling | None = None, interleaved: bool = False
+    x: torch.Tensor, raw: torch.Tensor, qtype: Q, out_features: int, tiling: Tiling | None = None, interleaved: bool = False,
+    prepared: gguf_mma.Prepared | None = None,
 ) -> torch.Tensor:
     """x [..., K] (bf16, fp16 or fp32) @ W^T for W [out_features, K] held as GGUF blocks ``raw``
     [out_features, row_bytes] (uint8; ``interleaved``: in ``interleave``'s layout) ->
     [..., out_features] in x's dtype: by ``native.gguf_mma`` where it takes the call
     (Q4_K/Q6_K/IQ4_XS, bf16, 1-64 rows), by ``native.gguf_expand`` (expanded tiles on cuBLAS) for
     many rows, else by the Triton kernels. ``tiling`` forces the Triton kernels with that tiling
-    (benchmarks compare tilings)."""
+    (benchmarks compare tilings). ``prepared``: x is ``gguf_mma.produce``'s placeholder; its arrays
+    serve a Q4_K/Q6_K kernel's call, and any other path reads ``prepared.plain()``."""
     if qtype not in KERNEL_TYPES:
         raise ValueError(f"no kernel for {qtype.name} (kernels: {', '.join(sorted(t.name for t in KERNEL_TYPES))})")
     if x.dtype not in KERNEL_DTYPES:
@@ -355,6 +357,10 @@ def gguf_matmul(
     M, N = x2.shape[0], out_features
     if M == 0:
         return x.new_empty(*lead, N)
+    if prepared is not None:
+        if tiling is None and qtype in gguf_mma.A_OPERAND_TYPES and gguf_mma.usable(x2, raw, qtype):
+            return gguf_mma.matmul(x2, raw, qtype, N, interleaved=interleaved, prepared=prepared.arrays_for(qtype)).reshape(*lead, N)
+        x2 = prepared.plain().reshape(-1, K)
     if tiling is None and gguf_mma.usable(x2, raw, qtype):
         return gguf_mma.matmul(x2, raw, qtype, N, interleaved=interleaved).reshape(*lead, N)
     table = levels(x.device) if qtype == Q.IQ4_XS else raw  # the other types never read this pointer
@@ -392,9 +398,13 @@ def gguf_matmul(
 def quant_linear(x: torch.Tensor, raw: torch.Tensor, qtype: Q, bias: torch.Tensor | None = None,
                  interleaved: bool = False) -> torch.Tensor:
     """``x @ W^T (+ bias)`` for W [rows of raw, K] in ``raw``'s blocks (``interleaved``: in
-    ``interleave``'s layout): the kernels where ``triton_enabled``, else ``gguf_matmul_reference``."""
+    ``interleave``'s layout): the kernels where ``triton_enabled``, else ``gguf_matmul_reference``.
+    x may be ``gguf_mma.produce``'s placeholder (``gguf_mma.prepared_for``)."""
+    prepared = gguf_mma.prepared_for(x)
+    if prepared is not None and not (prepared.arrays and triton_enabled(x)):  # x's values, where no kernel takes the arrays
+        x, prepared = prepared.plain(), None
     if triton_enabled(x):
-        y = gguf_matmul(x, raw, qtype, raw.shape[0], interleaved=interleaved)
+        y = gguf_matmul(x, raw, qtype, raw.shape[0], interleaved=interleaved, prepared=prepared)
     else:
         y = gguf_matmul_reference(x, raw, qtype, raw.shape[0], interleaved)
     return y if bias is None else y + bias.to(y.dtype)

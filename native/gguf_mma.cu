@@ -18,14 +18,17 @@
 #include <torch/extension.h>
 
 #include <cstdint>
+#include <vector>
 
 #include "gguf_mma.cuh"
 
 // native/gguf_q4k.cu and native/gguf_q6k.cu
 void q4k_mma(torch::Tensor x, torch::Tensor w, torch::Tensor out, torch::Tensor partial, torch::Tensor counters,
-             int64_t splits, bool interleaved);
+             int64_t splits, bool interleaved, const std::vector<torch::Tensor>& prepared);
 void q6k_mma(torch::Tensor x, torch::Tensor w, torch::Tensor out, torch::Tensor partial, torch::Tensor counters,
-             int64_t splits, bool interleaved);
+             int64_t splits, bool interleaved, const std::vector<torch::Tensor>& prepared);
+std::vector<torch::Tensor> q4k_prepare(const mma_common::Source& src, int64_t M, const torch::TensorOptions& options);
+std::vector<torch::Tensor> q6k_prepare(const mma_common::Source& src, int64_t M, const torch::TensorOptions& options);
 
 namespace {
 
@@ -251,9 +254,10 @@ void by_rows(const torch::Tensor& x, const torch::Tensor& w, torch::Tensor& out,
 // qtype: 12 (Q4_K), 14 (Q6_K) or 23 (IQ4_XS), gguf's GGMLQuantizationType values. `partial` [splits, M, N]
 // float32 and `counters` [>= tiles] int32 zeros are the caller's (unused when splits == 1). n_tiles
 // (1 or 2) is the IQ4_XS kernel's; the Q4_K and Q6_K kernels have one shape. `interleaved`: w in
-// native.gguf_matmul.interleave's layout (Q4_K and Q6_K).
+// native.gguf_matmul.interleave's layout (Q4_K and Q6_K). `prepared`: empty, or gguf_prepare's
+// arrays of x for this qtype (Q4_K and Q6_K, M <= 32), which the matmul then reads instead of x.
 void gguf_mma(torch::Tensor x, torch::Tensor w, torch::Tensor out, torch::Tensor partial, torch::Tensor counters,
-              int64_t qtype, int64_t splits, int64_t n_tiles, bool interleaved) {
+              int64_t qtype, int64_t splits, int64_t n_tiles, bool interleaved, std::vector<torch::Tensor> prepared) {
   TORCH_CHECK(x.is_cuda() && x.scalar_type() == torch::kBFloat16 && x.dim() == 2 && x.stride(1) == 1, "x: bf16 [M, K], rows contiguous");
   TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= 64, "1 <= M <= 64, got ", x.size(0));
   TORCH_CHECK(x.size(1) % 256 == 0, "K must be a multiple of 256");
@@ -262,16 +266,18 @@ void gguf_mma(torch::Tensor x, torch::Tensor w, torch::Tensor out, torch::Tensor
   TORCH_CHECK(out.scalar_type() == torch::kBFloat16 && out.is_contiguous(), "out: bf16 [M, N] contiguous");
   TORCH_CHECK(!interleaved || ((qtype == 12 || qtype == 14) && w.size(0) % 16 == 0 && w.is_contiguous()),
               "an interleaved weight must be Q4_K or Q6_K, contiguous, of a multiple of 16 rows");
+  TORCH_CHECK(prepared.empty() || (x.size(0) <= 32 && prepared.size() == (qtype == 12 ? 3u : qtype == 14 ? 2u : 0u)),
+              "prepared x: Q4_K's 3 or Q6_K's 2 arrays, for at most 32 rows");
   const at::cuda::CUDAGuard guard(x.device());
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   if (qtype == 12) {
     TORCH_CHECK(reinterpret_cast<uintptr_t>(w.data_ptr()) % 16 == 0 && w.stride(0) % 16 == 0, "Q4_K rows must be 16-byte aligned");
     TORCH_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 && x.stride(0) % 8 == 0, "x rows must be 16-byte aligned for Q4_K");
-    q4k_mma(x, w, out, partial, counters, splits, interleaved);
+    q4k_mma(x, w, out, partial, counters, splits, interleaved, prepared);
   } else if (qtype == 14) {
     TORCH_CHECK(reinterpret_cast<uintptr_t>(w.data_ptr()) % 2 == 0 && w.stride(0) % 2 == 0, "Q6_K rows must be 2-byte aligned");
     TORCH_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0 && x.stride(0) % 8 == 0, "x rows must be 16-byte aligned for Q6_K");
-    q6k_mma(x, w, out, partial, counters, splits, interleaved);
+    q6k_mma(x, w, out, partial, counters, splits, interleaved, prepared);
   } else if (qtype == 23) {
     TORCH_CHECK(reinterpret_cast<uintptr_t>(w.data_ptr()) % 8 == 0 && w.stride(0) % 8 == 0, "IQ4_XS rows must be 8-byte aligned");
     if (n_tiles == 1) by_rows<IQ4XS, 1>(x, w, out, partial, counters, splits, stream);
@@ -282,4 +288,54 @@ void gguf_mma(torch::Tensor x, torch::Tensor w, torch::Tensor out, torch::Tensor
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("gguf_mma", &gguf_mma, "y = x @ W^T from GGUF blocks on tensor cores"); }
+namespace {
+bool aligned_rows(const torch::Tensor& t) {  // bf16 rows whose 8-value groups load 16 bytes at a time
+  return t.is_cuda() && t.scalar_type() == torch::kBFloat16 && t.dim() == 2 && t.stride(1) == 1 &&
+         reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 && t.stride(0) % 8 == 0;
+}
+}  // namespace
+
+// x's prepared arrays for the Q4_K (qtype 12) or Q6_K (14) matmul, made from x's producer's
+// inputs (mma_common::Source; kind 1: SwiGLU's activation of gate_up `a` [M, 2K]; 2: RMSNorm of
+// `a` [M, K] by `weight` [K] (bf16); 3: the same of a + b, written to `sum` [M, K]); `arrivals`:
+// int32 [>= M] zeros, which the norms leave zero. M <= 32 rows.
+std::vector<torch::Tensor> gguf_prepare(int64_t qtype, int64_t kind, torch::Tensor a, c10::optional<torch::Tensor> b,
+                                        c10::optional<torch::Tensor> weight, c10::optional<torch::Tensor> sum,
+                                        torch::Tensor arrivals, double eps, int64_t K) {
+  TORCH_CHECK(qtype == 12 || qtype == 14, "gguf_prepare: Q4_K (12) or Q6_K (14), got ", qtype);
+  TORCH_CHECK(kind >= mma_common::kSiluMul && kind <= mma_common::kAddNorm, "gguf_prepare: kind 1-3, got ", kind);
+  TORCH_CHECK(aligned_rows(a) && a.size(0) >= 1 && a.size(0) <= 32, "a: bf16 [1-32, ...] rows 16-byte aligned");
+  TORCH_CHECK(K % 256 == 0 && a.size(1) == (kind == mma_common::kSiluMul ? 2 * K : K), "a's width must be K (2K for SwiGLU), K a multiple of 256");
+  const int64_t M = a.size(0);
+  const bool norm = kind != mma_common::kSiluMul;
+  TORCH_CHECK(!norm || (weight && aligned_rows(weight->view({1, -1})) && weight->numel() == K), "a norm needs a bf16 weight [K]");
+  TORCH_CHECK(kind != mma_common::kAddNorm || (b && aligned_rows(*b) && b->sizes() == a.sizes() && sum && sum->is_contiguous() && aligned_rows(*sum) && sum->sizes() == a.sizes()),
+              "an added norm needs b and sum like a");
+  TORCH_CHECK(!norm || (arrivals.is_cuda() && arrivals.scalar_type() == torch::kInt32 && arrivals.numel() >= M), "arrivals: int32 [>= M]");
+  const at::cuda::CUDAGuard guard(a.device());
+  torch::Tensor squares = norm ? torch::empty({M * (K / 256)}, a.options().dtype(torch::kFloat32)) : torch::Tensor();
+  mma_common::Source src = {};
+  src.a = reinterpret_cast<const __nv_bfloat16*>(a.data_ptr());
+  src.stride_a = a.stride(0);
+  src.kind = static_cast<int>(kind);
+  src.K = static_cast<int>(K);
+  src.eps = static_cast<float>(eps);
+  if (norm) {
+    src.weight = reinterpret_cast<const __nv_bfloat16*>(weight->data_ptr());
+    src.squares = squares.data_ptr<float>();
+    src.arrivals = arrivals.data_ptr<int>();
+  }
+  if (kind == mma_common::kAddNorm) {
+    src.b = reinterpret_cast<const __nv_bfloat16*>(b->data_ptr());
+    src.stride_b = b->stride(0);
+    src.sum = reinterpret_cast<__nv_bfloat16*>(sum->data_ptr());
+  }
+  std::vector<torch::Tensor> arrays = qtype == 12 ? q4k_prepare(src, M, a.options()) : q6k_prepare(src, M, a.options());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return arrays;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("gguf_mma", &gguf_mma, "y = x @ W^T from GGUF blocks on tensor cores");
+  m.def("gguf_prepare", &gguf_prepare, "x's prepared arrays for the Q4_K/Q6_K matmul, made from x's producer's inputs");
+}

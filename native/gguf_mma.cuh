@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #ifndef MMA_PDL  // 0: launch each matmul after its x preparation has finished (benchmarks compare)
 #define MMA_PDL 1
@@ -49,21 +50,15 @@ __device__ __forceinline__ void mma_f16(float (&c)[4], const uint32_t (&a)[4], u
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// One warp stages 256 values of a bf16 row (`row`, 16-byte aligned, 8 a lane) in `staged` as fp16
-// times 2^-e, e being the power of two that brings their largest |x| into [2^9, 2^10): bf16's 8-bit
-// significands then fit fp16's 11 bits and every 32-value sum fits fp16's range. Returns 2^e; `sum`
-// gets this lane's eight staged values added in float32. (e is kept where 2^-e and 2^e are normal
-// floats; inf or NaN leave e = 0 and flow through as they are.)
-__device__ __forceinline__ float stage_scaled(const __nv_bfloat16* __restrict__ row, __half* staged, int lane, float& sum) {
-  const uint4 raw = *reinterpret_cast<const uint4*>(row + 8 * lane);
-  const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
-  float v[8];
+// One warp stages 256 values (8 a lane, in `v`) in `staged` as fp16 times 2^-e, e being the power
+// of two that brings their largest |v| into [2^9, 2^10): bf16's 8-bit significands then fit fp16's
+// 11 bits and every 32-value sum fits fp16's range. Returns 2^e; `sum` gets this lane's eight
+// staged values added in float32. (e is kept where 2^-e and 2^e are normal floats; inf or NaN
+// leave e = 0 and flow through as they are.)
+__device__ __forceinline__ float stage_scaled(const float (&v)[8], __half* staged, int lane, float& sum) {
   float largest = 0.0f;
 #pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    v[i] = __uint_as_float((i & 1) ? words[i >> 1] & 0xFFFF0000u : words[i >> 1] << 16);  // bf16 -> float: exact
-    largest = fmaxf(largest, fabsf(v[i]));
-  }
+  for (int i = 0; i < 8; ++i) largest = fmaxf(largest, fabsf(v[i]));
 #pragma unroll
   for (int o = 16; o; o >>= 1) largest = fmaxf(largest, __shfl_xor_sync(0xFFFFFFFFu, largest, o));
   // largest in [2^(E-127), 2^(E-126)) for its biased exponent E: e = E - 136.
@@ -80,6 +75,101 @@ __device__ __forceinline__ float stage_scaled(const __nv_bfloat16* __restrict__ 
   __syncwarp();
   return __uint_as_float(static_cast<uint32_t>(127 + e) << 23);
 }
+
+__device__ __forceinline__ void bf16x8(const __nv_bfloat16* p, float (&v)[8]) {  // p 16-byte aligned
+  const uint4 raw = *reinterpret_cast<const uint4*>(p);
+  const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+  for (int i = 0; i < 8; ++i) v[i] = __uint_as_float((i & 1) ? words[i >> 1] & 0xFFFF0000u : words[i >> 1] << 16);  // exact
+}
+
+__device__ __forceinline__ uint32_t bf16_bits(float v) { return __bfloat16_as_ushort(__float2bfloat16_rn(v)); }
+
+// What x's preparation reads: x itself (kRow), or the values of the launch that would have made x,
+// computed here instead (native.gguf_mma.produce), so that launch and its trip through memory go:
+// - kSiluMul: SwiGLU's silu(gate) * up from the fused gate/up projection's output `a` [M, 2K]
+//   (gate first), rounded as native/silu_mul.py rounds (the SiLU to bf16, then the product);
+// - kNorm: RMSNorm(a) * weight; kAddNorm: the same of a + b, rounded to bf16 first and written to
+//   `sum` (the residual stream). The norm's 1 / rms is a reduction over the whole row, which the
+//   row's super-blocks (one warp each) do not have: each stages x * weight, and the last of a row's
+//   warps to finish folds 1 / rms into the row's scales (finish_norm), which the matmul already
+//   multiplies its sums by. So no warp waits for another, and the matmul is unchanged.
+enum SourceKind : int { kRow = 0, kSiluMul = 1, kNorm = 2, kAddNorm = 3 };
+
+struct Source {
+  const __nv_bfloat16* a;       // x, or gate/up, or the residual's delta
+  const __nv_bfloat16* b;       // kAddNorm: the residual
+  const __nv_bfloat16* weight;  // norms: [K]
+  __nv_bfloat16* sum;           // kAddNorm: a + b [M, K], written (rows contiguous)
+  float* squares;               // norms: [M, super-blocks] each super-block's sum of squares
+  int* arrivals;                // norms: [>= M] zeros, a row's finished super-blocks (reset by its last)
+  int64_t stride_a, stride_b;   // row strides, in values
+  int kind, K;
+  float eps;
+
+  // Lane `lane`'s 8 values of row r, super-block sb into v; `squares_part` their squares' sum (norms).
+  __device__ __forceinline__ void values(int r, int sb, int lane, float (&v)[8], float& squares_part) const {
+    const int k = 256 * sb + 8 * lane;
+    bf16x8(a + r * stride_a + k, v);
+    squares_part = 0.0f;
+    if (kind == kSiluMul) {
+      float up[8];
+      bf16x8(a + r * stride_a + K + k, up);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const float act = __bfloat162float(__float2bfloat16_rn(v[i] / (1.0f + __expf(-v[i]))));
+        v[i] = __bfloat162float(__float2bfloat16_rn(act * up[i]));
+      }
+    } else if (kind == kNorm || kind == kAddNorm) {
+      if (kind == kAddNorm) {
+        float res[8];
+        bf16x8(b + r * stride_b + k, res);
+        uint32_t out[4];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) v[i] = __bfloat162float(__float2bfloat16_rn(v[i] + res[i]));
+#pragma unroll
+        for (int i = 0; i < 4; ++i) out[i] = bf16_bits(v[2 * i]) | (bf16_bits(v[2 * i + 1]) << 16);
+        *reinterpret_cast<uint4*>(sum + static_cast<int64_t>(r) * K + k) = make_uint4(out[0], out[1], out[2], out[3]);
+      }
+      float w[8];
+      bf16x8(weight + k, w);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        squares_part = fmaf(v[i], v[i], squares_part);
+        v[i] *= w[i];
+      }
+    }
+  }
+
+  // A norm's end, by every lane of the warp of row r, super-block sb, after lane 0 wrote the
+  // row's scale of sb (scale[sb * rows_padded + r]): the last warp of the row to arrive adds the
+  // super-blocks' squares in order (so the sum does not depend on which finished first) and
+  // multiplies each of the row's scales by 1 / sqrt(mean square + eps).
+  __device__ __forceinline__ void finish_norm(float* scale, int r, int sb, int super_blocks, int rows_padded, int lane,
+                                              float squares_part) const {
+    if (kind != kNorm && kind != kAddNorm) return;
+#pragma unroll
+    for (int o = 16; o; o >>= 1) squares_part += __shfl_xor_sync(0xFFFFFFFFu, squares_part, o);
+    int last = 0;
+    if (lane == 0) {
+      squares[static_cast<int64_t>(r) * super_blocks + sb] = squares_part;
+      __threadfence();  // this warp's square sum and scale are visible before its arrival is counted
+      last = atomicAdd(arrivals + r, 1) == super_blocks - 1;
+    }
+    if (!__shfl_sync(0xFFFFFFFFu, last, 0)) return;
+    __threadfence();
+    float total = 0.0f;
+    for (int i = lane; i < super_blocks; i += 32) total += __ldcg(squares + static_cast<int64_t>(r) * super_blocks + i);
+#pragma unroll
+    for (int o = 16; o; o >>= 1) total += __shfl_xor_sync(0xFFFFFFFFu, total, o);
+    const float inverse_rms = 1.0f / sqrtf(total / K + eps);
+    for (int i = lane; i < super_blocks; i += 32) {
+      float* s = scale + static_cast<int64_t>(i) * rows_padded + r;
+      *s = __ldcg(s) * inverse_rms;
+    }
+    if (lane == 0) arrivals[r] = 0;
+  }
+};
 
 // Programmatic dependent launch (sm_90 on): a matmul is launched while its x preparation runs, so
 // its blocks become resident and load their first weights (which do not depend on x) meanwhile,
@@ -223,22 +313,37 @@ __device__ __forceinline__ void over_super_blocks(const uint8_t* const (&rows)[2
   }
 }
 
-// Host side of the A-operand kernels: x's rows 32 at a time (a row's result does not depend on the
-// others), each chunk by launch(nb, x rows, out rows) with nb a std::integral_constant of its
-// n-tiles of 8 rows, 1 to 4.
+// Host side of the A-operand kernels: f(nb) for the n-tiles of 8 rows that m rows (1 to 32) take,
+// nb a std::integral_constant of 1 to 4.
+template <typename F>
+auto by_n_tiles(int m, F&& f) {
+  if (m <= 8) return f(std::integral_constant<int, 1>{});
+  if (m <= 16) return f(std::integral_constant<int, 2>{});
+  if (m <= 24) return f(std::integral_constant<int, 3>{});
+  return f(std::integral_constant<int, 4>{});
+}
+
+// x's rows 32 at a time (a row's result does not depend on the others), each chunk by
+// launch(nb, x rows, out rows) with nb its n-tiles (by_n_tiles).
 template <typename Launch>
 void by_32_rows(const at::Tensor& x, const at::Tensor& out, Launch&& launch) {
   const int M = x.size(0);
   for (int r0 = 0; r0 < M; r0 += 32) {
     const at::Tensor xc = x.narrow(0, r0, std::min(32, M - r0));
     at::Tensor oc = out.narrow(0, r0, xc.size(0));
-    const int m = xc.size(0);
-    if (m <= 8) launch(std::integral_constant<int, 1>{}, xc, oc);
-    else if (m <= 16) launch(std::integral_constant<int, 2>{}, xc, oc);
-    else if (m <= 24) launch(std::integral_constant<int, 3>{}, xc, oc);
-    else launch(std::integral_constant<int, 4>{}, xc, oc);
+    by_n_tiles(xc.size(0), [&](auto nb) { launch(nb, xc, oc); });
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// The Source of x itself (rows 16-byte aligned).
+inline Source row_source(const at::Tensor& x) {
+  Source src = {};
+  src.a = reinterpret_cast<const __nv_bfloat16*>(x.data_ptr());
+  src.stride_a = x.stride(0);
+  src.kind = kRow;
+  src.K = x.size(1);
+  return src;
 }
 
 // The end of a program of the A-operand kernels (gguf_q4k.cu, gguf_q6k.cu): lane (g, c)'s

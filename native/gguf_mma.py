@@ -26,6 +26,23 @@ From 17 rows a block copies each super-block's x into shared memory once for its
 (``XStages`` in ``gguf_mma.cuh``: 7-17% off the 27B verify's 23-row calls, BENCHMARKS.md [Z2]),
 six of them on Q4_K's interleaved blocks (8-17% off again at 23-32 rows, [K10]).
 
+**x made inside its preparation** (``produce``). Each Q4_K/Q6_K matmul launch is preceded by x's
+preparation, and x by its producer: an RMSNorm (after the residual add), or SwiGLU's activation,
+each a launch of its own that writes x only for the preparation to read it back. A producer linked
+to its readers' block type (``splitspec.models.quantized.link_producers``) runs inside the
+preparation instead: ``gguf_prepare`` computes x's values from the producer's inputs as it stages
+them, so one launch does both (about 190 fewer a 27B decode step). A norm's 1 / rms needs its
+whole row, which the preparation's warps (one a row and 256 values) do not each have: each
+stages x * weight and adds its squares, and the row's last warp to finish folds 1 / rms into the
+row's scales, which the matmul multiplies its float32 sums by anyway. So the matmul is unchanged,
+and x enters it as fp16 of x * weight (11 significant bits) where the separate norm rounded x * w
+/ rms to bf16 (8) first: the results differ from the separate launches' in their last bits (not
+bit for bit, the residual sum and SwiGLU's activation aside, which round as their kernels do).
+The tensor the producer returns is only a placeholder carrying the arrays (``Prepared``): every
+reader of it must be a quantized matmul (``link_producers`` links only such producers), and a
+reader of another block type or kernel gets the values from the producer's own kernels. Up to
+32 rows (one launch's rows); ``SPLITSPEC_NATIVE_OFF=gguf_prepare`` keeps the launches apart.
+
 **IQ4_XS** (``gguf_mma.cu``): each lane expands its bytes to float32 in registers (a byte
 permute, a subtract and one fused multiply-add a value, exact as the dequantizer's arithmetic)
 and rounds them to bf16 straight into the B operand, x (permuted once per call into the A
@@ -54,12 +71,14 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from native import sm_count, switched_off, use_triton
+from native import sm_count, switched_off, switched_on, use_triton
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +90,8 @@ A_OPERAND_TYPES = (Q.Q4_K, Q.Q6_K)  # their kernels take the weights as the A op
 A_OPERAND_FEATURES = 16 * WARPS  # features a program of those kernels computes
 MAX_TILES = 1 << 15  # programs along N that the split counters cover (a 248K vocabulary at 1 tile: 7,760)
 SOURCES = [Path(__file__).with_name(name) for name in ("gguf_mma.cu", "gguf_q4k.cu", "gguf_q6k.cu")]
+SILU_MUL, NORM, ADD_NORM = 1, 2, 3  # x's producers that ``gguf_prepare`` computes (mma_common::SourceKind)
+PREPARED_MAX_ROWS = 32  # the rows of one launch of the A-operand kernels
 
 
 def default_n_tiles(m: int) -> int:
@@ -158,9 +179,10 @@ def _counters(device: torch.device) -> torch.Tensor:
 
 
 def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: Q, out_features: int, n_tiles: int = 0,
-           splits: int = 0, min_blocks: int = 0, interleaved: bool = False) -> torch.Tensor:
+           splits: int = 0, min_blocks: int = 0, interleaved: bool = False, prepared: list[torch.Tensor] | None = None) -> torch.Tensor:
     """x [M, K] bf16 @ W^T for W [out_features, K] in ``raw`` blocks -> [M, out_features] bf16
-    (``usable`` must hold); ``interleaved``: Q4_K or Q6_K blocks in ``gguf_matmul.interleave``'s layout.
+    (``usable`` must hold); ``interleaved``: Q4_K or Q6_K blocks in ``gguf_matmul.interleave``'s layout;
+    ``prepared``: x's arrays for ``qtype`` (``Prepared.arrays_for``), which are read instead of x.
     ``n_tiles`` (1 or 2; 0: ``default_n_tiles``), ``splits`` (0: ``default_splits``/``a_operand_splits``)
     and ``min_blocks`` (``_extension``) are for benchmarks."""
     M, K = x.shape
@@ -181,5 +203,117 @@ def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: Q, out_features: int, n_ti
     out = torch.empty(M, out_features, dtype=torch.bfloat16, device=x.device)
     partial = torch.empty(splits, partial_rows, out_features, dtype=torch.float32, device=x.device) if splits > 1 else out
     counters = _counters(x.device)  # made at the first call, whatever its splits: before any capture
-    _extension(min_blocks).gguf_mma(x, raw, out, partial, counters, MMA_TYPES[qtype], splits, n_tiles, interleaved)
+    _extension(min_blocks).gguf_mma(x, raw, out, partial, counters, MMA_TYPES[qtype], splits, n_tiles, interleaved, prepared or [])
     return out
+
+
+@dataclass(frozen=True, eq=False)
+class Producer:
+    """The launch that makes x, as ``produce`` takes it: ``kind`` SILU_MUL (``a`` the fused
+    gate/up projection's output [M, 2K]), NORM (RMSNorm of ``a`` [M, K] by ``weight``) or
+    ADD_NORM (the same of ``a + b``, the residual step before a norm). ``plain()``: what the
+    launch itself returns, (x, the residual sum or None), for readers that are no Q4_K/Q6_K
+    matmul (and as the reference path's values)."""
+
+    kind: int
+    a: torch.Tensor
+    plain: Callable[[], tuple[torch.Tensor, torch.Tensor | None]]
+    b: torch.Tensor | None = None
+    weight: torch.Tensor | None = None
+    eps: float = 0.0
+
+
+@dataclass(eq=False)
+class Prepared:
+    """What ``produce`` attaches to the placeholder x it returns: x's arrays for the Q4_K/Q6_K
+    matmul of ``qtype`` (the kernel's; empty on the reference path, where ``values`` holds x
+    instead), the residual sum (ADD_NORM), and x for any other reader on demand."""
+
+    producer: Producer
+    qtype: Q
+    arrays: list[torch.Tensor]
+    total: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+    _others: dict[Q, list[torch.Tensor]] = field(default_factory=dict)
+
+    def arrays_for(self, qtype: Q) -> list[torch.Tensor]:
+        """x's arrays for a Q4_K or Q6_K matmul: ``arrays``, or for the other type made once more
+        from the producer's inputs (a norm's residual sum is not added again)."""
+        if qtype == self.qtype:
+            return self.arrays
+        if qtype not in self._others:
+            p = self.producer
+            if p.kind == ADD_NORM:
+                p = Producer(NORM, self.total, p.plain, weight=p.weight, eps=p.eps)
+            self._others[qtype] = _prepare(p, qtype)
+        return self._others[qtype]
+
+    def plain(self) -> torch.Tensor:
+        """x itself, made once by the producer's own launch, for readers that take x's values."""
+        if self.values is None:
+            self.values = self.producer.plain()[0]
+        return self.values
+
+
+_ARRIVALS: dict[torch.device, torch.Tensor] = {}
+
+
+def _arrivals(device: torch.device) -> torch.Tensor:
+    """A norm's per-row arrival counters (``gguf_prepare``), zero between launches; made, like
+    ``_counters``, by the first call on a device, before any capture."""
+    if device not in _ARRIVALS:
+        _ARRIVALS[device] = torch.zeros(PREPARED_MAX_ROWS, dtype=torch.int32, device=device)
+    return _ARRIVALS[device]
+
+
+def _prepare(p: Producer, qtype: Q, total: torch.Tensor | None = None) -> list[torch.Tensor]:
+    K = p.a.shape[1] // 2 if p.kind == SILU_MUL else p.a.shape[1]
+    return _extension(0).gguf_prepare(MMA_TYPES[qtype], p.kind, p.a, p.b, p.weight, total, _arrivals(p.a.device), p.eps, K)
+
+
+def produces(kind: int, a: torch.Tensor, *others: torch.Tensor) -> bool:
+    """Whether ``produce`` takes a producer of ``kind`` with input ``a`` (and ``others``: a norm's
+    weight, the residual): 1-32 rows of x of whole 256-value blocks, bf16 rows 16-byte aligned,
+    on a GPU where the kernels run (``SPLITSPEC_NATIVE_OFF=gguf_prepare`` keeps the launches
+    apart). On the CPU only by its reference path, where ``SPLITSPEC_NATIVE_ON=gguf_prepare`` asks
+    for it (tests of the placeholder's readers)."""
+    width = a.shape[-1] // 2 if kind == SILU_MUL else a.shape[-1]
+    if a.dim() != 2 or not 1 <= a.shape[0] <= PREPARED_MAX_ROWS or width % 256 or width * (1 + (kind == SILU_MUL)) != a.shape[1]:
+        return False
+    if not prepares_on(a.device) or (torch.is_grad_enabled() and any(t.requires_grad for t in (a, *others))):
+        return False
+    return not a.is_cuda or all(
+        t.dtype == torch.bfloat16 and t.data_ptr() % 16 == 0 and t.stride(-1) == 1 and (t.dim() == 1 or t.stride(0) % 8 == 0)
+        for t in (a, *others))
+
+
+def prepares_on(device: torch.device) -> bool:
+    """Whether ``produces`` can hold on ``device`` at all: ``runs_on`` a GPU, unless switched off;
+    on the CPU where asked for (``produces``)."""
+    if device.type != "cuda":
+        return switched_on("gguf_prepare")
+    return not switched_off("gguf_prepare") and runs_on(device)
+
+
+def produce(p: Producer, qtype: Q) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """x's producer ``p`` run inside x's preparation for the Q4_K or Q6_K matmul of ``qtype``
+    (``produces`` must hold for its inputs) -> (x, the residual sum for ADD_NORM else None). x
+    [M, K] is a placeholder: its values are only in the arrays attached to it (``prepared_for``),
+    which the matmuls read. On the reference path (the CPU) the values are ``p.plain()``'s, and
+    the placeholder is NaN, so that a reader that is no matmul shows. The sum is written."""
+    M, K = p.a.shape[0], p.a.shape[1] // 2 if p.kind == SILU_MUL else p.a.shape[1]
+    if not p.a.is_cuda:
+        values, total = p.plain()
+        x = torch.full((M, K), float("nan"), dtype=p.a.dtype)
+        x._splitspec_prepared = Prepared(p, qtype, [], total, values)
+        return x, total
+    total = torch.empty(p.a.shape, dtype=p.a.dtype, device=p.a.device) if p.kind == ADD_NORM else None
+    x = torch.empty(M, K, dtype=p.a.dtype, device=p.a.device)
+    x._splitspec_prepared = Prepared(p, qtype, _prepare(p, qtype, total), total)
+    return x, total
+
+
+def prepared_for(x: torch.Tensor) -> Prepared | None:
+    """The ``Prepared`` of a placeholder that ``produce`` returned (None for any other tensor: a
+    view or copy of it has none, and must not be made)."""
+    return getattr(x, "_splitspec_prepared", None)

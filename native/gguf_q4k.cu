@@ -110,13 +110,14 @@ struct Q4K {
   }
 };
 
-// x for the kernel below, per row r and super-block sb (one warp each), staged as fp16 x 2^-e by
-// mma_common::stage_scaled (so fp16 holds every value and every 32-value sum): scale[sb][r] = 2^e,
+// x for the kernel below, per row r and super-block sb (one warp each), from `src` (x itself or
+// its producer's inputs: mma_common::Source), staged as fp16 x 2^-e by mma_common::stage_scaled
+// (so fp16 holds every value and every 32-value sum): scale[sb][r] = 2^e (times a norm's 1 / rms),
 // xq[sb][i][r][c] the B registers of k steps 2i and 2i + 1 for lane c (fp16 pairs of x 2^-e at the slots' k),
 // xs[sb][r][c] the fp16 {high, low} parts of the sums X_u, X_u + 1 of this lane's minimum slots
 // (u as in Q4K::mins). r runs to `rows_padded` (8 per n-tile); a padded row only gets scale 1.
-__global__ void prepare_x_kernel(const __nv_bfloat16* __restrict__ x, uint2* __restrict__ xq, uint2* __restrict__ xs,
-                                 float* __restrict__ scale, int M, int rows_padded, int64_t stride_xm, int super_blocks) {
+__global__ void prepare_x_kernel(const mma_common::Source src, uint2* __restrict__ xq, uint2* __restrict__ xs,
+                                 float* __restrict__ scale, int M, int rows_padded, int super_blocks) {
   __shared__ __half staged[kWarps][256];
   mma_common::let_dependents_start();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -127,12 +128,14 @@ __global__ void prepare_x_kernel(const __nv_bfloat16* __restrict__ x, uint2* __r
     if (lane == 0) scale[static_cast<int64_t>(sb) * rows_padded + r] = 1.0f;
     return;
   }
-  float sum;
-  const float up = mma_common::stage_scaled(x + r * stride_xm + 256 * static_cast<int64_t>(sb), staged[warp], lane, sum);
+  float v[8], squares, sum;
+  src.values(r, sb, lane, v, squares);
+  const float up = mma_common::stage_scaled(v, staged[warp], lane, sum);
   // Sub-block j = lanes 4j .. 4j + 3: add their sums in a fixed order.
   sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 1);
   sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 2);
   if (lane == 0) scale[static_cast<int64_t>(sb) * rows_padded + r] = up;
+  src.finish_norm(scale, r, sb, super_blocks, rows_padded, lane, squares);
   const __half* h = staged[warp];
   for (int idx = lane; idx < 64; idx += 32) {
     const int s = idx >> 2, c = idx & 3;
@@ -276,19 +279,29 @@ __global__ void __launch_bounds__(W * 32, NB == 1 ? 1 : 12 / W) q4k_kernel(
   mma_common::store_c<NB, W>(acc, out, partial, counters, M, N, n0, g, c, split, splits);
 }
 
-template <int NB, bool kInterleaved>
-void launch(const torch::Tensor& x, const torch::Tensor& w, torch::Tensor& out, torch::Tensor& partial,
-            torch::Tensor& counters, int splits, cudaStream_t stream) {
-  const int M = x.size(0), N = out.size(1), K = x.size(1), sbs = K / 256;
-  const int rows_padded = 8 * NB;
-  auto opts = x.options().dtype(torch::kInt32);
+// x's arrays (xq, xs, xscale) for the kernel of NB n-tiles, made from `src`'s M rows.
+template <int NB>
+std::vector<torch::Tensor> prepare(const mma_common::Source& src, int M, const torch::TensorOptions& options, cudaStream_t stream) {
+  const int sbs = src.K / 256, rows_padded = 8 * NB;
+  auto opts = options.dtype(torch::kInt32);
   torch::Tensor xq = torch::empty({static_cast<int64_t>(sbs) * rows_padded * 64 * 2}, opts);
   torch::Tensor xs = torch::empty({static_cast<int64_t>(sbs) * rows_padded * 4 * 2}, opts);
-  torch::Tensor xscale = torch::empty({static_cast<int64_t>(sbs) * rows_padded}, x.options().dtype(torch::kFloat32));
+  torch::Tensor xscale = torch::empty({static_cast<int64_t>(sbs) * rows_padded}, options.dtype(torch::kFloat32));
   const int64_t items = static_cast<int64_t>(sbs) * rows_padded;
   prepare_x_kernel<<<(items + kWarps - 1) / kWarps, kWarps * 32, 0, stream>>>(
-      reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()), reinterpret_cast<uint2*>(xq.data_ptr()),
-      reinterpret_cast<uint2*>(xs.data_ptr()), xscale.data_ptr<float>(), M, rows_padded, x.stride(0), sbs);
+      src, reinterpret_cast<uint2*>(xq.data_ptr()), reinterpret_cast<uint2*>(xs.data_ptr()), xscale.data_ptr<float>(), M,
+      rows_padded, sbs);
+  return {xq, xs, xscale};
+}
+
+// The matmul of x's M rows (M <= 32), its arrays `prepared` by a producer or made here from x.
+template <int NB, bool kInterleaved>
+void launch(const torch::Tensor& x, const torch::Tensor& w, torch::Tensor& out, torch::Tensor& partial,
+            torch::Tensor& counters, int splits, cudaStream_t stream, const std::vector<torch::Tensor>& prepared) {
+  const int M = x.size(0), N = out.size(1), K = x.size(1), sbs = K / 256;
+  const int rows_padded = 8 * NB;
+  const std::vector<torch::Tensor> arrays = prepared.empty() ? prepare<NB>(mma_common::row_source(x), M, x.options(), stream) : prepared;
+  const torch::Tensor &xq = arrays[0], &xs = arrays[1], &xscale = arrays[2];
   constexpr int W = q4k_warps<NB, kInterleaved>();
   const int tiles = (N + W * 16 - 1) / (W * 16);
   const size_t shared_bytes = NB >= X_STAGED_MIN_NB ? 2 * sizeof(uint4) * x_stage_units(rows_padded) : 0;  // XStages' two stages
@@ -304,13 +317,19 @@ void launch(const torch::Tensor& x, const torch::Tensor& w, torch::Tensor& out, 
 
 // Called by gguf_mma() (native/gguf_mma.cu), which checks shapes and alignment: x [M, K] bf16 rows
 // 16-byte aligned, w [N, K / 256 * 144] uint8 (interleaved: N % 16 == 0), out [M, N] bf16;
-// partial [splits, >= 32, N] float32 and counters as there.
+// partial [splits, >= 32, N] float32 and counters as there; `prepared`: empty, or q4k_prepare's
+// arrays of x (M <= 32).
 void q4k_mma(torch::Tensor x, torch::Tensor w, torch::Tensor out, torch::Tensor partial, torch::Tensor counters,
-             int64_t splits, bool interleaved) {
+             int64_t splits, bool interleaved, const std::vector<torch::Tensor>& prepared) {
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   mma_common::by_32_rows(x, out, [&](auto nb, const torch::Tensor& xc, torch::Tensor& oc) {
-    if (interleaved) launch<decltype(nb)::value, true>(xc, w, oc, partial, counters, splits, stream);
-    else launch<decltype(nb)::value, false>(xc, w, oc, partial, counters, splits, stream);
+    if (interleaved) launch<decltype(nb)::value, true>(xc, w, oc, partial, counters, splits, stream, prepared);
+    else launch<decltype(nb)::value, false>(xc, w, oc, partial, counters, splits, stream, prepared);
   });
 }
 
+// The arrays q4k_mma takes as `prepared`, from `src`'s M rows (M <= 32).
+std::vector<torch::Tensor> q4k_prepare(const mma_common::Source& src, int64_t M, const torch::TensorOptions& options) {
+  cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  return mma_common::by_n_tiles(M, [&](auto nb) { return prepare<decltype(nb)::value>(src, M, options, stream); });
+}

@@ -185,12 +185,13 @@ struct Q6KPairs : Q6KCommon {
 template <int NB>
 using Q6K = std::conditional_t<NB <= Q6K_PAIRS_MAX_NB, Q6KPairs, Q6KWords>;
 
-// x for the kernel below, per row r and super-block sb (one warp each), staged as fp16 x 2^-e by
-// mma_common::stage_scaled: scale[sb][r] = 2^e, xq[sb][i][r][c] the B registers of k steps 2i and 2i + 1
+// x for the kernel below, per row r and super-block sb (one warp each), from `src` (x itself or
+// its producer's inputs: mma_common::Source), staged as fp16 x 2^-e by mma_common::stage_scaled:
+// scale[sb][r] = 2^e (times a norm's 1 / rms), xq[sb][i][r][c] the B registers of k steps 2i and 2i + 1
 // for lane c (fp16 pairs of x 2^-e at the slots' k: b0, b1 of step 2i, then of 2i + 1). r runs to
 // `rows_padded` (8 per n-tile); a padded row gets zeros and scale 1.
-__global__ void prepare_x_kernel(const __nv_bfloat16* __restrict__ x, uint4* __restrict__ xq, float* __restrict__ scale,
-                                 int M, int rows_padded, int64_t stride_xm, int super_blocks) {
+__global__ void prepare_x_kernel(const mma_common::Source src, uint4* __restrict__ xq, float* __restrict__ scale,
+                                 int M, int rows_padded, int super_blocks) {
   __shared__ __half staged[kWarps][256];
   mma_common::let_dependents_start();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -202,9 +203,11 @@ __global__ void prepare_x_kernel(const __nv_bfloat16* __restrict__ x, uint4* __r
     xq[((static_cast<int64_t>(sb) * 8 + (lane >> 2)) * rows_padded + r) * 4 + (lane & 3)] = make_uint4(0u, 0u, 0u, 0u);
     return;
   }
-  float sum;  // unused: Q6_K has no minimums
-  const float up = mma_common::stage_scaled(x + r * stride_xm + 256 * static_cast<int64_t>(sb), staged[warp], lane, sum);
+  float v[8], squares, sum;  // sum: unused (Q6_K has no minimums)
+  src.values(r, sb, lane, v, squares);
+  const float up = mma_common::stage_scaled(v, staged[warp], lane, sum);
   if (lane == 0) scale[static_cast<int64_t>(sb) * rows_padded + r] = up;
+  src.finish_norm(scale, r, sb, super_blocks, rows_padded, lane, squares);
   const __half* h = staged[warp];
   const int c = lane & 3, i = lane >> 2;
   uint32_t b[4];
@@ -332,17 +335,26 @@ __global__ void __launch_bounds__(kWarps * 32, NB == 4 ? 2 : 3) q6k_kernel(
   mma_common::store_c<NB>(acc, out, partial, counters, M, N, n0, g, c, split, splits);
 }
 
-template <int NB, bool kInterleaved>
-void launch(const torch::Tensor& x, const torch::Tensor& w, torch::Tensor& out, torch::Tensor& partial,
-            torch::Tensor& counters, int splits, cudaStream_t stream) {
-  const int M = x.size(0), N = out.size(1), K = x.size(1), sbs = K / 256;
-  const int rows_padded = 8 * NB;
-  torch::Tensor xq = torch::empty({static_cast<int64_t>(sbs) * rows_padded * 32 * 4}, x.options().dtype(torch::kInt32));
-  torch::Tensor xscale = torch::empty({static_cast<int64_t>(sbs) * rows_padded}, x.options().dtype(torch::kFloat32));
+// x's arrays (xq, xscale) for the kernel of NB n-tiles, made from `src`'s M rows.
+template <int NB>
+std::vector<torch::Tensor> prepare(const mma_common::Source& src, int M, const torch::TensorOptions& options, cudaStream_t stream) {
+  const int sbs = src.K / 256, rows_padded = 8 * NB;
+  torch::Tensor xq = torch::empty({static_cast<int64_t>(sbs) * rows_padded * 32 * 4}, options.dtype(torch::kInt32));
+  torch::Tensor xscale = torch::empty({static_cast<int64_t>(sbs) * rows_padded}, options.dtype(torch::kFloat32));
   const int64_t items = static_cast<int64_t>(sbs) * rows_padded;
   prepare_x_kernel<<<(items + kWarps - 1) / kWarps, kWarps * 32, 0, stream>>>(
-      reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()), reinterpret_cast<uint4*>(xq.data_ptr()),
-      xscale.data_ptr<float>(), M, rows_padded, x.stride(0), sbs);
+      src, reinterpret_cast<uint4*>(xq.data_ptr()), xscale.data_ptr<float>(), M, rows_padded, sbs);
+  return {xq, xscale};
+}
+
+// The matmul of x's M rows (M <= 32), its arrays `prepared` by a producer or made here from x.
+template <int NB, bool kInterleaved>
+void launch(const torch::Tensor& x, const torch::Tensor& w, torch::Tensor& out, torch::Tensor& partial,
+            torch::Tensor& counters, int splits, cudaStream_t stream, const std::vector<torch::Tensor>& prepared) {
+  const int M = x.size(0), N = out.size(1), K = x.size(1), sbs = K / 256;
+  const int rows_padded = 8 * NB;
+  const std::vector<torch::Tensor> arrays = prepared.empty() ? prepare<NB>(mma_common::row_source(x), M, x.options(), stream) : prepared;
+  const torch::Tensor &xq = arrays[0], &xscale = arrays[1];
   const int tiles = (N + kWarps * 16 - 1) / (kWarps * 16);
   const size_t shared_bytes = NB >= X_STAGED_MIN_NB ? 2 * sizeof(uint4) * x_stage_units(rows_padded) : 0;  // XStages' two stages
   mma_common::launch_dependent(
@@ -355,12 +367,19 @@ void launch(const torch::Tensor& x, const torch::Tensor& w, torch::Tensor& out, 
 }  // namespace
 
 // x [M, K] bf16 rows 16-byte aligned, w [N, K / 256 * 210] uint8 rows 2-byte aligned (interleaved:
-// N % 16 == 0), out [M, N] bf16; partial [splits, >= min(M, 32), N] float32 and counters as q4k_mma's.
+// N % 16 == 0), out [M, N] bf16; partial [splits, >= min(M, 32), N] float32 and counters as q4k_mma's;
+// `prepared`: empty, or q6k_prepare's arrays of x (M <= 32).
 void q6k_mma(torch::Tensor x, torch::Tensor w, torch::Tensor out, torch::Tensor partial, torch::Tensor counters,
-             int64_t splits, bool interleaved) {
+             int64_t splits, bool interleaved, const std::vector<torch::Tensor>& prepared) {
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   mma_common::by_32_rows(x, out, [&](auto nb, const torch::Tensor& xc, torch::Tensor& oc) {
-    if (interleaved) launch<decltype(nb)::value, true>(xc, w, oc, partial, counters, splits, stream);
-    else launch<decltype(nb)::value, false>(xc, w, oc, partial, counters, splits, stream);
+    if (interleaved) launch<decltype(nb)::value, true>(xc, w, oc, partial, counters, splits, stream, prepared);
+    else launch<decltype(nb)::value, false>(xc, w, oc, partial, counters, splits, stream, prepared);
   });
+}
+
+// The arrays q6k_mma takes as `prepared`, from `src`'s M rows (M <= 32).
+std::vector<torch::Tensor> q6k_prepare(const mma_common::Source& src, int64_t M, const torch::TensorOptions& options) {
+  cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  return mma_common::by_n_tiles(M, [&](auto nb) { return prepare<decltype(nb)::value>(src, M, options, stream); });
 }

@@ -95,19 +95,20 @@ class Services:
     def address(self, name: str) -> str:
         return f"unix:{self.root / (name + '.sock')}"
 
-    def start(self, name: str, command: str, *args: str, wait: bool = True, address: str = "", credentials=None, timeout: float = 60.0) -> str:
+    def start(self, name: str, command: str, *args: str, wait: bool = True, address: str = "", credentials=None, timeout: float = 60.0,
+              env: dict[str, str] | None = None) -> str:
         """Start ``splitspec COMMAND --listen ADDRESS *args`` (or, for the benchmark-only workers
         ``oracle-draft``, ``random-target`` and ``random-draft``, ``python -m splitspec.bench.workers
         COMMAND ...``); by default on a Unix socket named after it.
 
         ``credentials`` (grpc.ChannelCredentials) are used for the readiness check of a TLS server;
-        ``timeout`` is how long it may take to serve.
+        ``timeout`` is how long it may take to serve; ``env``: variables added to this process's for it.
         """
         address = address or self.address(name)
         log = open(self.root / f"{name}.log", "ab")
         module = "splitspec.bench.workers" if command in BENCH_WORKERS else "splitspec"
         cmd = [sys.executable, "-m", module, command, "--listen", address, *args]
-        self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
         if wait:
             self.wait_serving(name, address, credentials, timeout)
         return address

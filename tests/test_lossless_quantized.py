@@ -81,9 +81,17 @@ def system(module_services, pair):
     gw_oracle = s.start("q-gw-oracle", "gateway", "--target", target, "--draft", oracle)
     gw_dflash = s.start("q-gw-dflash", "gateway", "--target", target, "--draft", dflash)
     gw_plain = s.start("plain-gw", "gateway", "--target", plain, "--draft", "")
+    # The norms and activations inside the matmuls' x preparation, by its CPU reference path
+    # (native.gguf_mma.produce): the placeholders it returns are NaN, so any reader that is no
+    # quantized matmul would show in the output.
+    linked = s.start("linked-target", "target", "--model", model, "--dtype", "float64", "--keep-quantized", *one_thread,
+                     env={"SPLITSPEC_NATIVE_ON": "gguf_prepare"})
+    gw_linked = s.start("linked-gw", "gateway", "--target", linked, "--draft", oracle)
     target_kept, draft_kept = kept_lines(pair)
     assert target_kept in s.log("q-target") and "keep-quantized target:" not in s.log("plain-target")
     assert draft_kept in s.log("q-dflash")
+    assert "run inside their quantized matmuls' x preparation" in s.log("linked-target")
+    assert "x preparation" not in s.log("q-target")
 
     cases = _cases(read_target_config(model).vocab_size)
     references = [generate(gw_oracle, speculation=Spec(mode=Spec.OFF), **case) for case in cases]
@@ -92,8 +100,8 @@ def system(module_services, pair):
             assert ref.final.usage.mean_acceptance_length == 1.0 and len(ref.tokens) == 32
             f.write(json.dumps({"tokens": list(case["tokens"].ids) + ref.tokens}) + "\n")
     yield {"target": target, "oracle": oracle, "dflash": dflash, "gw_oracle": gw_oracle, "gw_dflash": gw_dflash,
-           "gw_plain": gw_plain, "cases": cases, "references": references}
-    for name in ("plain-gw", "q-gw-dflash", "q-gw-oracle", "q-dflash", "q-oracle", "plain-target", "q-target"):
+           "gw_plain": gw_plain, "linked": linked, "gw_linked": gw_linked, "cases": cases, "references": references}
+    for name in ("linked-gw", "linked-target", "plain-gw", "q-gw-dflash", "q-gw-oracle", "q-dflash", "q-oracle", "plain-target", "q-target"):
         s.stop(name)
 
 
@@ -122,9 +130,19 @@ def test_quantized_dflash_draft_output_equals_target_only(system, name, spec):
         assert out.final.usage.draft_fallbacks == 0
 
 
+@pytest.mark.parametrize("name,spec", [("off", Spec(mode=Spec.OFF)), MODES[1], MODES[4]], ids=["off", "chain-16", "ddtree-16-seeded"])
+def test_linked_producers_output_equals_target_only(system, name, spec):
+    """A target whose norms and SwiGLU activations run inside the matmuls' x preparation (its CPU
+    reference path) serves the same tokens: no reader of their placeholders is anything but a
+    quantized matmul, in prefill, decode and tree verify."""
+    for case, ref in zip(system["cases"], system["references"]):
+        assert generate(system["gw_linked"], speculation=spec, **case).tokens == ref.tokens, name
+
+
 def test_no_state_left_behind(system):
     assert live_sequences(system["target"], system["oracle"]) == (0, 0)
     assert live_sequences(system["target"], system["dflash"]) == (0, 0)
+    assert live_sequences(system["linked"], system["oracle"]) == (0, 0)
 
 
 def test_serve_passes_keep_quantized_to_both_workers(services, pair):

@@ -27,7 +27,7 @@ from native.gguf_dequant import dequantize
 from native.gguf_matmul import QuantLinear, row_bytes
 from splitspec.models.dense import DenseConfig, DenseForCausalLM
 from splitspec.models.dflash import DFlashConfig, DFlashDraft, default_target_layer_ids
-from splitspec.models.quantized import QuantEmbedding, interleave_layers, q4_k_m_types, quant_linear, swap_quant_linears
+from splitspec.models.quantized import QuantEmbedding, interleave_layers, link_producers, q4_k_m_types, quant_linear, swap_quant_linears
 from splitspec.models.qwen35 import Qwen35Config, Qwen35ForCausalLM
 
 PREFIX = "random:"
@@ -350,6 +350,7 @@ def random_target(
                 model.set_submodule(name, _dequantized(module, dtype))
     interleave_layers(model, dtype)
     model.fuse_projections()
+    link_producers(model)
     return model.eval(), config
 
 

@@ -14,7 +14,7 @@ from gguf import GGMLQuantizationType as Q
 from torch import nn
 from torch.nn import functional as F
 
-from native import paged_attention, qkv_rope, rms_norm, silu_mul, tree_attention, use_triton
+from native import gguf_mma, paged_attention, qkv_rope, rms_norm, silu_mul, tree_attention, use_triton
 from native.gguf_matmul import INTERLEAVE, QuantLinear, quant_linear
 from splitspec.models.paged import PassAttention
 
@@ -43,8 +43,18 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        # The block type of the quantized matmuls that read this norm's output, where the norm runs
+        # inside their x preparation (``quantized.link_producers``, ``native.gguf_mma.produce``).
+        self.consumer: Q | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.consumer is not None and gguf_mma.produces(gguf_mma.NORM, x, self.weight):
+            producer = gguf_mma.Producer(gguf_mma.NORM, x, lambda: (self.plain(x), None), weight=self.weight, eps=self.eps)
+            return gguf_mma.produce(producer, self.consumer)[0]
+        return self.plain(x)
+
+    def plain(self, x: torch.Tensor) -> torch.Tensor:
+        """The norm by its own launch (or its torch reference)."""
         if use_triton(x, "rms_norm", self.weight) and rms_norm.supported(x, self.weight):
             return rms_norm.rms_norm(x, self.weight, self.eps)
         if x.is_cuda and x.dtype == self.weight.dtype:
@@ -58,10 +68,19 @@ class RMSNorm(nn.Module):
     def forward_add(self, delta: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual step and the norm after it: ``(norm(residual + delta), residual + delta)``,
         one kernel where the native kernels run."""
+        if (self.consumer is not None and residual.shape == delta.shape
+                and gguf_mma.produces(gguf_mma.ADD_NORM, delta, self.weight, residual)):
+            producer = gguf_mma.Producer(gguf_mma.ADD_NORM, delta, lambda: self.plain_add(delta, residual), residual,
+                                         self.weight, self.eps)
+            return gguf_mma.produce(producer, self.consumer)
+        return self.plain_add(delta, residual)
+
+    def plain_add(self, delta: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`forward_add` by the norm's own launch (or its torch reference)."""
         if use_triton(delta, "rms_norm", self.weight, residual) and rms_norm.supported(delta, self.weight) and residual.is_contiguous() and residual.dtype == delta.dtype:
             return rms_norm.add_rms_norm(delta, residual, self.weight, self.eps)
         residual = residual + delta
-        return self(residual), residual
+        return self.plain(residual), residual
 
 
 @dataclass(frozen=True)
@@ -131,19 +150,34 @@ class SwiGLU(nn.Module):
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
         self._gate_up: FusedLinear | None = None
+        # down_proj's block type, where the activation runs inside its x preparation
+        # (``quantized.link_producers``, ``native.gguf_mma.produce``).
+        self.produced: Q | None = None
 
     def fuse(self) -> None:
         """Gate and up projections as one matmul (inference; see :func:`fuse_linears`)."""
         self._gate_up = fuse_linears(self.gate_proj, self.up_proj)
 
+    def input_projections(self) -> tuple[nn.Module, ...]:
+        """The layers that read the MLP's input (``quantized.link_producers``)."""
+        return self.gate_proj, self.up_proj
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._gate_up is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
         gate_up = self._gate_up(x)
+        if self.produced is not None and gguf_mma.produces(gguf_mma.SILU_MUL, gate_up):
+            producer = gguf_mma.Producer(gguf_mma.SILU_MUL, gate_up, lambda: (self.activation(gate_up), None))
+            return self.down_proj(gguf_mma.produce(producer, self.produced)[0])
+        return self.down_proj(self.activation(gate_up))
+
+    @staticmethod
+    def activation(gate_up: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` of the fused projection's output [..., 2I] -> [..., I]."""
         if use_triton(gate_up, "silu_mul") and silu_mul.supported(gate_up):
-            return self.down_proj(silu_mul.silu_mul(gate_up))
+            return silu_mul.silu_mul(gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return F.silu(gate) * up
 
 
 def rope_cos_sin(
@@ -233,6 +267,10 @@ class QKVProjection(nn.Module):
         self.k_norm = RMSNorm(head_dim, eps) if qk_norm else nn.Identity()
         self._qkv: FusedLinear | None = None
         self._qk: FusedLinear | None = None
+
+    def input_projections(self) -> tuple[nn.Module, ...]:
+        """The layers that read the attention's input (``quantized.link_producers``)."""
+        return self.q_proj, self.k_proj, self.v_proj
 
     def fuse(self) -> None:
         """q, k and v projections as one matmul (inference; see :func:`fuse_linears`), or q and k

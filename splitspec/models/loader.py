@@ -46,6 +46,7 @@ from splitspec.models.quantized import (
     interleave_layers,
     keeps_embedding,
     kept_summary,
+    link_producers,
     quant_linear,
     swap_quant_linears,
     swap_quant_modules,
@@ -343,6 +344,7 @@ def _load_dense(
     model.load_state_dict(state, assign=True, strict=True)
     interleave_layers(model, dtype)
     model.fuse_projections()
+    link_producers(model)
     return model.eval(), config
 
 
@@ -472,6 +474,7 @@ def load_dflash_draft(
     model.load_state_dict(state, assign=True, strict=True)
     interleave_layers(model, dtype)
     model.fuse_projections()
+    link_producers(model)
     return model.eval(), config
 
 

@@ -222,3 +222,37 @@ def interleave_layers(model: nn.Module, dtype: torch.dtype) -> int:
     if changed:
         logger.info("%d Q4_K and Q6_K weights interleaved for the GPU's quantized matmul", changed)
     return changed
+
+
+def _reader_type(readers: tuple[nn.Module, ...]) -> Q | None:
+    """The block type a producer whose output ``readers`` read is best run for: the most common of
+    their Q4_K/Q6_K types (the others prepare x again from the producer's inputs), or None where a
+    reader is no ``QuantLinear`` (it would read x's values) or none is Q4_K/Q6_K."""
+    if not all(isinstance(m, QuantLinear) for m in readers):
+        return None
+    types = [m.qtype for m in readers if m.qtype in gguf_mma.A_OPERAND_TYPES]
+    return max(types, key=types.count) if types else None
+
+
+def link_producers(model: nn.Module) -> int:
+    """Run each decoder layer's RMSNorms and SwiGLU activation inside the x preparation of the
+    quantized matmuls that read their output (``native.gguf_mma.produce``): one launch fewer each,
+    where the kernels run. Links ``model.layers``' input norms (read by the mixer's
+    ``input_projections``), post-attention norms (read by the MLP's) and MLP activations (read by
+    ``down_proj``); the final norm stays apart (the logits' rows are picked from its output).
+    Returns how many were linked: none unless the model's weights lie where ``produce`` runs.
+    Call it after ``fuse_projections``."""
+    if not any(gguf_mma.prepares_on(m.raw.device) for m in model.layers.modules() if isinstance(m, QuantLinear)):
+        return 0
+    linked = 0
+    for layer in model.layers:
+        mixer = layer.self_attn if hasattr(layer, "self_attn") else layer.linear_attn
+        for producer, readers in ((layer.input_layernorm, mixer.input_projections()),
+                                  (layer.post_attention_layernorm, layer.mlp.input_projections())):
+            producer.consumer = _reader_type(readers)
+            linked += producer.consumer is not None
+        layer.mlp.produced = _reader_type((layer.mlp.down_proj,))
+        linked += layer.mlp.produced is not None
+    if linked:
+        logger.info("%d norms and activations run inside their quantized matmuls' x preparation", linked)
+    return linked

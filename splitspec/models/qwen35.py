@@ -440,6 +440,10 @@ class GatedDeltaNet(nn.Module):
         self._in_proj: FusedLinear | None = None
         self._in_proj_zba: FusedLinear | None = None
 
+    def input_projections(self) -> tuple[nn.Module, ...]:
+        """The layers that read the mixer's input (``quantized.link_producers``)."""
+        return self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a
+
     def fuse(self) -> None:
         """The four input projections as one matmul (inference; see ``layers.fuse_linears``). A
         kept-quantized ``in_proj_qkv`` of another block type than the rest (Q4_K_M gives it Q6_K in

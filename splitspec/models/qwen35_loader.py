@@ -26,7 +26,7 @@ from torch import nn
 from native.gguf_matmul import QuantLinear
 from splitspec.models.gguf_file import GGUFFile, ModelFileError, skip_other_tensors
 from splitspec.models.hf_dir import HFDirectory
-from splitspec.models.quantized import interleave_layers, swap_quant_modules
+from splitspec.models.quantized import interleave_layers, link_producers, swap_quant_modules
 from splitspec.models.qwen35 import QWEN35_ARCHS, Qwen35Config, Qwen35ForCausalLM
 from splitspec.models.weights import load_gguf_raw, progress
 
@@ -186,6 +186,7 @@ def _load_qwen35_state(
     model.load_state_dict(state, assign=True, strict=True)
     interleave_layers(model, dtype)
     model.fuse_projections()
+    link_producers(model)
     return model.eval()
 
 

@@ -246,3 +246,60 @@ def test_gguf_draft_keeps_its_linears_in_blocks(files):
     for (ids, logprobs), (ref_ids, ref_logprobs) in zip(ours, reference, strict=True):
         # The dequantized draft fuses q/k/v and gate/up into single matmuls: other shapes, other last bits.
         assert torch.equal(ids, ref_ids) and torch.allclose(logprobs, ref_logprobs, atol=1e-5)
+
+
+def _linked(model) -> list[tuple]:
+    """Each layer's (input norm's consumer, post-attention norm's, MLP activation's down_proj type)."""
+    return [(layer.input_layernorm.consumer, layer.post_attention_layernorm.consumer, layer.mlp.produced) for layer in model.layers]
+
+
+def test_producers_link_to_their_readers_block_types_where_produce_runs(files, monkeypatch):
+    assert set(sum(_linked(load_target(files["target"], keep_quantized=True)[0]), ())) == {None}  # the CPU: nowhere to run
+    monkeypatch.setenv("SPLITSPEC_NATIVE_ON", "gguf_prepare")
+    model, _ = load_target(files["target"], keep_quantized=True)
+    # The fixture: layer 1's up_proj is Q5_0 (no kernel, a float linear), so its post-attention
+    # norm stays apart; Q4_K_M gives the DeltaNet layers' in_proj_qkv Q6_K beside Q4_K z, b and a
+    # (the input norm runs for the commoner type; the other prepares x again from its inputs).
+    assert _linked(model) == [(Q.Q4_K, Q.Q4_K, Q.Q6_K), (Q.Q6_K, None, Q.Q6_K), (Q.Q6_K, Q.Q4_K, Q.Q6_K), (Q.Q4_K, Q.Q4_K, Q.Q6_K)]
+    assert model.norm.consumer is None  # the logits' rows are picked from its output
+    monkeypatch.setenv("SPLITSPEC_NATIVE_ON", "")
+    packed, _ = load_target(files["target"], dtype=torch.float64)
+    assert set(sum(_linked(packed), ())) == {None}  # dequantized: no quantized reader
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_linked_hybrid_computes_what_the_launches_apart_do(files, monkeypatch, dtype):
+    """The CPU reference path of the producers inside the x preparation: every placeholder it
+    returns is NaN, so a reader that is no quantized matmul would poison the logits; the values
+    the matmuls read are the producers' own, so the logits are the unlinked model's bit for bit.
+    Passes of 1-32 rows run linked (here: each step), more rows apart (the 36-row prompt)."""
+    monkeypatch.setenv("SPLITSPEC_NATIVE_ON", "gguf_prepare")
+    model, config = load_target(files["target"], dtype=dtype, keep_quantized=True)
+    calls = []
+    produce = gguf_mma.produce
+    monkeypatch.setattr(gguf_mma, "produce", lambda p, qtype: calls.append(p.kind) or produce(p, qtype))
+    ids = torch.randint(0, config.vocab_size, (40,), generator=torch.Generator().manual_seed(7))
+    linked = _logits(model, ids, dtype, 36)
+    # Each of the 4 one-row steps: layer 0's input norm (of the embedding), 6 added norms (3 input,
+    # 3 post-attention: layer 1's stays apart), 3 activations (layer 1's gate and up are no one
+    # matmul: their types differ); the 36-row prompt none.
+    assert (calls.count(gguf_mma.NORM), calls.count(gguf_mma.ADD_NORM), calls.count(gguf_mma.SILU_MUL)) == (4, 24, 12)
+    monkeypatch.setenv("SPLITSPEC_NATIVE_ON", "")
+    assert torch.equal(linked, _logits(model, ids, dtype, 36)) and not linked.isnan().any()
+    assert len(calls) == 40
+
+
+def test_linked_dense_computes_what_the_launches_apart_do(tmp_path, monkeypatch):
+    """As above for a dense Q4_K_M target (the 8B's family): its attention and MLP read every placeholder through their matmuls."""
+    path = write_gguf(hf_model("qwen3", seed=5, layers=2), tmp_path / "dense.gguf", "q4_k_m")
+    monkeypatch.setenv("SPLITSPEC_NATIVE_ON", "gguf_prepare")
+    model, config = load_target(path, keep_quantized=True)
+    assert _linked(model) == [(Q.Q4_K, Q.Q4_K, Q.Q6_K)] * 2
+    calls = []
+    produce = gguf_mma.produce
+    monkeypatch.setattr(gguf_mma, "produce", lambda p, qtype: calls.append(p.kind) or produce(p, qtype))
+    ids = torch.randint(0, config.vocab_size, (12,), generator=torch.Generator().manual_seed(3))
+    linked = _logits(model, ids, torch.float32, 8)  # an 8-row prompt, then steps: every pass linked
+    assert len(calls) == 5 * 6  # 5 passes x (2 layers x (input norm, post-attention norm, activation))
+    monkeypatch.setenv("SPLITSPEC_NATIVE_ON", "")
+    assert torch.equal(linked, _logits(model, ids, torch.float32, 8)) and not linked.isnan().any()

@@ -5,12 +5,14 @@ itself needs a GPU and nvcc: ``scripts/gpu_gguf_mma.py`` checks it against the d
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
 from native import gguf_mma
-from native.gguf_matmul import row_bytes
+from native.gguf_matmul import quant_linear, row_bytes
+from tests.kquants import quantize_k
 
 
 def test_type_numbers_are_ggufs():
@@ -63,3 +65,47 @@ def test_a_operand_splits_of_the_measured_shapes(shape, splits):
 def test_a_operand_splits_bounds(programs, super_blocks):
     splits = gguf_mma.a_operand_splits(programs, super_blocks, sms=132)
     assert 1 <= splits <= max(1, min(super_blocks // 2, 32))
+
+
+def _norm_producer(kind: int, a: torch.Tensor, b: torch.Tensor | None = None) -> gguf_mma.Producer:
+    weight = torch.linspace(0.5, 1.5, a.shape[1])
+
+    def plain():
+        x = a + b if b is not None else a
+        return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * weight), (x if b is not None else None)
+
+    return gguf_mma.Producer(kind, a, plain, b, weight, 1e-6)
+
+
+def test_produces_only_what_one_preparation_takes(monkeypatch):
+    a = torch.randn(32, 512)
+    assert not gguf_mma.produces(gguf_mma.NORM, a)  # the CPU: only where asked for
+    monkeypatch.setenv("SPLITSPEC_NATIVE_ON", "gguf_prepare")
+    assert gguf_mma.produces(gguf_mma.NORM, a) and gguf_mma.produces(gguf_mma.SILU_MUL, a)
+    assert not gguf_mma.produces(gguf_mma.NORM, torch.randn(33, 512))  # more rows than one launch takes
+    assert not gguf_mma.produces(gguf_mma.NORM, torch.randn(8, 384))  # not whole 256-value blocks
+    assert not gguf_mma.produces(gguf_mma.SILU_MUL, torch.randn(8, 768))  # x 384 wide
+    assert not gguf_mma.produces(gguf_mma.NORM, torch.randn(1, 8, 512))
+    assert not gguf_mma.produces(gguf_mma.NORM, a, torch.ones(512, requires_grad=True))  # training: the launches apart
+
+
+def test_reference_produce_returns_a_nan_placeholder_carrying_the_values(monkeypatch):
+    monkeypatch.setenv("SPLITSPEC_NATIVE_ON", "gguf_prepare")
+    a, b = torch.randn(5, 512), torch.randn(5, 512)
+    p = _norm_producer(gguf_mma.ADD_NORM, a, b)
+    x, total = gguf_mma.produce(p, Q.Q4_K)
+    assert x.shape == (5, 512) and x.isnan().all()
+    assert torch.equal(total, a + b)
+    prepared = gguf_mma.prepared_for(x)
+    assert prepared.qtype == Q.Q4_K and prepared.arrays == [] and torch.equal(prepared.plain(), p.plain()[0])
+    assert gguf_mma.prepared_for(x[:2]) is None and gguf_mma.prepared_for(x.clone()) is None  # only the placeholder itself
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q5_K])
+def test_quant_linear_reads_a_placeholders_values(monkeypatch, qtype):
+    monkeypatch.setenv("SPLITSPEC_NATIVE_ON", "gguf_prepare")
+    raw = torch.from_numpy(quantize_k(np.random.default_rng(1).standard_normal((16, 512)).astype(np.float32), qtype))
+    p = _norm_producer(gguf_mma.NORM, torch.randn(3, 512))
+    x, _ = gguf_mma.produce(p, Q.Q4_K)
+    got = quant_linear(x, raw, qtype)
+    assert not got.isnan().any() and torch.equal(got, quant_linear(p.plain()[0], raw, qtype))
