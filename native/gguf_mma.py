@@ -266,9 +266,14 @@ def _arrivals(device: torch.device) -> torch.Tensor:
     return _ARRIVALS[device]
 
 
+def _width(kind: int, a: torch.Tensor) -> int:
+    """x's width from its producer's input ``a`` (SwiGLU's: gate and up side by side)."""
+    return a.shape[-1] // 2 if kind == SILU_MUL else a.shape[-1]
+
+
 def _prepare(p: Producer, qtype: Q, total: torch.Tensor | None = None) -> list[torch.Tensor]:
-    K = p.a.shape[1] // 2 if p.kind == SILU_MUL else p.a.shape[1]
-    return _extension(0).gguf_prepare(MMA_TYPES[qtype], p.kind, p.a, p.b, p.weight, total, _arrivals(p.a.device), p.eps, K)
+    return _extension(0).gguf_prepare(MMA_TYPES[qtype], p.kind, p.a, p.b, p.weight, total, _arrivals(p.a.device), p.eps,
+                                      _width(p.kind, p.a))
 
 
 def produces(kind: int, a: torch.Tensor, *others: torch.Tensor) -> bool:
@@ -277,8 +282,7 @@ def produces(kind: int, a: torch.Tensor, *others: torch.Tensor) -> bool:
     on a GPU where the kernels run (``SPLITSPEC_NATIVE_OFF=gguf_prepare`` keeps the launches
     apart). On the CPU only by its reference path, where ``SPLITSPEC_NATIVE_ON=gguf_prepare`` asks
     for it (tests of the placeholder's readers)."""
-    width = a.shape[-1] // 2 if kind == SILU_MUL else a.shape[-1]
-    if a.dim() != 2 or not 1 <= a.shape[0] <= PREPARED_MAX_ROWS or width % 256 or width * (1 + (kind == SILU_MUL)) != a.shape[1]:
+    if a.dim() != 2 or not 1 <= a.shape[0] <= PREPARED_MAX_ROWS or a.shape[1] % (512 if kind == SILU_MUL else 256):
         return False
     if not prepares_on(a.device) or (torch.is_grad_enabled() and any(t.requires_grad for t in (a, *others))):
         return False
@@ -301,7 +305,7 @@ def produce(p: Producer, qtype: Q) -> tuple[torch.Tensor, torch.Tensor | None]:
     [M, K] is a placeholder: its values are only in the arrays attached to it (``prepared_for``),
     which the matmuls read. On the reference path (the CPU) the values are ``p.plain()``'s, and
     the placeholder is NaN, so that a reader that is no matmul shows. The sum is written."""
-    M, K = p.a.shape[0], p.a.shape[1] // 2 if p.kind == SILU_MUL else p.a.shape[1]
+    M, K = p.a.shape[0], _width(p.kind, p.a)
     if not p.a.is_cuda:
         values, total = p.plain()
         x = torch.full((M, K), float("nan"), dtype=p.a.dtype)
