@@ -41,7 +41,11 @@ bit for bit, the residual sum and SwiGLU's activation aside, which round as thei
 The tensor the producer returns is only a placeholder carrying the arrays (``Prepared``): every
 reader of it must be a quantized matmul (``link_producers`` links only such producers), and a
 reader of another block type or kernel gets the values from the producer's own kernels. Up to
-32 rows (one launch's rows); ``SPLITSPEC_NATIVE_OFF=gguf_prepare`` keeps the launches apart.
+32 rows (one launch's rows). Off unless ``SPLITSPEC_NATIVE_ON=gguf_prepare``: on an H100 it
+removed 192 of a 27B decode step's 1,122 launches but took as long (BENCHMARKS.md [K17]), its
+preparations 4.0 µs a launch against 1.8 apart, the row's last warp waiting on a fence, an
+atomic and the other warps' sums in turn. On the CPU the same switch runs the reference path,
+which CI runs through the services with NaN placeholders.
 
 **IQ4_XS** (``gguf_mma.cu``): each lane expands its bytes to float32 in registers (a byte
 permute, a subtract and one fused multiply-add a value, exact as the dequantizer's arithmetic)
@@ -278,10 +282,8 @@ def _prepare(p: Producer, qtype: Q, total: torch.Tensor | None = None) -> list[t
 
 def produces(kind: int, a: torch.Tensor, *others: torch.Tensor) -> bool:
     """Whether ``produce`` takes a producer of ``kind`` with input ``a`` (and ``others``: a norm's
-    weight, the residual): 1-32 rows of x of whole 256-value blocks, bf16 rows 16-byte aligned,
-    on a GPU where the kernels run (``SPLITSPEC_NATIVE_OFF=gguf_prepare`` keeps the launches
-    apart). On the CPU only by its reference path, where ``SPLITSPEC_NATIVE_ON=gguf_prepare`` asks
-    for it (tests of the placeholder's readers)."""
+    weight, the residual): 1-32 rows of x of whole 256-value blocks, bf16 rows 16-byte aligned on
+    a GPU (the CPU's reference path takes any float dtype), where ``prepares_on`` the device."""
     if a.dim() != 2 or not 1 <= a.shape[0] <= PREPARED_MAX_ROWS or a.shape[1] % (512 if kind == SILU_MUL else 256):
         return False
     if not prepares_on(a.device) or (torch.is_grad_enabled() and any(t.requires_grad for t in (a, *others))):
@@ -292,11 +294,13 @@ def produces(kind: int, a: torch.Tensor, *others: torch.Tensor) -> bool:
 
 
 def prepares_on(device: torch.device) -> bool:
-    """Whether ``produces`` can hold on ``device`` at all: ``runs_on`` a GPU, unless switched off;
-    on the CPU where asked for (``produces``)."""
-    if device.type != "cuda":
-        return switched_on("gguf_prepare")
-    return not switched_off("gguf_prepare") and runs_on(device)
+    """Whether ``produces`` can hold on ``device`` at all: where ``SPLITSPEC_NATIVE_ON=gguf_prepare``
+    asks for it (on a GPU it has not yet beaten the launches apart: BENCHMARKS.md [K17]) and
+    ``SPLITSPEC_NATIVE_OFF`` does not name it, on a GPU where ``runs_on``, or on the CPU by the
+    reference path."""
+    if not switched_on("gguf_prepare") or switched_off("gguf_prepare"):
+        return False
+    return device.type != "cuda" or runs_on(device)
 
 
 def produce(p: Producer, qtype: Q) -> tuple[torch.Tensor, torch.Tensor | None]:

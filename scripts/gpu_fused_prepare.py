@@ -151,6 +151,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--skip-model", action="store_true")
     args = parser.parse_args()
+    os.environ["SPLITSPEC_NATIVE_ON"] = "gguf_prepare"  # off by default (native.gguf_mma.prepares_on)
     torch.manual_seed(0)
     with torch.inference_mode():
         kernels()
