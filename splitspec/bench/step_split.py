@@ -14,10 +14,14 @@ after its timed requests and keeps the means over the row (:class:`StepSplit`):
   to its settle (``splitspec_worker_forward_duration_seconds``, ``phase="verify"``, observed once a
   step; a pass that captured a CUDA graph is not counted);
 - ``target_queue_ms``: a step's wait in the target for its pass to start
-  (``splitspec_worker_queue_seconds``, ``phase="verify"``).
+  (``splitspec_worker_queue_seconds``, ``phase="verify"``);
+- ``draft_pass_ms`` and ``draft_queue_ms``: the same of the draft's batched pass that each Propose
+  ran in (``phase="propose"``; none for a drafter that runs no pass).
 
 So for a drafted step at one user, step − (Verify + Propose round trips) is the gateway's own time,
-and Verify round trip − (queue + pass) the wire and the target's host work outside the pass; a
+Verify round trip − (queue + pass) the wire and the target's host work outside the pass, and
+Propose round trip − (the draft's queue + pass) the same of the draft (the tap features it
+receives among them); a
 pipelined target-only step is its pass plus what the target's passes leave between them. As
 PromQL over a live deployment, the mean Verify round trip::
 
@@ -39,6 +43,8 @@ SERIES = {
     "propose_rpc_ms": ("splitspec_rpc_duration_seconds", "rpc", "DraftWorker/Propose"),
     "target_pass_ms": ("splitspec_worker_forward_duration_seconds", "phase", "verify"),
     "target_queue_ms": ("splitspec_worker_queue_seconds", "phase", "verify"),
+    "draft_pass_ms": ("splitspec_worker_forward_duration_seconds", "phase", "propose"),
+    "draft_queue_ms": ("splitspec_worker_queue_seconds", "phase", "propose"),
 }
 
 Totals = dict[str, tuple[float, float]]  # StepSplit field -> (sum of seconds, count) of its series
@@ -52,6 +58,8 @@ class StepSplit:
     propose_rpc_ms: float | None = None
     target_pass_ms: float | None = None
     target_queue_ms: float | None = None
+    draft_pass_ms: float | None = None
+    draft_queue_ms: float | None = None
 
 
 def _add(out: Totals, field: str, total: float, count: float) -> None:

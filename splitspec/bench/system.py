@@ -507,8 +507,8 @@ def run_system(
         }
         off = Spec(mode=Spec.OFF)
 
-        def ports(addresses: list[str]) -> list[int]:  # a row's gateways' /metrics, and the target's
-            return [c.metrics_ports[a] for a in (*addresses, target)]
+        def ports(addresses: list[str], *workers: str) -> list[int]:  # a row's gateways' /metrics, the target's, its draft's
+            return [c.metrics_ports[a] for a in (*addresses, target, *workers)]
 
         for level in plan:
             for wire in wires:
@@ -521,7 +521,7 @@ def run_system(
             for label in drafts:
                 for wire in wires:
                     mine = gateways[wire, label]
-                    row = measure(mine, level, tree, max_tokens, label, wire, *kinds[label], metrics=ports(mine))[0]
+                    row = measure(mine, level, tree, max_tokens, label, wire, *kinds[label], metrics=ports(mine, draft_addresses[label]))[0]
                     rows.append(replace(row, budget=budget))
     return rows
 

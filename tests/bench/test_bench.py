@@ -79,7 +79,9 @@ def test_bench_runs_every_part(tmp_path):
         if r["drafter"] != "off":
             assert f["target_pass_ms"] + f["target_queue_ms"] <= f["verify_rpc_ms"] and f["propose_rpc_ms"] > 0, (r["label"], f)
         else:
-            assert f["propose_rpc_ms"] is None
+            assert f["propose_rpc_ms"] is None and f["draft_pass_ms"] is None
+        if r["drafter"] == "dflash":  # the draft's own pass and wait, within its Propose round trip
+            assert 0 < f["draft_pass_ms"] and f["draft_pass_ms"] + f["draft_queue_ms"] <= f["propose_rpc_ms"], (r["label"], f)
         assert f"| {r['label'].replace(ORACLE_NOTE, 'benchmark-only')} | {r['wire']} | 1 | {r['ms_per_step']:.2f} | {f['verify_rpc_ms']:.2f} |" in proc.stdout
     assert {"target.log", "draft0.log", "gateway0-stream.log", "gateway0-unary.log"} <= {p.name for p in (tmp_path / "logs").iterdir()}
     assert result["baseline_tokens_per_s"] > 0

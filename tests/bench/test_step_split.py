@@ -14,7 +14,7 @@ def _gateway_rounds(metrics: GatewayMetrics, rpc: str, seconds: list[float]) -> 
 
 
 def test_means_between_two_scrapes_of_the_real_metrics():
-    gateway, target = GatewayMetrics(), WorkerMetrics("target", "m")
+    gateway, target, draft = GatewayMetrics(), WorkerMetrics("target", "m"), WorkerMetrics("draft", "d")
     _gateway_rounds(gateway, "TargetWorker/Verify", [0.004])
     target.forward("verify", 3_000_000)
     target.batched("verify", [object()], [0.001])
@@ -25,10 +25,14 @@ def test_means_between_two_scrapes_of_the_real_metrics():
         target.forward("verify", ns)
     target.forward("prefill", 90_000_000)  # another phase: not a step's pass
     target.batched("verify", [object(), object()], [0.0, 0.0005])
+    draft.forward("propose", 1_500_000)
+    draft.batched("propose", [object()], [0.0002])
     after = totals(generate_latest(gateway.registry).decode()) | totals(generate_latest(target.registry).decode())
+    after |= totals(generate_latest(draft.registry).decode())
     split = means(before, after)
     assert split.verify_rpc_ms == pytest.approx(7.0) and split.propose_rpc_ms == pytest.approx(2.0)
     assert split.target_pass_ms == pytest.approx(5.5) and split.target_queue_ms == pytest.approx(0.25)
+    assert split.draft_pass_ms == pytest.approx(1.5) and split.draft_queue_ms == pytest.approx(0.2)
 
 
 def test_nothing_counted_is_none():
