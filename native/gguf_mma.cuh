@@ -93,7 +93,9 @@ __device__ __forceinline__ uint32_t bf16_bits(float v) { return __bfloat16_as_us
 //   `sum` (the residual stream). The norm's 1 / rms is a reduction over the whole row, which the
 //   row's super-blocks (one warp each) do not have: each stages x * weight, and the last of a row's
 //   warps to finish folds 1 / rms into the row's scales (finish_norm), which the matmul already
-//   multiplies its sums by. So no warp waits for another, and the matmul is unchanged.
+//   multiplies its sums by. So the matmul is unchanged; but that last warp's fence, atomic and
+//   read of the others' sums lengthen the preparation the matmul waits for: on an H100 the 27B
+//   step took as long as with the launches apart (BENCHMARKS.md [K17]).
 enum SourceKind : int { kRow = 0, kSiluMul = 1, kNorm = 2, kAddNorm = 3 };
 
 struct Source {
