@@ -474,7 +474,6 @@ def load_dflash_draft(
     model.load_state_dict(state, assign=True, strict=True)
     interleave_layers(model, dtype)
     model.fuse_projections()
-    link_producers(model)
     return model.eval(), config
 
 
