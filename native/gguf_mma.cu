@@ -297,11 +297,10 @@ bool aligned_rows(const torch::Tensor& t) {  // bf16 rows whose 8-value groups l
 
 // x's prepared arrays for the Q4_K (qtype 12) or Q6_K (14) matmul, made from x's producer's
 // inputs (mma_common::Source; kind 1: SwiGLU's activation of gate_up `a` [M, 2K]; 2: RMSNorm of
-// `a` [M, K] by `weight` [K] (bf16); 3: the same of a + b, written to `sum` [M, K]); `arrivals`:
-// int32 [>= M] zeros, which the norms leave zero. M <= 32 rows.
+// `a` [M, K] by `weight` [K] (bf16); 3: the same of a + b, written to `sum` [M, K]). M <= 32 rows.
 std::vector<torch::Tensor> gguf_prepare(int64_t qtype, int64_t kind, torch::Tensor a, c10::optional<torch::Tensor> b,
-                                        c10::optional<torch::Tensor> weight, c10::optional<torch::Tensor> sum,
-                                        torch::Tensor arrivals, double eps, int64_t K) {
+                                        c10::optional<torch::Tensor> weight, c10::optional<torch::Tensor> sum, double eps,
+                                        int64_t K) {
   TORCH_CHECK(qtype == 12 || qtype == 14, "gguf_prepare: Q4_K (12) or Q6_K (14), got ", qtype);
   TORCH_CHECK(kind >= mma_common::kSiluMul && kind <= mma_common::kAddNorm, "gguf_prepare: kind 1-3, got ", kind);
   TORCH_CHECK(aligned_rows(a) && a.size(0) >= 1 && a.size(0) <= 32, "a: bf16 [1-32, ...] rows 16-byte aligned");
@@ -311,20 +310,14 @@ std::vector<torch::Tensor> gguf_prepare(int64_t qtype, int64_t kind, torch::Tens
   TORCH_CHECK(!norm || (weight && aligned_rows(weight->view({1, -1})) && weight->numel() == K), "a norm needs a bf16 weight [K]");
   TORCH_CHECK(kind != mma_common::kAddNorm || (b && aligned_rows(*b) && b->sizes() == a.sizes() && sum && sum->is_contiguous() && aligned_rows(*sum) && sum->sizes() == a.sizes()),
               "an added norm needs b and sum like a");
-  TORCH_CHECK(!norm || (arrivals.is_cuda() && arrivals.scalar_type() == torch::kInt32 && arrivals.numel() >= M), "arrivals: int32 [>= M]");
   const at::cuda::CUDAGuard guard(a.device());
-  torch::Tensor squares = norm ? torch::empty({M * (K / 256)}, a.options().dtype(torch::kFloat32)) : torch::Tensor();
   mma_common::Source src = {};
   src.a = reinterpret_cast<const __nv_bfloat16*>(a.data_ptr());
   src.stride_a = a.stride(0);
   src.kind = static_cast<int>(kind);
   src.K = static_cast<int>(K);
   src.eps = static_cast<float>(eps);
-  if (norm) {
-    src.weight = reinterpret_cast<const __nv_bfloat16*>(weight->data_ptr());
-    src.squares = squares.data_ptr<float>();
-    src.arrivals = arrivals.data_ptr<int>();
-  }
+  if (norm) src.weight = reinterpret_cast<const __nv_bfloat16*>(weight->data_ptr());
   if (kind == mma_common::kAddNorm) {
     src.b = reinterpret_cast<const __nv_bfloat16*>(b->data_ptr());
     src.stride_b = b->stride(0);

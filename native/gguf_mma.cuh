@@ -90,12 +90,12 @@ __device__ __forceinline__ uint32_t bf16_bits(float v) { return __bfloat16_as_us
 // - kSiluMul: SwiGLU's silu(gate) * up from the fused gate/up projection's output `a` [M, 2K]
 //   (gate first), rounded as native/silu_mul.py rounds (the SiLU to bf16, then the product);
 // - kNorm: RMSNorm(a) * weight; kAddNorm: the same of a + b, rounded to bf16 first and written to
-//   `sum` (the residual stream). The norm's 1 / rms is a reduction over the whole row, which the
-//   row's super-blocks (one warp each) do not have: each stages x * weight, and the last of a row's
-//   warps to finish folds 1 / rms into the row's scales (finish_norm), which the matmul already
-//   multiplies its sums by. So the matmul is unchanged; but that last warp's fence, atomic and
-//   read of the others' sums lengthen the preparation the matmul waits for: on an H100 the 27B
-//   step took as long as with the launches apart (BENCHMARKS.md [K17]).
+//   `sum` (the residual stream). The norm's 1 / rms is a reduction over the whole row: its
+//   preparation runs a block a row (NormRow), whose warps stage x * weight a super-block at a
+//   time and meet in shared memory, where 1 / rms is folded into the row's scales, which the
+//   matmul already multiplies its sums by. So the matmul is unchanged. (A first form kept one warp
+//   a super-block and had the row's last warp to finish fold 1 / rms in after a fence and an
+//   atomic: on an H100 its preparations took 4.0 us against 1.8 apart, BENCHMARKS.md [K17].)
 enum SourceKind : int { kRow = 0, kSiluMul = 1, kNorm = 2, kAddNorm = 3 };
 
 struct Source {
@@ -103,11 +103,11 @@ struct Source {
   const __nv_bfloat16* b;       // kAddNorm: the residual
   const __nv_bfloat16* weight;  // norms: [K]
   __nv_bfloat16* sum;           // kAddNorm: a + b [M, K], written (rows contiguous)
-  float* squares;               // norms: [M, super-blocks] each super-block's sum of squares
-  int* arrivals;                // norms: [>= M] zeros, a row's finished super-blocks (reset by its last)
   int64_t stride_a, stride_b;   // row strides, in values
   int kind, K;
   float eps;
+
+  __host__ __device__ bool is_norm() const { return kind == kNorm || kind == kAddNorm; }
 
   // Lane `lane`'s 8 values of row r, super-block sb into v; `squares_part` their squares' sum (norms).
   __device__ __forceinline__ void values(int r, int sb, int lane, float (&v)[8], float& squares_part) const {
@@ -122,7 +122,7 @@ struct Source {
         const float act = __bfloat162float(__float2bfloat16_rn(v[i] / (1.0f + __expf(-v[i]))));
         v[i] = __bfloat162float(__float2bfloat16_rn(act * up[i]));
       }
-    } else if (kind == kNorm || kind == kAddNorm) {
+    } else if (is_norm()) {
       if (kind == kAddNorm) {
         float res[8];
         bf16x8(b + r * stride_b + k, res);
@@ -142,36 +142,45 @@ struct Source {
       }
     }
   }
-
-  // A norm's end, by every lane of the warp of row r, super-block sb, after lane 0 wrote the
-  // row's scale of sb (scale[sb * rows_padded + r]): the last warp of the row to arrive adds the
-  // super-blocks' squares in order (so the sum does not depend on which finished first) and
-  // multiplies each of the row's scales by 1 / sqrt(mean square + eps).
-  __device__ __forceinline__ void finish_norm(float* scale, int r, int sb, int super_blocks, int rows_padded, int lane,
-                                              float squares_part) const {
-    if (kind != kNorm && kind != kAddNorm) return;
-#pragma unroll
-    for (int o = 16; o; o >>= 1) squares_part += __shfl_xor_sync(0xFFFFFFFFu, squares_part, o);
-    int last = 0;
-    if (lane == 0) {
-      squares[static_cast<int64_t>(r) * super_blocks + sb] = squares_part;
-      __threadfence();  // this warp's square sum and scale are visible before its arrival is counted
-      last = atomicAdd(arrivals + r, 1) == super_blocks - 1;
-    }
-    if (!__shfl_sync(0xFFFFFFFFu, last, 0)) return;
-    __threadfence();
-    float total = 0.0f;
-    for (int i = lane; i < super_blocks; i += 32) total += __ldcg(squares + static_cast<int64_t>(r) * super_blocks + i);
-#pragma unroll
-    for (int o = 16; o; o >>= 1) total += __shfl_xor_sync(0xFFFFFFFFu, total, o);
-    const float inverse_rms = 1.0f / sqrtf(total / K + eps);
-    for (int i = lane; i < super_blocks; i += 32) {
-      float* s = scale + static_cast<int64_t>(i) * rows_padded + r;
-      *s = __ldcg(s) * inverse_rms;
-    }
-    if (lane == 0) arrivals[r] = 0;
-  }
 };
+
+constexpr int kNormWarps = 32;  // a norm's row block: up to a warp a super-block (K <= 8192 in one round)
+
+// A norm's preparation, a block a row: the warps of row blockIdx.x take its super-blocks in turn
+// (sb = warp, warp + warps, ...), each staging one with `stage(sb, staged, squares_part)` (the
+// type's arrays and the scale 2^e written; its lane's squares returned), or, for a padded row
+// (>= M), `pad(sb)`. Then the warps' squares meet in shared memory, added in a fixed order (so a
+// row's result does not depend on the other rows or on timing), and every scale of the row is
+// multiplied by 1 / sqrt(mean square + eps). The block's threads read the scales its warps wrote,
+// after the barrier that makes those writes visible to them.
+template <typename Stage, typename Pad>
+__device__ __forceinline__ void norm_row(const Source& src, float* scale, int M, int rows_padded, int super_blocks,
+                                         Stage&& stage, Pad&& pad) {
+  __shared__ __half staged[kNormWarps][256];
+  __shared__ float warp_squares[kNormWarps];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5, r = blockIdx.x;
+  if (r >= M) {
+    for (int sb = warp; sb < super_blocks; sb += warps) pad(sb);
+    return;  // the whole block: no barrier follows for it
+  }
+  float squares = 0.0f;
+  for (int sb = warp; sb < super_blocks; sb += warps) {
+    float part;
+    stage(sb, staged[warp], part);
+    squares += part;
+    __syncwarp();  // this super-block's staged values are read before the next overwrites them
+  }
+#pragma unroll
+  for (int o = 16; o; o >>= 1) squares += __shfl_xor_sync(0xFFFFFFFFu, squares, o);
+  if (lane == 0) warp_squares[warp] = squares;
+  __syncthreads();
+  float total = 0.0f;
+  for (int w = 0; w < warps; ++w) total += warp_squares[w];
+  const float inverse_rms = 1.0f / sqrtf(total / src.K + src.eps);
+  for (int sb = threadIdx.x; sb < super_blocks; sb += blockDim.x) scale[static_cast<int64_t>(sb) * rows_padded + r] *= inverse_rms;
+}
+
+inline int norm_threads(int super_blocks) { return 32 * std::min(super_blocks, kNormWarps); }
 
 // Programmatic dependent launch (sm_90 on): a matmul is launched while its x preparation runs, so
 // its blocks become resident and load their first weights (which do not depend on x) meanwhile,

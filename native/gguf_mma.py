@@ -32,20 +32,21 @@ each a launch of its own that writes x only for the preparation to read it back.
 to its readers' block type (``splitspec.models.quantized.link_producers``) runs inside the
 preparation instead: ``gguf_prepare`` computes x's values from the producer's inputs as it stages
 them, so one launch does both (about 190 fewer a 27B decode step). A norm's 1 / rms needs its
-whole row, which the preparation's warps (one a row and 256 values) do not each have: each
-stages x * weight and adds its squares, and the row's last warp to finish folds 1 / rms into the
-row's scales, which the matmul multiplies its float32 sums by anyway. So the matmul is unchanged,
-and x enters it as fp16 of x * weight (11 significant bits) where the separate norm rounded x * w
-/ rms to bf16 (8) first: the results differ from the separate launches' in their last bits (not
-bit for bit, the residual sum and SwiGLU's activation aside, which round as their kernels do).
-The tensor the producer returns is only a placeholder carrying the arrays (``Prepared``): every
-reader of it must be a quantized matmul (``link_producers`` links only such producers), and a
-reader of another block type or kernel gets the values from the producer's own kernels. Up to
-32 rows (one launch's rows). Off unless ``SPLITSPEC_NATIVE_ON=gguf_prepare``: on an H100 it
-removed 192 of a 27B decode step's 1,122 launches but took as long (BENCHMARKS.md [K17]), its
-preparations 4.0 µs a launch against 1.8 apart, the row's last warp waiting on a fence, an
-atomic and the other warps' sums in turn. On the CPU the same switch runs the reference path,
-which CI runs through the services with NaN placeholders.
+whole row, so a norm's preparation runs a block a row: its warps stage x * weight a super-block
+at a time and add their squares in shared memory, and 1 / rms multiplies the row's scales, which
+the matmul multiplies its float32 sums by anyway. So the matmul is unchanged, and x enters it as
+fp16 of x * weight (11 significant bits) where the separate norm rounded x * w / rms to bf16 (8)
+first: the results differ from the separate launches' in their last bits (not bit for bit, the
+residual sum and SwiGLU's activation aside, which round as their kernels do). The tensor the
+producer returns is only a placeholder carrying the arrays (``Prepared``): every reader of it
+must be a quantized matmul (``link_producers`` links only such producers), and a reader of
+another block type or kernel gets the values from the producer's own kernels. Up to 32 rows (one
+launch's rows). Off unless ``SPLITSPEC_NATIVE_ON=gguf_prepare``: on an H100 a first form (a warp
+a row and super-block, the row's last warp to finish folding 1 / rms in after a fence and an
+atomic) removed 192 of a 27B decode step's 1,122 launches but took as long (BENCHMARKS.md
+[K17]), its preparations 4.0 µs a launch against 1.8 apart; the block-a-row form is not yet
+measured. On the CPU the same switch runs the reference path, which CI runs through the services
+with NaN placeholders.
 
 **IQ4_XS** (``gguf_mma.cu``): each lane expands its bytes to float32 in registers (a byte
 permute, a subtract and one fused multiply-add a value, exact as the dequantizer's arithmetic)
@@ -259,25 +260,13 @@ class Prepared:
         return self.values
 
 
-_ARRIVALS: dict[torch.device, torch.Tensor] = {}
-
-
-def _arrivals(device: torch.device) -> torch.Tensor:
-    """A norm's per-row arrival counters (``gguf_prepare``), zero between launches; made, like
-    ``_counters``, by the first call on a device, before any capture."""
-    if device not in _ARRIVALS:
-        _ARRIVALS[device] = torch.zeros(PREPARED_MAX_ROWS, dtype=torch.int32, device=device)
-    return _ARRIVALS[device]
-
-
 def _width(kind: int, a: torch.Tensor) -> int:
     """x's width from its producer's input ``a`` (SwiGLU's: gate and up side by side)."""
     return a.shape[-1] // 2 if kind == SILU_MUL else a.shape[-1]
 
 
 def _prepare(p: Producer, qtype: Q, total: torch.Tensor | None = None) -> list[torch.Tensor]:
-    return _extension(0).gguf_prepare(MMA_TYPES[qtype], p.kind, p.a, p.b, p.weight, total, _arrivals(p.a.device), p.eps,
-                                      _width(p.kind, p.a))
+    return _extension(0).gguf_prepare(MMA_TYPES[qtype], p.kind, p.a, p.b, p.weight, total, p.eps, _width(p.kind, p.a))
 
 
 def produces(kind: int, a: torch.Tensor, *others: torch.Tensor) -> bool:

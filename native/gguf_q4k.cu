@@ -110,37 +110,27 @@ struct Q4K {
   }
 };
 
-// x for the kernel below, per row r and super-block sb (one warp each), from `src` (x itself or
-// its producer's inputs: mma_common::Source), staged as fp16 x 2^-e by mma_common::stage_scaled
-// (so fp16 holds every value and every 32-value sum): scale[sb][r] = 2^e (times a norm's 1 / rms),
-// xq[sb][i][r][c] the B registers of k steps 2i and 2i + 1 for lane c (fp16 pairs of x 2^-e at the slots' k),
+// x for the kernel below, per row r and super-block sb, from `src` (x itself or its producer's
+// inputs: mma_common::Source), staged as fp16 x 2^-e by mma_common::stage_scaled (so fp16 holds
+// every value and every 32-value sum): scale[sb][r] = 2^e (times a norm's 1 / rms), xq[sb][i][r][c]
+// the B registers of k steps 2i and 2i + 1 for lane c (fp16 pairs of x 2^-e at the slots' k),
 // xs[sb][r][c] the fp16 {high, low} parts of the sums X_u, X_u + 1 of this lane's minimum slots
 // (u as in Q4K::mins). r runs to `rows_padded` (8 per n-tile); a padded row only gets scale 1.
-__global__ void prepare_x_kernel(const mma_common::Source src, uint2* __restrict__ xq, uint2* __restrict__ xs,
-                                 float* __restrict__ scale, int M, int rows_padded, int super_blocks) {
-  __shared__ __half staged[kWarps][256];
-  mma_common::let_dependents_start();
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int64_t item = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
-  if (item >= static_cast<int64_t>(super_blocks) * rows_padded) return;
-  const int r = item % rows_padded, sb = item / rows_padded;
-  if (r >= M) {  // a padded row: its B registers are zeros, its scale must be finite
-    if (lane == 0) scale[static_cast<int64_t>(sb) * rows_padded + r] = 1.0f;
-    return;
-  }
-  float v[8], squares, sum;
+// One warp's super-block, `staged` its 256 fp16 values; `squares` gets its lane's squares (norms).
+__device__ __forceinline__ void prepare_super_block(const mma_common::Source& src, uint2* __restrict__ xq, uint2* __restrict__ xs,
+                                                    float* __restrict__ scale, __half* staged, int r, int sb, int rows_padded,
+                                                    int lane, float& squares) {
+  float v[8], sum;
   src.values(r, sb, lane, v, squares);
-  const float up = mma_common::stage_scaled(v, staged[warp], lane, sum);
+  const float up = mma_common::stage_scaled(v, staged, lane, sum);
   // Sub-block j = lanes 4j .. 4j + 3: add their sums in a fixed order.
   sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 1);
   sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 2);
   if (lane == 0) scale[static_cast<int64_t>(sb) * rows_padded + r] = up;
-  src.finish_norm(scale, r, sb, super_blocks, rows_padded, lane, squares);
-  const __half* h = staged[warp];
   for (int idx = lane; idx < 64; idx += 32) {
     const int s = idx >> 2, c = idx & 3;
     const int k = Q4K::k_of(c, s);
-    const __half2 lo = __halves2half2(h[k], h[k + 2]), hi = __halves2half2(h[k + 32], h[k + 34]);
+    const __half2 lo = __halves2half2(staged[k], staged[k + 2]), hi = __halves2half2(staged[k + 32], staged[k + 34]);
     xq[((static_cast<int64_t>(sb) * 8 + (s >> 1)) * rows_padded + r) * 8 + 2 * c + (s & 1)] =
         make_uint2(bits_h2(lo), bits_h2(hi));
   }
@@ -154,6 +144,36 @@ __global__ void prepare_x_kernel(const mma_common::Source src, uint2* __restrict
     xs[(static_cast<int64_t>(sb) * rows_padded + r) * 4 + lane] =
         make_uint2(bits_h2(high), bits_h2(low));
   }
+}
+
+// x's own rows or SwiGLU's activation: one warp a (row, super-block) item.
+__global__ void prepare_x_kernel(const mma_common::Source src, uint2* __restrict__ xq, uint2* __restrict__ xs,
+                                 float* __restrict__ scale, int M, int rows_padded, int super_blocks) {
+  __shared__ __half staged[kWarps][256];
+  mma_common::let_dependents_start();
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int64_t item = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
+  if (item >= static_cast<int64_t>(super_blocks) * rows_padded) return;
+  const int r = item % rows_padded, sb = item / rows_padded;
+  if (r >= M) {  // a padded row: its B registers are zeros, its scale must be finite
+    if (lane == 0) scale[static_cast<int64_t>(sb) * rows_padded + r] = 1.0f;
+    return;
+  }
+  float squares;
+  prepare_super_block(src, xq, xs, scale, staged[warp], r, sb, rows_padded, lane, squares);
+}
+
+// A norm's x: a block a row (mma_common::norm_row).
+__global__ void prepare_norm_kernel(const mma_common::Source src, uint2* __restrict__ xq, uint2* __restrict__ xs,
+                                    float* __restrict__ scale, int M, int rows_padded, int super_blocks) {
+  mma_common::let_dependents_start();
+  const int lane = threadIdx.x & 31, r = blockIdx.x;
+  mma_common::norm_row(
+      src, scale, M, rows_padded, super_blocks,
+      [&](int sb, __half* staged, float& squares) { prepare_super_block(src, xq, xs, scale, staged, r, sb, rows_padded, lane, squares); },
+      [&](int sb) {
+        if (lane == 0) scale[static_cast<int64_t>(sb) * rows_padded + r] = 1.0f;
+      });
 }
 
 // x's arrays a super-block, in 16-byte units (one XStages stage; the launch's shared memory): xq 32 a row, xs 2, xscale 1 / 4.
@@ -287,10 +307,14 @@ std::vector<torch::Tensor> prepare(const mma_common::Source& src, int M, const t
   torch::Tensor xq = torch::empty({static_cast<int64_t>(sbs) * rows_padded * 64 * 2}, opts);
   torch::Tensor xs = torch::empty({static_cast<int64_t>(sbs) * rows_padded * 4 * 2}, opts);
   torch::Tensor xscale = torch::empty({static_cast<int64_t>(sbs) * rows_padded}, options.dtype(torch::kFloat32));
-  const int64_t items = static_cast<int64_t>(sbs) * rows_padded;
-  prepare_x_kernel<<<(items + kWarps - 1) / kWarps, kWarps * 32, 0, stream>>>(
-      src, reinterpret_cast<uint2*>(xq.data_ptr()), reinterpret_cast<uint2*>(xs.data_ptr()), xscale.data_ptr<float>(), M,
-      rows_padded, sbs);
+  uint2* q = reinterpret_cast<uint2*>(xq.data_ptr());
+  uint2* sums = reinterpret_cast<uint2*>(xs.data_ptr());
+  if (src.is_norm()) {
+    prepare_norm_kernel<<<rows_padded, mma_common::norm_threads(sbs), 0, stream>>>(src, q, sums, xscale.data_ptr<float>(), M, rows_padded, sbs);
+  } else {
+    const int64_t items = static_cast<int64_t>(sbs) * rows_padded;
+    prepare_x_kernel<<<(items + kWarps - 1) / kWarps, kWarps * 32, 0, stream>>>(src, q, sums, xscale.data_ptr<float>(), M, rows_padded, sbs);
+  }
   return {xq, xs, xscale};
 }
 

@@ -185,11 +185,36 @@ struct Q6KPairs : Q6KCommon {
 template <int NB>
 using Q6K = std::conditional_t<NB <= Q6K_PAIRS_MAX_NB, Q6KPairs, Q6KWords>;
 
-// x for the kernel below, per row r and super-block sb (one warp each), from `src` (x itself or
-// its producer's inputs: mma_common::Source), staged as fp16 x 2^-e by mma_common::stage_scaled:
+// x for the kernel below, per row r and super-block sb, from `src` (x itself or its producer's
+// inputs: mma_common::Source), staged as fp16 x 2^-e by mma_common::stage_scaled:
 // scale[sb][r] = 2^e (times a norm's 1 / rms), xq[sb][i][r][c] the B registers of k steps 2i and 2i + 1
 // for lane c (fp16 pairs of x 2^-e at the slots' k: b0, b1 of step 2i, then of 2i + 1). r runs to
 // `rows_padded` (8 per n-tile); a padded row gets zeros and scale 1.
+// One warp's super-block, `staged` its 256 fp16 values; `squares` gets its lane's squares (norms).
+__device__ __forceinline__ void prepare_super_block(const mma_common::Source& src, uint4* __restrict__ xq, float* __restrict__ scale,
+                                                    __half* staged, int r, int sb, int rows_padded, int lane, float& squares) {
+  float v[8], sum;  // sum: unused (Q6_K has no minimums)
+  src.values(r, sb, lane, v, squares);
+  const float up = mma_common::stage_scaled(v, staged, lane, sum);
+  if (lane == 0) scale[static_cast<int64_t>(sb) * rows_padded + r] = up;
+  const int c = lane & 3, i = lane >> 2;
+  uint32_t b[4];
+#pragma unroll
+  for (int t = 0; t < 2; ++t) {
+    const int k = Q6KCommon::k_of(c, 2 * i + t);
+    b[2 * t] = bits_h2(__halves2half2(staged[k], staged[k + 2]));
+    b[2 * t + 1] = bits_h2(__halves2half2(staged[k + 64], staged[k + 66]));
+  }
+  xq[((static_cast<int64_t>(sb) * 8 + i) * rows_padded + r) * 4 + c] = make_uint4(b[0], b[1], b[2], b[3]);
+}
+
+// A padded row's super-block: zeros (so the kernel loads every row unconditionally), scale 1.
+__device__ __forceinline__ void pad_super_block(uint4* __restrict__ xq, float* __restrict__ scale, int r, int sb, int rows_padded, int lane) {
+  if (lane == 0) scale[static_cast<int64_t>(sb) * rows_padded + r] = 1.0f;
+  xq[((static_cast<int64_t>(sb) * 8 + (lane >> 2)) * rows_padded + r) * 4 + (lane & 3)] = make_uint4(0u, 0u, 0u, 0u);
+}
+
+// x's own rows or SwiGLU's activation: one warp a (row, super-block) item.
 __global__ void prepare_x_kernel(const mma_common::Source src, uint4* __restrict__ xq, float* __restrict__ scale,
                                  int M, int rows_padded, int super_blocks) {
   __shared__ __half staged[kWarps][256];
@@ -198,26 +223,23 @@ __global__ void prepare_x_kernel(const mma_common::Source src, uint4* __restrict
   const int64_t item = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
   if (item >= static_cast<int64_t>(super_blocks) * rows_padded) return;
   const int r = item % rows_padded, sb = item / rows_padded;
-  if (r >= M) {  // a padded row: zeros (so the kernel loads every row unconditionally), scale 1
-    if (lane == 0) scale[static_cast<int64_t>(sb) * rows_padded + r] = 1.0f;
-    xq[((static_cast<int64_t>(sb) * 8 + (lane >> 2)) * rows_padded + r) * 4 + (lane & 3)] = make_uint4(0u, 0u, 0u, 0u);
+  if (r >= M) {
+    pad_super_block(xq, scale, r, sb, rows_padded, lane);
     return;
   }
-  float v[8], squares, sum;  // sum: unused (Q6_K has no minimums)
-  src.values(r, sb, lane, v, squares);
-  const float up = mma_common::stage_scaled(v, staged[warp], lane, sum);
-  if (lane == 0) scale[static_cast<int64_t>(sb) * rows_padded + r] = up;
-  src.finish_norm(scale, r, sb, super_blocks, rows_padded, lane, squares);
-  const __half* h = staged[warp];
-  const int c = lane & 3, i = lane >> 2;
-  uint32_t b[4];
-#pragma unroll
-  for (int t = 0; t < 2; ++t) {
-    const int k = Q6KCommon::k_of(c, 2 * i + t);
-    b[2 * t] = bits_h2(__halves2half2(h[k], h[k + 2]));
-    b[2 * t + 1] = bits_h2(__halves2half2(h[k + 64], h[k + 66]));
-  }
-  xq[((static_cast<int64_t>(sb) * 8 + i) * rows_padded + r) * 4 + c] = make_uint4(b[0], b[1], b[2], b[3]);
+  float squares;
+  prepare_super_block(src, xq, scale, staged[warp], r, sb, rows_padded, lane, squares);
+}
+
+// A norm's x: a block a row (mma_common::norm_row).
+__global__ void prepare_norm_kernel(const mma_common::Source src, uint4* __restrict__ xq, float* __restrict__ scale,
+                                    int M, int rows_padded, int super_blocks) {
+  mma_common::let_dependents_start();
+  const int lane = threadIdx.x & 31, r = blockIdx.x;
+  mma_common::norm_row(
+      src, scale, M, rows_padded, super_blocks,
+      [&](int sb, __half* staged, float& squares) { prepare_super_block(src, xq, scale, staged, r, sb, rows_padded, lane, squares); },
+      [&](int sb) { pad_super_block(xq, scale, r, sb, rows_padded, lane); });
 }
 
 // x's arrays a super-block, in 16-byte units (one XStages stage; the launch's shared memory): xq 32 a row, xscale 1 / 4.
@@ -341,9 +363,13 @@ std::vector<torch::Tensor> prepare(const mma_common::Source& src, int M, const t
   const int sbs = src.K / 256, rows_padded = 8 * NB;
   torch::Tensor xq = torch::empty({static_cast<int64_t>(sbs) * rows_padded * 32 * 4}, options.dtype(torch::kInt32));
   torch::Tensor xscale = torch::empty({static_cast<int64_t>(sbs) * rows_padded}, options.dtype(torch::kFloat32));
-  const int64_t items = static_cast<int64_t>(sbs) * rows_padded;
-  prepare_x_kernel<<<(items + kWarps - 1) / kWarps, kWarps * 32, 0, stream>>>(
-      src, reinterpret_cast<uint4*>(xq.data_ptr()), xscale.data_ptr<float>(), M, rows_padded, sbs);
+  uint4* q = reinterpret_cast<uint4*>(xq.data_ptr());
+  if (src.is_norm()) {
+    prepare_norm_kernel<<<rows_padded, mma_common::norm_threads(sbs), 0, stream>>>(src, q, xscale.data_ptr<float>(), M, rows_padded, sbs);
+  } else {
+    const int64_t items = static_cast<int64_t>(sbs) * rows_padded;
+    prepare_x_kernel<<<(items + kWarps - 1) / kWarps, kWarps * 32, 0, stream>>>(src, q, xscale.data_ptr<float>(), M, rows_padded, sbs);
+  }
   return {xq, xscale};
 }
 
