@@ -25,7 +25,7 @@ from splitspec.spec.acceptance_length import pooled_acceptance_length
 from splitspec.text.chat import ChatTemplate
 from splitspec.text.tokenizer import Tokenizer, byte_level_vocab, write_gguf_tokenizer
 from splitspec.v1 import gateway_pb2
-from tests.client import generate, live_sequences
+from tests.client import generate, generate_all, live_sequences
 from tests.dense_fixtures import hf_model
 from tests.tools import write_gguf
 
@@ -92,9 +92,9 @@ def system(request, module_services, tmp_path_factory):
 @pytest.mark.parametrize("drafter", ["gw_dflash", "gw_oracle"])
 def test_speculative_output_equals_target_only(system, spec, drafter):
     usages = []
-    for case, ref in zip(system["cases"], system["references"]):
+    outs = generate_all(system[drafter], [dict(case, speculation=spec) for case in system["cases"]], concurrency=4)  # lone and batched passes
+    for case, ref, out in zip(system["cases"], system["references"], outs):
         assert len(ref.tokens) == 24
-        out = generate(system[drafter], speculation=spec, **case)
         assert out.tokens == ref.tokens, f"{system['name']} {drafter} diverged at temperature {case['temperature']}"
         assert out.final.usage.draft_fallbacks == 0
         usages.append(out.final.usage)

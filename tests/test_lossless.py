@@ -3,7 +3,10 @@
 Both target families run, each also on the fast path's fixed shapes (padded passes, CUDA graphs on
 a GPU): dense Qwen3 and the Qwen3.5 hybrid, whose Gated DeltaNet state follows each tree row's
 parent chain and is committed along the accepted path. The target runs in
-float64 so that batching a tree differently from a single token cannot flip a near-tie. Two drafts are used: the real DFlash draft of the tiny pair (random, so it rarely hits)
+float64 so that batching a tree differently from a single token cannot flip a near-tie. A test's
+cases run four at a time (``CONCURRENCY``), so the target's passes hold one sequence or several,
+as they come: the lone and the batched paths both, every output against its single-stream
+reference. Two drafts are used: the real DFlash draft of the tiny pair (random, so it rarely hits)
 and the benchmark/test-only OracleDrafter, which proposes the recorded target-only output
 corrupted at 30% per depth. The oracle drives long acceptances, rejections and branch
 acceptances through every mode, so equality is tested where it is hard, not only where it is easy.
@@ -18,9 +21,10 @@ import pytest
 
 from splitspec.spec.acceptance_length import pooled_acceptance_length
 from splitspec.v1 import gateway_pb2
-from tests.client import generate, live_sequences
+from tests.client import generate_all, live_sequences
 
 pytestmark = pytest.mark.slow
+CONCURRENCY = 4
 
 Spec = gateway_pb2.Speculation
 MODES = [
@@ -75,7 +79,8 @@ def system(request, module_services, tiny_pair, tiny_qwen35_pair, tmp_path_facto
         assert f"on the {wire} wire, draft" in s.log(f"{arch}-{name}")
 
     cases = lossless_cases(read_target_config(model).vocab_size)
-    references = [generate(gw_oracle, speculation=Spec(mode=Spec.OFF), **case) for case in cases]
+    # One at a time: each reference is its case's single-stream output.
+    references = generate_all(gw_oracle, [dict(case, speculation=Spec(mode=Spec.OFF)) for case in cases], concurrency=1)
     with table.open("w") as f:
         for case, ref in zip(cases, references):
             assert ref.final.usage.mean_acceptance_length == 1.0 and len(ref.tokens) == 40
@@ -87,11 +92,15 @@ def system(request, module_services, tiny_pair, tiny_qwen35_pair, tmp_path_facto
         s.stop(f"{arch}-{name}")
 
 
+def _outputs(system: dict, gateway: str, spec: gateway_pb2.Speculation) -> list:
+    """Every case through ``system[gateway]`` with ``spec``, ``CONCURRENCY`` at a time, in order."""
+    return generate_all(system[gateway], [dict(case, speculation=spec) for case in system["cases"]], CONCURRENCY)
+
+
 @pytest.mark.parametrize("name,spec", MODES, ids=[m[0] for m in MODES])
 def test_oracle_draft_output_equals_target_only(system, name, spec):
     usages = []
-    for case, ref in zip(system["cases"], system["references"]):
-        out = generate(system["gw_oracle"], speculation=spec, **case)
+    for case, ref, out in zip(system["cases"], system["references"], _outputs(system, "gw_oracle", spec)):
         assert out.tokens == ref.tokens, f"{name} diverged for temperature {case['temperature']}"
         assert out.text == ref.text
         assert out.final.finish_reason == gateway_pb2.LENGTH
@@ -102,8 +111,7 @@ def test_oracle_draft_output_equals_target_only(system, name, spec):
 
 @pytest.mark.parametrize("name,spec", [MODES[1], MODES[6]], ids=["chain-16", "ddtree-16-seeded"])
 def test_dflash_draft_output_equals_target_only(system, name, spec):
-    for case, ref in zip(system["cases"], system["references"]):
-        out = generate(system["gw_dflash"], speculation=spec, **case)
+    for ref, out in zip(system["references"], _outputs(system, "gw_dflash", spec)):
         assert out.tokens == ref.tokens
         assert out.final.usage.draft_fallbacks == 0
 
@@ -111,8 +119,7 @@ def test_dflash_draft_output_equals_target_only(system, name, spec):
 @pytest.mark.parametrize("wire", ["stream", "unary"])
 @pytest.mark.parametrize("name,spec", [MODES[1], MODES[6]], ids=["chain-16", "ddtree-16-seeded"])
 def test_grpc_wires_output_equals_target_only(system, name, spec, wire):
-    for case, ref in zip(system["cases"], system["references"]):
-        out = generate(system[f"gw_{wire}"], speculation=spec, **case)
+    for ref, out in zip(system["references"], _outputs(system, f"gw_{wire}", spec)):
         assert out.tokens == ref.tokens
         assert out.final.usage.mean_acceptance_length > 1.0 and out.final.usage.draft_fallbacks == 0
 

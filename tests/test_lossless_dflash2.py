@@ -19,7 +19,7 @@ import pytest
 from splitspec.fixtures.tiny import TinySpec, make_tiny
 from splitspec.spec.acceptance_length import pooled_acceptance_length
 from splitspec.v1 import gateway_pb2
-from tests.client import generate, live_sequences
+from tests.client import generate, generate_all, live_sequences
 from tests.test_lossless import lossless_cases
 
 pytestmark = pytest.mark.slow
@@ -63,8 +63,8 @@ def system(request, module_services, tmp_path_factory):
 
 def _run(system, gateway: str, spec) -> list:
     usages = []
-    for case, ref in zip(system["cases"], system["references"]):
-        out = generate(system[gateway], speculation=spec, **case)
+    outs = generate_all(system[gateway], [dict(case, speculation=spec) for case in system["cases"]], concurrency=4)  # lone and batched passes
+    for case, ref, out in zip(system["cases"], system["references"], outs):
         assert out.tokens == ref.tokens, f"diverged at temperature {case['temperature']}"
         assert out.final.finish_reason == gateway_pb2.LENGTH and out.final.usage.draft_fallbacks == 0
         usages.append(out.final.usage)

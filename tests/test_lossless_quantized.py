@@ -23,7 +23,7 @@ from splitspec.models.loader import load_dflash_draft, load_target, load_target_
 from splitspec.models.quantized import head_summary, kept_summary
 from splitspec.spec.acceptance_length import pooled_acceptance_length
 from splitspec.v1 import gateway_pb2
-from tests.client import generate, live_sequences
+from tests.client import generate, generate_all, live_sequences
 from tests.quantized_fixtures import make_pair
 
 pytestmark = pytest.mark.slow
@@ -105,17 +105,21 @@ def system(module_services, pair):
         s.stop(name)
 
 
+def _outputs(system: dict, gateway: str, spec: gateway_pb2.Speculation) -> list:
+    """Every case through ``system[gateway]`` with ``spec``, four at a time (lone and batched passes), in order."""
+    return generate_all(system[gateway], [dict(case, speculation=spec) for case in system["cases"]], concurrency=4)
+
+
 def test_kept_blocks_decode_as_the_dequantized_file(system):
     """Target-only output of the kept-quantized target is the dequantized target's, token for token."""
-    for case, ref in zip(system["cases"], system["references"]):
-        assert generate(system["gw_plain"], speculation=Spec(mode=Spec.OFF), **case).tokens == ref.tokens
+    for ref, out in zip(system["references"], _outputs(system, "gw_plain", Spec(mode=Spec.OFF))):
+        assert out.tokens == ref.tokens
 
 
 @pytest.mark.parametrize("name,spec", MODES, ids=[m[0] for m in MODES])
 def test_oracle_draft_output_equals_target_only(system, name, spec):
     usages = []
-    for case, ref in zip(system["cases"], system["references"]):
-        out = generate(system["gw_oracle"], speculation=spec, **case)
+    for case, ref, out in zip(system["cases"], system["references"], _outputs(system, "gw_oracle", spec)):
         assert out.tokens == ref.tokens, f"{name} diverged for temperature {case['temperature']}"
         usages.append(out.final.usage)
     # The oracle's drafts must actually be accepted, or this test would prove nothing.
@@ -124,8 +128,7 @@ def test_oracle_draft_output_equals_target_only(system, name, spec):
 
 @pytest.mark.parametrize("name,spec", [MODES[1], MODES[4]], ids=["chain-16", "ddtree-16-seeded"])
 def test_quantized_dflash_draft_output_equals_target_only(system, name, spec):
-    for case, ref in zip(system["cases"], system["references"]):
-        out = generate(system["gw_dflash"], speculation=spec, **case)
+    for ref, out in zip(system["references"], _outputs(system, "gw_dflash", spec)):
         assert out.tokens == ref.tokens
         assert out.final.usage.draft_fallbacks == 0
 
@@ -135,8 +138,8 @@ def test_linked_producers_output_equals_target_only(system, name, spec):
     """A target whose norms and SwiGLU activations run inside the matmuls' x preparation (its CPU
     reference path) serves the same tokens: no reader of their placeholders is anything but a
     quantized matmul, in prefill, decode and tree verify."""
-    for case, ref in zip(system["cases"], system["references"]):
-        assert generate(system["gw_linked"], speculation=spec, **case).tokens == ref.tokens, name
+    for ref, out in zip(system["references"], _outputs(system, "gw_linked", spec)):
+        assert out.tokens == ref.tokens, name
 
 
 def test_no_state_left_behind(system):

@@ -24,7 +24,7 @@ from splitspec.builtin import builtin_pair
 from splitspec.spec.acceptance_length import pooled_acceptance_length
 from splitspec.text.tokenizer import Tokenizer
 from splitspec.v1 import gateway_pb2
-from tests.client import generate
+from tests.client import generate, generate_all
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "scripts"))
 from measure_builtin_pair import humaneval_prompts, stdlib_prompts  # noqa: E402
@@ -76,21 +76,20 @@ def _prompts() -> dict[str, list[str]]:
 def test_every_mode_equals_target_only(gateways, arch, temperature):
     gateway = gateways[arch]
     modes = MODES + ([("ddtree-22-independent", Spec(mode=Spec.DDTREE, budget=22, scores=Spec.INDEPENDENT))] if arch == "dflash2" else [])
-    for prompt in _prompts()["HumanEval"][:3] + _prompts()["stdlib"][:2]:
-        case = {"text": prompt, "max_tokens": 48, "ignore_eos": True, "temperature": temperature, "seed": 7}
-        reference = generate(gateway, speculation=Spec(mode=Spec.OFF), **case)
-        for name, spec in modes:
-            out = generate(gateway, speculation=spec, **case)
-            assert out.tokens == reference.tokens, f"{arch} {name} at temperature {temperature}"
+    prompts = _prompts()["HumanEval"][:3] + _prompts()["stdlib"][:2]
+    specs = [("off", Spec(mode=Spec.OFF)), *modes]
+    cases = [{"text": p, "max_tokens": 48, "ignore_eos": True, "temperature": temperature, "seed": 7, "speculation": spec} for p in prompts for _, spec in specs]
+    outs = generate_all(gateway, cases)
+    for i in range(len(prompts)):
+        reference, *others = outs[i * len(specs) : (i + 1) * len(specs)]
+        for (name, _), out in zip(specs[1:], others):
+            assert out.tokens == reference.tokens, f"{arch} {name} at temperature {temperature}, prompt {i}"
 
 
 def _acceptance_length(gateway: str, prompts: list[str], spec: gateway_pb2.Speculation) -> float:
-    usages = []
-    for prompt in prompts:
-        out = generate(gateway, text=prompt, max_tokens=128, ignore_eos=True, speculation=spec)
-        assert len(out.tokens) == 128
-        usages.append(out.final.usage)
-    return pooled_acceptance_length(usages)
+    outs = generate_all(gateway, [{"text": p, "max_tokens": 128, "ignore_eos": True, "speculation": spec} for p in prompts])
+    assert all(len(out.tokens) == 128 for out in outs)
+    return pooled_acceptance_length([out.final.usage for out in outs])
 
 
 @pytest.mark.parametrize("prompt_set", ["HumanEval", "stdlib"])
