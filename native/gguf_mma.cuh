@@ -91,7 +91,7 @@ __device__ __forceinline__ uint32_t bf16_bits(float v) { return __bfloat16_as_us
 //   (gate first), rounded as native/silu_mul.py rounds (the SiLU to bf16, then the product);
 // - kNorm: RMSNorm(a) * weight; kAddNorm: the same of a + b, rounded to bf16 first and written to
 //   `sum` (the residual stream). The norm's 1 / rms is a reduction over the whole row: its
-//   preparation runs a block a row (NormRow), whose warps stage x * weight a super-block at a
+//   preparation runs a block a row (norm_row), whose warps stage x * weight a super-block at a
 //   time and meet in shared memory, where 1 / rms is folded into the row's scales, which the
 //   matmul already multiplies its sums by. So the matmul is unchanged. (A first form kept one warp
 //   a super-block and had the row's last warp to finish fold 1 / rms in after a fence and an
