@@ -211,18 +211,19 @@ def split_table(rows: list[dict]) -> list[str]:
         "Where a decode step goes, ms (means over each row's timed requests, from the services' /metrics: "
         "`splitspec.bench.step_split`): the gateway's round trip of a Verify (of a pipelined target-only step: its "
         "wait for the answer) and of a Propose; the target's pass that the step ran in, preparation to settle, and the "
-        "step's wait in the target for it; the same of the draft's pass that the Propose ran in.",
+        "step's wait in the target for it; the same of the draft's pass that the Propose ran in; the target's prompt "
+        "passes over the row a decode step (what each step carries of other requests' prompts).",
         "",
         "| end-to-end | wire | concurrency | decode ms/step | Verify round trip | Propose round trip | target's pass | target queue "
-        "| draft's pass | draft queue |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| draft's pass | draft queue | target's prompts a step |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in counted:
         f = r["split"]
         lines.append(
             f"| {_kind_header(r['label'])} | {r['wire']} | {r['concurrency']} | {r['ms_per_step']:.2f} | {ms(f['verify_rpc_ms'])} "
             f"| {ms(f['propose_rpc_ms'])} | {ms(f['target_pass_ms'])} | {ms(f['target_queue_ms'])} "
-            f"| {ms(f.get('draft_pass_ms'))} | {ms(f.get('draft_queue_ms'))} |"
+            f"| {ms(f.get('draft_pass_ms'))} | {ms(f.get('draft_queue_ms'))} | {ms(f.get('prompt_ms_per_step'))} |"
         )
     return lines
 

@@ -16,7 +16,12 @@ after its timed requests and keeps the means over the row (:class:`StepSplit`):
 - ``target_queue_ms``: a step's wait in the target for its pass to start
   (``splitspec_worker_queue_seconds``, ``phase="verify"``);
 - ``draft_pass_ms`` and ``draft_queue_ms``: the same of the draft's batched pass that each Propose
-  ran in (``phase="propose"``; none for a drafter that runs no pass).
+  ran in (``phase="propose"``; none for a drafter that runs no pass);
+- ``prompt_ms_per_step``: the target's prompt passes over the row (``phase="prefill"``) divided
+  by its decode steps (the verify passes' count): the share of other requests' prompts each step
+  carries under load. A request's prompt is paid once over its decode steps, so a row that
+  commits AL tokens a step pays it over 1 / AL as many steps as AR does: at 32 users, 512-token
+  prompts and 128 new tokens, a prompt every 4 steps of AR against one or more a step at AL 6.
 
 So for a drafted step at one user, step − (Verify + Propose round trips) is the gateway's own time,
 Verify round trip − (queue + pass) the wire and the target's host work outside the pass, and
@@ -45,6 +50,7 @@ SERIES = {
     "target_queue_ms": ("splitspec_worker_queue_seconds", "phase", "verify"),
     "draft_pass_ms": ("splitspec_worker_forward_duration_seconds", "phase", "propose"),
     "draft_queue_ms": ("splitspec_worker_queue_seconds", "phase", "propose"),
+    "target_prompt_ms": ("splitspec_worker_forward_duration_seconds", "phase", "prefill"),
 }
 
 Totals = dict[str, tuple[float, float]]  # StepSplit field -> (sum of seconds, count) of its series
@@ -60,6 +66,7 @@ class StepSplit:
     target_queue_ms: float | None = None
     draft_pass_ms: float | None = None
     draft_queue_ms: float | None = None
+    prompt_ms_per_step: float | None = None
 
 
 def _add(out: Totals, field: str, total: float, count: float) -> None:
@@ -91,9 +98,15 @@ def scrape(ports: Sequence[int], timeout: float = 10.0) -> Totals:
 
 def means(before: Totals, after: Totals) -> StepSplit:
     """The means of what was counted between two scrapes of the same processes."""
+
+    def counted(field: str) -> tuple[float, float]:
+        (total, count), (total0, count0) = after.get(field, (0.0, 0.0)), before.get(field, (0.0, 0.0))
+        return total - total0, count - count0
+
     out = {}
     for field in SERIES:
-        total, count = after.get(field, (0.0, 0.0))
-        total0, count0 = before.get(field, (0.0, 0.0))
-        out[field] = 1e3 * (total - total0) / (count - count0) if count > count0 else None
-    return StepSplit(**out)
+        total, count = counted(field)
+        out[field] = 1e3 * total / count if count > 0 else None
+    prompts, steps = counted("target_prompt_ms")[0], counted("target_pass_ms")[1]
+    del out["target_prompt_ms"]  # a prompt's mean says nothing of a step; its share a step does
+    return StepSplit(**out, prompt_ms_per_step=1e3 * prompts / steps if steps > 0 else None)

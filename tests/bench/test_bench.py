@@ -80,6 +80,8 @@ def test_bench_runs_every_part(tmp_path):
             assert f["target_pass_ms"] + f["target_queue_ms"] <= f["verify_rpc_ms"] and f["propose_rpc_ms"] > 0, (r["label"], f)
         else:
             assert f["propose_rpc_ms"] is None and f["draft_pass_ms"] is None
+        # Each row's requests bring their prompts: the target's prompt passes, shared over the row's decode steps.
+        assert f["prompt_ms_per_step"] > 0, (r["label"], f)
         if r["drafter"] == "dflash":  # the draft's own pass and wait, within its Propose round trip
             assert 0 < f["draft_pass_ms"] and f["draft_pass_ms"] + f["draft_queue_ms"] <= f["propose_rpc_ms"], (r["label"], f)
         assert f"| {r['label'].replace(ORACLE_NOTE, 'benchmark-only')} | {r['wire']} | 1 | {r['ms_per_step']:.2f} | {f['verify_rpc_ms']:.2f} |" in proc.stdout

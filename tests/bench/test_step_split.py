@@ -23,7 +23,7 @@ def test_means_between_two_scrapes_of_the_real_metrics():
     _gateway_rounds(gateway, "DraftWorker/Propose", [0.002])
     for ns in (5_000_000, 6_000_000):
         target.forward("verify", ns)
-    target.forward("prefill", 90_000_000)  # another phase: not a step's pass
+    target.forward("prefill", 90_000_000)  # another phase: not a step's pass, but a share of each step's time
     target.batched("verify", [object(), object()], [0.0, 0.0005])
     draft.forward("propose", 1_500_000)
     draft.batched("propose", [object()], [0.0002])
@@ -33,6 +33,7 @@ def test_means_between_two_scrapes_of_the_real_metrics():
     assert split.verify_rpc_ms == pytest.approx(7.0) and split.propose_rpc_ms == pytest.approx(2.0)
     assert split.target_pass_ms == pytest.approx(5.5) and split.target_queue_ms == pytest.approx(0.25)
     assert split.draft_pass_ms == pytest.approx(1.5) and split.draft_queue_ms == pytest.approx(0.2)
+    assert split.prompt_ms_per_step == pytest.approx(45.0)  # one 90 ms prompt over the two steps counted
 
 
 def test_nothing_counted_is_none():
