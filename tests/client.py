@@ -37,12 +37,13 @@ def generate(address: str, timeout: float = 60.0, wait: bool = False, metadata=(
     return Completion("".join(text), tokens, final)
 
 
-def generate_all(address: str, cases: list[dict], concurrency: int = 8, timeout: float = 300.0) -> list[Completion]:
-    """``generate(address, **case)`` of every case, ``concurrency`` at a time, in the cases' order:
-    the workers batch them (each output must equal its single-stream one, tests/test_batching.py),
-    so a test of many requests takes a fraction of its serial time on the 2-core CPU."""
+def generate_all(address: str, cases: list[dict], concurrency: int = 8, timeout: float = 300.0, **fields) -> list[Completion]:
+    """``generate(address, **case, **fields)`` of every case, ``concurrency`` at a time, in the
+    cases' order: the workers batch them (each output must equal its single-stream one,
+    tests/test_batching.py), so a test of many requests takes a fraction of its serial time on the
+    2-core CPU."""
     with ThreadPoolExecutor(concurrency) as pool:
-        return list(pool.map(lambda case: generate(address, timeout=timeout, **case), cases))
+        return list(pool.map(lambda case: generate(address, timeout=timeout, **case, **fields), cases))
 
 
 @dataclass

@@ -92,7 +92,7 @@ def system(request, module_services, tmp_path_factory):
 @pytest.mark.parametrize("drafter", ["gw_dflash", "gw_oracle"])
 def test_speculative_output_equals_target_only(system, spec, drafter):
     usages = []
-    outs = generate_all(system[drafter], [dict(case, speculation=spec) for case in system["cases"]], concurrency=4)  # lone and batched passes
+    outs = generate_all(system[drafter], system["cases"], 4, speculation=spec)  # lone and batched passes
     for case, ref, out in zip(system["cases"], system["references"], outs):
         assert len(ref.tokens) == 24
         assert out.tokens == ref.tokens, f"{system['name']} {drafter} diverged at temperature {case['temperature']}"

@@ -80,7 +80,7 @@ def system(request, module_services, tiny_pair, tiny_qwen35_pair, tmp_path_facto
 
     cases = lossless_cases(read_target_config(model).vocab_size)
     # One at a time: each reference is its case's single-stream output.
-    references = generate_all(gw_oracle, [dict(case, speculation=Spec(mode=Spec.OFF)) for case in cases], concurrency=1)
+    references = generate_all(gw_oracle, cases, 1, speculation=Spec(mode=Spec.OFF))
     with table.open("w") as f:
         for case, ref in zip(cases, references):
             assert ref.final.usage.mean_acceptance_length == 1.0 and len(ref.tokens) == 40
@@ -92,15 +92,11 @@ def system(request, module_services, tiny_pair, tiny_qwen35_pair, tmp_path_facto
         s.stop(f"{arch}-{name}")
 
 
-def _outputs(system: dict, gateway: str, spec: gateway_pb2.Speculation) -> list:
-    """Every case through ``system[gateway]`` with ``spec``, ``CONCURRENCY`` at a time, in order."""
-    return generate_all(system[gateway], [dict(case, speculation=spec) for case in system["cases"]], CONCURRENCY)
-
-
 @pytest.mark.parametrize("name,spec", MODES, ids=[m[0] for m in MODES])
 def test_oracle_draft_output_equals_target_only(system, name, spec):
     usages = []
-    for case, ref, out in zip(system["cases"], system["references"], _outputs(system, "gw_oracle", spec)):
+    outs = generate_all(system["gw_oracle"], system["cases"], CONCURRENCY, speculation=spec)
+    for case, ref, out in zip(system["cases"], system["references"], outs):
         assert out.tokens == ref.tokens, f"{name} diverged for temperature {case['temperature']}"
         assert out.text == ref.text
         assert out.final.finish_reason == gateway_pb2.LENGTH
@@ -111,7 +107,8 @@ def test_oracle_draft_output_equals_target_only(system, name, spec):
 
 @pytest.mark.parametrize("name,spec", [MODES[1], MODES[6]], ids=["chain-16", "ddtree-16-seeded"])
 def test_dflash_draft_output_equals_target_only(system, name, spec):
-    for ref, out in zip(system["references"], _outputs(system, "gw_dflash", spec)):
+    outs = generate_all(system["gw_dflash"], system["cases"], CONCURRENCY, speculation=spec)
+    for ref, out in zip(system["references"], outs):
         assert out.tokens == ref.tokens
         assert out.final.usage.draft_fallbacks == 0
 
@@ -119,7 +116,8 @@ def test_dflash_draft_output_equals_target_only(system, name, spec):
 @pytest.mark.parametrize("wire", ["stream", "unary"])
 @pytest.mark.parametrize("name,spec", [MODES[1], MODES[6]], ids=["chain-16", "ddtree-16-seeded"])
 def test_grpc_wires_output_equals_target_only(system, name, spec, wire):
-    for ref, out in zip(system["references"], _outputs(system, f"gw_{wire}", spec)):
+    outs = generate_all(system[f"gw_{wire}"], system["cases"], CONCURRENCY, speculation=spec)
+    for ref, out in zip(system["references"], outs):
         assert out.tokens == ref.tokens
         assert out.final.usage.mean_acceptance_length > 1.0 and out.final.usage.draft_fallbacks == 0
 

@@ -63,7 +63,7 @@ def system(request, module_services, tmp_path_factory):
 
 def _run(system, gateway: str, spec) -> list:
     usages = []
-    outs = generate_all(system[gateway], [dict(case, speculation=spec) for case in system["cases"]], concurrency=4)  # lone and batched passes
+    outs = generate_all(system[gateway], system["cases"], 4, speculation=spec)  # lone and batched passes
     for case, ref, out in zip(system["cases"], system["references"], outs):
         assert out.tokens == ref.tokens, f"diverged at temperature {case['temperature']}"
         assert out.final.finish_reason == gateway_pb2.LENGTH and out.final.usage.draft_fallbacks == 0

@@ -105,21 +105,18 @@ def system(module_services, pair):
         s.stop(name)
 
 
-def _outputs(system: dict, gateway: str, spec: gateway_pb2.Speculation) -> list:
-    """Every case through ``system[gateway]`` with ``spec``, four at a time (lone and batched passes), in order."""
-    return generate_all(system[gateway], [dict(case, speculation=spec) for case in system["cases"]], concurrency=4)
-
-
 def test_kept_blocks_decode_as_the_dequantized_file(system):
     """Target-only output of the kept-quantized target is the dequantized target's, token for token."""
-    for ref, out in zip(system["references"], _outputs(system, "gw_plain", Spec(mode=Spec.OFF))):
+    outs = generate_all(system["gw_plain"], system["cases"], 4, speculation=Spec(mode=Spec.OFF))
+    for ref, out in zip(system["references"], outs):
         assert out.tokens == ref.tokens
 
 
 @pytest.mark.parametrize("name,spec", MODES, ids=[m[0] for m in MODES])
 def test_oracle_draft_output_equals_target_only(system, name, spec):
     usages = []
-    for case, ref, out in zip(system["cases"], system["references"], _outputs(system, "gw_oracle", spec)):
+    outs = generate_all(system["gw_oracle"], system["cases"], 4, speculation=spec)
+    for case, ref, out in zip(system["cases"], system["references"], outs):
         assert out.tokens == ref.tokens, f"{name} diverged for temperature {case['temperature']}"
         usages.append(out.final.usage)
     # The oracle's drafts must actually be accepted, or this test would prove nothing.
@@ -128,7 +125,8 @@ def test_oracle_draft_output_equals_target_only(system, name, spec):
 
 @pytest.mark.parametrize("name,spec", [MODES[1], MODES[4]], ids=["chain-16", "ddtree-16-seeded"])
 def test_quantized_dflash_draft_output_equals_target_only(system, name, spec):
-    for ref, out in zip(system["references"], _outputs(system, "gw_dflash", spec)):
+    outs = generate_all(system["gw_dflash"], system["cases"], 4, speculation=spec)
+    for ref, out in zip(system["references"], outs):
         assert out.tokens == ref.tokens
         assert out.final.usage.draft_fallbacks == 0
 
@@ -138,7 +136,8 @@ def test_linked_producers_output_equals_target_only(system, name, spec):
     """A target whose norms and SwiGLU activations run inside the matmuls' x preparation (its CPU
     reference path) serves the same tokens: no reader of their placeholders is anything but a
     quantized matmul, in prefill, decode and tree verify."""
-    for ref, out in zip(system["references"], _outputs(system, "gw_linked", spec)):
+    outs = generate_all(system["gw_linked"], system["cases"], 4, speculation=spec)
+    for ref, out in zip(system["references"], outs):
         assert out.tokens == ref.tokens, name
 
 

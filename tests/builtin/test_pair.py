@@ -87,7 +87,7 @@ def test_every_mode_equals_target_only(gateways, arch, temperature):
 
 
 def _acceptance_length(gateway: str, prompts: list[str], spec: gateway_pb2.Speculation) -> float:
-    outs = generate_all(gateway, [{"text": p, "max_tokens": 128, "ignore_eos": True, "speculation": spec} for p in prompts])
+    outs = generate_all(gateway, [{"text": p} for p in prompts], max_tokens=128, ignore_eos=True, speculation=spec)
     assert all(len(out.tokens) == 128 for out in outs)
     return pooled_acceptance_length([out.final.usage for out in outs])
 
