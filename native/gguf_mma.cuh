@@ -144,6 +144,16 @@ struct Source {
   }
 };
 
+// The (row r, super-block sb) item of this warp in a preparation of a warp an item, kWarps a
+// block, rows varying fastest; false for a warp past the last item.
+__device__ __forceinline__ bool warp_item(int rows_padded, int super_blocks, int& r, int& sb) {
+  const int64_t item = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
+  if (item >= static_cast<int64_t>(super_blocks) * rows_padded) return false;
+  r = static_cast<int>(item % rows_padded);
+  sb = static_cast<int>(item / rows_padded);
+  return true;
+}
+
 constexpr int kNormWarps = 32;  // a norm's row block: up to a warp a super-block (K <= 8192 in one round)
 
 // A norm's preparation, a block a row: the warps of row blockIdx.x take its super-blocks in turn

@@ -220,9 +220,8 @@ __global__ void prepare_x_kernel(const mma_common::Source src, uint4* __restrict
   __shared__ __half staged[kWarps][256];
   mma_common::let_dependents_start();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int64_t item = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
-  if (item >= static_cast<int64_t>(super_blocks) * rows_padded) return;
-  const int r = item % rows_padded, sb = item / rows_padded;
+  int r, sb;
+  if (!mma_common::warp_item(rows_padded, super_blocks, r, sb)) return;
   if (r >= M) {
     pad_super_block(xq, scale, r, sb, rows_padded, lane);
     return;
