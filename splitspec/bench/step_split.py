@@ -42,7 +42,8 @@ from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
 
-# (histogram, the label that picks the series, its value): each StepSplit field's source
+PROMPTS = "target_prompts"  # the target's prompt passes: no StepSplit mean, a share of each step (prompt_ms_per_step)
+# (histogram, the label that picks the series, its value): each StepSplit field's source, and PROMPTS'
 SERIES = {
     "verify_rpc_ms": ("splitspec_rpc_duration_seconds", "rpc", "TargetWorker/Verify"),
     "propose_rpc_ms": ("splitspec_rpc_duration_seconds", "rpc", "DraftWorker/Propose"),
@@ -50,7 +51,7 @@ SERIES = {
     "target_queue_ms": ("splitspec_worker_queue_seconds", "phase", "verify"),
     "draft_pass_ms": ("splitspec_worker_forward_duration_seconds", "phase", "propose"),
     "draft_queue_ms": ("splitspec_worker_queue_seconds", "phase", "propose"),
-    "target_prompt_ms": ("splitspec_worker_forward_duration_seconds", "phase", "prefill"),
+    PROMPTS: ("splitspec_worker_forward_duration_seconds", "phase", "prefill"),
 }
 
 Totals = dict[str, tuple[float, float]]  # StepSplit field -> (sum of seconds, count) of its series
@@ -104,9 +105,8 @@ def means(before: Totals, after: Totals) -> StepSplit:
         return total - total0, count - count0
 
     out = {}
-    for field in SERIES:
+    for field in SERIES.keys() - {PROMPTS}:
         total, count = counted(field)
         out[field] = 1e3 * total / count if count > 0 else None
-    prompts, steps = counted("target_prompt_ms")[0], counted("target_pass_ms")[1]
-    del out["target_prompt_ms"]  # a prompt's mean says nothing of a step; its share a step does
+    prompts, steps = counted(PROMPTS)[0], counted("target_pass_ms")[1]
     return StepSplit(**out, prompt_ms_per_step=1e3 * prompts / steps if steps > 0 else None)
